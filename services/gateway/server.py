@@ -1,0 +1,51 @@
+"""Assembles the gateway stage: config -> auth, rate limits, retry executor, upstreams, servicer."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import grpc
+
+from keel.gateway.v1 import gateway_pb2_grpc
+from services.gateway import config as gateway_config
+from services.gateway.auth import ApiKeyAuthenticator
+from services.gateway.pipeline import Pipeline
+from services.gateway.ratelimit import RateLimiter
+from services.gateway.retry import RetryExecutor
+from services.gateway.servicer import GatewayServicer
+from services.gateway.upstreams import MeshUpstreams
+from shared.config import ServerConfig
+
+
+class GatewayStage:
+    name = "gateway"
+    service_name = "keel.gateway.v1.Gateway"
+
+    def __init__(self, cfg: gateway_config.GatewayConfig):
+        self.cfg = cfg
+        self._auth = ApiKeyAuthenticator(cfg.api_keys)
+        self._limiter = RateLimiter(cfg.rate_limits)
+        self.upstreams = MeshUpstreams({"tokenizer": cfg.upstreams.tokenizer, "inference": cfg.upstreams.inference,
+                                        "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes)
+        self.executor = RetryExecutor(cfg.retry)
+        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits)
+
+    def authenticate(self, metadata: Mapping[str, str]) -> str:
+        key_id = self._auth.authenticate(metadata)
+        self._limiter.check(key_id)
+        return key_id
+
+    def register(self, server: grpc.aio.Server) -> None:
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.pipeline, self.cfg.limits), server)
+
+    async def warmup(self) -> None:
+        # Ready means every upstream has at least one SERVING replica: the watchers report it.
+        self.upstreams.start()
+        await self.upstreams.wait_any_healthy()
+
+    async def close(self) -> None:
+        await self.upstreams.close()
+
+
+def build() -> tuple[GatewayStage, ServerConfig]:
+    cfg = gateway_config.load()
+    return GatewayStage(cfg), cfg.server

@@ -1,0 +1,58 @@
+"""Gateway servicer: protobuf <-> domain conversion only; the pipeline does the work."""
+from __future__ import annotations
+
+import grpc
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway.pipeline import Answer, Ask, Limits, Pipeline, deadline_from
+from shared import errors, tracing
+
+
+def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
+    which = req.WhichOneof("input")
+    if which == "prompt":
+        messages, raw = (("user", req.prompt),), req.prompt
+    elif which == "chat":
+        messages, raw = tuple((m.role, m.content) for m in req.chat.messages), None
+    else:
+        raise errors.InvalidInput("prompt or chat is required", reason="EMPTY_PROMPT")
+    s = req.sampling
+    return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
+               temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+               seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw)
+
+
+def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
+    v = a.validation
+    validation = common_pb2.ValidationResult(
+        passed=v.get("passed", True), low_confidence=v.get("low_confidence", False), probes=v.get("probes", {}),
+        verdicts=[common_pb2.Verdict(**x) for x in v.get("verdicts", [])])
+    return gateway_pb2.GenerateResponse(
+        text=a.text, trace_id=a.trace_id, finish_reason=a.finish_reason, seed=a.seed,
+        usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
+        validation=validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, pipeline: Pipeline, limits: Limits):
+        self.pipeline, self.limits = pipeline, limits
+
+    @staticmethod
+    def _inbound(context: grpc.aio.ServicerContext) -> dict:
+        return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+    async def Generate(self, request, context):
+        ask = to_ask(request, self.limits)
+        deadline = deadline_from(context.time_remaining(), self.limits)
+        answer = await self.pipeline.generate(ask, deadline, tracing.current_trace_id(), self._inbound(context))
+        return to_response(answer)
+
+    async def GenerateStream(self, request, context):
+        ask = to_ask(request, self.limits)
+        deadline = deadline_from(context.time_remaining(), self.limits)
+        async for item in self.pipeline.stream(ask, deadline, tracing.current_trace_id(), self._inbound(context)):
+            if isinstance(item, str):
+                yield gateway_pb2.GenerateStreamResponse(delta=item)
+            else:
+                yield gateway_pb2.GenerateStreamResponse(done=to_response(item))

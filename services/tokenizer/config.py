@@ -1,0 +1,23 @@
+"""The tokenizer stage's one typed config object (config/tokenizer.yaml, schema-validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared import config
+from shared.config import ServerConfig
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    vocab_file: str = "var/vocab.kvoc"
+    max_input_bytes: int = 1_000_000
+    max_length: int = 2048
+    pad_token_id: int = 2
+    padding_side: str = "left"
+    truncation_side: str = "left"
+    offload_bytes: int = 4096
+
+
+def load(path=None, environ=None) -> TokenizerConfig:
+    return config.load("tokenizer", TokenizerConfig, path, environ)

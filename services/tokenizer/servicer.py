@@ -1,0 +1,67 @@
+"""Tokenizer servicer: protobuf <-> domain conversion; the core does the tokenizing.
+
+Big inputs are tokenized in a worker thread so one long request never stalls the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry import trace
+
+from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.core import EncodeOptions, Tokenizer
+from shared import errors
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, cfg: TokenizerConfig, metrics):
+        self.tok: Tokenizer | None = None  # set by the stage's warm-up, before it reports SERVING
+        self.cfg = cfg
+        self._latency = metrics.histogram("keel_tokenizer_latency_seconds")
+        self._truncations = metrics.counter("keel_tokenizer_truncations_total")
+
+    def _options(self, req: tokenizer_pb2.EncodeRequest) -> EncodeOptions:
+        if req.max_length < 0:
+            raise errors.InvalidInput("max_length must be >= 0", reason="MAX_LENGTH_OUT_OF_RANGE")
+        if req.pad_to_max_length and not req.max_length:
+            raise errors.InvalidInput("pad_to_max_length needs max_length", reason="MAX_LENGTH_REQUIRED")
+        c = self.cfg
+        return EncodeOptions(max_length=min(req.max_length or c.max_length, c.max_length),
+                             truncation_side=c.truncation_side, pad_to_max_length=req.pad_to_max_length,
+                             padding_side=c.padding_side, pad_token_id=c.pad_token_id,
+                             max_input_bytes=c.max_input_bytes)
+
+    def _encode(self, req: tokenizer_pb2.EncodeRequest, options: EncodeOptions):
+        which = req.WhichOneof("input")
+        if which == "chat":
+            messages = [(m.role, m.content) for m in req.chat.messages]
+            text: str | bytes = self.tok.render_chat(messages, add_generation_prompt=req.chat.add_generation_prompt)
+        elif which == "text":
+            text = req.text
+        else:
+            raise errors.InvalidInput("text or chat is required", reason="EMPTY_INPUT")
+        return self.tok.encode(text, options)
+
+    async def Encode(self, request, context):
+        options = self._options(request)
+        size = len(request.text) if request.WhichOneof("input") == "text" else request.ByteSize()
+        with self._latency.labels(op="encode").time():
+            if size > self.cfg.offload_bytes:
+                enc = await asyncio.to_thread(self._encode, request, options)
+            else:
+                enc = self._encode(request, options)
+        if enc.truncated:
+            self._truncations.inc()
+        span = trace.get_current_span()
+        span.set_attributes({"input_len": size, "output_len": len(enc.input_ids), "truncated": enc.truncated,
+                             "original_length": enc.original_length, "fingerprint": enc.fingerprint})
+        return tokenizer_pb2.EncodeResponse(
+            input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=enc.position_ids,
+            truncated=enc.truncated, original_length=enc.original_length, fingerprint=enc.fingerprint)
+
+    async def Decode(self, request, context):
+        with self._latency.labels(op="decode").time():
+            text = self.tok.decode(list(request.ids), skip_special_tokens=request.skip_special_tokens)
+        trace.get_current_span().set_attributes({"input_len": len(request.ids), "output_len": len(text)})
+        return tokenizer_pb2.DecodeResponse(text=text)

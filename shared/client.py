@@ -1,0 +1,99 @@
+"""The client side of the mesh: channels, outgoing metadata, and the one error translation.
+
+``translate`` is the only place that turns a grpc.aio.AioRpcError into a shared.errors.KeelError:
+``.code`` keeps the gRPC status name, ``.reason``/``.metadata`` come from google.rpc.ErrorInfo, and
+``.retry_after_ms`` is the server's valid retry hint (``grpc-retry-pushback-ms`` trailer first, then
+google.rpc.RetryInfo). ``metadata["retry_hint"]`` says "absent", "valid" or "invalid" (negative or
+unparseable: the caller must not retry); ``metadata["message_size"] == "1"`` marks size errors.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from shared import errors, tracing
+from shared.interceptor import MESH_TOKEN_KEY, TRACE_ID_KEY
+
+_BY_CODE: dict[str, type[errors.KeelError]] = {
+    "INVALID_ARGUMENT": errors.InvalidInput,
+    "FAILED_PRECONDITION": errors.PreconditionFailed,
+    "UNAUTHENTICATED": errors.Unauthenticated,
+    "PERMISSION_DENIED": errors.PermissionDenied,
+    "NOT_FOUND": errors.NotFound,
+    "RESOURCE_EXHAUSTED": errors.Overloaded,
+    "UNAVAILABLE": errors.NotReady,
+    "DEADLINE_EXCEEDED": errors.DeadlineExpired,
+    "CANCELLED": errors.Cancelled,
+    "OUT_OF_RANGE": errors.NumericalInstability,
+}
+
+
+def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024,
+            root_certificates: bytes | None = None) -> grpc.aio.Channel:
+    """A channel with grpcio's own retries off (Keel's gateway makes and logs every retry)."""
+    options = [
+        ("grpc.enable_retries", 0),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.lb_policy_name", "round_robin"),
+    ]
+    if root_certificates is not None:
+        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+    return grpc.aio.insecure_channel(target, options=options)
+
+
+def mesh_metadata(extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    """Metadata for a call inside the mesh: credential, current trace context, extras."""
+    token = os.environ.get("KEEL_MESH_TOKEN", "")
+    base = [(MESH_TOKEN_KEY, token)] if token else []
+    return tuple(base + tracing.inject() + list(extra))
+
+
+def _retry_hint(trailers: dict[str, str], status: status_pb2.Status | None) -> tuple[str, int | None]:
+    raw = trailers.get("grpc-retry-pushback-ms")
+    if raw is not None:
+        try:
+            value = int(raw)
+        except ValueError:
+            return "invalid", None
+        return ("valid", value) if value >= 0 else ("invalid", None)
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            ms = info.retry_delay.ToMilliseconds()
+            return ("valid", ms) if ms >= 0 else ("invalid", None)
+    return "absent", None
+
+
+def translate(err: grpc.aio.AioRpcError) -> errors.KeelError:
+    code = err.code().name
+    trailers: dict[str, object] = dict(err.trailing_metadata() or ())
+    status = None
+    raw_status = trailers.get("grpc-status-details-bin")
+    if isinstance(raw_status, bytes):
+        status = status_pb2.Status()
+        status.ParseFromString(raw_status)
+    reason, meta = code, {}
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason, meta = info.reason, dict(info.metadata)
+    str_trailers = {k: v for k, v in trailers.items() if isinstance(v, str)}
+    hint_state, retry_after = _retry_hint(str_trailers, status)
+    message = err.details() or code
+    meta["retry_hint"] = hint_state
+    if code == "RESOURCE_EXHAUSTED" and "message larger than max" in message:
+        meta["message_size"] = "1"
+        reason = "MESSAGE_TOO_LARGE"
+    if TRACE_ID_KEY in str_trailers:
+        meta.setdefault("trace_id", str_trailers[TRACE_ID_KEY])
+    cls = _BY_CODE.get(code, errors.Fatal)
+    out = cls(message, reason=reason, metadata=meta, retry_after_ms=retry_after)
+    out.code = code
+    return out

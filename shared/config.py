@@ -1,0 +1,111 @@
+"""One typed, schema-validated config object per stage.
+
+Each stage has ``config/<stage>.yaml`` and ``config/schemas/<stage>.schema.json``. Loading:
+1. parse the YAML (safe loader; ``"16"`` stays a string and fails an integer rule -- no coercion);
+2. apply environment overrides ``KEEL_<STAGE>_<KEY>`` where KEY is the dotted path upper-cased
+   with ``__`` for nesting (``KEEL_INFERENCE_SERVER__PORT=50060``); the value is parsed as a YAML
+   scalar, so an override is typed exactly like the file;
+3. validate against the schema (unknown keys rejected); the first error names the field and rule;
+4. build the stage's frozen dataclass.
+
+A changed file is picked up on restart (``keel restart STAGE`` or the supervisor); nothing is built.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Mapping, TypeVar, get_type_hints
+
+import yaml
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+CONFIG_DIR = Path(os.environ.get("KEEL_CONFIG_DIR", ROOT_DIR / "config"))
+T = TypeVar("T")
+
+
+class ConfigError(Exception):
+    """Invalid configuration: the stage must not start."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Transport settings every stage shares (the ``server:`` block)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    drain_grace_s: float = 10.0
+    max_message_bytes: int = 4 * 1024 * 1024
+    log_level: str = "INFO"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+
+def _registry(schema_dir: Path) -> Registry:
+    resources = []
+    for path in schema_dir.glob("*.schema.json"):
+        resources.append((path.name, Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT202012)))
+    return Registry().with_resources(resources)
+
+
+def _apply_env(data: dict, stage: str, environ: Mapping[str, str]) -> dict:
+    prefix = f"KEEL_{stage.upper()}_"
+    for name, raw in environ.items():
+        if not name.startswith(prefix):
+            continue
+        path = name[len(prefix):].lower().split("__")
+        node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(path)} does not name a nested key")
+        node[path[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def validate(data: Any, schema_name: str, schema_dir: Path) -> None:
+    schema = json.loads((schema_dir / schema_name).read_text())
+    validator = Draft202012Validator(schema, registry=_registry(schema_dir))
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise ConfigError(f"{schema_name}: field '{where}' breaks rule '{err.validator}': {err.message}")
+
+
+def build(cls: type[T], data: Mapping[str, Any]) -> T:
+    """Build a (nested) frozen dataclass from validated data; lists become tuples."""
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        if is_dataclass(hint):
+            value = build(hint, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def load(stage: str, cls: type[T], path: Path | None = None,
+         environ: Mapping[str, str] | None = None, schema_dir: Path | None = None) -> T:
+    path = Path(path or os.environ.get(f"KEEL_{stage.upper()}_CONFIG") or CONFIG_DIR / f"{stage}.yaml")
+    schema_dir = schema_dir or CONFIG_DIR / "schemas"
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k != f"KEEL_{stage.upper()}_CONFIG"}
+    data = _apply_env(data, stage, env)
+    validate(data, f"{stage}.schema.json", schema_dir)
+    return build(cls, data)

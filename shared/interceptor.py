@@ -1,0 +1,176 @@
+"""The one server-side interceptor: auth, readiness, trace context, logs, metrics, error mapping.
+
+Every stage's servicer raises ``shared.errors`` exceptions (or returns); this module alone turns
+them into gRPC statuses with google.rpc.ErrorInfo (and RetryInfo plus a ``grpc-retry-pushback-ms``
+trailer for recoverable errors). An exception that is not a KeelError is a bug: INTERNAL, logged
+with its stack. A request body that fails to parse (invalid UTF-8 in a string field, garbage bytes)
+is INVALID_ARGUMENT with reason MALFORMED_REQUEST -- never INTERNAL.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from typing import Callable, Mapping
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from opentelemetry import trace
+
+from shared import errors, metrics, tracing
+from shared.logging import rpc_var, trace_id_var
+
+log = logging.getLogger("keel.rpc")
+MESH_TOKEN_KEY = "x-keel-mesh-token"
+TRACE_ID_KEY = "x-keel-trace-id"
+_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes did not parse; the interceptor rejects it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf raises DecodeError or others on bad bytes
+            return MalformedRequest(exc)
+    return parse
+
+
+def to_status(err: errors.KeelError, trace_id: str = "") -> tuple[grpc.StatusCode, str, tuple]:
+    """KeelError -> (code, message, trailing metadata with the rich status)."""
+    code = grpc.StatusCode[err.code]
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=errors.DOMAIN, metadata=err.metadata)
+    details = [info]
+    trailers: list[tuple[str, str | bytes]] = []
+    if err.retry_after_ms is not None:
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(err.retry_after_ms)
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+        trailers.append(("grpc-retry-pushback-ms", str(err.retry_after_ms)))
+    packed = []
+    for d in details:
+        a = any_pb2.Any()
+        a.Pack(d)
+        packed.append(a)
+    status = status_pb2.Status(code=code.value[0], message=err.message, details=packed)
+    trailers.append(("grpc-status-details-bin", status.SerializeToString()))
+    if trace_id:
+        trailers.append((TRACE_ID_KEY, trace_id))
+    return code, err.message, tuple(trailers)
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every non-health RPC of a stage.
+
+    mesh_token: stages accept only calls carrying it (the gateway passes ``authenticate`` instead).
+    is_ready: False while warming up or draining -> UNAVAILABLE with a retry hint.
+    trace_root: the gateway starts a new trace per request instead of joining the caller's.
+    """
+
+    def __init__(self, service: str, *, mesh_token: str | None = None,
+                 authenticate: Callable[[Mapping[str, str]], str] | None = None,
+                 is_ready: Callable[[], bool] = lambda: True, trace_root: bool = False):
+        self.service = service
+        self.mesh_token = mesh_token
+        self.authenticate = authenticate
+        self.is_ready = is_ready
+        self.trace_root = trace_root
+        m = metrics.metrics_for(service)
+        self._requests = m.counter("keel_requests_total")
+        self._duration = m.histogram("keel_request_duration_seconds")
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_EXEMPT):
+            return handler
+        method = details.method
+        if handler.unary_unary:
+            behavior = handler.unary_unary
+
+            async def unary(request, context):
+                async with self._scope(method, request, context):
+                    return await behavior(request, context)
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                async with self._scope(method, request, context):
+                    async for item in stream(request, context):
+                        yield item
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+        return handler
+
+    def _admit(self, md: Mapping[str, str], request) -> None:
+        if self.mesh_token is not None:
+            given = md.get(MESH_TOKEN_KEY, "")
+            if not given:
+                raise errors.Unauthenticated("this stage accepts only calls from the Keel mesh",
+                                             reason="MISSING_MESH_CREDENTIAL")
+            if not hmac.compare_digest(given.encode(), self.mesh_token.encode()):
+                raise errors.Unauthenticated("wrong mesh credential", reason="INVALID_MESH_CREDENTIAL")
+        elif self.authenticate is not None:
+            self.authenticate(md)
+        if not self.is_ready():
+            raise errors.NotReady(f"{self.service} is not serving (warming up or draining)",
+                                  reason="NOT_SERVING", retry_after_ms=1000)
+        if isinstance(request, MalformedRequest):
+            raise errors.InvalidInput(f"request body does not parse: {request.error}", reason="MALFORMED_REQUEST")
+
+    @contextlib.asynccontextmanager
+    async def _scope(self, method: str, request, context):
+        md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        parent = None if self.trace_root else tracing.extract(md.items())
+        name = method.rsplit("/", 1)[-1]
+        start = time.perf_counter()
+        code = "OK"
+        with tracing.tracer().start_as_current_span(
+                f"{self.service}/{name}", context=parent, kind=trace.SpanKind.SERVER) as span:
+            trace_id = tracing.current_trace_id()
+            tokens = (trace_id_var.set(trace_id), rpc_var.set(method))
+            try:
+                self._admit(md, request)
+                yield
+                context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
+            except errors.KeelError as err:
+                code = err.code
+                _record_error(span, err)
+                log.log(logging.ERROR if code == "INTERNAL" else logging.INFO, "rpc failed",
+                        extra={"code": code, "reason": err.reason, "detail": err.message})
+                await context.abort(*to_status(err, trace_id))
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                code = "CANCELLED"
+                raise
+            except Exception as exc:
+                code = "INTERNAL"
+                log.exception("unexpected error (bug)")
+                err = errors.Fatal(f"internal error in {self.service}: {type(exc).__name__}", reason="INTERNAL")
+                _record_error(span, err)
+                await context.abort(*to_status(err, trace_id))
+            finally:
+                self._requests.labels(service=self.service, method=name, code=code).inc()
+                self._duration.labels(service=self.service, method=name).observe(time.perf_counter() - start)
+                trace_id_var.reset(tokens[0])
+                rpc_var.reset(tokens[1])
+
+
+def _record_error(span: trace.Span, err: errors.KeelError) -> None:
+    span.set_attribute("rpc.grpc.status", err.code)
+    span.set_attribute("error.reason", err.reason)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{err.code} {err.reason}: {err.message}"))

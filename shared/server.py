@@ -1,0 +1,110 @@
+"""Start, warm up, serve and drain one stage process. Every stage's __main__ calls ``run``.
+
+Order matters for honest health: bind the port and report NOT_SERVING first (probes get a real
+answer, requests get UNAVAILABLE with a retry hint), warm up (model/vocabulary loaded and
+exercised), then report SERVING. On SIGTERM/SIGINT: NOT_SERVING, stop admitting, let in-flight
+calls finish within ``drain_grace_s``, then exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Callable, Mapping, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared import metrics
+from shared.config import ConfigError, ServerConfig
+from shared.interceptor import ServerInterceptor
+from shared.logging import setup_logging
+from shared.tracing import setup_tracing
+
+log = logging.getLogger("keel.server")
+
+
+class Stage(Protocol):
+    """What a stage gives the bootstrap. Core work lives behind it; grpc only in ``register``."""
+
+    name: str            # "tokenizer"
+    service_name: str    # "keel.tokenizer.v1.Tokenizer"
+    # optional: authenticate(metadata) -> principal, raising Unauthenticated (gateway only)
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+    async def warmup(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if not (cfg.tls_cert and cfg.tls_key):
+        return None
+    pair = [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+    ca = Path(cfg.tls_ca).read_bytes() if cfg.tls_ca else None
+    return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def serve(stage: Stage, cfg: ServerConfig) -> None:
+    ready = False
+    serving_gauge = metrics.metrics_for(stage.name).gauge("keel_stage_serving").labels(service=stage.name)
+    # Only the public gateway authenticates clients itself; every other stage demands the mesh token.
+    authenticate: Callable[[Mapping[str, str]], str] | None = getattr(stage, "authenticate", None)
+    mesh_token = None if authenticate else os.environ.get("KEEL_MESH_TOKEN") or None
+    interceptor = ServerInterceptor(stage.name, mesh_token=mesh_token, authenticate=authenticate,
+                                    is_ready=lambda: ready, trace_root=authenticate is not None)
+    server = grpc.aio.server(interceptors=[interceptor], options=[
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 1),  # several worker processes may share one port
+    ])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    stage.register(server)
+    reflection.enable_server_reflection((stage.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    for name in ("", stage.service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{cfg.host}:{cfg.port}"
+    creds = _credentials(cfg)
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    if cfg.metrics_port:
+        metrics.start_metrics_server(cfg.metrics_port)
+    await server.start()
+    log.info("listening; warming up", extra={"address": f"{cfg.host}:{port}", "pid": os.getpid()})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    warm = asyncio.create_task(stage.warmup())
+    done, _ = await asyncio.wait({warm, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if warm in done:
+        warm.result()  # a failed warmup kills the process: the supervisor restarts it, health never lies
+        ready = True
+        for name in ("", stage.service_name):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        serving_gauge.set(1)
+        log.info("serving", extra={"address": f"{cfg.host}:{port}"})
+        await stop.wait()
+    log.info("draining", extra={"grace_s": cfg.drain_grace_s})
+    ready = False
+    serving_gauge.set(0)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(cfg.drain_grace_s)  # rejects new calls, lets in-flight ones finish within grace
+    await stage.close()
+    log.info("stopped")
+
+
+def run(stage_name: str, build: Callable[[], tuple[Stage, ServerConfig]]) -> None:
+    """Process entry: set up logs and traces, build the stage (config errors stop it here), serve."""
+    setup_logging(stage_name, os.environ.get("KEEL_LOG_LEVEL", "INFO"))
+    setup_tracing(stage_name)
+    try:
+        stage, cfg = build()
+    except ConfigError as exc:
+        log.error("invalid configuration; not starting", extra={"error": str(exc)})
+        raise SystemExit(2) from exc
+    logging.getLogger().setLevel(cfg.log_level)
+    asyncio.run(serve(stage, cfg))

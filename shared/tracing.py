@@ -1,0 +1,116 @@
+"""OpenTelemetry for every stage: W3C traceparent in gRPC metadata, spans as JSON lines on disk.
+
+Spans go to ``traces/<service>-<pid>-<YYYYMMDDHH>.jsonl`` (a new file every hour and whenever one
+passes ``max_bytes``), always; to OTLP as well when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+``keel trace TRACE_ID`` reads every stage's files back (keelctl/trace.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagators.textmap import DefaultGetter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+TRACES_DIR = Path(os.environ.get("KEEL_TRACES_DIR", "traces"))
+_propagator = TraceContextTextMapPropagator()
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends finished spans to hourly (and size-capped) JSON-lines files."""
+
+    def __init__(self, directory: Path, service: str, max_bytes: int = 64 * 1024 * 1024):
+        self.directory, self.service, self.max_bytes = Path(directory), service, max_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = None
+        self._hour = ""
+        self._part = 0
+
+    def _target(self):
+        hour = time.strftime("%Y%m%d%H", time.gmtime())
+        if self._file is None or hour != self._hour or self._file.tell() > self.max_bytes:
+            if self._file is not None:
+                self._file.close()
+            self._part = self._part + 1 if hour == self._hour else 0
+            self._hour = hour
+            suffix = f".{self._part}" if self._part else ""
+            name = f"{self.service}-{os.getpid()}-{hour}{suffix}.jsonl"
+            self._file = open(self.directory / name, "a", encoding="utf-8")
+        return self._file
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with self._lock:
+            out = self._target()
+            for span in spans:
+                out.write(json.dumps(span_to_dict(span, self.service), default=str, ensure_ascii=False) + "\n")
+            out.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def span_to_dict(span: ReadableSpan, service: str) -> dict:
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{parent.span_id:016x}" if parent else "",
+        "service": service,
+        "name": span.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "duration_ms": round((span.end_time - span.start_time) / 1e6, 3),
+        "status": span.status.status_code.name,
+        "status_description": span.status.description or "",
+        "attributes": dict(span.attributes or {}),
+        "events": [{"name": e.name, "ts_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events],
+    }
+
+
+def setup_tracing(service: str, directory: Path | None = None) -> TracerProvider:
+    """Install this process's tracer provider. Call once at process start."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(
+        JsonLinesSpanExporter(directory or TRACES_DIR, service), schedule_delay_millis=200))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def tracer(name: str = "keel") -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """Context carried by an incoming call's ``traceparent`` metadata (empty context if none)."""
+    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    return _propagator.extract(carrier, getter=DefaultGetter())
+
+
+def inject() -> list[tuple[str, str]]:
+    """``traceparent`` (and ``tracestate``) metadata for an outgoing call from the current span."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return list(carrier.items())
+
+
+def current_trace_id() -> str:
+    ctx = trace.get_current_span().get_span_context()
+    return f"{ctx.trace_id:032x}" if ctx.is_valid else ""

@@ -1,0 +1,32 @@
+"""Fixtures shared by every test folder: free ports and protobuf request builders."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gateway_request():
+    """Builds a Gateway GenerateRequest: gateway_request("hi", max_tokens=8) or messages=[(role, text)]."""
+    def build(prompt: str | None = None, *, messages=None, max_tokens: int = 16, temperature: float = 0.0,
+              seed: int | None = None, domain: str = "", source: str = "") -> gateway_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        if seed is not None:
+            sampling.seed = seed
+        req = gateway_pb2.GenerateRequest(sampling=sampling, domain=domain, source=source)
+        if messages is not None:
+            req.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+        else:
+            req.prompt = prompt
+        return req
+    return build

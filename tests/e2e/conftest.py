@@ -1,0 +1,128 @@
+"""The whole mesh as real processes: `python -m keelctl up` (Redis + 4 stages, the real model)
+on free loopback ports, with its var/ and traces/ in a temporary folder."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from keel.gateway.v1 import gateway_pb2_grpc
+from keelctl import health
+from keelctl.ask import DEV_API_KEY
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
+            "validator": "keel.validator.v1.Validator", "gateway": "keel.gateway.v1.Gateway"}
+
+
+class Mesh:
+    def __init__(self, tmp: Path, ports: dict[str, list[int]], redis_port: int, proc: subprocess.Popen):
+        self.tmp, self.ports, self.redis_port, self.proc = tmp, ports, redis_port, proc
+        self.gateway = f"127.0.0.1:{ports['gateway'][0]}"
+
+    def state(self) -> dict:
+        return json.loads((self.tmp / "var" / "run" / "keel.json").read_text())
+
+    def targets(self) -> dict[str, tuple[str, str]]:
+        return {f"{s}@{p}": (f"127.0.0.1:{p}", SERVICES[s]) for s, ps in self.ports.items() for p in ps}
+
+    def wait_serving(self, timeout_s: float = 240) -> None:
+        health.wait_serving(self.targets(), timeout_s, lambda: self.proc.poll() is None)
+
+    def stub(self, channel) -> gateway_pb2_grpc.GatewayStub:
+        return gateway_pb2_grpc.GatewayStub(channel)
+
+    def supervisor_log(self) -> list[dict]:
+        path = self.tmp / "var" / "log" / "supervisor.log"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def spans(self, trace_id: str) -> list[dict]:
+        out = []
+        for f in (self.tmp / "traces").glob("*.jsonl"):
+            for line in f.read_text().splitlines():
+                if trace_id in line:
+                    rec = json.loads(line)
+                    if rec["trace_id"] == trace_id:
+                        out.append(rec)
+        return out
+
+
+def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1,
+               extra_env: dict | None = None) -> Mesh:
+    ports = {"validator": [free_port()], "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
+             "inference": [free_port() for _ in range(inference_replicas)], "gateway": [free_port()]}
+    redis_port = free_port()
+    layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},
+              "stages": {s: {"ports": p, "metrics_ports": [free_port() for _ in p], "workers": 1}
+                         for s, p in ports.items()},
+              "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 5, "stable_after_s": 30},
+              "ready_timeout_s": 300, "metrics_port": free_port()}
+    (tmp / "keel.json").write_text(json.dumps(layout))  # JSON is YAML
+    env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp / "keel.json"), KEEL_VAR_DIR=str(tmp / "var"),
+               KEEL_TRACES_DIR=str(tmp / "traces"), KEEL_VALIDATOR_QUARANTINE__SPILL_PATH=str(tmp / "spill.jsonl"),
+               **(extra_env or {}))
+    env.pop("KEEL_MESH_TOKEN", None)
+    out = open(tmp / "keel-up.out", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "keelctl", "up"], cwd=ROOT, env=env, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    mesh = Mesh(tmp, ports, redis_port, proc)
+    try:
+        mesh.wait_serving()
+    except TimeoutError:
+        stop_mesh(mesh)
+        raise AssertionError("mesh did not come up:\n" + (tmp / "keel-up.out").read_text()[-4000:])
+    return mesh
+
+
+def stop_mesh(mesh: Mesh) -> None:
+    if mesh.proc.poll() is None:
+        mesh.proc.send_signal(signal.SIGTERM)
+        try:
+            mesh.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(mesh.proc.pid, signal.SIGKILL)
+            mesh.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory) -> Mesh:
+    m = start_mesh(tmp_path_factory.mktemp("mesh"))
+    yield m
+    stop_mesh(m)
+
+
+@pytest.fixture
+def api_md():
+    return (("x-api-key", DEV_API_KEY),)
+
+
+def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
+    """The google.rpc.ErrorInfo a Keel error carries (fails the test if there is none)."""
+    raw = dict(err.trailing_metadata() or ()).get("grpc-status-details-bin")
+    assert raw, f"no rich status on {err.code()}: {err.details()}"
+    status = status_pb2.Status.FromString(raw)
+    for d in status.details:
+        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            d.Unpack(info)
+            return info
+    raise AssertionError("no ErrorInfo in status details")
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

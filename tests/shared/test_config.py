@@ -1,0 +1,61 @@
+"""Config loading: schema rules are enforced, nothing is coerced, env overrides are typed."""
+from __future__ import annotations
+
+import pytest
+
+from services.gateway import config as gateway_config
+from services.tokenizer import config as tokenizer_config
+from shared.config import ConfigError
+from keelctl.layout import load_layout
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "stage.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_configs_load():
+    assert tokenizer_config.load().server.port == 50052
+    assert gateway_config.load().api_keys[0].key_id == "dev"
+    assert load_layout().stages.tokenizer.workers >= 1
+
+
+def test_unknown_key_is_rejected_with_its_name(tmp_path):
+    p = write(tmp_path, "server: {port: 1}\nvocab_file: x\nvocab_fiel: y\n")
+    with pytest.raises(ConfigError, match="additionalProperties.*vocab_fiel"):
+        tokenizer_config.load(p, environ={})
+
+
+def test_string_for_integer_is_an_error_not_coerced(tmp_path):
+    p = write(tmp_path, 'server: {port: "16"}\nvocab_file: x\n')
+    with pytest.raises(ConfigError, match=r"field 'server.port' breaks rule 'type'"):
+        tokenizer_config.load(p, environ={})
+
+
+def test_range_rule_names_field(tmp_path):
+    p = write(tmp_path, "server: {port: 1}\nvocab_file: x\npad_token_id: 99999\n")
+    with pytest.raises(ConfigError, match=r"field 'pad_token_id' breaks rule 'maximum'"):
+        tokenizer_config.load(p, environ={})
+
+
+def test_env_override_is_typed_and_validated(tmp_path):
+    p = write(tmp_path, "server: {port: 1}\nvocab_file: x\n")
+    cfg = tokenizer_config.load(p, environ={"KEEL_TOKENIZER_SERVER__PORT": "50099"})
+    assert cfg.server.port == 50099 and isinstance(cfg.server.port, int)
+    with pytest.raises(ConfigError, match="server.port"):
+        tokenizer_config.load(p, environ={"KEEL_TOKENIZER_SERVER__PORT": "not-a-port"})
+
+
+def test_changed_file_is_picked_up_on_next_load(tmp_path):
+    p = write(tmp_path, "server: {port: 1}\nvocab_file: x\nmax_length: 100\n")
+    assert tokenizer_config.load(p, environ={}).max_length == 100
+    p.write_text("server: {port: 1}\nvocab_file: x\nmax_length: 200\n")
+    assert tokenizer_config.load(p, environ={}).max_length == 200
+
+
+def test_gateway_deadline_must_be_multiple_of_100(tmp_path):
+    text = (gateway_config.config.CONFIG_DIR / "gateway.yaml").read_text()
+    p = write(tmp_path, text.replace("default_deadline_ms: 60000", "default_deadline_ms: 60050"))
+    with pytest.raises(ConfigError, match="limits.default_deadline_ms.*multipleOf"):
+        gateway_config.load(p, environ={})

@@ -1,0 +1,112 @@
+"""The one error mapping, both sides: KeelError -> status + ErrorInfo (+ retry hint) -> KeelError."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from shared import client, errors
+from shared.interceptor import MESH_TOKEN_KEY, ServerInterceptor
+
+
+class Scripted(tokenizer_pb2_grpc.TokenizerServicer):
+    """Raises whatever the test puts in ``self.error``."""
+
+    error: Exception | None = None
+
+    async def Decode(self, request, context):
+        if self.error is not None:
+            raise self.error
+        return tokenizer_pb2.DecodeResponse(text=f"{len(request.ids)} ids")
+
+
+@pytest_asyncio.fixture
+async def server():
+    servicer = Scripted()
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("tokenizer", mesh_token="s3cret")])
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield servicer, ch
+    await ch.close()
+    await srv.stop(None)
+
+
+MESH = ((MESH_TOKEN_KEY, "s3cret"),)
+
+
+async def call(ch, md=MESH, ids=(1, 2)):
+    return await tokenizer_pb2_grpc.TokenizerStub(ch).Decode(tokenizer_pb2.DecodeRequest(ids=list(ids)), metadata=md)
+
+
+@pytest.mark.asyncio
+async def test_ok_passes_through(server):
+    _, ch = server
+    assert (await call(ch)).text == "2 ids"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("md,reason", [((), "MISSING_MESH_CREDENTIAL"), (((MESH_TOKEN_KEY, "nope"),), "INVALID_MESH_CREDENTIAL")])
+async def test_mesh_credential_required(server, md, reason):
+    _, ch = server
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call(ch, md=md)
+    err = client.translate(exc.value)
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED and err.reason == reason
+
+
+@pytest.mark.asyncio
+async def test_keel_error_maps_to_status_with_error_info(server):
+    servicer, ch = server
+    servicer.error = errors.InvalidInput("ids out of range", reason="TOKEN_ID_OUT_OF_RANGE", metadata={"id": 99})
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call(ch)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    err = client.translate(exc.value)
+    assert isinstance(err, errors.InvalidInput)
+    assert (err.reason, err.metadata["id"], err.metadata["retry_hint"]) == ("TOKEN_ID_OUT_OF_RANGE", "99", "absent")
+
+
+@pytest.mark.asyncio
+async def test_overload_carries_pushback_and_retry_info(server):
+    servicer, ch = server
+    servicer.error = errors.Overloaded("queue full", retry_after_ms=250)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call(ch)
+    trailers = dict(exc.value.trailing_metadata())
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert trailers["grpc-retry-pushback-ms"] == "250"
+    err = client.translate(exc.value)
+    assert (err.retry_after_ms, err.metadata["retry_hint"], err.code) == (250, "valid", "RESOURCE_EXHAUSTED")
+
+
+@pytest.mark.asyncio
+async def test_unexpected_exception_is_internal_without_leaking_details(server):
+    servicer, ch = server
+    servicer.error = ZeroDivisionError("secret detail")
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call(ch)
+    assert exc.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret detail" not in exc.value.details()
+    assert client.translate(exc.value).reason == "INTERNAL"
+
+
+@pytest.mark.asyncio
+async def test_malformed_body_is_invalid_argument_not_internal(server):
+    _, ch = server
+    raw = ch.unary_unary("/keel.tokenizer.v1.Tokenizer/Decode")  # bytes in, bytes out
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await raw(b"\x0a\xff\xff\xff", metadata=MESH)  # field 1, length that overruns the buffer
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.translate(exc.value).reason == "MALFORMED_REQUEST"
+
+
+@pytest.mark.asyncio
+async def test_invalid_pushback_is_marked_invalid():
+    """A negative hint must read as 'invalid' so the gateway does not retry on it."""
+    from shared.client import _retry_hint
+    assert _retry_hint({"grpc-retry-pushback-ms": "-5"}, None) == ("invalid", None)
+    assert _retry_hint({"grpc-retry-pushback-ms": "soon"}, None) == ("invalid", None)
+    assert _retry_hint({}, None) == ("absent", None)
