@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from shared import errors
+from services.gateway.ratelimit import RequestLimits, check_request_size
 from services.gateway.retry import RetryExecutor
 
 log = logging.getLogger("keel.gateway")
@@ -103,13 +104,8 @@ def check_ask(ask: Ask, limits: Limits) -> None:
                                       reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
     if not any(content.strip() for _, content in ask.messages):
         raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
-    size = sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages)
-    if size > limits.max_prompt_bytes:
-        raise errors.InvalidInput(f"prompt is {size} bytes; the limit is {limits.max_prompt_bytes}",
-                                  reason="PROMPT_TOO_LARGE", metadata={"limit": str(limits.max_prompt_bytes)})
-    if not 1 <= ask.max_tokens <= limits.max_tokens_limit:
-        raise errors.InvalidInput(f"max_tokens must be in 1..{limits.max_tokens_limit}",
-                                  reason="MAX_TOKENS_OUT_OF_RANGE", metadata={"max": str(limits.max_tokens_limit)})
+    check_request_size(RequestLimits(limits.max_prompt_bytes, limits.max_tokens_limit),
+                       prompt=[c for _, c in ask.messages], max_tokens=ask.max_tokens)
     if not 0.0 <= ask.temperature <= 2.0:
         raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
     if not 0.0 <= ask.top_p <= 1.0:

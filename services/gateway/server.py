@@ -1,6 +1,7 @@
 """Assembles the gateway stage: config -> auth, rate limits, retry executor, upstreams, servicer."""
 from __future__ import annotations
 
+import time
 from typing import Mapping
 
 import grpc
@@ -11,6 +12,8 @@ from services.gateway.auth import ApiKeyAuthenticator
 from services.gateway.pipeline import Pipeline
 from services.gateway.ratelimit import RateLimiter
 from services.gateway.retry import RetryExecutor
+from services.gateway.retry_alerts import RetryMonitor
+from shared import metrics
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
 from shared.config import ServerConfig
@@ -26,7 +29,14 @@ class GatewayStage:
         self._limiter = RateLimiter(cfg.rate_limits)
         self.upstreams = MeshUpstreams({"tokenizer": cfg.upstreams.tokenizer, "inference": cfg.upstreams.inference,
                                         "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes)
-        self.executor = RetryExecutor(cfg.retry)
+        m = metrics.metrics_for("gateway")
+        retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
+                                      m.counter("keel_retry_alerts_total"))
+        monitor = RetryMonitor(cfg.retry.alerts, time.monotonic,
+                               on_interval=lambda up, code, s: intervals.labels(upstream=up, code=code).observe(s),
+                               on_alert=lambda a: alerts.labels(upstream=a.upstream, kind=a.kind).inc())
+        self.executor = RetryExecutor(cfg.retry, monitor=monitor, on_decision=lambda r: retries.labels(
+            upstream=r.upstream, code=r.code or "NONE", decision=r.decision, reason=r.reason or "retryable").inc())
         self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits)
 
     def authenticate(self, metadata: Mapping[str, str]) -> str:

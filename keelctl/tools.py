@@ -1,0 +1,20 @@
+"""Sub-commands that delegate to a stage's own CLI code (same code paths the stages use)."""
+from __future__ import annotations
+
+import sys
+
+
+def dispatch(cmd: str, argv: list[str]) -> int:
+    if cmd == "trace":
+        from keelctl import trace
+        return trace.main(argv)
+    if cmd == "tokenize":
+        from services.tokenizer import cli
+        return cli.tokenize_main(argv, sys.stdin, sys.stdout)
+    if cmd == "detokenize":
+        from services.tokenizer import cli
+        return cli.detokenize_main(argv, sys.stdin, sys.stdout)
+    if cmd == "quarantine":
+        from keelctl import quarantine
+        return quarantine.main(argv)
+    raise ValueError(cmd)

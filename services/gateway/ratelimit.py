@@ -1,0 +1,92 @@
+"""Per-API-key rate limits and request size limits, checked by the gateway before any work.
+
+Rate limits are token buckets per key id: ``burst`` requests at once, refilled at
+``rate_per_s``. A request that finds no whole token gets Overloaded(reason="RATE_LIMITED")
+with ``retry_after_ms`` = the time until one token is back, rounded up, so a client that
+honours the hint succeeds on its next try (absent other traffic on the key).
+
+Size limits reject what could never be served as sent: InvalidInput with reasons
+PROMPT_TOO_LARGE, MAX_TOKENS_TOO_LARGE or MAX_TOKENS_INVALID and ``limit``/``actual`` in the
+metadata. (The gRPC message-size limit itself is the server option the lead sets.)
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shared.errors import InvalidInput, Overloaded
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    rate_per_s: float
+    burst: float
+
+    def __post_init__(self) -> None:
+        if self.rate_per_s <= 0 or self.burst < 1:
+            raise ValueError(f"a rate limit needs rate_per_s > 0 and burst >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    default: RateLimit = RateLimit(rate_per_s=10.0, burst=20.0)
+    per_key: Mapping[str, RateLimit] = field(default_factory=dict)
+
+
+class RateLimiter:
+    """Token bucket per key id; clock injectable. Buckets exist only for keys seen."""
+
+    def __init__(self, config: RateLimitConfig, *, clock: Callable[[], float] = time.monotonic):
+        self._config = config
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # key_id -> (tokens, at)
+
+    def check(self, key_id: str) -> None:
+        """Take one token for ``key_id``, or raise Overloaded RATE_LIMITED with a retry hint."""
+        limit = self._config.per_key.get(key_id, self._config.default)
+        now = self._clock()
+        tokens, at = self._buckets.get(key_id, (limit.burst, now))
+        tokens = min(limit.burst, tokens + (now - at) * limit.rate_per_s)
+        if tokens >= 1.0:
+            self._buckets[key_id] = (tokens - 1.0, now)
+            return
+        self._buckets[key_id] = (tokens, now)
+        wait_ms = math.ceil((1.0 - tokens) / limit.rate_per_s * 1000.0)
+        raise Overloaded(f"rate limit of {limit.rate_per_s:g}/s (burst {limit.burst:g}) reached",
+                         reason="RATE_LIMITED", retry_after_ms=wait_ms,
+                         metadata={"key_id": key_id, "rate_per_s": f"{limit.rate_per_s:g}"})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_prompt_bytes: int = 32_768
+    max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_bytes < 1 or self.max_tokens < 1:
+            raise ValueError(f"request limits must be >= 1: {self}")
+
+
+def check_request_size(limits: RequestLimits, *, prompt: str | Sequence[str], max_tokens: int) -> None:
+    """InvalidInput unless the prompt's UTF-8 size and ``max_tokens`` are within ``limits``.
+
+    ``prompt`` is the text, or the texts of a chat's messages (their sizes add up);
+    ``max_tokens`` is the value after the servicer applied its default to an unset field.
+    """
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not all(isinstance(t, str) for t in texts):
+        raise InvalidInput("prompt must be text", reason="PROMPT_NOT_TEXT")
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > limits.max_prompt_bytes:
+        raise InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
+                           reason="PROMPT_TOO_LARGE",
+                           metadata={"limit": limits.max_prompt_bytes, "actual": size})
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InvalidInput(f"max_tokens must be a positive integer, got {max_tokens!r}",
+                           reason="MAX_TOKENS_INVALID", metadata={"actual": max_tokens})
+    if max_tokens > limits.max_tokens:
+        raise InvalidInput(f"max_tokens is {max_tokens}, the limit is {limits.max_tokens}",
+                           reason="MAX_TOKENS_TOO_LARGE",
+                           metadata={"limit": limits.max_tokens, "actual": max_tokens})

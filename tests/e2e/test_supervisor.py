@@ -1,0 +1,43 @@
+"""kill -9 each stage under `keel up`: it comes back SERVING, the restart is logged, the next
+request is answered. Uses its own mesh so the other end-to-end tests see an undisturbed one."""
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+
+from keelctl import health
+from tests.e2e.conftest import SERVICES, start_mesh, stop_mesh, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def own_mesh(tmp_path_factory):
+    m = start_mesh(tmp_path_factory.mktemp("kill9"))
+    yield m
+    stop_mesh(m)
+
+
+@pytest.mark.parametrize("stage", ["tokenizer", "inference", "validator", "gateway", "redis"])
+def test_kill9_stage_is_restarted_and_serves_again(own_mesh, stage, api_md, gateway_request):
+    mesh = own_mesh
+    name = f"{stage}-0.0" if stage != "redis" else "redis"
+    old_pid = mesh.state()["processes"][name]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    def restarted():
+        p = mesh.state()["processes"][name]
+        return p["pid"] if p["pid"] != old_pid else None
+    new_pid = wait_until(restarted, 5, f"{name} restarted")
+    assert new_pid != old_pid
+    if stage != "redis":
+        health.wait_serving({name: (f"127.0.0.1:{mesh.ports[stage][0]}", SERVICES[stage])}, 120)
+    logged = [r for r in mesh.supervisor_log() if r.get("stage") == name and r["msg"] == "stage exited; restarting"]
+    assert logged and logged[-1]["signal"] == signal.SIGKILL
+    mesh.wait_serving(120)
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        resp = mesh.stub(ch).Generate(gateway_request("Say hello.", max_tokens=4), metadata=api_md, timeout=120)
+    assert resp.usage.completion_tokens > 0 and resp.trace_id

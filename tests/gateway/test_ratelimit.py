@@ -1,0 +1,109 @@
+"""Per-key token-bucket rate limits and the request size checker."""
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.ratelimit import (RateLimit, RateLimitConfig, RateLimiter, RequestLimits,
+                                        check_request_size)
+from shared.errors import InvalidInput, Overloaded
+
+
+def limiter(clock, rate=2.0, burst=3.0, per_key=None):
+    return RateLimiter(RateLimitConfig(RateLimit(rate, burst), per_key or {}), clock=clock)
+
+
+def test_burst_then_rate_limited_with_exact_hint(clock):
+    rl = limiter(clock, rate=2.0, burst=3.0)
+    for _ in range(3):
+        rl.check("team-a")
+    with pytest.raises(Overloaded) as info:
+        rl.check("team-a")
+    err = info.value
+    assert (err.reason, err.code, err.retry_after_ms) == ("RATE_LIMITED", "RESOURCE_EXHAUSTED", 500)
+    assert err.metadata["key_id"] == "team-a"
+
+
+def test_waiting_the_hint_is_enough(clock):
+    rl = limiter(clock, rate=4.0, burst=1.0)
+    rl.check("k")
+    clock.advance(0.1)
+    with pytest.raises(Overloaded) as info:
+        rl.check("k")
+    assert info.value.retry_after_ms == 150  # 0.6 token missing at 4/s
+    clock.advance(info.value.retry_after_ms / 1000)
+    rl.check("k")
+
+
+def test_refill_is_capped_at_burst(clock):
+    rl = limiter(clock, rate=10.0, burst=2.0)
+    clock.advance(3600.0)
+    rl.check("k")
+    rl.check("k")
+    with pytest.raises(Overloaded):
+        rl.check("k")
+
+
+def test_keys_are_isolated_and_overrides_apply(clock):
+    rl = limiter(clock, rate=1.0, burst=1.0, per_key={"big": RateLimit(1.0, 5.0)})
+    rl.check("small")
+    with pytest.raises(Overloaded):
+        rl.check("small")
+    for _ in range(5):
+        rl.check("big")
+    rl.check("other")
+
+
+def test_rejected_requests_do_not_consume_tokens(clock):
+    rl = limiter(clock, rate=1.0, burst=1.0)
+    rl.check("k")
+    for _ in range(5):
+        with pytest.raises(Overloaded):
+            rl.check("k")
+    clock.advance(1.0)
+    rl.check("k")
+
+
+@pytest.mark.parametrize("rate,burst", [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.5)])
+def test_rate_limit_config_validation(rate, burst):
+    with pytest.raises(ValueError):
+        RateLimit(rate, burst)
+
+
+LIMITS = RequestLimits(max_prompt_bytes=10, max_tokens=100)
+
+
+@pytest.mark.parametrize("prompt,max_tokens", [
+    ("", 1), ("0123456789", 100), (["hello", "world"], 50), ("ééééé", 1),
+])
+def test_size_within_limits_passes(prompt, max_tokens):
+    assert check_request_size(LIMITS, prompt=prompt, max_tokens=max_tokens) is None
+
+
+@pytest.mark.parametrize("prompt,max_tokens,reason", [
+    ("01234567890", 1, "PROMPT_TOO_LARGE"),
+    ("éééééé", 1, "PROMPT_TOO_LARGE"),  # 6 characters, 12 bytes
+    (["hello", "world!"], 1, "PROMPT_TOO_LARGE"),
+    ("hi", 101, "MAX_TOKENS_TOO_LARGE"),
+    ("hi", 0, "MAX_TOKENS_INVALID"),
+    ("hi", -5, "MAX_TOKENS_INVALID"),
+    ("hi", True, "MAX_TOKENS_INVALID"),
+    ("hi", 5.0, "MAX_TOKENS_INVALID"),
+    (b"bytes", 1, "PROMPT_NOT_TEXT"),
+    (["ok", None], 1, "PROMPT_NOT_TEXT"),
+])
+def test_size_violations_are_invalid_input(prompt, max_tokens, reason):
+    with pytest.raises(InvalidInput) as info:
+        check_request_size(LIMITS, prompt=prompt, max_tokens=max_tokens)
+    assert info.value.reason == reason and info.value.code == "INVALID_ARGUMENT"
+
+
+def test_size_error_metadata_names_limit_and_actual():
+    with pytest.raises(InvalidInput) as info:
+        check_request_size(LIMITS, prompt="x" * 11, max_tokens=1)
+    assert info.value.metadata == {"limit": "10", "actual": "11"}
+
+
+@pytest.mark.parametrize("kwargs", [{"max_prompt_bytes": 0}, {"max_tokens": 0}])
+def test_request_limits_validation(kwargs):
+    with pytest.raises(ValueError):
+        RequestLimits(**kwargs)
