@@ -1,0 +1,126 @@
+"""The gateway pipeline against a scripted in-process Upstreams (no grpc): order of hops,
+seed fixing, blocked outputs, stream hold-back of partial characters, retries of a failed hop."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.gateway.pipeline import Ask, Done, Encoded, Limits, Pipeline, Step, check_ask
+from services.gateway.retry import RetryConfig, RetryExecutor
+from shared import errors
+
+
+class FakeUpstreams:
+    def __init__(self, tokens=(5, 6, 7), texts=None, verdict_pass=True, fail_generate=0):
+        self.calls: list[str] = []
+        self.tokens, self.verdict_pass, self.fail_generate = tokens, verdict_pass, fail_generate
+        self.texts = texts or {}
+        self.seeds: list[int] = []
+
+    async def validate_input(self, payload, source, domain, timeout, md):
+        self.calls.append("validate_input")
+        return ["low_quality"] if "meh" in str(payload) else []
+
+    async def encode_chat(self, messages, max_length, timeout, md):
+        self.calls.append("encode")
+        return Encoded([1, 2, 3], False, 3, "fp")
+
+    async def generate(self, enc, ask, seed, timeout, md):
+        self.calls.append("generate")
+        self.seeds.append(seed)
+        if self.fail_generate:
+            self.fail_generate -= 1
+            raise errors.NotReady("replica died", reason="NOT_SERVING")
+        for t in self.tokens:
+            yield Step(t, 0.5)
+        yield Done("stop", 3, len(self.tokens), seed)
+
+    async def decode(self, ids, timeout, md):
+        self.calls.append("decode")
+        return self.texts.get(tuple(ids), "".join(chr(96 + i) for i in ids))
+
+    async def validate_output(self, text, ask, entropies, timeout, md):
+        self.calls.append("validate_output")
+        verdicts = [] if self.verdict_pass else [{"plugin": "forbidden", "passed": False, "message": "no",
+                                                   "blocking": True}]
+        return text.upper(), {"passed": self.verdict_pass, "verdicts": verdicts, "probes": {"entropy_mean": 0.5},
+                              "low_confidence": False}
+
+
+async def no_sleep(_s):
+    return None
+
+
+def pipeline(up) -> Pipeline:
+    ex = RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1))
+    return Pipeline(up, ex, Limits(), rng=random.Random(7))
+
+
+def ask(**kw) -> Ask:
+    return Ask(messages=(("user", kw.pop("text", "hello")),), max_tokens=kw.pop("max_tokens", 8), **kw)
+
+
+@pytest.mark.asyncio
+async def test_hops_in_order_and_processed_text_returned():
+    up = FakeUpstreams()
+    ans = await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert up.calls == ["validate_input", "encode", "generate", "decode", "validate_output"]
+    assert ans.text == "EFG" and ans.completion_tokens == 3 and ans.finish_reason == "stop"
+    assert ans.validation["probes"] == {"entropy_mean": 0.5}
+
+
+@pytest.mark.asyncio
+async def test_seed_fixed_by_gateway_and_reused_on_retry():
+    up = FakeUpstreams(fail_generate=1)
+    ans = await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert up.calls.count("generate") == 2
+    assert up.seeds[0] == up.seeds[1] == ans.seed  # the retried generation is the same request
+
+
+@pytest.mark.asyncio
+async def test_client_seed_is_echoed():
+    up = FakeUpstreams()
+    ans = await pipeline(up).generate(ask(seed=42), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert up.seeds == [42] and ans.seed == 42
+
+
+@pytest.mark.asyncio
+async def test_blocked_output_is_failed_precondition_naming_the_plugin():
+    up = FakeUpstreams(verdict_pass=False)
+    with pytest.raises(errors.PreconditionFailed) as exc:
+        await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert exc.value.reason == "OUTPUT_BLOCKED" and exc.value.metadata["plugin"] == "forbidden"
+
+
+@pytest.mark.asyncio
+async def test_stream_holds_back_partial_characters():
+    # ids (5,) decode to a lone replacement char (half an emoji), (5, 6) to the whole emoji
+    up = FakeUpstreams(tokens=(5, 6, 7), texts={(5,): "\ufffd", (5, 6): "\U0001F600", (5, 6, 7): "\U0001F600!"})
+    items = [x async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={})]
+    deltas = [x for x in items if isinstance(x, str)]
+    assert deltas == ["\U0001F600", "!"]
+    assert items[-1].text == "\U0001F600!"
+
+
+@pytest.mark.asyncio
+async def test_input_flags_are_carried():
+    up = FakeUpstreams()
+    ans = await pipeline(up).generate(ask(text="meh"), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert ans.input_flags == ["low_quality"]
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (Ask(messages=(), max_tokens=8), "EMPTY_PROMPT"),
+    (Ask(messages=(("user", "  "),), max_tokens=8), "EMPTY_PROMPT"),
+    (Ask(messages=(("robot", "hi"),), max_tokens=8), "UNKNOWN_ROLE"),
+    (Ask(messages=(("user", "hi"),), max_tokens=0), "MAX_TOKENS_INVALID"),
+    (Ask(messages=(("user", "hi"),), max_tokens=5000), "MAX_TOKENS_TOO_LARGE"),
+    (Ask(messages=(("user", "hi"),), max_tokens=8, temperature=-1), "TEMPERATURE_OUT_OF_RANGE"),
+    (Ask(messages=(("user", "hi"),), max_tokens=8, top_p=1.5), "TOP_P_OUT_OF_RANGE"),
+    (Ask(messages=(("user", "x" * 40000),), max_tokens=8), "PROMPT_TOO_LARGE"),
+])
+def test_check_ask_rejects_with_reason(bad, reason):
+    with pytest.raises(errors.InvalidInput) as exc:
+        check_ask(bad, Limits())
+    assert exc.value.reason == reason
