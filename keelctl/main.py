@@ -60,6 +60,7 @@ def cmd_up(args) -> int:
         return 0
 
     setup_logging("supervisor")
+    logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the terminal gets problems only
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     fh = logging.FileHandler(LOG_DIR / "supervisor.log")
     fh.setFormatter(JsonFormatter("supervisor"))

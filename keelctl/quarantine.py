@@ -32,5 +32,5 @@ def replay_through_gateway(payload: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from services.validator import quarantine_cli
-    return quarantine_cli.main(argv, replay_fn=replay_through_gateway)
+    from services.validator import config as validator_config, quarantine_cli
+    return quarantine_cli.main(argv, replay_fn=replay_through_gateway, cfg=validator_config.load().quarantine)

@@ -78,6 +78,7 @@ class Supervisor:
                     self.children.append(Child(f"{stage}-{r}.{w}", argv, env, port, stage))
         for c in self.children:
             c.log_path = LOG_DIR / f"{c.name}.log"
+            self._restarts.labels(stage=c.stage)  # exported from 0 so increase() sees the first restart
 
     def _spawn(self, c: Child) -> None:
         out = open(c.log_path, "ab")

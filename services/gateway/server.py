@@ -32,6 +32,9 @@ class GatewayStage:
         m = metrics.metrics_for("gateway")
         retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
                                       m.counter("keel_retry_alerts_total"))
+        for up in ("tokenizer", "inference", "validator"):  # export from 0 so increase() sees the first alert
+            for kind in ("retry_clustering", "retry_rate"):
+                alerts.labels(upstream=up, kind=kind)
         monitor = RetryMonitor(cfg.retry.alerts, time.monotonic,
                                on_interval=lambda up, code, s: intervals.labels(upstream=up, code=code).observe(s),
                                on_alert=lambda a: alerts.labels(upstream=a.upstream, kind=a.kind).inc())

@@ -33,13 +33,16 @@ class Pool:
     """The replicas of one stage."""
 
     def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int):
-        self.stage = stage
+        self.stage, self.targets, self.max_message_bytes = stage, targets, max_message_bytes
         self.balancer = RoundRobinBalancer(stage, targets)
-        self.channels = {t: client.channel(t, max_message_bytes=max_message_bytes) for t in targets}
-        self.stubs = {t: STUBS[stage](ch) for t, ch in self.channels.items()}
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs: dict = {}
         self._watchers: list[asyncio.Task] = []
 
     def start(self) -> None:
+        """Open channels and health watchers; must run inside the serving event loop."""
+        self.channels = {t: client.channel(t, max_message_bytes=self.max_message_bytes) for t in self.targets}
+        self.stubs = {t: STUBS[self.stage](ch) for t, ch in self.channels.items()}
         self._watchers = [asyncio.create_task(self._watch(t)) for t in self.channels]
 
     async def _watch(self, target: str) -> None:

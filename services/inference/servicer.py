@@ -27,7 +27,9 @@ def to_request(req: inference_pb2.GenerateRequest, deadline: float | None, max_t
     faults = None
     if req.HasField("faults"):
         f = req.faults
-        faults = FaultSpec(nan_at_step=f.nan_at_step, oom_at_step=f.oom_at_step, slow_step_ms=f.slow_step_ms)
+        faults = FaultSpec(nan_at_step=f.nan_at_step if f.HasField("nan_at_step") else None,
+                           oom_at_step=f.oom_at_step if f.HasField("oom_at_step") else None,
+                           slow_step_ms=f.slow_step_ms)
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt_ids=list(req.prompt_ids), max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,

@@ -1,0 +1,26 @@
+"""The inference stage's one typed config object (config/inference.yaml, schema-validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.inference.engine import EngineConfig
+from shared import config
+from shared.config import ROOT_DIR, ServerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model_path: str = "var/model"
+    max_tokens_limit: int = 1024
+    engine: EngineConfig
+
+    @property
+    def model_dir(self) -> Path:
+        p = Path(self.model_path)
+        return p if p.is_absolute() else ROOT_DIR / p
+
+
+def load(path=None, environ=None) -> InferenceConfig:
+    return config.load("inference", InferenceConfig, path, environ)

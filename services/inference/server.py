@@ -1,0 +1,79 @@
+"""Assembles the inference stage: load the model, warm the engine up (which measures the memory
+model and calibrates batch sizes), then serve. Ready = the engine's batching loop is running.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from keel.inference.v1 import inference_pb2_grpc
+from services.inference import config as inf_config
+from services.inference.engine import Engine
+from services.inference.model import load_model
+from services.inference.servicer import InferenceServicer
+from shared import metrics
+from shared.config import ServerConfig
+
+log = logging.getLogger("keel.inference")
+BREAKER_KINDS = ("numerical_instability", "oom", "timeout", "output_limit")
+
+
+class InferenceStage:
+    name = "inference"
+    service_name = "keel.inference.v1.Inference"
+
+    def __init__(self, cfg: inf_config.InferenceConfig):
+        self.cfg = cfg
+        self.m = metrics.metrics_for("inference")
+        self.engine: Engine | None = None
+        self._gauges: asyncio.Task | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        self.servicer = InferenceServicer(None, self.cfg.max_tokens_limit, self.m)
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, server)
+
+    async def warmup(self) -> None:
+        e = self.cfg.engine
+        model = await asyncio.to_thread(load_model, self.cfg.model_dir, e.dtype, e.device)
+        engine = Engine(model, e)
+        await asyncio.to_thread(engine.warmup)
+        await engine.start()
+        log.info("engine warm", extra={"memory_model": engine.stats().get("memory")})
+        self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
+        self._gauges = asyncio.create_task(self._update_gauges())
+
+    async def _update_gauges(self) -> None:
+        m = self.m
+        queue, batch = m.gauge("keel_inference_queue_depth"), m.gauge("keel_inference_running_batch_size")
+        predicted, budget = m.gauge("keel_inference_predicted_memory_bytes"), m.gauge("keel_inference_memory_budget_bytes")
+        level = m.gauge("keel_inference_breaker_level")
+        faults, ooms = m.counter("keel_inference_numerical_faults_total"), m.counter("keel_inference_oom_recoveries_total")
+        seen = {"numerical_faults": 0, "oom_recoveries": 0}
+        while True:
+            s = self.engine.stats()
+            queue.set(s.get("queue_depth", 0))
+            batch.set(s.get("running_batch_size", 0))
+            mem = s.get("memory", {})
+            predicted.set(mem.get("predicted_bytes", 0))
+            budget.set(mem.get("budget_bytes", 0))
+            for kind in BREAKER_KINDS:
+                level.labels(error_type=kind).set(s["breaker"].get(kind, {}).get("level", 0))
+            counters = s.get("counters", {})
+            for key, counter in (("numerical_faults", faults), ("oom_recoveries", ooms)):
+                now = counters.get(key, 0)
+                counter.inc(max(0, now - seen[key]))
+                seen[key] = now
+            await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        if self._gauges:
+            self._gauges.cancel()
+        if self.engine:
+            await self.engine.stop(self.cfg.server.drain_grace_s)
+
+
+def build() -> tuple[InferenceStage, ServerConfig]:
+    cfg = inf_config.load()
+    return InferenceStage(cfg), cfg.server

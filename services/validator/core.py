@@ -1,0 +1,65 @@
+"""The validator stage's core, wired: input check -> quarantine, output pipeline -> review.
+
+What the gRPC servicer calls (it stays a thin translation layer, no policy of its own):
+
+    core = ValidatorCore.build(contracts_dir, pipeline_cfg, quarantine_cfg)
+    core.start()                                   # spill replay thread; core.close() at exit
+    flags, qid = core.validate_input(payload_json, source=..., domain=..., trace_id=...)
+    result = core.validate_output(text, domain=..., token_entropies=[...], prompt=..., ...)
+
+``validate_input`` quarantines every rejected or flagged input before answering, and raises
+:class:`InvalidInput` for a rejection (``metadata`` carries ``rule`` and ``quarantine_id``).
+Both calls are synchronous; they block at most one Redis socket timeout (then spill).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.validator.contracts import InputChecker
+from services.validator.pipeline import OutputPipeline, OutputResult, PipelineConfig
+from services.validator.plugins import OutputContext
+from services.validator.quarantine import Quarantine, QuarantineConfig
+from services.validator.records import QuarantineRecord
+
+
+class ValidatorCore:
+    def __init__(self, checker: InputChecker, pipeline: OutputPipeline, quarantine: Quarantine):
+        self.checker = checker
+        self.pipeline = pipeline
+        self.quarantine = quarantine
+
+    @classmethod
+    def build(cls, contracts_dir: Path, pipeline_cfg: PipelineConfig,
+              quarantine_cfg: QuarantineConfig) -> ValidatorCore:
+        """Compile contracts and import plugins once; low-confidence and blocked outputs go to
+        the quarantine's review stream."""
+        quarantine = Quarantine(quarantine_cfg)
+        return cls(InputChecker.from_config(contracts_dir, pipeline_cfg.domains),
+                   OutputPipeline.from_config(pipeline_cfg, review=quarantine.put), quarantine)
+
+    def start(self) -> None:
+        self.quarantine.start()
+
+    def close(self) -> None:
+        self.quarantine.close()
+
+    def validate_input(self, payload_json: str, *, source: str, domain: str,
+                       trace_id: str) -> tuple[list[str], str]:
+        """(flags, quarantine record_id or "") for an accepted input; InvalidInput otherwise."""
+        payload, verdict = self.checker.check_json(payload_json, source=source, domain=domain)
+        record_id = ""
+        if verdict.needs_quarantine:
+            record_id = self.quarantine.put(
+                QuarantineRecord.for_input(payload, verdict, trace_id=trace_id, source=source))
+        if not verdict.accepted:
+            error = verdict.error()
+            error.metadata["quarantine_id"] = record_id
+            raise error
+        return list(verdict.flags), record_id
+
+    def validate_output(self, text: str, *, domain: str, token_entropies: Sequence[float],
+                        prompt: str = "", trace_id: str = "", source: str = "") -> OutputResult:
+        return self.pipeline.run(text, OutputContext(domain=domain, trace_id=trace_id,
+                                                     token_entropies=token_entropies,
+                                                     prompt=prompt, source=source))

@@ -1,0 +1,244 @@
+"""Quarantine writer: rejected inputs and doubtful outputs into Redis Streams, without loss.
+
+Synchronous API (call it from a thread, e.g. ``asyncio.to_thread``, in an asyncio servicer);
+``start()`` launches one background thread that replays the spill file when Redis is back.
+
+Write path of :meth:`Quarantine.put`:
+  * Redis believed up and no spill backlog: one EVALSHA (XADD + "seen" marker, atomically).
+  * otherwise, or when that call fails or times out (short socket timeout): append the record
+    to the fsync'd spill file and return. ``put`` never raises because Redis is down or slow.
+While a backlog exists every new record goes to the spill too, so records reach the stream in
+``put`` order. The replay thread drains the spill oldest-first in pipelined batches through the
+same script, which skips a record whose ``record_id`` already has a seen marker: a write that
+timed out on our side but landed in Redis, or a batch replayed again after a crash before the
+cursor moved, is not duplicated.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from services.validator.records import QuarantineRecord
+from services.validator.spill import SpillEntry, SpillLog
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] stream, KEYS[2] seen marker of the record; ARGV[1] marker TTL (s), ARGV[2..] fields.
+# Returns the stream id the record has (new or, for a duplicate, the one it got before).
+_XADD_ONCE = """
+local prior = redis.call('GET', KEYS[2])
+if prior then return prior end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
+return id
+"""
+
+
+@dataclass(frozen=True)
+class QuarantineConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    stream: str = "keel:quarantine"          # rejected / flagged inputs
+    review_stream: str = "keel:review"       # outputs sent for human review
+    key_prefix: str = "keel:quarantine"      # seen markers: <prefix>:seen:<record_id>
+    spill_path: Path = Path("var/validator/quarantine.spill")
+    socket_timeout_s: float = 0.05           # a slower Redis counts as down for this write
+    connect_timeout_s: float = 0.05
+    probe_interval_s: float = 0.5            # how often the replay thread retries Redis
+    replay_batch: int = 200
+    dedup_ttl_s: int = 7 * 86400             # must outlast the longest outage + replay
+    group: str = "operators"                 # consumer group of `keel quarantine`
+    claim_idle_s: float = 300.0              # an operator claim older than this may be taken over
+
+    def __post_init__(self) -> None:
+        # shared.config.build passes YAML strings straight through; keep the field a Path.
+        object.__setattr__(self, "spill_path", Path(self.spill_path))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> QuarantineConfig:
+        d = dict(d or {})
+        # No coercion (as in shared/config.py): "0.05" is an error, not a float. Annotations
+        # are strings here (postponed evaluation), hence the names.
+        accepts = {"str": (str,), "float": (int, float), "int": (int,), "Path": (str, Path)}
+        kinds = {f.name: f.type for f in fields(cls)}
+        unknown = set(d) - set(kinds)
+        if unknown:
+            raise ValueError(f"validator config quarantine: unknown keys {sorted(unknown)}")
+        for key, value in d.items():
+            if isinstance(value, bool) or not isinstance(value, accepts[kinds[key]]):
+                raise ValueError(f"validator config quarantine.{key}: expected {kinds[key]}, "
+                                 f"got {value!r}")
+        cfg = cls(**d)
+        for name in ("socket_timeout_s", "connect_timeout_s", "probe_interval_s", "claim_idle_s"):
+            if not float(getattr(cfg, name)) > 0:
+                raise ValueError(f"validator config quarantine.{name} must be > 0")
+        if cfg.replay_batch < 1 or cfg.dedup_ttl_s < 60:
+            raise ValueError("validator config quarantine: replay_batch >= 1, dedup_ttl_s >= 60")
+        return cfg
+
+    def connect(self) -> redis.Redis:
+        """A client with short timeouts and no client-side retries (redis-py retries 10 times
+        by default, which would turn a dead Redis into a multi-second stall per put)."""
+        return redis.Redis.from_url(self.redis_url, socket_timeout=self.socket_timeout_s,
+                                    socket_connect_timeout=self.connect_timeout_s,
+                                    retry=Retry(NoBackoff(), 0), decode_responses=True)
+
+
+class Quarantine:
+    def __init__(self, cfg: QuarantineConfig):
+        self.cfg = cfg
+        self._redis = cfg.connect()
+        self._script = self._redis.register_script(_XADD_ONCE)
+        self._spill = SpillLog(cfg.spill_path)
+        self._lock = threading.Lock()        # orders put() against replay commits
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._up = False                     # False until a probe succeeds: spill first, then direct
+        self._counts = {"direct": 0, "spilled": 0, "replayed": 0}
+
+    def start(self) -> None:
+        """Open (and take ownership of) the spill file and start the replay thread."""
+        self._spill.open()
+        self._up = self._spill.pending == 0 and self.ping()
+        self._thread = threading.Thread(target=self._replay_loop, name="quarantine-replay",
+                                        daemon=True)
+        self._thread.start()
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._thread = None              # put() checks this under the lock
+            self._spill.close()
+        self._redis.close()
+
+    def put(self, record: QuarantineRecord) -> str:
+        """Store ``record`` in its stream (``input`` -> quarantine, ``output`` -> review) or, if
+        Redis cannot take it now, in the spill file. Returns ``record.record_id``."""
+        with self._lock:
+            if self._thread is None:
+                raise RuntimeError("Quarantine.put outside start() ... close()")
+            if self._up and self._spill.pending == 0:
+                try:
+                    self._send([record])
+                    self._counts["direct"] += 1
+                    return record.record_id
+                except redis.RedisError as exc:
+                    self._up = False
+                    log.warning("quarantine: Redis write failed (%s); spilling to %s",
+                                exc, self._spill.path)
+            self._spill.append(record.to_json())
+            self._counts["spilled"] += 1
+        self._wake.set()
+        return record.record_id
+
+    def backlog(self) -> int:
+        """Spilled records not yet replayed into Redis."""
+        with self._lock:
+            return self._spill.pending
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: records written directly, spilled, replayed; current backlog."""
+        with self._lock:
+            return {**self._counts, "backlog": self._spill.pending}
+
+    def size(self) -> int | None:
+        """Records in the quarantine stream (None while Redis is unreachable)."""
+        try:
+            return int(self._redis.xlen(self.cfg.stream))
+        except redis.RedisError:
+            return None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._redis.ping())
+        except redis.RedisError:
+            return False
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Block until the spill is empty and Redis takes writes directly, or ``timeout_s``
+        passes; returns which. (For shutdown and tests.)"""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._up and self._spill.pending == 0:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.02)
+
+    def stream_for(self, record: QuarantineRecord) -> str:
+        return self.cfg.review_stream if record.kind == "output" else self.cfg.stream
+
+    def _send(self, records: list[QuarantineRecord]) -> None:
+        """XADD each record unless already there. One record: a plain EVALSHA; a batch: one
+        pipelined round trip (plus the pipeline's SCRIPT EXISTS check)."""
+        if len(records) == 1:
+            self._script(**self._script_call(records[0]))
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for rec in records:
+            self._script(**self._script_call(rec), client=pipe)
+        pipe.execute()
+
+    def _script_call(self, rec: QuarantineRecord) -> dict[str, list]:
+        args: list[Any] = [self.cfg.dedup_ttl_s]
+        for key, value in rec.to_fields().items():
+            args += [key, value]
+        return {"keys": [self.stream_for(rec), f"{self.cfg.key_prefix}:seen:{rec.record_id}"],
+                "args": args}
+
+    def _replay_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.cfg.probe_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                idle = self._up and self._spill.pending == 0
+            if idle or not self.ping():
+                continue
+            try:
+                self._drain()
+            except redis.RedisError as exc:
+                log.warning("quarantine: replay interrupted (%s); %d records wait in %s",
+                            exc, self.backlog(), self._spill.path)
+                with self._lock:
+                    self._up = False
+            except Exception:  # noqa: BLE001 - a dead replay thread would strand the spill
+                log.exception("quarantine: replay failed; retrying in %.1fs",
+                              self.cfg.probe_interval_s)
+                with self._lock:
+                    self._up = False
+
+    def _drain(self) -> None:
+        """Replay the spill oldest-first. Only this thread commits, and put() only appends, so
+        the batch read under the lock stays the head of the file while it is sent."""
+        while not self._stop.is_set():
+            with self._lock:
+                batch = self._spill.read(self.cfg.replay_batch, QuarantineRecord.from_json)
+                if not batch:
+                    self._up = True
+                    return
+            self._send_batch(batch)
+            with self._lock:
+                self._spill.commit(batch)
+                self._counts["replayed"] += len(batch)
+
+    def _send_batch(self, batch: list[SpillEntry]) -> None:
+        records = [e.item for e in batch if e.item is not None]
+        if records:
+            self._send(records)

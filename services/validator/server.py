@@ -1,0 +1,90 @@
+"""Assembles the validator stage: contracts, plugins and the Redis quarantine, then serves.
+
+Ready = every contract compiled, every plugin imported, the quarantine's spill file open and its
+replay thread running (Redis itself may be down: records spill and are replayed later).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+
+from keel.validator.v1 import validator_pb2_grpc
+from services.validator import config as val_config
+from services.validator.core import ValidatorCore
+from services.validator.pipeline import OutputResult, PipelineConfig
+from services.validator.servicer import ValidatorServicer
+from shared import metrics
+from shared.config import ServerConfig
+
+
+class ValidatorMetrics:
+    """Turns each validated output into the validator's Prometheus series."""
+
+    def __init__(self, window_s: float):
+        m = metrics.metrics_for("validator")
+        self.verdicts = m.counter("keel_validator_verdicts_total")
+        self.outputs = m.counter("keel_validator_outputs_total")
+        self.empty = m.counter("keel_validator_empty_outputs_total")
+        self.length = m.histogram("keel_validator_output_length_tokens")
+        self.low = m.counter("keel_validator_low_confidence_total")
+        self.quarantine_size = m.gauge("keel_validator_quarantine_size")
+        self.backlog = m.gauge("keel_validator_spill_backlog")
+        self.empty_rate = metrics.SlidingWindowGauge(m.gauge("keel_validator_empty_response_rate"), window_s)
+        self.entropy = metrics.SlidingWindowGauge(m.gauge("keel_validator_output_entropy_mean"), window_s)
+
+    def __call__(self, r: OutputResult, tokens: int) -> None:
+        self.outputs.inc()
+        is_empty = not r.text.strip()
+        self.empty.inc(is_empty)
+        self.empty_rate.observe(float(is_empty))
+        entropy = float(r.probes.get("entropy_mean", math.nan))
+        if tokens and math.isfinite(entropy):
+            self.entropy.observe(entropy)
+        self.length.observe(tokens)
+        self.low.inc(r.low_confidence)
+        for v in r.verdicts:
+            self.verdicts.labels(plugin=v.plugin, outcome="block" if v.blocking else "annotate").inc()
+
+
+class ValidatorStage:
+    name = "validator"
+    service_name = "keel.validator.v1.Validator"
+
+    def __init__(self, cfg: val_config.ValidatorConfig):
+        self.cfg = cfg
+        self.metrics = ValidatorMetrics(cfg.metrics_window_s)
+        self.core: ValidatorCore | None = None
+        self._gauges: asyncio.Task | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        self.servicer = ValidatorServicer(None, self.metrics)
+        validator_pb2_grpc.add_ValidatorServicer_to_server(self.servicer, server)
+
+    async def warmup(self) -> None:
+        cfg = self.cfg
+        pipeline_cfg = await asyncio.to_thread(PipelineConfig.load, cfg.path(cfg.pipeline_file))
+        core = await asyncio.to_thread(ValidatorCore.build, cfg.path(cfg.contracts_dir), pipeline_cfg, cfg.quarantine)
+        await asyncio.to_thread(core.start)
+        self.core = self.servicer.core = core  # until now the interceptor answered UNAVAILABLE
+        self._gauges = asyncio.create_task(self._update_gauges())
+
+    async def _update_gauges(self) -> None:
+        while True:
+            self.metrics.backlog.set(self.core.quarantine.backlog())
+            size = await asyncio.to_thread(self.core.quarantine.size)
+            if size is not None:
+                self.metrics.quarantine_size.set(size)
+            await asyncio.sleep(5)
+
+    async def close(self) -> None:
+        if self._gauges:
+            self._gauges.cancel()
+        if self.core:
+            await asyncio.to_thread(self.core.close)
+
+
+def build() -> tuple[ValidatorStage, ServerConfig]:
+    cfg = val_config.load()
+    return ValidatorStage(cfg), cfg.server
