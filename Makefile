@@ -34,9 +34,9 @@ model: var/model/keel-source.json
 var/model/keel-source.json: .venv/.stamp
 	$(PY) -m services.inference.modelcache --out var/model
 
-vocab: var/vocab.kvoc
-var/vocab.kvoc: .venv/.stamp
-	$(PY) -m services.tokenizer.compiler --out $@
+# The compiler skips the work when var/vocab.kvoc already matches the GGUF and the format version.
+vocab: .venv/.stamp
+	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
 
 redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }

@@ -39,6 +39,10 @@ def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024,
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
+        # A restarted replica is back within seconds: reconnect fast instead of grpc's 1 s..120 s backoff.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.lb_policy_name", "round_robin"),
     ]
     if root_certificates is not None:

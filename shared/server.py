@@ -81,7 +81,10 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     warm = asyncio.create_task(stage.warmup())
     done, _ = await asyncio.wait({warm, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if warm in done:
-        warm.result()  # a failed warmup kills the process: the supervisor restarts it, health never lies
+        if warm.exception() is not None:  # the process exits: the supervisor restarts it, health never lied
+            log.error("warm-up failed; exiting", exc_info=warm.exception())
+            await server.stop(0)
+            raise SystemExit(1)
         ready = True
         for name in ("", stage.service_name):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -82,8 +82,13 @@ def span_to_dict(span: ReadableSpan, service: str) -> dict:
     }
 
 
-def setup_tracing(service: str, directory: Path | None = None) -> TracerProvider:
-    """Install this process's tracer provider. Call once at process start."""
+def setup_tracing(service: str, directory: Path | None = None) -> TracerProvider | None:
+    """Install this process's tracer provider. Call once at process start.
+
+    KEEL_TRACING=off installs none (trace ids are then empty): only for measuring tracing's cost.
+    """
+    if os.environ.get("KEEL_TRACING", "on") == "off":
+        return None
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(
         JsonLinesSpanExporter(directory or TRACES_DIR, service), schedule_delay_millis=200))

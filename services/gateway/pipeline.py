@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from shared import errors
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from shared import errors, tracing
 from services.gateway.ratelimit import RequestLimits, check_request_size
 from services.gateway.retry import RetryExecutor
 
@@ -134,7 +136,21 @@ class Pipeline:
         self._rng = rng or random.SystemRandom()
 
     async def _call(self, upstream: str, method: str, fn, deadline: float, trace_id: str, inbound: dict):
-        return await self.ex.call_with_retries(fn, method=method, upstream=upstream, idempotent=True,
+        attempts = 0
+
+        async def traced(timeout: float, md: dict):
+            # One client span per attempt: the stage's server span becomes its child.
+            nonlocal attempts
+            attempts += 1
+            with tracing.tracer().start_as_current_span(f"call {upstream}/{method}", kind=SpanKind.CLIENT) as span:
+                span.set_attributes({"rpc.attempt": attempts, "upstream": upstream, "timeout_ms": round(timeout * 1e3)})
+                try:
+                    return await fn(timeout, md)
+                except errors.KeelError as err:
+                    span.set_attributes({"rpc.grpc.status": err.code, "error.reason": err.reason})
+                    span.set_status(Status(StatusCode.ERROR, f"{err.code} {err.reason}"))
+                    raise
+        return await self.ex.call_with_retries(traced, method=method, upstream=upstream, idempotent=True,
                                                deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
 
     async def prepare(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> tuple[Ask, Encoded, list[str], int]:

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
 from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -27,6 +28,12 @@ SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.infer
             "validator": "keel.validator.v1.Validator"}
 STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
          "validator": validator_pb2_grpc.ValidatorStub}
+
+
+def _note_endpoint(target: str) -> None:
+    # The attempt's client span (pipeline._call) names the replica it went to, so a trace shows
+    # which replica each attempt hit, e.g. that none went to a dead one.
+    trace.get_current_span().set_attribute("server.address", target)
 
 
 class Pool:
@@ -49,16 +56,19 @@ class Pool:
         stub = health_pb2_grpc.HealthStub(self.channels[target])
         while True:
             try:
-                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage])):
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), wait_for_ready=True)
+                async for resp in watch:
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         if self.balancer.mark_up(target):
                             log.info("replica up", extra={"upstream": self.stage, "endpoint": target})
                     elif self.balancer.mark_down(target):
                         log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target})
             except grpc.aio.AioRpcError:
-                if self.balancer.mark_down(target):
-                    log.warning("replica unreachable", extra={"upstream": self.stage, "endpoint": target})
-            await asyncio.sleep(0.5)
+                pass
+            # The stream ended: the replica went away (or is draining). Down until it says SERVING.
+            if self.balancer.mark_down(target):
+                log.warning("replica unreachable", extra={"upstream": self.stage, "endpoint": target})
+            await asyncio.sleep(0.1)
 
     async def any_serving(self) -> bool:
         """Check every replica once (marking each up or down); True if one is SERVING."""
@@ -77,6 +87,7 @@ class Pool:
     async def call(self, fn: Callable, *args, **kwargs):
         """One unary attempt on the next healthy replica; errors translated, health noted."""
         target = self.balancer.pick()
+        _note_endpoint(target)
         try:
             result = await fn(self.stubs[target], *args, **kwargs)
         except grpc.aio.AioRpcError as exc:
@@ -136,6 +147,7 @@ class MeshUpstreams:
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
         pool = self.pools["inference"]
         target = pool.balancer.pick()
+        _note_endpoint(target)
         call = pool.stubs[target].Generate(req, timeout=timeout, metadata=_md(md))
         try:
             async for ev in call:

@@ -75,6 +75,7 @@ def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: in
     proc = subprocess.Popen([sys.executable, "-m", "keelctl", "up"], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
     mesh = Mesh(tmp, ports, redis_port, proc)
+    mesh.layout = layout
     try:
         mesh.wait_serving()
     except TimeoutError:

@@ -1,0 +1,166 @@
+"""Scale-out under kill -9: two tokenizer and two inference replicas behind the gateway; one of each
+is killed while clients keep sending. No request may be lost, every failed attempt must have a
+logged retry decision, and the gateway must stop sending to a dead replica until it is back.
+
+One mesh for the module: the traffic run (with the kills) happens once in a fixture and each test
+checks one property of what it left in the gateway's log and trace files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import grpc
+import pytest
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2
+from keelctl.ask import DEV_API_KEY
+from services.gateway.balancer import BalancerConfig
+from tests.e2e.conftest import start_mesh, stop_mesh, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REQUESTS, CLIENTS, MAX_TOKENS = 40, 4, 6
+KILLS = {"tokenizer-1.0": 6, "inference-1.0": 10}  # process -> kill once this many requests are done
+AFTER_RECOVERY = 6
+PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "Name an animal.")
+
+
+def ask(stub, i: int):
+    req = gateway_pb2.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)],
+                                      sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS))
+    try:
+        return stub.Generate(req, metadata=(("x-api-key", DEV_API_KEY),), timeout=120)
+    except grpc.RpcError as err:
+        return err
+
+
+def gateway_log(mesh) -> list[dict]:
+    lines = (mesh.tmp / "var" / "log" / "gateway-0.0.log").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def attempts(mesh) -> list[dict]:
+    """The gateway's client spans, one per attempt to an upstream ("call tokenizer/Encode", ...)."""
+    out = []
+    for f in (mesh.tmp / "traces").glob("gateway-*.jsonl"):
+        out += [s for s in map(json.loads, f.read_text().splitlines()) if s["name"].startswith("call ")]
+    return out
+
+
+def key(attempt: dict) -> tuple[str, str, int]:
+    """(trace, "call upstream/Method", attempt number) of a client span."""
+    return attempt["trace_id"], attempt["name"], attempt["attributes"]["rpc.attempt"]
+
+
+def decisions(mesh, traces: set[str]) -> dict[tuple[str, str, int], dict]:
+    """The gateway's retry decision records for these traces, keyed like :func:`key`."""
+    return {(r["trace_id"], f"call {r['upstream']}/{r['method']}", r["attempt"]): r for r in gateway_log(mesh)
+            if r.get("event") == "retry_decision" and r["trace_id"] in traces}
+
+
+def answered(run) -> set[str]:
+    return {r.trace_id for r in [*run["results"].values(), *run["later"]] if isinstance(r, gateway_pb2.GenerateResponse)}
+
+
+def endpoint_of(mesh, name: str) -> str:
+    return f"127.0.0.1:{mesh.state()['processes'][name]['port']}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    mesh = start_mesh(tmp_path_factory.mktemp("scaleout"), tokenizer_replicas=2, inference_replicas=2)
+    try:
+        pids = {name: mesh.state()["processes"][name]["pid"] for name in KILLS}
+        killed_at: dict[str, float] = {}
+        results = {}
+        with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(CLIENTS) as pool:
+            stub = mesh.stub(ch)
+            futures = {pool.submit(ask, stub, i): i for i in range(REQUESTS)}
+            for done, fut in enumerate(as_completed(futures), 1):
+                results[futures[fut]] = fut.result()
+                for name, after in KILLS.items():
+                    if done == after:
+                        os.kill(pids[name], signal.SIGKILL)
+                        killed_at[name] = time.time()
+        endpoints = {name: endpoint_of(mesh, name) for name in KILLS}
+
+        def back_up():  # the gateway's health watch saw every killed replica SERVING again
+            ups = {(r.get("endpoint"), r["ts"]) for r in gateway_log(mesh) if r["msg"] == "replica up"}
+            return all(any(e == endpoints[n] and ts > killed_at[n] for e, ts in ups) for n in KILLS)
+        wait_until(back_up, 240, "killed replicas SERVING again in the gateway")
+        with grpc.insecure_channel(mesh.gateway) as ch:
+            later = [ask(mesh.stub(ch), i) for i in range(AFTER_RECOVERY)]
+        wanted = {r.trace_id for r in list(results.values()) + later if isinstance(r, gateway_pb2.GenerateResponse)}
+        wait_until(lambda: wanted <= {a["trace_id"] for a in attempts(mesh)}, 30, "gateway spans flushed")
+        yield {"mesh": mesh, "results": results, "later": later, "pids": pids, "killed_at": killed_at,
+               "endpoints": endpoints}
+    finally:
+        stop_mesh(mesh)
+
+
+def test_no_request_is_lost_while_replicas_are_killed(run):
+    mesh = run["mesh"]
+    assert set(run["killed_at"]) == set(KILLS)
+    for name, pid in run["pids"].items():
+        assert mesh.state()["processes"][name]["pid"] != pid, f"{name} was not restarted"
+    failures = {i: f"{r.code().name} {r.details()}" for i, r in run["results"].items()
+                if not isinstance(r, gateway_pb2.GenerateResponse)}
+    assert not failures, f"{len(failures)}/{REQUESTS} requests lost: {failures}"
+    assert all(r.usage.completion_tokens > 0 and r.text for r in run["results"].values())
+
+
+def test_every_failed_attempt_has_a_retry_decision(run):
+    mesh, ours = run["mesh"], answered(run)
+    failed = [a for a in attempts(mesh) if a["status"] == "ERROR" and a["trace_id"] in ours]
+    # kill -9 of an inference replica with four clients running always catches a generation in flight
+    assert any(a["attributes"]["upstream"] == "inference" for a in failed), "no inference attempt failed"
+    logged = decisions(mesh, ours)
+    for a in failed:
+        assert key(a) in logged, f"failed attempt without a retry decision: {key(a)}"
+        d = logged[key(a)]
+        assert d["code"] == a["attributes"]["rpc.grpc.status"] == "UNAVAILABLE"
+        assert d["decision"] == "retry"
+        # a dead replica gives no hint (jittered backoff); a restarted one still warming up says when
+        assert d["delay_source"] == ("pushback" if d["retry_after_ms"] is not None else "exponential_jitter")
+    assert len(logged) == len(failed), "retry decisions that match no failed attempt"
+
+
+def test_a_retry_never_goes_back_to_the_replica_that_failed(run):
+    ours = answered(run)
+    by_key = {key(a): a for a in attempts(run["mesh"]) if a["trace_id"] in ours}
+    failed = [k for k, a in by_key.items() if a["status"] == "ERROR"]
+    assert failed
+    for trace_id, name, n in failed:
+        before, after = by_key[(trace_id, name, n)], by_key[(trace_id, name, n + 1)]
+        assert after["attributes"]["server.address"] != before["attributes"]["server.address"]
+
+
+@pytest.mark.parametrize("name", sorted(KILLS))
+def test_balancer_skips_a_dead_replica_until_it_is_back(run, name):
+    mesh, endpoint, killed = run["mesh"], run["endpoints"][name], run["killed_at"][name]
+    log = gateway_log(mesh)
+    noticed = min((r["ts"] for r in log if r["ts"] > killed and r.get("endpoint") == endpoint
+                   and r["msg"] in ("replica unreachable", "replica not serving")), default=None)
+    assert noticed is not None, f"the gateway never marked {endpoint} down"
+    back = min(r["ts"] for r in log if r["ts"] > noticed and r.get("endpoint") == endpoint and r["msg"] == "replica up")
+    sent = [a for a in attempts(mesh) if a["attributes"].get("server.address") == endpoint
+            and noticed < a["start_ns"] / 1e9 < back]
+    # While down, the only attempts allowed are the balancer's re-admission probes, one per
+    # readmit_after_s at most (a replica that is up again answers its health watch first).
+    readmit = BalancerConfig().readmit_after_s
+    assert len(sent) <= 1 + (back - noticed) / readmit, f"{len(sent)} attempts to {endpoint} while it was down"
+    assert all(a["status"] == "ERROR" for a in sent)
+
+
+@pytest.mark.parametrize("stage", ["tokenizer", "inference"])
+def test_restarted_replicas_get_traffic_again(run, stage):
+    assert all(isinstance(r, gateway_pb2.GenerateResponse) for r in run["later"])
+    later = {r.trace_id for r in run["later"]}
+    hit = {a["attributes"]["server.address"] for a in attempts(run["mesh"])
+           if a["trace_id"] in later and a["attributes"]["upstream"] == stage and a["status"] != "ERROR"}
+    assert hit == {f"127.0.0.1:{p}" for p in run["mesh"].ports[stage]}
