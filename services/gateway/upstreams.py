@@ -76,7 +76,7 @@ class Pool:
         for target, ch in self.channels.items():
             try:
                 resp = await health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), timeout=1.0)
+                    health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), timeout=1.0, wait_for_ready=True)
                 serving = resp.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 serving = False
@@ -84,9 +84,19 @@ class Pool:
             up = up or serving
         return up
 
+    async def pick(self) -> str:
+        """Next healthy replica. With none marked healthy, ask each replica's health once before
+        giving up: the watch streams lag a restart by up to a reconnect backoff."""
+        try:
+            return self.balancer.pick()
+        except errors.NotReady:
+            if not await self.any_serving():
+                raise
+            return self.balancer.pick()
+
     async def call(self, fn: Callable, *args, **kwargs):
         """One unary attempt on the next healthy replica; errors translated, health noted."""
-        target = self.balancer.pick()
+        target = await self.pick()
         _note_endpoint(target)
         try:
             result = await fn(self.stubs[target], *args, **kwargs)
@@ -146,7 +156,7 @@ class MeshUpstreams:
                                              top_p=ask.top_p, top_k=ask.top_k, seed=seed)
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
         pool = self.pools["inference"]
-        target = pool.balancer.pick()
+        target = await pool.pick()
         _note_endpoint(target)
         call = pool.stubs[target].Generate(req, timeout=timeout, metadata=_md(md))
         try:
