@@ -1,0 +1,149 @@
+"""Admission against the memory budget, and the bounded FIFO wait queue.
+
+Each request is charged its predicted peak at full length (prompt + max_tokens, see memory.py) for as
+long as it runs, so a running batch can never outgrow the budget. Not thread-safe by itself: the
+scheduler calls it under its lock.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
+
+from .api import GenerationRequest, TokenEvent
+from .memory import MemoryModel
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    max_queued_requests: int
+    max_queued_tokens: int
+    queue_timeout_ms: int
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request; events go to `events` on the consumer's asyncio loop."""
+
+    req: GenerationRequest
+    seed: int
+    cost_bytes: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    submitted: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    holds_reservation: bool = False
+    closed: bool = False  # a terminal item (Finished or an error) was sent
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.req.prompt_ids) + self.req.max_tokens
+
+    def send(self, item) -> None:
+        """Thread-safe delivery; once a terminal item is sent nothing else is."""
+        if self.closed:
+            return
+        if not isinstance(item, TokenEvent):
+            self.closed = True
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            self.closed = True
+
+
+class Admission:
+    def __init__(self, memory: MemoryModel, budget_bytes: int, limits: QueueLimits):
+        self.memory = memory
+        self.budget = budget_bytes
+        self.limits = limits
+        self.queue: deque[Ticket] = deque()
+        self.queued_tokens = 0
+        self.reserved = 0  # bytes charged to running requests, static excluded
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.memory.static_bytes + self.reserved
+
+    def cost(self, req: GenerationRequest) -> int:
+        return self.memory.request_bytes(len(req.prompt_ids), req.max_tokens)
+
+    def check_fits_ever(self, req: GenerationRequest) -> None:
+        if self.memory.static_bytes + self.cost(req) > self.budget:
+            max_total = self.memory.max_total_tokens(self.budget)
+            raise PreconditionFailed(
+                f"request needs ~{self.cost(req)} bytes beyond the model; the budget leaves room for "
+                f"about {max_total} tokens (prompt + max_tokens)",
+                reason="REQUEST_EXCEEDS_MEMORY_BUDGET",
+                metadata={"max_total_tokens": max_total, "request_id": req.request_id})
+
+    def fits_now(self, ticket: Ticket) -> bool:
+        return self.memory.static_bytes + self.reserved + ticket.cost_bytes <= self.budget
+
+    def enqueue(self, ticket: Ticket, retry_after_ms: int) -> None:
+        """Queue the ticket or raise Overloaded when the queue is at its limits."""
+        lim = self.limits
+        if len(self.queue) >= lim.max_queued_requests or \
+                self.queued_tokens + ticket.total_tokens > lim.max_queued_tokens:
+            raise Overloaded(
+                f"inference queue is full ({len(self.queue)} requests, {self.queued_tokens} tokens)",
+                reason="QUEUE_FULL", retry_after_ms=retry_after_ms,
+                metadata={"queued_requests": len(self.queue), "queued_tokens": self.queued_tokens})
+        self.queue.append(ticket)
+        self.queued_tokens += ticket.total_tokens
+
+    def pop_ready(self, free_slots: int) -> list[Ticket]:
+        """Strict FIFO: take queued tickets from the head while they fit (no overtaking)."""
+        taken = []
+        while self.queue and len(taken) < free_slots and self.fits_now(self.queue[0]):
+            ticket = self._pop_head()
+            self.reserve(ticket)
+            taken.append(ticket)
+        return taken
+
+    def reserve(self, ticket: Ticket) -> None:
+        ticket.holds_reservation = True
+        self.reserved += ticket.cost_bytes
+
+    def release(self, ticket: Ticket) -> None:
+        """Idempotent: a ticket gives its bytes back once, whichever path ends it."""
+        if ticket.holds_reservation:
+            ticket.holds_reservation = False
+            self.reserved -= ticket.cost_bytes
+
+    def remove(self, ticket: Ticket) -> bool:
+        if ticket in self.queue:
+            self.queue.remove(ticket)
+            self.queued_tokens -= ticket.total_tokens
+            return True
+        return False
+
+    def expire(self, now: float, retry_after_ms: int) -> list[tuple[Ticket, Exception]]:
+        """Drop cancelled, timed-out and past-deadline tickets from the queue; returns them with their error."""
+        out = []
+        timeout_s = self.limits.queue_timeout_ms / 1000
+        for ticket in list(self.queue):
+            err = None
+            if ticket.req.deadline is not None and now >= ticket.req.deadline:
+                err = DeadlineExpired("deadline passed while queued", reason="DEADLINE_EXPIRED_IN_QUEUE",
+                                      metadata={"request_id": ticket.req.request_id})
+            elif now - ticket.submitted >= timeout_s:
+                err = Overloaded(f"waited {timeout_s:g}s in the inference queue", reason="QUEUE_TIMEOUT",
+                                 retry_after_ms=retry_after_ms, metadata={"request_id": ticket.req.request_id})
+            if err is not None or ticket.cancelled:
+                self.remove(ticket)
+                out.append((ticket, err))
+        return out
+
+    def next_expiry(self) -> float | None:
+        """Monotonic time at which the earliest queued ticket expires, for the idle wait."""
+        times = [t.submitted + self.limits.queue_timeout_ms / 1000 for t in self.queue]
+        times += [t.req.deadline for t in self.queue if t.req.deadline is not None]
+        return min(times, default=None)
+
+    def _pop_head(self) -> Ticket:
+        ticket = self.queue.popleft()
+        self.queued_tokens -= ticket.total_tokens
+        return ticket

@@ -1,0 +1,120 @@
+"""Request and event types of the inference engine, and request validation (re-exported by engine.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shared.errors import InvalidInput, PermissionDenied
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Test-only faults for one request (refused unless EngineConfig.fault_injection_enabled).
+
+    Step k is the forward pass that produces completion token k (step 0 is the prefill).
+    None or a negative step means never (the proto uses -1).
+    """
+
+    nan_at_step: int | None = None   # this row's hidden state becomes NaN at that step
+    oom_at_step: int | None = None   # the step containing this row raises torch.OutOfMemoryError
+    oom_repeat: bool = False         # keep raising at every later step too (not just once)
+    slow_step_ms: int = 0            # sleep this long before every step of this request
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    deadline: float | None = None  # time.monotonic() based
+    trace_id: str = ""
+    fingerprint: str = ""  # digest of the input, logged when this request fails numerically
+    faults: FaultSpec | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float   # log-probability of token_id under the model's distribution
+    entropy: float   # predictive entropy (nats) of that distribution
+    index: int       # 0-based position in the completion
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (eos or a stop id; not streamed as a token) | "length"
+    prompt_tokens: int
+    completion_tokens: int  # tokens streamed
+    seed: int
+    queue_ms: float     # submission -> start of the prefill
+    ttft_ms: float      # submission -> first token sampled
+    dtype: str          # dtype of the model that served the request (changes under breaker level 2)
+    breaker_level: int  # breaker level in force when the request was prefilled
+
+    def span_attributes(self) -> dict[str, str | int | float]:
+        return {"inference.finish_reason": self.finish_reason, "inference.prompt_tokens": self.prompt_tokens,
+                "inference.completion_tokens": self.completion_tokens, "inference.seed": str(self.seed),
+                "inference.queue_ms": round(self.queue_ms, 3), "inference.ttft_ms": round(self.ttft_ms, 3),
+                "inference.dtype": self.dtype, "inference.breaker_level": self.breaker_level}
+
+
+MAX_SEED = 2 ** 63 - 1
+
+
+def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, faults_enabled: bool) -> None:
+    """Raise InvalidInput (or PermissionDenied for faults) unless the request is well-formed."""
+    def bad(message: str, reason: str, **meta) -> InvalidInput:
+        return InvalidInput(message, reason=reason, metadata={"request_id": req.request_id, **meta})
+
+    if not isinstance(req.request_id, str) or not req.request_id:
+        raise bad("request_id must be a non-empty string", "MISSING_REQUEST_ID")
+    ids = req.prompt_ids
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise bad("prompt_ids must be a non-empty list of token ids", "EMPTY_PROMPT")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise bad(f"prompt_ids[{i}]={t!r} is not a token id in [0, {vocab_size})", "TOKEN_OUT_OF_RANGE",
+                      index=i)
+    if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+        raise bad(f"max_tokens must be an integer >= 1, got {req.max_tokens!r}", "INVALID_MAX_TOKENS")
+    if len(ids) + req.max_tokens > max_context_tokens:
+        raise bad(f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context window "
+                  f"({max_context_tokens})", "CONTEXT_LENGTH_EXCEEDED",
+                  max_context_tokens=max_context_tokens, prompt_tokens=len(ids))
+    if not _finite_number(req.temperature) or req.temperature < 0:
+        raise bad(f"temperature must be a finite number >= 0, got {req.temperature!r}", "INVALID_TEMPERATURE")
+    if not _finite_number(req.top_p) or not 0 < req.top_p <= 1:
+        raise bad(f"top_p must be in (0, 1], got {req.top_p!r}", "INVALID_TOP_P")
+    if isinstance(req.top_k, bool) or not isinstance(req.top_k, int) or req.top_k < 0:
+        raise bad(f"top_k must be an integer >= 0, got {req.top_k!r}", "INVALID_TOP_K")
+    if req.seed is not None and (isinstance(req.seed, bool) or not isinstance(req.seed, int)
+                                 or not 0 <= req.seed <= MAX_SEED):
+        raise bad(f"seed must be an integer in [0, 2**63), got {req.seed!r}", "INVALID_SEED")
+    for t in req.stop_token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise bad(f"stop token {t!r} is not a token id", "TOKEN_OUT_OF_RANGE")
+    if req.deadline is not None and not _finite_number(req.deadline):
+        raise bad("deadline must be a finite time.monotonic() value", "INVALID_DEADLINE")
+    if req.faults is not None:
+        if not faults_enabled:
+            raise PermissionDenied("fault injection is disabled on this engine", reason="FAULT_INJECTION_DISABLED",
+                                   metadata={"request_id": req.request_id})
+        _validate_faults(req.faults, bad)
+
+
+def _validate_faults(f: FaultSpec, bad) -> None:
+    for name in ("nan_at_step", "oom_at_step"):
+        step = getattr(f, name)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise bad(f"faults.{name} must be an integer or None", "INVALID_FAULT")
+    if isinstance(f.slow_step_ms, bool) or not isinstance(f.slow_step_ms, int) or not 0 <= f.slow_step_ms <= 60_000:
+        raise bad("faults.slow_step_ms must be an integer in [0, 60000]", "INVALID_FAULT")
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,202 @@
+"""The inference engine: warmup, admission, continuous batching, streaming, breakers, drain.
+
+Usage (the servicer owns the process; this module never imports grpc):
+
+    engine = Engine(load_model("var/model", cfg.dtype), cfg)
+    engine.warmup()                     # blocking: forward passes + memory model
+    await engine.start()                # starts the batching thread
+    async for item in engine.generate(req):   # TokenEvent ... then Finished
+        ...
+    await engine.stop(grace_s=10)
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.errors import Cancelled, DeadlineExpired, InvalidInput, NotReady
+
+from .admission import Admission, QueueLimits, Ticket
+from .api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
+from .breaker import BreakerBoard, BreakerConfig
+from .memory import MemoryModel
+from .model import check_dtype, model_dtype
+from .scheduler import Scheduler, SchedulerSettings
+from .warmup import build_runners, measure_memory, set_deterministic
+
+__all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished",
+           "FaultSpec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    memory_budget_bytes: int
+    max_queued_requests: int = 64
+    max_queued_tokens: int = 131072
+    queue_timeout_ms: int = 30_000
+    max_batch_size: int = 16
+    max_context_tokens: int = 2048
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    fault_injection_enabled: bool = False
+    eos_token_ids: tuple[int, ...] = (2,)
+    dtype: str = "float32"
+    device: str = "cpu"
+    warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
+    warmup_max_tokens: int = 256                            # one probe with a long reserved completion
+    prefill_tokens_per_iteration: int = 2048  # newcomers' prompt tokens per iteration (first always runs)
+    oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
+    memory_audit: bool = False                # measure every iteration's peak (slow; for tests/bench)
+    batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
+
+    def __post_init__(self):
+        check_dtype(self.dtype, self.device)
+        if self.breaker.fallback_dtype is not None:
+            check_dtype(self.breaker.fallback_dtype, self.device)
+        positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
+                    "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
+                                   metadata={"field": name})
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0 or not self.warmup_prompt_tokens:
+            raise InvalidInput("queue limits must be >= 0 and warmup_prompt_tokens non-empty",
+                               reason="INVALID_CONFIG")
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig,
+                 clock: Callable[[], float] = time.monotonic):
+        if model_dtype(model) != config.dtype:
+            raise InvalidInput(f"model is {model_dtype(model)} but config.dtype is {config.dtype}",
+                               reason="DTYPE_MISMATCH")
+        self.model = model
+        self.config = config
+        self.board = BreakerBoard(config.breaker, config.max_batch_size, clock)
+        self.memory: MemoryModel | None = None
+        self._scheduler: Scheduler | None = None
+        self._tickets: dict[str, Ticket] = {}
+        self._state = "created"  # created -> warm -> serving -> draining -> stopped
+
+    def warmup(self) -> None:
+        cfg = self.config
+        set_deterministic(cfg.device)
+        runners = build_runners(self.model, cfg.device, cfg.breaker.fallback_dtype, cfg.max_batch_size,
+                                cfg.batch_invariant)
+        lengths = tuple(min(p, cfg.max_context_tokens - 1) for p in cfg.warmup_prompt_tokens)
+        long_m = min(cfg.warmup_max_tokens, cfg.max_context_tokens - min(lengths))
+        self.memory, tokens_per_s = measure_memory(runners, lengths, max(1, long_m), cfg.device)
+        if self.memory.max_total_tokens(cfg.memory_budget_bytes) < 2:
+            raise InvalidInput(
+                f"memory budget {cfg.memory_budget_bytes} B leaves no room beyond the model "
+                f"({self.memory.static_bytes} B static)", reason="BUDGET_TOO_SMALL",
+                metadata={"static_bytes": self.memory.static_bytes})
+        limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
+        settings = SchedulerSettings(cfg.max_batch_size, cfg.eos_token_ids, cfg.prefill_tokens_per_iteration,
+                                     cfg.oom_backoff_steps, cfg.memory_audit, cfg.device)
+        self._scheduler = Scheduler(runners, Admission(self.memory, cfg.memory_budget_bytes, limits),
+                                    self.board, settings, tokens_per_s)
+        self._state = "warm"
+
+    async def start(self) -> None:
+        if self._state != "warm":
+            raise NotReady(f"engine cannot start from state {self._state} (call warmup() first)",
+                           reason="WARMING_UP", retry_after_ms=1000)
+        self._scheduler.start()
+        self._state = "serving"
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
+        ticket = self._submit(req)
+        done = False
+        try:
+            while True:
+                item = await ticket.events.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if isinstance(item, Finished):
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            self._tickets.pop(req.request_id, None)
+            if not done:
+                self._scheduler.cancel(ticket)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request from outside its consumer; its generator raises Cancelled."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None:
+            return False
+        self._scheduler.cancel(ticket)
+        ticket.send(Cancelled("request cancelled", reason="CANCELLED", metadata={"request_id": request_id}))
+        return True
+
+    def report_failure(self, kind: str, cause: str = "") -> None:
+        """Count a failure observed outside the engine (e.g. 'output_limit' from the validator)."""
+        self.board.record(kind, cause)
+
+    def stats(self) -> dict:
+        out = {"state": self._state, "breaker": self.board.as_dict(), "breaker_level": self.board.policy().level}
+        if self._scheduler is None:
+            return out
+        s = self._scheduler
+        with s.lock:
+            adm = s.admission
+            out.update({
+                "queue_depth": len(adm.queue), "queued_tokens": adm.queued_tokens,
+                "running_batch_size": len(s.rows), "pending_prefill": len(s.pending),
+                "batch_cap": s.batch_cap(self.board.policy()),
+                "memory": {**self.memory.as_dict(), "budget_bytes": adm.budget,
+                           "predicted_bytes": adm.predicted_bytes,
+                           "observed_peak_bytes": s.observed_peak_bytes or None},
+                "invariant_batch_sizes": {k: list(r.invariant_sizes) for k, r in s.runners.items()},
+                "tokens_per_s": round(s.tokens_per_s, 2),
+                "counters": {**{k: v for k, v in s.counters.__dict__.items() if k != "failed"},
+                             "failed": dict(s.counters.failed)},
+            })
+        return out
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new work, let in-flight requests finish for up to grace_s, then fail the rest."""
+        if self._state != "serving":
+            self._state = "stopped"
+            return
+        self._state = "draining"
+        end = time.monotonic() + max(0.0, grace_s)
+        while self._scheduler.busy() and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        err = NotReady("inference engine shut down before the request finished", reason="SHUTTING_DOWN",
+                       retry_after_ms=1000)
+        await asyncio.get_running_loop().run_in_executor(None, self._scheduler.shutdown, err)
+        self._state = "stopped"
+
+    def _submit(self, req: GenerationRequest) -> Ticket:
+        if self._state != "serving":
+            reason = {"draining": "DRAINING", "stopped": "SHUTTING_DOWN"}.get(self._state, "WARMING_UP")
+            raise NotReady(f"inference engine is {self._state}", reason=reason, retry_after_ms=1000)
+        cfg = self.config
+        validate(req, self._scheduler.runners["primary"].vocab_size, cfg.max_context_tokens,
+                 cfg.fault_injection_enabled)
+        if req.request_id in self._tickets:
+            raise InvalidInput(f"request {req.request_id} is already in flight", reason="DUPLICATE_REQUEST_ID",
+                               metadata={"request_id": req.request_id})
+        if req.deadline is not None and time.monotonic() >= req.deadline:
+            raise DeadlineExpired("deadline already passed", reason="DEADLINE_EXPIRED",
+                                  metadata={"request_id": req.request_id})
+        policy = self.board.policy()
+        if policy.reject:
+            raise NotReady("circuit breaker open", reason="CIRCUIT_OPEN", retry_after_ms=policy.retry_after_ms,
+                           metadata={"level": policy.level})
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        ticket = Ticket(req, seed, self._scheduler.admission.cost(req), asyncio.get_running_loop(),
+                        asyncio.Queue())
+        self._scheduler.submit(ticket, policy)
+        self._tickets[req.request_id] = ticket
+        return ticket
+

@@ -1,0 +1,80 @@
+"""Warmup: deterministic settings, runners, batch-invariant sizes, and the measured memory model.
+
+Every probe runs the same operations the scheduler runs for a request (cache allocation, prefill,
+sampling, decode step, sampling) on the calling thread, so PeakMeter sees its allocations.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from .forward import LlamaRunner
+from .memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
+from .model import convert_model
+from .sampling import pick
+
+log = logging.getLogger(__name__)
+
+
+def set_deterministic(device: str) -> None:
+    """Deterministic kernels; on CUDA cuBLAS needs its workspace setting before the first GEMM."""
+    if torch.device(device).type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def build_runners(model: torch.nn.Module, device: str, fallback_dtype: str | None,
+                  max_batch: int, batch_invariant: bool) -> dict[str, LlamaRunner]:
+    runners = {"primary": LlamaRunner(model, device)}
+    if fallback_dtype is not None and fallback_dtype != runners["primary"].dtype_name:
+        runners["fallback"] = LlamaRunner(convert_model(model, fallback_dtype, device), device)
+    for name, runner in runners.items():
+        sizes = runner.calibrate_invariant_sizes(max_batch) if batch_invariant else ()
+        log.info("batch-invariant sizes for %s: %s", name, sizes or "none",
+                 extra={"runner": name, "dtype": runner.dtype_name, "invariant_sizes": list(sizes)})
+    return runners
+
+
+def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str) -> tuple[Probe, float]:
+    """Measure one request alone, phase by phase; also returns the decode step's wall time."""
+    ids = [3 + (i * 7919) % (runner.vocab_size - 3) for i in range(prompt_tokens)]
+    gen = torch.Generator(device=runner.device).manual_seed(0)
+    with PeakMeter(device) as alloc:
+        cache = runner.new_cache(prompt_tokens + max_tokens)
+    with PeakMeter(device) as forward:
+        logits = runner.prefill(ids, cache)
+    with PeakMeter(device) as sample:
+        first = pick(logits, 1.0, 0.9, 0, gen)
+    del logits
+    t0 = time.perf_counter()
+    with PeakMeter(device) as decode:
+        pick(runner.decode([first.token_id], [cache])[0], 1.0, 0.9, 0, gen)
+    step_s = time.perf_counter() - t0
+    del cache
+    return Probe(prompt_tokens, max_tokens, cache_bytes=alloc.final, prefill_peak=forward.peak,
+                 sample_peak=forward.final + sample.peak, decode_peak=decode.peak), step_s
+
+
+def measure_memory(runners: dict[str, LlamaRunner], prompt_lengths: tuple[int, ...], long_max_tokens: int,
+                   device: str) -> tuple[MemoryModel, float]:
+    """Fit the memory model for every runner (worst case kept); also returns a batch-1 tokens/s."""
+    static = static_bytes(*(r.model for r in runners.values()))
+    shapes = [(p, 1) for p in prompt_lengths] + [(min(prompt_lengths), long_max_tokens)]
+    merged, step_times = None, []
+    for name, runner in runners.items():
+        probe(runner, min(prompt_lengths), 1, device)  # first call pays one-time kernel setup
+        probes = []
+        for p, m in shapes:
+            result, step_s = probe(runner, p, m, device)
+            probes.append(result)
+            step_times.append(step_s)
+        model = fit(probes, static, runner.kv_bytes_per_token)
+        merged = model if merged is None else merged.merged(model)
+    return merged, 1.0 / max(min(step_times), 1e-6)

@@ -1,0 +1,255 @@
+"""Compile the GGUF's tokenizer into the flat binary that every worker mmaps (see fileformat).
+
+Run: python -m services.tokenizer.compiler [--gguf PATH] [--out var/vocab.kvoc]
+
+Idempotent: an existing output built from the same GGUF (same size and mtime, or else the same
+SHA-256), by the same format version and `regex` version, is kept as it is. The slow parts (GGUF
+parse ~2 s, Unicode scan ~1 s, verifying every token ~1 s) run only when something changed.
+
+The self-check probes stored in the file are computed here by a deliberately naive, dictionary-based
+BPE, so ``Tokenizer.self_check`` compares the fast runtime against an independent implementation.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import regex
+
+from services.tokenizer import fileformat as ff
+from services.tokenizer import tables
+from services.tokenizer.pretokenize import PRETOKENIZERS
+from services.tokenizer.unicode_pin import pinned_patterns
+from shared.errors import PreconditionFailed
+
+GGUF_CONTROL = 3  # tokenizer.ggml.token_type of added special tokens; 1 is a normal token
+PROBES = (  # each exercises a different runtime path; ids come from the naive reference below
+    "Hello, world! It's 2024-11-29, isn't it?",
+    "x  1",
+    "!\x04!",
+    "中文分词测试，这是一个没有空格的很长的句子。",
+    "中" * 40,
+    "a" * 400,
+    "👨\u200d👩\u200d👧 🇫🇷 é ñ",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "def f(x):\n    return x**2  # 平方\n\n\n",
+    "\U00010940\U00011de0 ab 三",
+)
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    chat_template: str | None
+    pretokenizer: str
+
+
+DEFAULT_OUTPUT = Path("var/vocab.kvoc")  # where config/tokenizer.yaml and the Makefile expect it
+
+
+def _unsupported(message: str) -> PreconditionFailed:
+    return PreconditionFailed(message, reason="UNSUPPORTED_TOKENIZER")
+
+
+def read_gguf(gguf_file: Path) -> GgufVocab:
+    from gguf import GGUFReader  # heavy (numpy); only the compile step needs it
+
+    fields = GGUFReader(gguf_file).fields
+
+    def get(key, default=None):
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    if get("tokenizer.ggml.model") != "gpt2":
+        raise _unsupported(f"tokenizer model {get('tokenizer.ggml.model')!r}; only byte-level BPE (gpt2)")
+    pre = get("tokenizer.ggml.pre")
+    if pre not in PRETOKENIZERS:
+        raise _unsupported(f"pre-tokenizer {pre!r}; supported: {PRETOKENIZERS}")
+    if get("tokenizer.ggml.add_bos_token", False) or get("tokenizer.ggml.add_space_prefix", False):
+        raise _unsupported("add_bos_token/add_space_prefix are not implemented")
+    eos = get("tokenizer.ggml.eos_token_id")
+    return GgufVocab(
+        tokens=list(get("tokenizer.ggml.tokens")), token_types=list(get("tokenizer.ggml.token_type")),
+        merges=list(get("tokenizer.ggml.merges")), bos_id=get("tokenizer.ggml.bos_token_id", eos),
+        eos_id=eos, pad_id=get("tokenizer.ggml.padding_token_id", eos),
+        unk_id=get("tokenizer.ggml.unknown_token_id", -1), chat_template=get("tokenizer.chat_template"),
+        pretokenizer=pre)
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by ByteLevel vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def reference_bpe(data: bytes, byte_ids: list[int], ranks: dict, rank_ids: list[int]) -> list[int]:
+    """Naive BPE: rescan every pair after each merge. Slow and obviously right."""
+    syms = [byte_ids[b] for b in data if byte_ids[b] >= 0]
+    while len(syms) > 1:
+        best_rank, best_i = tables.NO_RANK, -1
+        for i in range(len(syms) - 1):
+            rank = ranks.get((syms[i], syms[i + 1]), tables.NO_RANK)
+            if rank < best_rank:
+                best_rank, best_i = rank, i
+        if best_i < 0:
+            break
+        syms[best_i:best_i + 2] = [rank_ids[best_rank]]
+    return syms
+
+
+def _reference_encode(text: str, specials: dict[str, int], findall, bpe) -> list[int]:
+    out, pos = [], 0
+    while pos < len(text):
+        hits = [(text.find(s, pos), -len(s), s) for s in specials if text.find(s, pos) >= 0]
+        start, _, special = min(hits) if hits else (len(text), 0, None)  # leftmost, then longest
+        for piece in findall(text[pos:start]):
+            out += bpe(piece.encode())
+        if special is None:
+            break
+        out.append(specials[special])
+        pos = start + len(special)
+    return out
+
+
+def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
+    n = len(vocab.tokens)
+    if n > tables.MAX_VOCAB:
+        raise _unsupported(f"vocabulary of {n} tokens; pair keys hold ids below {tables.MAX_VOCAB}")
+    if len(vocab.token_types) != n or len(set(vocab.tokens)) != n:
+        raise _unsupported("token list and types disagree, or tokens repeat")
+    if any(t not in (1, GGUF_CONTROL) for t in vocab.token_types):
+        raise _unsupported("only normal and control token types are implemented")
+    to_byte = {c: b for b, c in byte_to_unicode().items()}
+    special = {vocab.tokens[i]: i for i in range(n) if vocab.token_types[i] == GGUF_CONTROL}
+    normal = {tok: i for i, tok in enumerate(vocab.tokens) if vocab.token_types[i] != GGUF_CONTROL}
+
+    def decoded(tok: str) -> bytes:  # the ByteLevel decoder's rule, including its raw-text fallback
+        return bytes(to_byte[c] for c in tok) if all(c in to_byte for c in tok) else tok.encode()
+
+    token_bytes = [decoded(tok) for tok in vocab.tokens]
+    to_char = byte_to_unicode()
+    byte_ids = [normal.get(to_char[b], -1) for b in range(256)]
+    pairs, rank_ids = [], []
+    for line in vocab.merges:
+        parts = line.split(" ")
+        if len(parts) != 2 or parts[0] not in normal or parts[1] not in normal or "".join(parts) not in normal:
+            raise _unsupported(f"merge {line!r} does not name vocabulary tokens")
+        pairs.append((normal[parts[0]], normal[parts[1]]))
+        rank_ids.append(normal["".join(parts)])
+    ranks = {pair: r for r, pair in enumerate(pairs)}
+    if len(ranks) != len(pairs):
+        raise _unsupported("a merge pair repeats")
+
+    def bpe(data: bytes) -> list[int]:
+        return reference_bpe(data, byte_ids, ranks, rank_ids)
+
+    flags, unsafe = bytearray(n), bytearray(65536)
+    special_ids = set(special.values())
+    for i in range(n):
+        if i in special_ids:
+            flags[i] = ff.FLAG_SPECIAL
+            continue
+        data = token_bytes[i]
+        if bpe(data) == [i]:
+            flags[i] = ff.FLAG_STABLE
+        for k in range(1, len(data)):
+            if not 0x80 <= data[k] <= 0xBF:
+                unsafe[data[k - 1] << 8 | data[k]] = 1
+
+    pinned = pinned_patterns()
+    exact = regex.compile(pinned.exact_pattern, regex.V1).findall
+    probes = [[text, _reference_encode(text, special, exact, bpe)] for text in PROBES]
+    names = {i: tok for tok, i in special.items()}
+    meta = {
+        "source_name": source_name, "vocab_size": n, "n_merges": len(pairs),
+        "bos_token_id": vocab.bos_id, "eos_token_id": vocab.eos_id, "pad_token_id": vocab.pad_id,
+        "unk_token_id": vocab.unk_id,
+        "special_strings": {key: names.get(i, token_bytes[i].decode("utf-8", "replace")) for key, i in
+                            (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id),
+                             ("pad_token", vocab.pad_id), ("unk_token", vocab.unk_id)) if 0 <= i < n},
+        "special_tokens": sorted([tok, i] for tok, i in special.items()),
+        "chat_template": vocab.chat_template,
+        "pretokenizer": vocab.pretokenizer, "regex_version": regex.__version__,
+        "unicode": "letters as Unicode 16.0 (Oniguruma), numerics as Unicode 17.0 (Rust is_numeric)",
+        "rare_class": pinned.rare_class, "exact_pattern": pinned.exact_pattern,
+        "rare_leads3": pinned.rare_leads3,
+        "max_token_bytes": max(len(b) for b in token_bytes), "probes": probes,
+    }
+    offsets = array("I", [0])
+    for data in token_bytes:
+        offsets.append(offsets[-1] + len(data))
+    pair_keys, pair_ranks = tables.build_pair_table(pairs)
+    return {
+        ff.META: json.dumps(meta, ensure_ascii=False).encode(),
+        ff.TOKEN_OFFSETS: offsets.tobytes(),
+        ff.TOKEN_BYTES: b"".join(token_bytes),
+        ff.TOKEN_FLAGS: bytes(flags),
+        ff.TOKEN_HASH: tables.build_token_table(
+            [None if flags[i] & ff.FLAG_SPECIAL else b for i, b in enumerate(token_bytes)]).tobytes(),
+        ff.PAIR_KEYS: pair_keys.tobytes(),
+        ff.PAIR_RANKS: pair_ranks.tobytes(),
+        ff.RANK_IDS: array("I", rank_ids).tobytes(),
+        ff.BYTE_IDS: array("i", byte_ids).tobytes(),
+        ff.UNSAFE_PAIRS: bytes(unsafe),
+    }
+
+
+def _sha256(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.digest()
+
+
+def compile_vocab(gguf_file: Path, out_file: Path) -> Path:
+    """Build ``out_file`` from ``gguf_file`` unless it already holds the same source's tables."""
+    gguf_file, out_file = Path(gguf_file), Path(out_file)
+    try:
+        stat = gguf_file.stat()
+    except OSError as exc:
+        raise PreconditionFailed(f"cannot read the GGUF: {exc}", reason="GGUF_NOT_FOUND") from exc
+    summary = ff.read_summary(out_file)
+    current = summary is not None and summary[1].get("regex_version") == regex.__version__
+    if current and (summary[0].source.size, summary[0].source.mtime_ns) == (stat.st_size, stat.st_mtime_ns):
+        return out_file
+    sha = _sha256(gguf_file)
+    if current and summary[0].source.sha256 == sha:
+        return out_file
+    ff.require_little_endian()
+    sections = build_sections(read_gguf(gguf_file), gguf_file.name)
+    ff.write(out_file, sections, ff.SourceInfo(sha, stat.st_size, stat.st_mtime_ns))
+    return out_file
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, help="default: the model package's GGUF")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT, help=f"default: {DEFAULT_OUTPUT}")
+    args = parser.parse_args(argv)
+    if args.gguf is None:
+        from services.inference.modelcache import gguf_path
+        args.gguf = gguf_path()
+    out = compile_vocab(args.gguf, args.out)
+    print(f"compiled tokenizer ready at {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

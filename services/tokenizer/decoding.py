@@ -1,0 +1,119 @@
+"""Ids -> text, whole or streamed, as the reference's ByteLevel decoder does it.
+
+Each token maps to bytes (special tokens to their text); the concatenation is decoded as UTF-8 with
+U+FFFD for each maximal invalid subsequence (Rust's ``from_utf8_lossy`` and Python's ``"replace"``
+follow the same Unicode recommendation). The stream decoder holds back a trailing, still-valid
+incomplete UTF-8 sequence, so it never emits half a character, and the concatenation of its outputs
+equals ``decode`` of all the ids pushed.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+from shared.errors import InvalidInput
+
+# Second-byte ranges that keep a sequence valid (Unicode Table 3-7), for lead bytes E0..F4.
+_SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _sequence_length(lead: int) -> int:
+    """Length of the UTF-8 sequence a lead byte starts; 0 for bytes that cannot start one."""
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0
+
+
+def complete_prefix(data: bytes) -> int:
+    """Length of the prefix of ``data`` that can be decoded now without splitting a character.
+
+    What follows it is the start of a valid sequence that later bytes may complete. Cutting just
+    before a lead byte never changes how the prefix decodes, since a lead byte cannot continue
+    anything before it.
+    """
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        byte = data[n - back]
+        if 0x80 <= byte <= 0xBF:
+            continue  # continuation byte: look further back for its lead byte
+        need = _sequence_length(byte)
+        if need <= back:  # ASCII, an invalid byte, or a sequence that is already complete
+            return n
+        if back >= 2:
+            low, high = _SECOND.get(byte, (0x80, 0xBF))
+            if not low <= data[n - back + 1] <= high:
+                return n  # already invalid: nothing to wait for
+        return n - back
+    return n
+
+
+class Decoder:
+    def __init__(self, offsets: memoryview, blob: memoryview, special_ids: frozenset[int]):
+        self._offsets = offsets
+        self._blob = blob
+        self.vocab_size = len(offsets) - 1
+        self.special_ids = special_ids
+
+    def check_ids(self, ids: Iterable[int]) -> list[int]:
+        """Validate ids: integers in [0, vocab_size). Raises InvalidInput."""
+        if isinstance(ids, (str, bytes)):
+            raise InvalidInput("token ids must be a sequence of integers", reason="INVALID_TOKEN_ID")
+        ids = list(ids)
+        if not all(type(i) is int for i in ids):
+            ids = [self._as_int(i, pos) for pos, i in enumerate(ids)]
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
+            raise InvalidInput(f"token id {bad} at position {pos} is outside [0, {self.vocab_size})",
+                               reason="TOKEN_ID_OUT_OF_RANGE",
+                               metadata={"token_id": bad, "position": pos, "vocab_size": self.vocab_size})
+        return ids
+
+    @staticmethod
+    def _as_int(value, pos: int) -> int:
+        if isinstance(value, bool):
+            raise InvalidInput(f"token id at position {pos} is a bool", reason="INVALID_TOKEN_ID",
+                               metadata={"position": pos})
+        try:
+            return operator.index(value)
+        except TypeError:
+            raise InvalidInput(f"token id at position {pos} is not an integer: {value!r}"[:200],
+                               reason="INVALID_TOKEN_ID", metadata={"position": pos}) from None
+
+    def token_bytes(self, ids: list[int]) -> bytes:
+        """Concatenated bytes of already-validated ids."""
+        off, blob = self._offsets, self._blob
+        return b"".join([blob[off[i]:off[i + 1]] for i in ids])
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = self.check_ids(ids)
+        if skip_special_tokens:
+            special = self.special_ids
+            ids = [i for i in ids if i not in special]
+        return self.token_bytes(ids).decode("utf-8", "replace")
+
+
+class StreamDecoder:
+    """``push(id) -> str`` emits whole characters only; ``finish() -> str`` flushes the rest."""
+
+    def __init__(self, decoder: Decoder, skip_special_tokens: bool = True):
+        self._decoder = decoder
+        self._skip = decoder.special_ids if skip_special_tokens else frozenset()
+        self._pending = b""
+
+    def push(self, token_id: int) -> str:
+        (token,) = self._decoder.check_ids((token_id,))
+        if token in self._skip:
+            return ""
+        data = self._pending + self._decoder.token_bytes([token])
+        cut = complete_prefix(data)
+        self._pending = data[cut:]
+        return data[:cut].decode("utf-8", "replace") if cut else ""
+
+    def finish(self) -> str:
+        """Flush what is held back (an incomplete sequence decodes to U+FFFD) and reset."""
+        data, self._pending = self._pending, b""
+        return data.decode("utf-8", "replace")
