@@ -44,9 +44,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._itl = metrics.histogram("keel_inference_itl_seconds")
         self._tokens = metrics.counter("keel_inference_generated_tokens_total")
 
+    def _phase_spans(self, ev: Finished, start_ns: int, first_ns: int, end_ns: int) -> None:
+        """Queue wait, prefill and decode as child spans, from the engine's own timings."""
+        tracer = tracing.tracer()
+        queued_ns = start_ns + int(ev.queue_ms * 1e6)
+        kv = self.engine.memory.kv_bytes_per_token if self.engine.memory else 0
+        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level}
+        phases = [("inference.queue", start_ns, queued_ns, {}),
+                  ("inference.prefill", queued_ns, first_ns, {"prompt_tokens": ev.prompt_tokens,
+                                                              "kv_cache_bytes": kv * ev.prompt_tokens}),
+                  ("inference.decode", first_ns, end_ns, {
+                      "generated_tokens": ev.completion_tokens,
+                      "kv_cache_bytes": kv * (ev.prompt_tokens + ev.completion_tokens),
+                      "batch_rows_running_at_finish": self.engine.stats().get("running_batch_size", 0)})]
+        for name, t0, t1, attrs in phases:
+            span = tracer.start_span(name, start_time=t0, attributes={**common, **attrs,
+                                                                      "latency_ms": round((t1 - t0) / 1e6, 3)})
+            span.end(end_time=max(t0, t1))
+
     async def Generate(self, request, context):
         remaining = context.time_remaining()
         start = time.monotonic()
+        start_ns = first_ns = time.time_ns()
         req = to_request(request, start + remaining if remaining is not None else None, self.max_tokens_limit)
         last = start
         span = trace.get_current_span()
@@ -55,11 +74,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if isinstance(ev, TokenEvent):
                 (self._ttft if ev.index == 0 else self._itl).observe(now - last)
                 self._tokens.inc()
+                if ev.index == 0:
+                    first_ns = time.time_ns()
                 last = now
                 yield inference_pb2.GenerateEvent(token=inference_pb2.Token(
                     id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index))
             elif isinstance(ev, Finished):
                 span.set_attributes(ev.span_attributes())
+                self._phase_spans(ev, start_ns, first_ns if ev.completion_tokens else time.time_ns(), time.time_ns())
                 yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
                     breaker_level=ev.breaker_level, dtype=ev.dtype,
