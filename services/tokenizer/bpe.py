@@ -15,19 +15,21 @@ Speed comes from not doing that work twice:
   BPE(piece) = BPE(left) + BPE(right). Long non-ASCII pieces (Chinese prose has clause-long pieces
   and few multi-character tokens) are cut there, and the chunks (mostly single characters) have a
   cache of their own. Pieces of 3-byte characters (CJK, kana, Hangul) are cut with byte slicing and
-  one bytes regex that finds the few unsafe boundaries; others with a per-character loop;
+  one bytes regex that finds the few unsafe boundaries; others with a per-character loop. A single
+  3-byte character missing from the chunk cache is read from the compiler's table (``CHR3``);
+* prefill: ``warmup()`` caches the most frequent whole-word tokens, which the compiler listed;
 * merge loop: ``min()`` over a rank list for short inputs; a heap (O(n log n)) above
   ``HEAP_MIN_SYMBOLS``, so a 20,000-character run without spaces stays linear-ish.
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import chain
+from itertools import chain, islice
 
-from services.tokenizer.fileformat import FLAG_STABLE
+from services.tokenizer.fileformat import CHAR3_END, CHAR3_FIRST, FLAG_STABLE, NO_ID
 from services.tokenizer.pretokenize import PreTokenizer
 from services.tokenizer.tables import NO_RANK
 
@@ -46,10 +48,13 @@ class CacheOptions:
     piece_entries: int = 16384  # ~200 B each for English words
     chunk_entries: int = 8192
     pair_entries: int = 32768  # ~100 B each
+    prefill_pieces: int = 4096  # frequent whole-word tokens warmup() caches (fewer than piece_entries)
 
     def __post_init__(self) -> None:
         if min(self.piece_entries, self.chunk_entries, self.pair_entries) < 1:
             raise ValueError("cache sizes must be positive")
+        if self.prefill_pieces < 0:
+            raise ValueError("prefill_pieces must not be negative")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class MergeTables:
     flags: memoryview  # u8 per token
     unsafe_pairs: memoryview  # u8[65536]
     max_token_bytes: int
+    char3: memoryview  # u16: BPE of each character U+0800..U+FFFF, three slots, NO_ID padded
 
 
 class TwoGenerationCache:
@@ -129,6 +135,17 @@ class BpeEngine:
     def cache_sizes(self) -> dict[str, int]:
         return {"pieces": len(self._pieces), "chunks": len(self._chunk_cache), "pairs": len(self._pairs)}
 
+    def prefill(self, words: Iterable[tuple[str, int]]) -> int:
+        """Cache (text, id) pairs in the order given, up to ``prefill_pieces``. The compiler chose
+        them (section WORDS): each text is one whole piece, holds no rare code point, and BPE of it
+        is exactly [id]. Returns how many were cached."""
+        limit = min(self._options.prefill_pieces, self._options.piece_entries - 1)
+        added = 0
+        for text, token in islice(words, limit):
+            self._pieces.put(text, (token,))
+            added += 1
+        return added
+
     def without_dropped_bytes(self, data: bytes) -> bytes:
         """The bytes BPE actually sees: those missing from the vocabulary are dropped."""
         return data.translate(None, self._drop)
@@ -139,14 +156,17 @@ class BpeEngine:
         """Ids of a text that holds no special token."""
         pieces = self._findall(text)
         cache = self._pieces
-        try:  # all hits: no intermediate list; a miss yields None, which chain refuses
-            return list(chain.from_iterable(map(cache.get, pieces)))
-        except TypeError:
-            pass
+        if text.isascii():  # usually all hits: no intermediate list; a miss yields None, which chain refuses
+            try:
+                return list(chain.from_iterable(map(cache.get, pieces)))
+            except TypeError:
+                pass
         found = list(map(cache.get, pieces))
         old_get = cache.old.get
-        for k, value in enumerate(found):
-            if value is None:
+        k = -1
+        try:
+            while True:
+                k = found.index(None, k + 1)  # jump from miss to miss at C speed
                 piece = pieces[k]
                 value = old_get(piece)
                 if value is None:
@@ -156,7 +176,8 @@ class BpeEngine:
                 if len(piece) <= (MAX_CACHED_CHARS if piece.isascii() else MAX_CACHED_NON_ASCII):
                     cache.put(piece, value)
                 found[k] = value
-        return list(chain.from_iterable(found))
+        except ValueError:  # no miss left
+            return list(chain.from_iterable(found))
 
     def _encode_exact(self, text: str) -> list[int]:
         """Rare path, uncached: nothing holding such a code point may ever enter the caches,
@@ -176,7 +197,8 @@ class BpeEngine:
         if self._fast3 and len(data) - head == 3 * (len(piece) - head) and len(piece) > 1 and max(data) < 0xF0:
             if data[head::3].translate(None, self._not_rare3) and self._rare(piece):
                 return None
-            if head or (self._unsafe3 is not None and self._unsafe3.search(data)):
+            if ((head and (self._missing[data[0]] or self._t.unsafe_pairs[data[0] << 8 | data[1]]))
+                    or (self._unsafe3 is not None and self._unsafe3.search(data, head))):
                 chunks = self._chunks3(piece, data, head)
             else:
                 chunks = piece  # the common case: every character is a chunk of its own
@@ -192,11 +214,18 @@ class BpeEngine:
             for k, value in enumerate(found):
                 if value is None:
                     chunk = chunks[k]
-                    value = cache.lookup(chunk) or tuple(self.bpe_bytes(chunk.encode()))
+                    value = cache.lookup(chunk) or self._chunk_ids(chunk)
                     if len(chunk) <= MAX_CACHED_CHARS:
                         cache.put(chunk, value)
                     found[k] = value
         return tuple(chain.from_iterable(found))
+
+    def _chunk_ids(self, chunk: str) -> tuple[int, ...]:
+        """A single 3-byte character is read from the compiler's table; anything else is merged."""
+        if len(chunk) == 1 and CHAR3_FIRST <= ord(chunk) < CHAR3_END:
+            base = 3 * (ord(chunk) - CHAR3_FIRST)
+            return tuple(i for i in self._t.char3[base:base + 3] if i != NO_ID)
+        return tuple(self.bpe_bytes(chunk.encode()))
 
     def _chunks3(self, piece: str, data: bytes, head: int) -> list[str]:
         """Chunks of [ASCII head] + 3-byte characters: every boundary is a cut except those where

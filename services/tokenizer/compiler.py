@@ -3,7 +3,7 @@
 Run: python -m services.tokenizer.compiler [--gguf PATH] [--out var/vocab.kvoc]
 
 Idempotent: an existing output built from the same GGUF (same size and mtime, or else the same
-SHA-256), by the same format version and `regex` version, is kept as it is. The slow parts (GGUF
+SHA-256) by the same builder (format version, this compiler's code, `regex` version) is kept as it is. The slow parts (GGUF
 parse ~2 s, Unicode scan ~1 s, verifying every token ~1 s) run only when something changed.
 
 The self-check probes stored in the file are computed here by a deliberately naive, dictionary-based
@@ -28,6 +28,7 @@ from services.tokenizer.unicode_pin import pinned_patterns
 from shared.errors import PreconditionFailed
 
 GGUF_CONTROL = 3  # tokenizer.ggml.token_type of added special tokens; 1 is a normal token
+MAX_WORDS = 16384  # length of the cache-prefill list (section WORDS)
 PROBES = (  # each exercises a different runtime path; ids come from the naive reference below
     "Hello, world! It's 2024-11-29, isn't it?",
     "x  1",
@@ -175,6 +176,13 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
     pinned = pinned_patterns()
     exact = regex.compile(pinned.exact_pattern, regex.V1).findall
     probes = [[text, _reference_encode(text, special, exact, bpe)] for text in PROBES]
+    rare = regex.compile(pinned.rare_class, regex.V1).search if pinned.rare_class else None
+    words = array("I")
+    for token in dict.fromkeys(rank_ids):  # merge order: the most frequent pairs come first
+        text = token_bytes[token].decode("utf-8", "replace")
+        if (len(words) < MAX_WORDS and flags[token] & ff.FLAG_STABLE and "\ufffd" not in text
+                and exact(text) == [text] and not (rare is not None and rare(text))):
+            words.append(token)
     names = {i: tok for tok, i in special.items()}
     meta = {
         "source_name": source_name, "vocab_size": n, "n_merges": len(pairs),
@@ -185,7 +193,7 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
                              ("pad_token", vocab.pad_id), ("unk_token", vocab.unk_id)) if 0 <= i < n},
         "special_tokens": sorted([tok, i] for tok, i in special.items()),
         "chat_template": vocab.chat_template,
-        "pretokenizer": vocab.pretokenizer, "regex_version": regex.__version__,
+        "pretokenizer": vocab.pretokenizer, "regex_version": regex.__version__, "builder": builder_id(),
         "unicode": "letters as Unicode 16.0 (Oniguruma), numerics as Unicode 17.0 (Rust is_numeric)",
         "rare_class": pinned.rare_class, "exact_pattern": pinned.exact_pattern,
         "rare_leads3": pinned.rare_leads3,
@@ -207,7 +215,30 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
         ff.RANK_IDS: array("I", rank_ids).tobytes(),
         ff.BYTE_IDS: array("i", byte_ids).tobytes(),
         ff.UNSAFE_PAIRS: bytes(unsafe),
+        ff.WORDS: words.tobytes(),
+        ff.CHAR3: _three_byte_table(bpe).tobytes(),
     }
+
+
+def _three_byte_table(bpe) -> array:
+    """BPE of every 3-byte character (surrogates left empty: they never reach BPE)."""
+    table = array("H", [ff.NO_ID]) * (3 * (ff.CHAR3_END - ff.CHAR3_FIRST))
+    for cp in range(ff.CHAR3_FIRST, ff.CHAR3_END):
+        if not 0xD800 <= cp < 0xE000:
+            ids = bpe(chr(cp).encode())
+            base = 3 * (cp - ff.CHAR3_FIRST)
+            table[base:base + len(ids)] = array("H", ids)
+    return table
+
+
+def builder_id() -> str:
+    """Hash of the modules that decide what the file holds: a changed compiler rebuilds the file."""
+    from services.tokenizer import pretokenize, unicode_pin
+
+    digest = hashlib.sha256(regex.__version__.encode())
+    for module in (sys.modules[__name__], ff, tables, pretokenize, unicode_pin):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
 
 
 def _sha256(path: Path) -> bytes:
@@ -226,7 +257,7 @@ def compile_vocab(gguf_file: Path, out_file: Path) -> Path:
     except OSError as exc:
         raise PreconditionFailed(f"cannot read the GGUF: {exc}", reason="GGUF_NOT_FOUND") from exc
     summary = ff.read_summary(out_file)
-    current = summary is not None and summary[1].get("regex_version") == regex.__version__
+    current = summary is not None and summary[1].get("builder") == builder_id()
     if current and (summary[0].source.size, summary[0].source.mtime_ns) == (stat.st_size, stat.st_mtime_ns):
         return out_file
     sha = _sha256(gguf_file)

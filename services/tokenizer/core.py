@@ -29,6 +29,8 @@ _SIDES = ("left", "right")
 _FINGERPRINT_TAG = b"keel.tokenizer.encoding.v1\x00"
 _WARMUP_TEXTS = ("The quick brown fox, 1984 -- isn't it?", "日本語と中文的句子没有空格所以很长。",
                  "    for i in range(10):\n        print(i)\n", "emoji 👩\u200d💻 ok")
+_WARMUP_CHATS = ([("user", _WARMUP_TEXTS[0])], [("system", "Be brief."), ("user", _WARMUP_TEXTS[1])],
+                 [("user", "hi"), ("assistant", _WARMUP_TEXTS[2]), ("user", _WARMUP_TEXTS[3])])
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,13 @@ class Tokenizer:
             rank_ids=_u32(section, ff.RANK_IDS, meta["n_merges"]),
             token_id_of=token_id_lookup(_u32_table(section, ff.TOKEN_HASH), offsets, blob),
             flags=flags, unsafe_pairs=_sized(section, ff.UNSAFE_PAIRS, 65536),
-            max_token_bytes=meta["max_token_bytes"])
+            max_token_bytes=meta["max_token_bytes"],
+            char3=_sized(section, ff.CHAR3, 6 * (ff.CHAR3_END - ff.CHAR3_FIRST)).cast("H"))
         self._pre = PreTokenizer(self.special_tokens, PinnedPatterns(
             meta["rare_class"], meta["exact_pattern"], meta["rare_leads3"]))
         self._bpe = BpeEngine(tables, self._pre, cache)
         self._decoder = Decoder(offsets, blob, frozenset(self.special_tokens.values()))
+        self._words = _u32_array(section, ff.WORDS)
         self._chat = None
 
     @classmethod
@@ -143,14 +147,18 @@ class Tokenizer:
                         metadata={"first": repr(wrong[0])[:200]})
 
     def warmup(self) -> None:
-        """Import and compile what requests need, and run each code path once (streamed decoding
-        is checked against whole decoding on the way)."""
+        """Import and compile what requests need, put frequent words in the piece cache, and run
+        each code path once (streamed decoding is checked against whole decoding on the way)."""
         if self._meta.get("chat_template"):
             from services.tokenizer.chat import ChatRenderer
             self._chat = ChatRenderer(self._meta["chat_template"], self._meta["special_strings"])
+        self._bpe.prefill(self._stable_words())
         texts = [*_WARMUP_TEXTS, *(text for text, _ in self._meta["probes"])]
         if self._chat is not None:
-            texts.append(self.render_chat([("user", _WARMUP_TEXTS[0])]))
+            for _ in range(8):  # jinja2 and the interpreter settle after a few renders, not one
+                for messages in _WARMUP_CHATS:
+                    self.render_chat(messages, add_generation_prompt=False)
+            texts += [self.render_chat(messages) for messages in _WARMUP_CHATS]
         for text in texts:
             for options in (EncodeOptions(), EncodeOptions(max_length=8, pad_to_max_length=True),
                             EncodeOptions(max_length=8, truncation_side="right", padding_side="right")):
@@ -160,6 +168,11 @@ class Tokenizer:
             if "".join(map(stream.push, ids)) + stream.finish() != self.decode(ids):
                 raise Fatal("the stream decoder disagrees with decode", reason="SELF_CHECK_FAILED",
                             metadata={"text": repr(text)[:200]})
+
+    def _stable_words(self) -> Iterable[tuple[str, int]]:
+        """The compiler's list of whole-piece tokens BPE reproduces, most frequent merges first."""
+        for token in self._words:
+            yield self._decoder.token_bytes([token]).decode("utf-8"), token
 
     # -- encode ------------------------------------------------------------------------------
 
@@ -190,7 +203,9 @@ class Tokenizer:
 
     def encode_ids(self, text: str | bytes, max_input_bytes: int = EncodeOptions.max_input_bytes) -> list[int]:
         """Raw ids: no truncation, no padding; an empty text gives []."""
-        return self._ids(_checked_text(text, max_input_bytes))
+        if type(text) is not str or len(text) > max_input_bytes or not text.isascii():
+            text = _checked_text(text, max_input_bytes)  # ASCII str within the limit needs no more checks
+        return self._ids(text)
 
     def _ids(self, text: str) -> list[int]:
         marker = self._pre.special_marker
@@ -267,6 +282,13 @@ def _sized(section: dict, tag: bytes, length: int) -> memoryview:
 
 def _u32(section: dict, tag: bytes, count: int) -> memoryview:
     return _sized(section, tag, 4 * count).cast("I")
+
+
+def _u32_array(section: dict, tag: bytes) -> memoryview:
+    view = section[tag]
+    if len(view) % 4:
+        raise ff.CompiledFileError(f"section {tag.decode()} is not a u32 array", reason="COMPILED_FILE_CORRUPT")
+    return view.cast("I")
 
 
 def _u32_table(section: dict, tag: bytes) -> memoryview:

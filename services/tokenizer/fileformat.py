@@ -41,8 +41,12 @@ PAIR_RANKS = b"PRNK"  # u32[2^k] merge rank of the pair in the same slot
 RANK_IDS = b"RKID"  # u32[m]: id of the token a merge of that rank produces
 BYTE_IDS = b"BYID"  # i32[256]: id of each single byte, -1 when the vocabulary lacks it
 UNSAFE_PAIRS = b"XBIG"  # u8[65536]: 1 when bytes (a, b) occur adjacent inside a token, b starting a char
+WORDS = b"WORD"  # u32[]: stable tokens that are one whole piece, in merge order (cache prefill)
+CHAR3 = b"CHR3"  # u16[3 * 63488]: BPE of each character U+0800..U+FFFF, padded with NO_ID
 REQUIRED = (META, TOKEN_OFFSETS, TOKEN_BYTES, TOKEN_FLAGS, TOKEN_HASH, PAIR_KEYS, PAIR_RANKS,
-            RANK_IDS, BYTE_IDS, UNSAFE_PAIRS)
+            RANK_IDS, BYTE_IDS, UNSAFE_PAIRS, WORDS, CHAR3)
+CHAR3_FIRST, CHAR3_END = 0x800, 0x10000
+NO_ID = 0xFFFF  # padding in CHAR3; no id reaches it (ids are below 0xFFFF)
 
 FLAG_SPECIAL = 1  # an added special token: matched before pre-tokenization, never produced by merges
 FLAG_STABLE = 2  # BPE of the token's own bytes yields exactly this token (a cache-miss shortcut)

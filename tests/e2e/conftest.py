@@ -62,8 +62,9 @@ def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: in
              "inference": [free_port() for _ in range(inference_replicas)], "gateway": [free_port()]}
     redis_port = free_port()
     layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},
-              "stages": {s: {"ports": p, "metrics_ports": [free_port() for _ in p], "workers": 1}
-                         for s, p in ports.items()},
+              # two tokenizer workers share each tokenizer port and its mmapped vocabulary
+              "stages": {s: {"ports": p, "metrics_ports": [free_port() for _ in p],
+                             "workers": 2 if s == "tokenizer" else 1} for s, p in ports.items()},
               "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 5, "stable_after_s": 30},
               "ready_timeout_s": 300, "metrics_port": free_port()}
     (tmp / "keel.json").write_text(json.dumps(layout))  # JSON is YAML
