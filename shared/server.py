@@ -59,6 +59,10 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.so_reuseport", 1),  # several worker processes may share one port
+        # Clients ping every 20 s (shared/client.py) to keep idle health watches alive; the
+        # default (one ping per 5 min without data) would answer GOAWAY too_many_pings.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
     ])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

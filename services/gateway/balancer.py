@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from shared.errors import KeelError, NotReady
 
 # Errors raised on this side of the wire: they say nothing about the endpoint's health.
-_LOCAL_REASONS = frozenset({"NO_HEALTHY_UPSTREAM", "CIRCUIT_OPEN"})
+_LOCAL_REASONS = frozenset({"NO_HEALTHY_UPSTREAM"})
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ class Upstreams:
     tokenizer: tuple[str, ...] = ()
     inference: tuple[str, ...] = ()
     validator: tuple[str, ...] = ()
+    # With no replica of a stage SERVING, wait this long (within the call's deadline) for one.
+    wait_for_replica_ms: int = 5000
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ Policy per gRPC status of a failed attempt (``KeelError.code``):
   out of its own per-attempt timeout while the overall deadline still had time.
 - Anything else (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED, PERMISSION_DENIED,
   OUT_OF_RANGE, INTERNAL, CANCELLED, NOT_FOUND, ...): never retried.
-- A local "no upstream to send to" (reasons NO_HEALTHY_UPSTREAM, CIRCUIT_OPEN) stops at once
+- A local "no upstream to send to" (reason NO_HEALTHY_UPSTREAM) stops at once
   (``circuit_open``) and costs no retry token, since no upstream answered.
 
 Then, in order: the per-code and per-request attempt caps (``max_attempts``), the upstream's
@@ -44,7 +44,7 @@ log = logging.getLogger("keel.gateway.retry")
 T = TypeVar("T")
 
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
-LOCAL_NO_UPSTREAM_REASONS = frozenset({"NO_HEALTHY_UPSTREAM", "CIRCUIT_OPEN"})
+LOCAL_NO_UPSTREAM_REASONS = frozenset({"NO_HEALTHY_UPSTREAM"})
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ class GatewayStage:
         self._auth = ApiKeyAuthenticator(cfg.api_keys)
         self._limiter = RateLimiter(cfg.rate_limits)
         self.upstreams = MeshUpstreams({"tokenizer": cfg.upstreams.tokenizer, "inference": cfg.upstreams.inference,
-                                        "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes)
+                                        "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes,
+                                       cfg.upstreams.wait_for_replica_ms / 1000)
         m = metrics.metrics_for("gateway")
         retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
                                       m.counter("keel_retry_alerts_total"))

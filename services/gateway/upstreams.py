@@ -45,6 +45,8 @@ class Pool:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict = {}
         self._watchers: list[asyncio.Task] = []
+        # Replicas whose health (watch stream or check) last said anything but SERVING, or did not answer.
+        self._not_serving: set[str] = set(targets)
 
     def start(self) -> None:
         """Open channels and health watchers; must run inside the serving event loop."""
@@ -59,13 +61,17 @@ class Pool:
                 watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), wait_for_ready=True)
                 async for resp in watch:
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        self._not_serving.discard(target)
                         if self.balancer.mark_up(target):
                             log.info("replica up", extra={"upstream": self.stage, "endpoint": target})
-                    elif self.balancer.mark_down(target):
-                        log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target})
+                    else:
+                        self._not_serving.add(target)
+                        if self.balancer.mark_down(target):
+                            log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target})
             except grpc.aio.AioRpcError:
                 pass
             # The stream ended: the replica went away (or is draining). Down until it says SERVING.
+            self._not_serving.add(target)
             if self.balancer.mark_down(target):
                 log.warning("replica unreachable", extra={"upstream": self.stage, "endpoint": target})
             await asyncio.sleep(0.1)
@@ -80,26 +86,48 @@ class Pool:
                 serving = resp.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 serving = False
+            (self._not_serving.discard if serving else self._not_serving.add)(target)
             (self.balancer.mark_up if serving else self.balancer.mark_down)(target)
             up = up or serving
         return up
 
-    async def pick(self) -> str:
-        """Next healthy replica. With none marked healthy, ask each replica's health once before
-        giving up: the watch streams lag a restart by up to a reconnect backoff."""
-        try:
-            return self.balancer.pick()
-        except errors.NotReady:
-            if not await self.any_serving():
-                raise
-            return self.balancer.pick()
+    def _pick_serving(self) -> str:
+        """balancer.pick(), passing over replicas whose health says they are not SERVING. The
+        balancer re-admits a down replica after a while for one probe, meant for a replica that
+        failed while its health said SERVING; probing one that is still restarting or loading its
+        model only fails the attempt and spends a retry token. Each replica passed over is marked
+        down again, so once every replica is, pick() raises NotReady."""
+        while True:
+            target = self.balancer.pick()
+            if target not in self._not_serving:
+                return target
+            self.balancer.mark_down(target)
 
-    async def call(self, fn: Callable, *args, **kwargs):
-        """One unary attempt on the next healthy replica; errors translated, health noted."""
-        target = await self.pick()
+    async def pick(self, wait_s: float) -> str:
+        """Next healthy replica. With none marked healthy, keep asking the replicas' health for up
+        to ``wait_s`` (the watch streams lag a restart by up to a reconnect backoff, and a stage
+        the supervisor restarts is back within seconds) before answering NO_HEALTHY_UPSTREAM."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        while True:
+            try:
+                return self._pick_serving()
+            except errors.NotReady:
+                if await self.any_serving():
+                    continue
+                if loop.time() >= give_up:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def call(self, wait_s: float, timeout: float, fn: Callable):
+        """One unary attempt on the next healthy replica, ``fn(stub, timeout_left)``; errors
+        translated, health noted. Time spent waiting for a replica comes off the timeout."""
+        started = asyncio.get_running_loop().time()
+        target = await self.pick(wait_s)
+        timeout -= asyncio.get_running_loop().time() - started
         _note_endpoint(target)
         try:
-            result = await fn(self.stubs[target], *args, **kwargs)
+            result = await fn(self.stubs[target], timeout)
         except grpc.aio.AioRpcError as exc:
             err = client.translate(exc)
             self.balancer.observe_error(target, err)
@@ -121,8 +149,12 @@ def _md(extra: dict) -> tuple:
 class MeshUpstreams:
     """Implements pipeline.Upstreams over gRPC."""
 
-    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int):
+    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, wait_for_replica_s: float):
         self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes) for stage in SERVICES}
+        self.wait_s = wait_for_replica_s
+
+    def _wait(self, timeout: float) -> float:
+        return max(0.0, min(self.wait_s, timeout - 0.05))
 
     def start(self) -> None:
         for p in self.pools.values():
@@ -141,14 +173,15 @@ class MeshUpstreams:
         req = validator_pb2.ValidateInputRequest(payload_json=json.dumps(payload, ensure_ascii=False),
                                                  source=source, domain=domain)
         resp = await self.pools["validator"].call(
-            lambda stub: stub.ValidateInput(req, timeout=timeout, metadata=_md(md)))
+            self._wait(timeout), timeout, lambda stub, t: stub.ValidateInput(req, timeout=t, metadata=_md(md)))
         return list(resp.flags)
 
     async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded:
         chat = tokenizer_pb2.ChatInput(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
                                        add_generation_prompt=True)
         req = tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length)
-        resp = await self.pools["tokenizer"].call(lambda stub: stub.Encode(req, timeout=timeout, metadata=_md(md)))
+        resp = await self.pools["tokenizer"].call(
+            self._wait(timeout), timeout, lambda stub, t: stub.Encode(req, timeout=t, metadata=_md(md)))
         return Encoded(list(resp.input_ids), resp.truncated, resp.original_length, resp.fingerprint)
 
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
@@ -156,8 +189,10 @@ class MeshUpstreams:
                                              top_p=ask.top_p, top_k=ask.top_k, seed=seed)
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
         pool = self.pools["inference"]
-        target = await pool.pick()
+        started = asyncio.get_running_loop().time()
+        target = await pool.pick(self._wait(timeout))
         _note_endpoint(target)
+        timeout -= asyncio.get_running_loop().time() - started
         call = pool.stubs[target].Generate(req, timeout=timeout, metadata=_md(md))
         try:
             async for ev in call:
@@ -176,7 +211,8 @@ class MeshUpstreams:
 
     async def decode(self, ids: list[int], timeout: float, md: dict) -> str:
         req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)
-        resp = await self.pools["tokenizer"].call(lambda stub: stub.Decode(req, timeout=timeout, metadata=_md(md)))
+        resp = await self.pools["tokenizer"].call(
+            self._wait(timeout), timeout, lambda stub, t: stub.Decode(req, timeout=t, metadata=_md(md)))
         return resp.text
 
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
@@ -185,7 +221,7 @@ class MeshUpstreams:
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
                                                   token_entropies=entropies, prompt=prompt)
         resp = await self.pools["validator"].call(
-            lambda stub: stub.ValidateOutput(req, timeout=timeout, metadata=_md(md)))
+            self._wait(timeout), timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))
         r = resp.result
         result = {"passed": r.passed, "low_confidence": r.low_confidence, "probes": dict(r.probes),
                   "verdicts": [{"plugin": v.plugin, "passed": v.passed, "message": v.message, "blocking": v.blocking}

@@ -1,9 +1,17 @@
 """Scale-out under kill -9: two tokenizer and two inference replicas behind the gateway; one of each
 is killed while clients keep sending. No request may be lost, every failed attempt must have a
-logged retry decision, and the gateway must stop sending to a dead replica until it is back.
+logged retry decision, and the gateway must not send to a dead replica until it is back.
 
-One mesh for the module: the traffic run (with the kills) happens once in a fixture and each test
-checks one property of what it left in the gateway's log and trace files.
+One mesh for the module. The traffic runs once, in the fixture, in three phases:
+
+- burst: 40 requests from 4 clients; tokenizer-1.0 and inference-1.0 are killed -9 mid-run;
+- recovery: one request at a time until the gateway's health watch sees both SERVING again
+  (the inference replica reloads the model: tens of seconds, so the balancer's re-admission
+  probes would come due several times);
+- after: a few requests, which must reach the restarted replicas again.
+
+Each test checks one property of the answers and of the gateway's log and trace files. No
+throttle override: the kills fail at most a few attempts at once, within the default bucket.
 """
 from __future__ import annotations
 
@@ -19,7 +27,6 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY
-from services.gateway.balancer import BalancerConfig
 from tests.e2e.conftest import start_mesh, stop_mesh, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,6 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REQUESTS, CLIENTS, MAX_TOKENS = 40, 4, 6
 KILLS = {"tokenizer-1.0": 6, "inference-1.0": 10}  # process -> kill once this many requests are done
 AFTER_RECOVERY = 6
+RECOVERY_TIMEOUT_S = 240
 PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "Name an animal.")
 
 
@@ -63,12 +71,30 @@ def decisions(mesh, traces: set[str]) -> dict[tuple[str, str, int], dict]:
             if r.get("event") == "retry_decision" and r["trace_id"] in traces}
 
 
+def everything(run) -> list:
+    return [*run["burst"].values(), *run["recovery"], *run["after"]]
+
+
 def answered(run) -> set[str]:
-    return {r.trace_id for r in [*run["results"].values(), *run["later"]] if isinstance(r, gateway_pb2.GenerateResponse)}
+    return {r.trace_id for r in everything(run) if isinstance(r, gateway_pb2.GenerateResponse)}
 
 
 def endpoint_of(mesh, name: str) -> str:
     return f"127.0.0.1:{mesh.state()['processes'][name]['port']}"
+
+
+def burst(mesh, pids: dict[str, int], killed_at: dict[str, float]) -> dict[int, object]:
+    results = {}
+    with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(CLIENTS) as pool:
+        stub = mesh.stub(ch)
+        futures = {pool.submit(ask, stub, i): i for i in range(REQUESTS)}
+        for done, fut in enumerate(as_completed(futures), 1):
+            results[futures[fut]] = fut.result()
+            for name, after in KILLS.items():
+                if done == after:
+                    killed_at[name] = time.time()  # before the kill: the gateway may log it within the same ms
+                    os.kill(pids[name], signal.SIGKILL)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -77,28 +103,26 @@ def run(tmp_path_factory):
     try:
         pids = {name: mesh.state()["processes"][name]["pid"] for name in KILLS}
         killed_at: dict[str, float] = {}
-        results = {}
-        with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(CLIENTS) as pool:
-            stub = mesh.stub(ch)
-            futures = {pool.submit(ask, stub, i): i for i in range(REQUESTS)}
-            for done, fut in enumerate(as_completed(futures), 1):
-                results[futures[fut]] = fut.result()
-                for name, after in KILLS.items():
-                    if done == after:
-                        os.kill(pids[name], signal.SIGKILL)
-                        killed_at[name] = time.time()
+        burst_results = burst(mesh, pids, killed_at)
         endpoints = {name: endpoint_of(mesh, name) for name in KILLS}
 
         def back_up():  # the gateway's health watch saw every killed replica SERVING again
             ups = {(r.get("endpoint"), r["ts"]) for r in gateway_log(mesh) if r["msg"] == "replica up"}
             return all(any(e == endpoints[n] and ts > killed_at[n] for e, ts in ups) for n in KILLS)
-        wait_until(back_up, 240, "killed replicas SERVING again in the gateway")
+        recovery = []
+        give_up = time.monotonic() + RECOVERY_TIMEOUT_S
         with grpc.insecure_channel(mesh.gateway) as ch:
-            later = [ask(mesh.stub(ch), i) for i in range(AFTER_RECOVERY)]
-        wanted = {r.trace_id for r in list(results.values()) + later if isinstance(r, gateway_pb2.GenerateResponse)}
+            stub = mesh.stub(ch)
+            while not back_up():
+                assert time.monotonic() < give_up, "killed replicas not SERVING again in the gateway"
+                recovery.append(ask(stub, len(recovery)))
+                time.sleep(0.5)  # a trickle, not a load
+            after = [ask(stub, i) for i in range(AFTER_RECOVERY)]
+        wanted = {r.trace_id for r in [*burst_results.values(), *recovery, *after]
+                  if isinstance(r, gateway_pb2.GenerateResponse)}
         wait_until(lambda: wanted <= {a["trace_id"] for a in attempts(mesh)}, 30, "gateway spans flushed")
-        yield {"mesh": mesh, "results": results, "later": later, "pids": pids, "killed_at": killed_at,
-               "endpoints": endpoints}
+        yield {"mesh": mesh, "burst": burst_results, "recovery": recovery, "after": after, "pids": pids,
+               "killed_at": killed_at, "endpoints": endpoints}
     finally:
         stop_mesh(mesh)
 
@@ -108,10 +132,10 @@ def test_no_request_is_lost_while_replicas_are_killed(run):
     assert set(run["killed_at"]) == set(KILLS)
     for name, pid in run["pids"].items():
         assert mesh.state()["processes"][name]["pid"] != pid, f"{name} was not restarted"
-    failures = {i: f"{r.code().name} {r.details()}" for i, r in run["results"].items()
-                if not isinstance(r, gateway_pb2.GenerateResponse)}
-    assert not failures, f"{len(failures)}/{REQUESTS} requests lost: {failures}"
-    assert all(r.usage.completion_tokens > 0 and r.text for r in run["results"].values())
+    assert run["recovery"], "no request was sent while the killed replicas were down"
+    lost = [f"{r.code().name} {r.details()}" for r in everything(run) if not isinstance(r, gateway_pb2.GenerateResponse)]
+    assert not lost, f"{len(lost)}/{len(everything(run))} requests lost: {lost}"
+    assert all(r.usage.completion_tokens > 0 and r.text for r in everything(run))
 
 
 def test_every_failed_attempt_has_a_retry_decision(run):
@@ -125,7 +149,7 @@ def test_every_failed_attempt_has_a_retry_decision(run):
         d = logged[key(a)]
         assert d["code"] == a["attributes"]["rpc.grpc.status"] == "UNAVAILABLE"
         assert d["decision"] == "retry"
-        # a dead replica gives no hint (jittered backoff); a restarted one still warming up says when
+        # a dead replica gives no hint (jittered backoff); one still warming up says when
         assert d["delay_source"] == ("pushback" if d["retry_after_ms"] is not None else "exponential_jitter")
     assert len(logged) == len(failed), "retry decisions that match no failed attempt"
 
@@ -141,26 +165,22 @@ def test_a_retry_never_goes_back_to_the_replica_that_failed(run):
 
 
 @pytest.mark.parametrize("name", sorted(KILLS))
-def test_balancer_skips_a_dead_replica_until_it_is_back(run, name):
+def test_no_attempt_goes_to_a_dead_replica_until_it_is_back(run, name):
     mesh, endpoint, killed = run["mesh"], run["endpoints"][name], run["killed_at"][name]
     log = gateway_log(mesh)
     noticed = min((r["ts"] for r in log if r["ts"] > killed and r.get("endpoint") == endpoint
                    and r["msg"] in ("replica unreachable", "replica not serving")), default=None)
     assert noticed is not None, f"the gateway never marked {endpoint} down"
     back = min(r["ts"] for r in log if r["ts"] > noticed and r.get("endpoint") == endpoint and r["msg"] == "replica up")
-    sent = [a for a in attempts(mesh) if a["attributes"].get("server.address") == endpoint
-            and noticed < a["start_ns"] / 1e9 < back]
-    # While down, the only attempts allowed are the balancer's re-admission probes, one per
-    # readmit_after_s at most (a replica that is up again answers its health watch first).
-    readmit = BalancerConfig().readmit_after_s
-    assert len(sent) <= 1 + (back - noticed) / readmit, f"{len(sent)} attempts to {endpoint} while it was down"
-    assert all(a["status"] == "ERROR" for a in sent)
+    during = [a for a in attempts(mesh) if noticed < a["start_ns"] / 1e9 < back]
+    assert any(a["attributes"]["upstream"] == name.split("-")[0] for a in during), "no traffic while it was down"
+    sent = [key(a) for a in during if a["attributes"].get("server.address") == endpoint]
+    assert not sent, f"{len(sent)} attempts went to {endpoint} while its health said it was down: {sent}"
 
 
 @pytest.mark.parametrize("stage", ["tokenizer", "inference"])
 def test_restarted_replicas_get_traffic_again(run, stage):
-    assert all(isinstance(r, gateway_pb2.GenerateResponse) for r in run["later"])
-    later = {r.trace_id for r in run["later"]}
+    after = {r.trace_id for r in run["after"] if isinstance(r, gateway_pb2.GenerateResponse)}
     hit = {a["attributes"]["server.address"] for a in attempts(run["mesh"])
-           if a["trace_id"] in later and a["attributes"]["upstream"] == stage and a["status"] != "ERROR"}
+           if a["trace_id"] in after and a["attributes"]["upstream"] == stage and a["status"] != "ERROR"}
     assert hit == {f"127.0.0.1:{p}" for p in run["mesh"].ports[stage]}

@@ -116,7 +116,7 @@ def test_other_codes_are_never_retried(err):
     assert (d.retry, d.reason) == (False, "non_retryable")
 
 
-@pytest.mark.parametrize("reason", ["NO_HEALTHY_UPSTREAM", "CIRCUIT_OPEN"])
+@pytest.mark.parametrize("reason", ["NO_HEALTHY_UPSTREAM"])
 def test_local_no_upstream_stops_with_circuit_open(reason):
     d = run(NotReady("all down", reason=reason, retry_after_ms=100))
     assert (d.retry, d.reason) == (False, "circuit_open")

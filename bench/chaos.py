@@ -1,0 +1,291 @@
+"""Chaos check: requests from concurrent clients through the gateway of a real mesh (Redis, the
+real model, loopback only) while a stage replica is killed -9 every few seconds.
+
+Run: .venv/bin/python bench/chaos.py [--requests 200] [--clients 16] [--kill-every 3]
+                                     [--max-tokens 8] [--deadline 60] [--throttle-tokens N]
+                                     [--write docs/bench/chaos.md]
+
+``--throttle-tokens`` overrides the gateway's gRFC A6 retry bucket (config: 10 tokens) for the
+whole run, to see how many losses the throttle accounts for.
+
+Mesh: 2 tokenizer, 2 inference, 1 validator replica and one gateway (never killed). Kills rotate
+tokenizer -> inference -> validator, alternating replicas; a stage is skipped on its turn while
+any of its replicas is not SERVING yet (one fault per stage at a time, so the run measures
+recovery, not a permanent outage). The supervisor restarts every killed process.
+
+Peer, in the same run on the same mesh: the same requests with no kills ("calm").
+
+Checked (exit status 1 if any fails): every request ends in OK or a clear status (a gRPC code
+other than INTERNAL/UNKNOWN, with a google.rpc.ErrorInfo reason) before its deadline, none
+hangs (a client-side DEADLINE_EXCEEDED with no ErrorInfo means the gateway never answered);
+every retry the gateway made (attempt n+1 in its trace spans) has a ``retry_decision`` record
+for attempt n, and every failed attempt has one (retry or stop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from keel.common.v1 import common_pb2  # noqa: E402
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from keelctl import health  # noqa: E402
+from keelctl.ask import DEV_API_KEY  # noqa: E402
+from tests.e2e.conftest import SERVICES, Mesh, start_mesh, stop_mesh  # noqa: E402
+
+ROTATION = ("tokenizer", "inference", "validator")
+PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "What is the capital of France?")
+BAD_CODES = {"INTERNAL", "UNKNOWN"}
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    requests: int = 200
+    clients: int = 16
+    kill_every_s: float = 3.0
+    max_tokens: int = 8
+    deadline_s: float = 60.0
+    throttle_tokens: float | None = None  # None: the gateway's configured retry bucket
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: str            # "OK" or the gRPC status name
+    reason: str          # ErrorInfo reason ("" for OK, "NO_ERROR_INFO" when there is none)
+    retry_stop: str      # ErrorInfo metadata the gateway's executor sets ("" if none)
+    trace_id: str
+    seconds: float
+
+    @property
+    def hung(self) -> bool:
+        return self.code == "DEADLINE_EXCEEDED" and self.reason == "NO_ERROR_INFO"
+
+    @property
+    def clear(self) -> bool:
+        return self.code == "OK" or (self.code not in BAD_CODES and self.reason != "NO_ERROR_INFO")
+
+
+def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    raw = dict(err.trailing_metadata() or ()).get("grpc-status-details-bin")
+    for detail in status_pb2.Status.FromString(raw).details if raw else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+def one_request(stub, i: int, cfg: ChaosConfig) -> Outcome:
+    req = gateway_pb2.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)],
+                                      sampling=common_pb2.SamplingParams(max_tokens=cfg.max_tokens))
+    start = time.monotonic()
+    try:
+        resp = stub.Generate(req, metadata=(("x-api-key", DEV_API_KEY),), timeout=cfg.deadline_s)
+        return Outcome("OK", "", "", resp.trace_id, time.monotonic() - start)
+    except grpc.RpcError as err:
+        took = time.monotonic() - start
+        info = error_info(err)
+        trace_id = dict(err.trailing_metadata() or ()).get("x-keel-trace-id", "")
+        if info is None:
+            return Outcome(err.code().name, "NO_ERROR_INFO", "", trace_id, took)
+        return Outcome(err.code().name, info.reason, info.metadata.get("retry_stop", ""), trace_id, took)
+
+
+class Killer(threading.Thread):
+    """Every ``every_s``: kill -9 the next replica in the rotation, if its stage is whole."""
+
+    def __init__(self, mesh: Mesh, every_s: float):
+        super().__init__(daemon=True)
+        self.mesh, self.every_s = mesh, every_s
+        self.stop = threading.Event()
+        self.kills: list[dict] = []
+        self.skips = Counter()
+
+    def _stage_serving(self, stage: str) -> bool:
+        return all(health.status(f"127.0.0.1:{p}", SERVICES[stage]) == "SERVING" for p in self.mesh.ports[stage])
+
+    def run(self) -> None:
+        turn = 0
+        nth = Counter()
+        started = time.monotonic()
+        while not self.stop.wait(self.every_s):
+            stage = ROTATION[turn % len(ROTATION)]
+            turn += 1
+            if not self._stage_serving(stage):
+                self.skips[stage] += 1
+                continue
+            name = f"{stage}-{nth[stage] % len(self.mesh.ports[stage])}.0"
+            nth[stage] += 1
+            pid = self.mesh.state()["processes"][name]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            self.kills.append({"at_s": round(time.monotonic() - started, 1), "process": name, "pid": pid})
+
+
+def run_phase(mesh: Mesh, cfg: ChaosConfig, chaos: bool) -> tuple[list[Outcome], Killer | None, float]:
+    killer = Killer(mesh, cfg.kill_every_s) if chaos else None
+    started = time.monotonic()
+    with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(cfg.clients) as pool:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        if killer:
+            killer.start()
+        try:
+            outcomes = list(pool.map(lambda i: one_request(stub, i, cfg), range(cfg.requests)))
+        finally:
+            if killer:
+                killer.stop.set()
+                killer.join()
+    return outcomes, killer, time.monotonic() - started
+
+
+def gateway_records(mesh: Mesh) -> tuple[list[dict], list[dict]]:
+    """(every span the gateway wrote, its retry_decision log records)."""
+    spans = []
+    for f in (mesh.tmp / "traces").glob("gateway-*.jsonl"):
+        spans += map(json.loads, f.read_text().splitlines())
+    lines = (mesh.tmp / "var" / "log" / "gateway-0.0.log").read_text().splitlines()
+    decisions = [r for r in map(json.loads, (x for x in lines if x.startswith("{"))) if r.get("event") == "retry_decision"]
+    return spans, decisions
+
+
+def cross_check(mesh: Mesh, traces: set[str]) -> dict:
+    """Retries seen in the gateway's client spans ("call upstream/Method", one per attempt) vs its
+    decision records, for these traces."""
+    deadline = time.monotonic() + 30
+    while True:  # spans are exported in batches; a request's root span ends after all its attempts
+        spans, decisions = gateway_records(mesh)
+        roots = {s["trace_id"] for s in spans if s["name"] == "gateway/Generate"}
+        if traces <= roots or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    spans = [s for s in spans if s["trace_id"] in traces and s["name"].startswith("call ")]
+    logged = {(r["trace_id"], f"call {r['upstream']}/{r['method']}", r["attempt"]): r for r in decisions
+              if r["trace_id"] in traces}
+    attempt = {(s["trace_id"], s["name"], s["attributes"]["rpc.attempt"]): s for s in spans}
+    retries = [k for k in attempt if k[2] > 1]
+    unlogged_retries = [k for k in retries if logged.get((k[0], k[1], k[2] - 1), {}).get("decision") != "retry"]
+    failed = [k for k, s in attempt.items() if s["status"] == "ERROR"]
+    unlogged_failures = [k for k in failed if k not in logged]
+    retry_records = [k for k, r in logged.items() if r["decision"] == "retry"]
+    # a logged retry is followed by attempt n+1, or by a stop record for it if no time was left
+    seen = attempt.keys() | logged.keys()
+    unmade_retries = [k for k in retry_records if (k[0], k[1], k[2] + 1) not in seen]
+    return {"attempts": len(attempt), "failed_attempts": len(failed), "retries": len(retries),
+            "retry_records": len(retry_records), "stop_records": len(logged) - len(retry_records),
+            "retries_without_record": unlogged_retries, "failures_without_record": unlogged_failures,
+            "retry_records_without_attempt": unmade_retries,
+            "traces_without_spans": sorted(traces - roots),
+            "by_upstream": Counter(f"{r['upstream']} {r['code']} {r['decision']} {r['reason'] or r['delay_source']}"
+                                   for r in logged.values())}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summary(outcomes: list[Outcome]) -> dict:
+    ok = [o.seconds for o in outcomes if o.code == "OK"]
+    return {"n": len(outcomes), "ok": len(ok), "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99),
+            "max_s": max(o.seconds for o in outcomes),
+            "by_status": Counter(f"{o.code} {o.reason} {o.retry_stop}".strip() for o in outcomes),
+            "hung": sum(o.hung for o in outcomes), "unclear": sum(not o.clear for o in outcomes)}
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}; load average at the end " \
+           + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " (machine shared with other work)"
+
+
+def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, killer: Killer, check: dict,
+           failures: list[str]) -> str:
+    rows = sorted(set(calm["by_status"]) | set(chaos["by_status"]))
+    out = ["# Chaos check", "", f"Command: `{command}`", f"Machine: {machine()}",
+           f"Mesh: 2 tokenizer, 2 inference, 1 validator replica, 1 gateway; {cfg.requests} requests per phase, "
+           f"{cfg.clients} concurrent clients, max_tokens {cfg.max_tokens}, deadline {cfg.deadline_s:g} s each; "
+           f"gateway retry throttle: {cfg.throttle_tokens or 'configured (10)'} tokens.",
+           f"Kills (chaos phase): one every {cfg.kill_every_s:g} s, rotating {' -> '.join(ROTATION)}; "
+           f"{len(killer.kills)} made, skipped turns (stage still recovering): {dict(killer.skips) or 'none'}.", "",
+           "| outcome (code reason retry_stop) | calm (peer) | chaos |", "|---|---|---|"]
+    out += [f"| {r} | {calm['by_status'].get(r, 0)} | {chaos['by_status'].get(r, 0)} |" for r in rows]
+    ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a"  # noqa: E731
+    out += ["", "| figure | calm (peer) | chaos | chaos / calm |", "|---|---|---|---|",
+            f"| success rate | {calm['ok']}/{calm['n']} | {chaos['ok']}/{chaos['n']} | "
+            f"{ratio(chaos['ok'] / chaos['n'], calm['ok'] / calm['n'])} |",
+            f"| p50 latency of successes, s | {calm['p50_s']:.2f} | {chaos['p50_s']:.2f} | {ratio(chaos['p50_s'], calm['p50_s'])} |",
+            f"| p99 latency of successes, s | {calm['p99_s']:.2f} | {chaos['p99_s']:.2f} | {ratio(chaos['p99_s'], calm['p99_s'])} |",
+            f"| slowest request, s | {calm['max_s']:.2f} | {chaos['max_s']:.2f} | |",
+            f"| phase wall time, s | {wall['calm']:.1f} | {wall['chaos']:.1f} | {ratio(wall['chaos'], wall['calm'])} |",
+            f"| hung (no answer by the deadline) | {calm['hung']} | {chaos['hung']} | |",
+            f"| unclear (INTERNAL/UNKNOWN or no ErrorInfo) | {calm['unclear']} | {chaos['unclear']} | |",
+            "", "Kills: " + ", ".join(f"{k['process']} at {k['at_s']} s" for k in killer.kills), "",
+            "Retry cross-check (chaos phase, gateway trace spans vs `retry_decision` log records):",
+            f"{check['attempts']} attempts, {check['failed_attempts']} failed, {check['retries']} retries made; "
+            f"{check['retry_records']} retry records, {check['stop_records']} stop records; retries without a record: "
+            f"{len(check['retries_without_record'])}, failed attempts without a record: "
+            f"{len(check['failures_without_record'])}, retry records not followed by an attempt: "
+            f"{len(check['retry_records_without_attempt'])}, requests whose gateway spans were missing: "
+            f"{len(check['traces_without_spans'])}.", "",
+            "| decision records (upstream code decision reason/delay source) | count |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in sorted(check["by_upstream"].items())]
+    out += ["", "Result: " + ("all checks passed." if not failures else "FAILED: " + "; ".join(failures)), ""]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--kill-every", type=float, default=3.0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--deadline", type=float, default=60.0)
+    ap.add_argument("--throttle-tokens", type=float)
+    ap.add_argument("--write", type=Path, help="markdown report (e.g. docs/bench/chaos.md)")
+    args = ap.parse_args()
+    cfg = ChaosConfig(args.requests, args.clients, args.kill_every, args.max_tokens, args.deadline,
+                      args.throttle_tokens)
+    command = ".venv/bin/python bench/chaos.py " + " ".join(sys.argv[1:])
+    env = {} if cfg.throttle_tokens is None else {"KEEL_GATEWAY_RETRY__THROTTLE__MAX_TOKENS": str(cfg.throttle_tokens)}
+    mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-chaos-")), tokenizer_replicas=2, inference_replicas=2,
+                      extra_env=env)
+    try:
+        calm, _, calm_wall = run_phase(mesh, cfg, chaos=False)
+        mesh.wait_serving(300)
+        chaotic, killer, chaos_wall = run_phase(mesh, cfg, chaos=True)
+        check = cross_check(mesh, {o.trace_id for o in chaotic if o.trace_id})
+    finally:
+        stop_mesh(mesh)
+    calm_s, chaos_s = summary(calm), summary(chaotic)
+    failures = [f"{s[k]} {k} in {name}" for name, s in (("calm", calm_s), ("chaos", chaos_s))
+                for k in ("hung", "unclear") if s[k]]
+    failures += [f"{len(check[k])} {k.replace('_', ' ')}" for k in
+                 ("retries_without_record", "failures_without_record", "retry_records_without_attempt",
+                  "traces_without_spans") if check[k]]
+    text = report(cfg, command, calm_s, chaos_s, {"calm": calm_wall, "chaos": chaos_wall}, killer, check, failures)
+    print(text)
+    print(f"mesh files kept in {mesh.tmp}")
+    if args.write:
+        args.write.write_text(text)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
