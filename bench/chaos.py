@@ -265,6 +265,7 @@ def main() -> int:
     command = ".venv/bin/python bench/chaos.py " + " ".join(sys.argv[1:])
     env = {} if cfg.throttle_tokens is None else {"KEEL_GATEWAY_RETRY__THROTTLE__MAX_TOKENS": str(cfg.throttle_tokens)}
     mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-chaos-")), tokenizer_replicas=2, inference_replicas=2,
+                      tokenizer_workers=1,
                       extra_env=env)
     try:
         calm, _, calm_wall = run_phase(mesh, cfg, chaos=False)

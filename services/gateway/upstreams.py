@@ -54,26 +54,28 @@ class Pool:
         self.stubs = {t: STUBS[self.stage](ch) for t, ch in self.channels.items()}
         self._watchers = [asyncio.create_task(self._watch(t)) for t in self.channels]
 
+    def _note_health(self, target: str, serving: bool, how: str) -> None:
+        """Record what a replica's health said; log each transition once."""
+        if serving:
+            self._not_serving.discard(target)
+            if self.balancer.mark_up(target):
+                log.info("replica up", extra={"upstream": self.stage, "endpoint": target, "via": how})
+        else:
+            self._not_serving.add(target)
+            if self.balancer.mark_down(target):
+                log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target, "via": how})
+
     async def _watch(self, target: str) -> None:
         stub = health_pb2_grpc.HealthStub(self.channels[target])
         while True:
             try:
                 watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), wait_for_ready=True)
                 async for resp in watch:
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        self._not_serving.discard(target)
-                        if self.balancer.mark_up(target):
-                            log.info("replica up", extra={"upstream": self.stage, "endpoint": target})
-                    else:
-                        self._not_serving.add(target)
-                        if self.balancer.mark_down(target):
-                            log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target})
+                    self._note_health(target, resp.status == health_pb2.HealthCheckResponse.SERVING, "watch")
             except grpc.aio.AioRpcError:
                 pass
             # The stream ended: the replica went away (or is draining). Down until it says SERVING.
-            self._not_serving.add(target)
-            if self.balancer.mark_down(target):
-                log.warning("replica unreachable", extra={"upstream": self.stage, "endpoint": target})
+            self._note_health(target, False, "watch_ended")
             await asyncio.sleep(0.1)
 
     async def any_serving(self) -> bool:
@@ -86,8 +88,7 @@ class Pool:
                 serving = resp.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 serving = False
-            (self._not_serving.discard if serving else self._not_serving.add)(target)
-            (self.balancer.mark_up if serving else self.balancer.mark_down)(target)
+            self._note_health(target, serving, "check")
             up = up or serving
         return up
 

@@ -56,7 +56,7 @@ class Mesh:
         return out
 
 
-def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1,
+def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
                extra_env: dict | None = None) -> Mesh:
     ports = {"validator": [free_port()], "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
              "inference": [free_port() for _ in range(inference_replicas)], "gateway": [free_port()]}
@@ -64,7 +64,7 @@ def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: in
     layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},
               # two tokenizer workers share each tokenizer port and its mmapped vocabulary
               "stages": {s: {"ports": p, "metrics_ports": [free_port() for _ in p],
-                             "workers": 2 if s == "tokenizer" else 1} for s, p in ports.items()},
+                             "workers": tokenizer_workers if s == "tokenizer" else 1} for s, p in ports.items()},
               "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 5, "stable_after_s": 30},
               "ready_timeout_s": 300, "metrics_port": free_port()}
     (tmp / "keel.json").write_text(json.dumps(layout))  # JSON is YAML

@@ -29,7 +29,7 @@ from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY
 from tests.e2e.conftest import start_mesh, stop_mesh, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]  # two model loads + a reload
 
 REQUESTS, CLIENTS, MAX_TOKENS = 40, 4, 6
 KILLS = {"tokenizer-1.0": 6, "inference-1.0": 10}  # process -> kill once this many requests are done
@@ -99,7 +99,8 @@ def burst(mesh, pids: dict[str, int], killed_at: dict[str, float]) -> dict[int, 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    mesh = start_mesh(tmp_path_factory.mktemp("scaleout"), tokenizer_replicas=2, inference_replicas=2)
+    mesh = start_mesh(tmp_path_factory.mktemp("scaleout"), tokenizer_replicas=2, inference_replicas=2,
+                      tokenizer_workers=1)  # one process per replica: killing it takes the replica down
     try:
         pids = {name: mesh.state()["processes"][name]["pid"] for name in KILLS}
         killed_at: dict[str, float] = {}

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def own_mesh(tmp_path_factory):
-    m = start_mesh(tmp_path_factory.mktemp("kill9"))
+    m = start_mesh(tmp_path_factory.mktemp("kill9"), tokenizer_workers=1)  # killing the one process kills the stage
     yield m
     stop_mesh(m)
 
