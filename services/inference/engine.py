@@ -52,6 +52,7 @@ class EngineConfig:
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
     memory_audit: bool = False                # measure every iteration's peak (slow; for tests/bench)
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
+    intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
 
     def __post_init__(self):
         check_dtype(self.dtype, self.device)
@@ -63,6 +64,9 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
                                    metadata={"field": name})
+        if self.intra_op_threads is not None and self.intra_op_threads < 1:
+            raise InvalidInput("EngineConfig.intra_op_threads must be >= 1", reason="INVALID_CONFIG",
+                               metadata={"field": "intra_op_threads"})
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0 or not self.warmup_prompt_tokens:
             raise InvalidInput("queue limits must be >= 0 and warmup_prompt_tokens non-empty",
                                reason="INVALID_CONFIG")
@@ -84,6 +88,8 @@ class Engine:
 
     def warmup(self) -> None:
         cfg = self.config
+        if cfg.intra_op_threads is not None:
+            torch.set_num_threads(cfg.intra_op_threads)
         set_deterministic(cfg.device)
         runners = build_runners(self.model, cfg.device, cfg.breaker.fallback_dtype, cfg.max_batch_size,
                                 cfg.batch_invariant)

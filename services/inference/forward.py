@@ -36,6 +36,15 @@ class RowCache:
         return self.keys.nbytes + self.values.nbytes
 
 
+@dataclass
+class Segment:
+    """One row's share of a forward step: its cache and the tokens to append."""
+
+    cache: RowCache
+    tokens: list[int]
+    poison: bool = False  # fault injection: this row's hidden state becomes NaN
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., heads, D] at positions with cos/sin [..., 1, D] (the same formula as transformers)."""
     return x * cos + rotate_half(x) * sin
@@ -55,7 +64,7 @@ class LlamaRunner:
         self.groups = self.heads // self.kv_heads
         self.vocab_size = cfg.vocab_size
         self.scale = self.head_dim ** -0.5
-        # int8-dynamic models keep float embeddings; the residual stream dtype follows them.
+        # int8 models keep float embeddings; the residual stream dtype follows them.
         self.dtype = model.model.embed_tokens.weight.dtype
         self.dtype_name = model_dtype(model)
         self.invariant_sizes: tuple[int, ...] = ()
@@ -73,74 +82,74 @@ class LlamaRunner:
         """Smallest calibrated batch size >= rows (rows itself when none was calibrated or fits)."""
         return next((s for s in self.invariant_sizes if s >= rows), rows)
 
-    @torch.inference_mode()
     def prefill(self, token_ids: list[int], cache: RowCache, poison: bool = False) -> torch.Tensor:
-        """Run the whole prompt of one row from position 0; returns float32 logits of the last token [V]."""
-        core = self.model.model
-        n = len(token_ids)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        x = core.embed_tokens(ids)  # [P, hidden]
-        if poison:
-            x = x.clone().fill_(float("nan"))
-        pos = torch.arange(n, device=self.device)
-        cos, sin = core.rotary_emb(x[None], pos[None])  # [1, P, D]
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [P, 1, D]
-        for i, layer in enumerate(core.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rope(attn.q_proj(h).view(n, self.heads, self.head_dim), cos, sin)
-            k = _rope(attn.k_proj(h).view(n, self.kv_heads, self.head_dim), cos, sin)
-            v = attn.v_proj(h).view(n, self.kv_heads, self.head_dim)
-            cache.keys[i, :, :n] = k.transpose(0, 1)
-            cache.values[i, :, :n] = v.transpose(0, 1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], cache.keys[i, None, :, :n], cache.values[i, None, :, :n],
-                is_causal=True, scale=self.scale, enable_gqa=True)  # [1, H, P, D]
-            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.length = n
-        return self.model.lm_head(core.norm(x[-1:])).float()[0]
+        """One row's whole prompt from position 0; float32 logits of its last token [V]."""
+        return self.forward([Segment(cache, token_ids, poison)])[0]
 
-    @torch.inference_mode()
     def decode(self, token_ids: list[int], caches: list[RowCache], poison: frozenset[int] = frozenset()
                ) -> torch.Tensor:
-        """One token per row at position cache.length; returns float32 logits [B, V].
+        """One token per row at position cache.length; float32 logits [B, V]."""
+        return self.forward([Segment(c, [t], i in poison) for i, (t, c) in enumerate(zip(token_ids, caches))])
 
-        Cache lengths are advanced only after the whole step succeeded, so a step that fails midway
-        (out of memory) can be retried: the half-written slot is simply overwritten.
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """One step over a ragged batch: every segment appends its tokens to its row's cache.
+
+        A segment is a whole prompt (prefill, its cache empty) or one token (decode). Their tokens are
+        stacked into one [N, hidden] matrix for the dense layers; attention runs per row. Returns float32
+        logits of each segment's last token [R, V]. Cache lengths advance only after the whole step
+        succeeded, so a step that fails midway (out of memory) can be retried as is.
         """
         core = self.model.model
-        b = len(token_ids)
-        padded = self.padded_size(b)
-        ids = torch.tensor(token_ids + [0] * (padded - b), dtype=torch.long, device=self.device)
-        x = core.embed_tokens(ids)  # [B', hidden]; rows >= B are padding and never read back
-        if poison:
+        lens = [len(s.tokens) for s in segments]
+        starts = [s.cache.length for s in segments]
+        if any(n > 1 and st for n, st in zip(lens, starts)):
+            raise ValueError("a multi-token segment must start at position 0 (no chunked prefill)")
+        offsets = [sum(lens[:r]) for r in range(len(segments))]
+        n_tok = sum(lens)
+        padded = self.padded_size(n_tok)
+        ids = torch.tensor([t for s in segments for t in s.tokens] + [0] * (padded - n_tok),
+                           dtype=torch.long, device=self.device)
+        x = core.embed_tokens(ids)  # [N', hidden]; rows >= N are padding and never read back
+        poisoned = [r for r, s in enumerate(segments) if s.poison]
+        if poisoned:
             x = x.clone()
-            x[sorted(poison)] = float("nan")
-        pos = torch.tensor([c.length for c in caches], device=self.device)
-        cos, sin = core.rotary_emb(x[None, :b], pos[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [B, 1, D]
+            for r in poisoned:
+                x[offsets[r]:offsets[r] + lens[r]] = float("nan")
+        pos = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)]).to(self.device)
+        cos, sin = core.rotary_emb(x[None, :n_tok], pos[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]
         attn_out = torch.zeros(padded, self.heads * self.head_dim, dtype=x.dtype, device=self.device)
         for i, layer in enumerate(core.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = _rope(attn.q_proj(h)[:b].view(b, self.heads, self.head_dim), cos, sin)
-            k = _rope(attn.k_proj(h)[:b].view(b, self.kv_heads, self.head_dim), cos, sin)
-            v = attn.v_proj(h)[:b].view(b, self.kv_heads, self.head_dim)
-            for r, cache in enumerate(caches):
-                n = cache.length
-                cache.keys[i, :, n] = k[r]
-                cache.values[i, :, n] = v[r]
-                # The G query heads that share a KV head attend together: q [1, KV, G, D].
-                out = F.scaled_dot_product_attention(
-                    q[r].view(1, self.kv_heads, self.groups, self.head_dim),
-                    cache.keys[i, None, :, :n + 1], cache.values[i, None, :, :n + 1], scale=self.scale)
-                attn_out[r] = out.reshape(-1)
+            q = _rope(attn.q_proj(h)[:n_tok].view(n_tok, self.heads, self.head_dim), cos, sin)
+            k = _rope(attn.k_proj(h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim), cos, sin)
+            v = attn.v_proj(h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
+            for seg, o, n, st in zip(segments, offsets, lens, starts):
+                keys, values = seg.cache.keys[i], seg.cache.values[i]  # [KV, capacity, D]
+                keys[:, st:st + n] = k[o:o + n].transpose(0, 1)
+                values[:, st:st + n] = v[o:o + n].transpose(0, 1)
+                if n == 1:
+                    # The G query heads that share a KV head attend together: q [1, KV, G, D].
+                    out = F.scaled_dot_product_attention(
+                        q[o].view(1, self.kv_heads, self.groups, self.head_dim),
+                        keys[None, :, :st + 1], values[None, :, :st + 1], scale=self.scale)
+                    attn_out[o] = out.reshape(-1)
+                else:
+                    out = F.scaled_dot_product_attention(
+                        q[o:o + n].transpose(0, 1)[None], keys[None, :, :n], values[None, :, :n],
+                        is_causal=True, scale=self.scale, enable_gqa=True)  # [1, H, P, D]
+                    attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
             x = x + attn.o_proj(attn_out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        for cache in caches:
-            cache.length += 1
-        return self.model.lm_head(core.norm(x)).float()[:b]
+        for seg, n in zip(segments, lens):
+            seg.cache.length += n
+        rows = len(segments)
+        last = torch.tensor([o + n - 1 for o, n in zip(offsets, lens)], device=self.device)
+        h_last = torch.zeros(self.padded_size(rows), x.shape[1], dtype=x.dtype, device=self.device)
+        h_last[:rows] = x[last]
+        return self.model.lm_head(core.norm(h_last)).float()[:rows]
 
     @torch.inference_mode()
     def calibrate_invariant_sizes(self, max_batch: int, seed: int = 0) -> tuple[int, ...]:
@@ -148,30 +157,34 @@ class LlamaRunner:
 
         CPU GEMM kernels pick different micro-kernels for small or ragged M, which changes the float
         summation order of a row. A size qualifies when every row of a random batch of that size equals
-        the same row computed inside a reference batch of max(max_batch, 16) rows, at a shuffled position.
-        Sets the sizes used by decode() and returns them (empty: no invariant size). int8-dynamic is
-        never invariant: its activation scale is computed per batch, so a random probe could only
-        match by chance.
+        the same row computed inside a large reference batch, at a shuffled position. Sizes up to
+        max(max_batch, 16) are listed (lm_head included, it only sees one row per segment); larger token
+        counts are only sampled, and one failing sample disables invariance altogether.
+        Sets the sizes used by forward() and returns them (empty: no invariance). int8 is never
+        invariant: its activation scale is computed per batch.
         """
-        if self.dtype_name == "int8-dynamic":
-            self.invariant_sizes = ()
+        self.invariant_sizes = ()
+        if self.dtype_name == "int8":
             return ()
-        ref_rows = max(max_batch, 16)
+        small = max(max_batch, 16)
+        large = (small + 1, 64, 257, 1024)
         gen = torch.Generator().manual_seed(seed)
         layer = self.model.model.layers[0]
-        probes = [layer.self_attn.q_proj, layer.mlp.down_proj, self.model.lm_head]
-        sizes = []
-        for m in range(1, ref_rows + 1):
-            ok = True
-            for lin in probes:
-                dim = _in_features(lin)
-                xs = torch.randn(ref_rows, dim, generator=gen).to(device=self.device, dtype=self.dtype)
-                full = lin(xs)
-                perm = torch.randperm(ref_rows, generator=gen)[:m].to(self.device)
-                ok = ok and torch.equal(lin(xs[perm]), full[perm])
-            if ok:
-                sizes.append(m)
-        self.invariant_sizes = tuple(sizes) if ref_rows in sizes else ()
+        refs = {}  # layer -> (inputs, outputs) of its reference batch
+
+        def invariant(lin: torch.nn.Module, m: int, ref_rows: int) -> bool:
+            if lin not in refs:
+                xs = torch.randn(ref_rows, _in_features(lin), generator=gen).to(device=self.device, dtype=self.dtype)
+                refs[lin] = (xs, lin(xs))
+            xs, full = refs[lin]
+            perm = torch.randperm(ref_rows, generator=gen)[:m].to(self.device)
+            return torch.equal(lin(xs[perm]), full[perm])
+
+        dense = [layer.self_attn.q_proj, layer.mlp.down_proj]
+        sizes = [m for m in range(1, small + 1)
+                 if all(invariant(lin, m, 1100) for lin in dense) and invariant(self.model.lm_head, m, small)]
+        if small in sizes and all(invariant(lin, m, 1100) for lin in dense for m in large):
+            self.invariant_sizes = tuple(sizes)
         return self.invariant_sizes
 
 

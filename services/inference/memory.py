@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch._C._autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            from torch.profiler import ProfilerActivity, profile
-
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self

@@ -1,4 +1,4 @@
-"""Load the serving model (fp32, bf16 or int8-dynamic) and build a tiny random one for tests.
+"""Load the serving model (fp32, bf16 or int8) and build a tiny random one for tests.
 
 The engine only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj,
 mlp, input/post_attention_layernorm, norm, rotary_emb, lm_head); see forward.py.
@@ -13,17 +13,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from shared.errors import InvalidInput
 
-DTYPES = ("float32", "bfloat16", "int8-dynamic")
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: dynamic quantization of every Linear
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_dtype(dtype: str, device: str = "cpu") -> None:
     if dtype not in DTYPES:
         raise InvalidInput(f"unknown dtype {dtype!r}; expected one of {DTYPES}", reason="UNKNOWN_DTYPE",
                            metadata={"dtype": dtype})
-    if dtype == "int8-dynamic" and device != "cpu":
+    if dtype == "int8" and device != "cpu":
         # quantize_dynamic produces fbgemm/qnnpack CPU kernels only.
-        raise InvalidInput("int8-dynamic runs on CPU only", reason="UNSUPPORTED_DTYPE",
+        raise InvalidInput("int8 runs on CPU only", reason="UNSUPPORTED_DTYPE",
                            metadata={"dtype": dtype, "device": device})
 
 
@@ -32,21 +32,19 @@ def convert_model(model: torch.nn.Module, dtype: str, device: str = "cpu") -> to
     check_dtype(dtype, device)
     if model_dtype(model) == dtype:
         return model
-    if model_dtype(model) == "int8-dynamic":
-        raise InvalidInput("an int8-dynamic model cannot be converted back to a float dtype",
+    if model_dtype(model) == "int8":
+        raise InvalidInput("an int8 model cannot be converted back to a float dtype",
                            reason="UNSUPPORTED_DTYPE", metadata={"dtype": dtype})
     out = copy.deepcopy(model)
-    if dtype == "int8-dynamic":
-        out = torch.ao.quantization.quantize_dynamic(out.float(), {torch.nn.Linear}, dtype=torch.qint8)
-    else:
-        out = out.to(device=device, dtype=_TORCH_DTYPES[dtype])
-    return out.eval()
+    if dtype == "int8":
+        return _quantize(out.to(dtype=torch.float32))
+    return out.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
 
 
 def model_dtype(model: torch.nn.Module) -> str:
     """The dtype name load_model would use for this model."""
     if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules()):
-        return "int8-dynamic"
+        return "int8"
     return {v: k for k, v in _TORCH_DTYPES.items()}[model.model.embed_tokens.weight.dtype]
 
 
@@ -59,11 +57,13 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.requires_grad_(False)
-    if dtype == "int8-dynamic":
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    else:
-        model = model.to(device=device, dtype=_TORCH_DTYPES[dtype])
-    return model.eval()
+    if dtype == "int8":
+        return _quantize(model)
+    return model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
+
+
+def _quantize(model: torch.nn.Module) -> torch.nn.Module:
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8).eval()
 
 
 def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:

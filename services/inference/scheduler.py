@@ -1,8 +1,9 @@
 """The batching loop: one dedicated thread runs every forward pass (iteration-level batching).
 
-Each iteration: drop cancelled / expired rows, admit what fits (prefill each newcomer alone and stream
-its first token), then one decode step for all running rows, split into chunks no larger than the
-current batch cap. Rows leave the moment they finish, fail or are cancelled; their cache goes with them.
+Each iteration: drop cancelled / expired rows, admit what fits, then one forward pass over every row,
+split into chunks no larger than the current batch cap: newcomers contribute their whole prompt
+(prefill), running rows their last token (decode), and every row gets its next token. Rows leave
+the moment they finish, fail or are cancelled; their cache goes with them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .admission import Admission, Ticket
 from .api import Finished, TokenEvent
 from .breaker import BreakerBoard, Policy
 from .faults import RowFaults, injected_oom, is_oom
-from .forward import LlamaRunner, RowCache
+from .forward import LlamaRunner, RowCache, Segment
 from .memory import PeakMeter
 from .sampling import clamp_temperature, pick, row_is_finite
 
@@ -92,8 +93,8 @@ class Scheduler:
             if self._stop:
                 raise NotReady("inference engine is stopping", reason="SHUTTING_DOWN", retry_after_ms=1000)
             self.admission.check_fits_ever(ticket.req)
-            if not self.admission.queue and len(self.rows) + len(self.pending) < self.batch_cap(policy) \
-                    and self.admission.fits_now(ticket):
+            running = len(self.rows) + len(self.pending) + len(self.prefilling)
+            if not self.admission.queue and running < self.batch_cap(policy) and self.admission.fits_now(ticket):
                 self.admission.reserve(ticket)
                 self.pending.append(ticket)
             else:
@@ -168,19 +169,23 @@ class Scheduler:
         self.observed_peak_bytes = max(self.observed_peak_bytes, live + meter.peak)
 
     def _step(self, admitted: list[Ticket], policy: Policy) -> None:
+        """One forward pass per chunk of rows; newcomers' prompts ride along with the decode rows."""
         for ticket in admitted:
-            self._prefill(ticket, policy)
-        if self.rows:
-            t0 = time.monotonic()
-            rows = list(self.rows)
-            cap = self.batch_cap(policy)
-            for name in self.runners:
-                group = [r for r in rows if r.runner == name]
-                for i in range(0, len(group), cap):
-                    self._decode(group[i:i + cap], policy)
-            elapsed = time.monotonic() - t0
-            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * len(rows) / max(elapsed, 1e-6)
-            self._recover_cap()
+            self._admit_row(ticket, policy)
+        rows = [r for r in self.rows if not r.ticket.cancelled]
+        if not rows:
+            return
+        decoding = sum(1 for r in rows if r.generated)
+        t0 = time.monotonic()
+        cap = self.batch_cap(policy)
+        for name in self.runners:
+            group = [r for r in rows if r.runner == name]
+            for i in range(0, len(group), cap):
+                self._forward(group[i:i + cap], policy)
+        if decoding:
+            rate = decoding / max(time.monotonic() - t0, 1e-6)
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate
+        self._recover_cap()
 
     def _take_admitted(self, policy: Policy) -> list[Ticket]:
         free = self.batch_cap(policy) - len(self.rows) - len(self.pending)
@@ -215,19 +220,13 @@ class Scheduler:
         expiry = self.admission.next_expiry()
         return 0.5 if expiry is None else min(0.5, max(0.001, expiry - time.monotonic()))
 
-    def _prefill(self, ticket: Ticket, policy: Policy) -> None:
+    def _admit_row(self, ticket: Ticket, policy: Policy) -> None:
+        """Give an admitted request its cache (for prompt + max_tokens) and a place in the batch."""
         req = ticket.req
         name = "fallback" if policy.use_fallback and "fallback" in self.runners else "primary"
         runner = self.runners[name]
-        faults = RowFaults(req.faults)
-        if faults.slow_s:
-            time.sleep(faults.slow_s)
-        started = time.monotonic()
         try:
-            if faults.take_oom(0):
-                raise injected_oom(req.request_id, 0)
             cache = runner.new_cache(len(req.prompt_ids) + req.max_tokens)
-            logits = runner.prefill(req.prompt_ids, cache, poison=faults.nan_at(0))
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -235,11 +234,10 @@ class Scheduler:
             self._fail_ticket(ticket, self._oom_error(req.request_id))
             return
         generator = torch.Generator(device=runner.device).manual_seed(ticket.seed)
-        row = Row(ticket, name, cache, generator, faults, started, policy.level)
-        self.rows.append(row)
-        self._emit(row, logits, policy, step=0, batch=1)
+        self.rows.append(Row(ticket, name, cache, generator, RowFaults(req.faults), time.monotonic(), policy.level))
 
-    def _decode(self, rows: list[Row], policy: Policy) -> None:
+    def _forward(self, rows: list[Row], policy: Policy) -> None:
+        """Step k of each row (k = tokens generated so far; 0 is its prefill), then sample."""
         runner = self.runners[rows[0].runner]
         delay = max(r.faults.slow_s for r in rows)
         if delay:
@@ -248,8 +246,9 @@ class Scheduler:
             for r in rows:
                 if r.faults.take_oom(r.generated):
                     raise injected_oom(r.ticket.req.request_id, r.generated)
-            poison = frozenset(i for i, r in enumerate(rows) if r.faults.nan_at(r.generated))
-            logits = runner.decode([r.last_token for r in rows], [r.cache for r in rows], poison)
+            logits = runner.forward([
+                Segment(r.cache, [r.last_token] if r.generated else r.ticket.req.prompt_ids,
+                        r.faults.nan_at(r.generated)) for r in rows])
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -260,8 +259,8 @@ class Scheduler:
             # Nothing was committed (cache lengths advance only on success): retry in halves.
             self.counters.oom_recoveries += 1
             half = len(rows) // 2
-            self._decode(rows[:half], policy)
-            self._decode(rows[half:], policy)
+            self._forward(rows[:half], policy)
+            self._forward(rows[half:], policy)
             return
         for r, lg in zip(rows, logits):
             self._emit(r, lg, policy, step=r.generated, batch=len(rows))

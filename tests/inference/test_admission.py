@@ -1,0 +1,194 @@
+"""Admission against the memory budget, the bounded queue, and request validation."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from services.inference.api import FaultSpec
+from services.inference.engine import Engine, EngineConfig
+from shared.errors import InvalidInput, NotReady, Overloaded, PermissionDenied, PreconditionFailed
+from tests.inference.helpers import collect, prompt, request, tiny_config
+
+
+@pytest.fixture
+def budget_engine(make_engine, tiny_memory):
+    """budget_engine(rows, prompt_tokens, max_tokens, **config): budget for `rows` such requests."""
+    async def make(rows: float, prompt_tokens: int, max_tokens: int, **kw):
+        budget = int(tiny_memory.static_bytes + rows * tiny_memory.request_bytes(prompt_tokens, max_tokens))
+        engine = await make_engine(memory_budget_bytes=budget, **kw)
+        assert engine.memory.request_bytes(prompt_tokens, max_tokens) == \
+            tiny_memory.request_bytes(prompt_tokens, max_tokens)
+        return engine
+    return make
+
+
+@pytest.mark.asyncio
+async def test_request_that_never_fits_names_the_largest_that_does(budget_engine):
+    engine = await budget_engine(1.0, 100, 400)
+    max_total = engine.memory.max_total_tokens(engine.config.memory_budget_bytes)
+    assert 100 < max_total <= 500  # the budget was sized for 100 + 400 tokens
+    with pytest.raises(PreconditionFailed) as e:
+        await collect(engine, request("big", prompt(1, 100), max_tokens=max_total))
+    assert e.value.reason == "REQUEST_EXCEEDS_MEMORY_BUDGET"
+    assert int(e.value.metadata["max_total_tokens"]) == max_total
+    tokens, _ = await collect(engine, request("fits", prompt(1, 100), max_tokens=max_total - 100))
+    assert len(tokens) == max_total - 100
+
+
+@pytest.mark.asyncio
+async def test_second_request_waits_in_queue_then_runs(budget_engine):
+    engine = await budget_engine(1.5, 20, 300)
+    first = engine.generate(request("a", prompt(1, 20), max_tokens=300))
+    await first.__anext__()
+    second = asyncio.create_task(collect(engine, request("b", prompt(2, 20), max_tokens=5)))
+    await asyncio.sleep(0.05)
+    stats = engine.stats()
+    assert stats["queue_depth"] == 1 and stats["running_batch_size"] == 1
+    assert stats["memory"]["predicted_bytes"] <= stats["memory"]["budget_bytes"]
+    async for _ in first:
+        pass
+    tokens, fin = await second
+    assert len(tokens) == 5 and fin.queue_ms > 0
+
+
+@pytest.mark.asyncio
+async def test_full_queue_is_overloaded_with_a_retry_hint(budget_engine):
+    engine = await budget_engine(1.5, 20, 300, max_queued_requests=1)
+    first = engine.generate(request("a", prompt(1, 20), max_tokens=300))
+    await first.__anext__()
+    waiting = asyncio.create_task(collect(engine, request("b", prompt(2, 20), max_tokens=5)))
+    await asyncio.sleep(0.05)
+    with pytest.raises(Overloaded) as e:
+        await collect(engine, request("c", prompt(3, 20), max_tokens=5))
+    assert e.value.reason == "QUEUE_FULL" and e.value.retry_after_ms >= 50
+    await first.aclose()
+    assert len((await waiting)[0]) == 5
+
+
+@pytest.mark.asyncio
+async def test_queued_tokens_limit_applies(budget_engine):
+    engine = await budget_engine(1.5, 20, 300, max_queued_tokens=30)
+    first = engine.generate(request("a", prompt(1, 20), max_tokens=300))
+    await first.__anext__()
+    with pytest.raises(Overloaded) as e:
+        await collect(engine, request("b", prompt(2, 20), max_tokens=11))  # 31 tokens > 30
+    assert e.value.reason == "QUEUE_FULL"
+    await first.aclose()
+
+
+@pytest.mark.asyncio
+async def test_queue_timeout_is_overloaded(budget_engine):
+    engine = await budget_engine(1.5, 20, 3000, queue_timeout_ms=60)
+    first = engine.generate(request("a", prompt(1, 20), max_tokens=3000))
+    await first.__anext__()
+    with pytest.raises(Overloaded) as e:
+        await collect(engine, request("b", prompt(2, 20), max_tokens=5))
+    assert e.value.reason == "QUEUE_TIMEOUT" and e.value.retry_after_ms > 0
+    assert engine.stats()["queue_depth"] == 0
+    await first.aclose()
+
+
+@pytest.mark.asyncio
+async def test_flood_never_exceeds_the_budget(budget_engine):
+    """Measured (allocator-level) peak of every iteration stays within the budget under a flood."""
+    engine = await budget_engine(2.5, 600, 60, memory_audit=True)
+    budget = engine.config.memory_budget_bytes
+    seen = []
+
+    async def sample():
+        while True:
+            seen.append(engine.stats()["memory"]["predicted_bytes"])
+            await asyncio.sleep(0.002)
+
+    sampler = asyncio.create_task(sample())
+    results = await asyncio.gather(*(collect(engine, request(f"f{i}", prompt(i, 600), max_tokens=60))
+                                     for i in range(6)))
+    sampler.cancel()
+    assert all(len(tokens) == 60 for tokens, _ in results)
+    assert max(seen) <= budget
+    assert max(seen) > engine.memory.static_bytes + engine.memory.request_bytes(600, 60)  # 2 ran at once
+    observed = engine.stats()["memory"]["observed_peak_bytes"]
+    assert engine.memory.static_bytes < observed <= budget
+
+
+BAD_REQUESTS = [
+    (dict(prompt_ids=[]), "EMPTY_PROMPT"),
+    (dict(prompt_ids=[1, 49152]), "TOKEN_OUT_OF_RANGE"),
+    (dict(prompt_ids=[1, -1]), "TOKEN_OUT_OF_RANGE"),
+    (dict(prompt_ids=[1, 2.0]), "TOKEN_OUT_OF_RANGE"),
+    (dict(prompt_ids=[True]), "TOKEN_OUT_OF_RANGE"),
+    (dict(max_tokens=0), "INVALID_MAX_TOKENS"),
+    (dict(max_tokens=4096), "CONTEXT_LENGTH_EXCEEDED"),
+    (dict(temperature=-0.1), "INVALID_TEMPERATURE"),
+    (dict(temperature=math.nan), "INVALID_TEMPERATURE"),
+    (dict(temperature=math.inf), "INVALID_TEMPERATURE"),
+    (dict(top_p=0.0), "INVALID_TOP_P"),
+    (dict(top_p=1.5), "INVALID_TOP_P"),
+    (dict(top_k=-1), "INVALID_TOP_K"),
+    (dict(seed=-5), "INVALID_SEED"),
+    (dict(seed=2 ** 63), "INVALID_SEED"),
+    (dict(stop_token_ids=(99999,)), "TOKEN_OUT_OF_RANGE"),
+    (dict(deadline=math.nan), "INVALID_DEADLINE"),
+    (dict(request_id=""), "MISSING_REQUEST_ID"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fields,reason", BAD_REQUESTS, ids=[r for _, r in BAD_REQUESTS])
+async def test_bad_requests_are_invalid_input(shared_engine, fields, reason):
+    engine = shared_engine
+    base = dict(request_id="r", prompt_ids=[5, 6, 7], max_tokens=4)
+    base.update(fields)
+    with pytest.raises(InvalidInput) as e:
+        await collect(engine, request(base.pop("request_id"), base.pop("prompt_ids"), **base))
+    assert e.value.reason == reason
+    assert engine.stats()["running_batch_size"] == 0 and engine.stats()["queue_depth"] == 0
+
+
+@pytest.mark.asyncio
+async def test_faults_are_refused_unless_enabled(shared_engine):
+    engine = shared_engine
+    with pytest.raises(PermissionDenied) as e:
+        await collect(engine, request("f", prompt(1), faults=FaultSpec(nan_at_step=1)))
+    assert e.value.reason == "FAULT_INJECTION_DISABLED"
+
+
+@pytest.mark.asyncio
+async def test_bad_fault_spec_is_invalid(make_engine):
+    engine = await make_engine(fault_injection_enabled=True)
+    with pytest.raises(InvalidInput) as e:
+        await collect(engine, request("f", prompt(1), faults=FaultSpec(slow_step_ms=-1)))
+    assert e.value.reason == "INVALID_FAULT"
+
+
+@pytest.mark.asyncio
+async def test_generate_before_start_is_not_ready(tiny):
+    engine = Engine(tiny, tiny_config())
+    with pytest.raises(NotReady) as e:
+        await collect(engine, request("r", prompt(1)))
+    assert e.value.reason == "WARMING_UP"
+    with pytest.raises(NotReady):
+        await engine.start()  # warmup() has not run
+
+
+def test_budget_smaller_than_the_model_is_refused(tiny):
+    engine = Engine(tiny, tiny_config(memory_budget_bytes=1_000_000))
+    with pytest.raises(InvalidInput) as e:
+        engine.warmup()
+    assert e.value.reason == "BUDGET_TOO_SMALL"
+
+
+@pytest.mark.parametrize("field,value", [("max_batch_size", 0), ("memory_budget_bytes", 0),
+                                         ("queue_timeout_ms", 0), ("max_queued_requests", -1),
+                                         ("dtype", "fp8"), ("warmup_prompt_tokens", ())])
+def test_bad_config_is_rejected(field, value):
+    with pytest.raises(InvalidInput):
+        EngineConfig(**{"memory_budget_bytes": 10 ** 9, field: value})
+
+
+def test_model_dtype_must_match_config(tiny):
+    with pytest.raises(InvalidInput) as e:
+        Engine(tiny, tiny_config(dtype="bfloat16"))
+    assert e.value.reason == "DTYPE_MISMATCH"

@@ -1,0 +1,152 @@
+"""The ragged forward pass agrees with transformers and is batch invariant; model loading checks input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.inference.forward import LlamaRunner, Segment
+from services.inference.model import convert_model, load_model, model_dtype, tiny_model
+from shared.errors import InvalidInput
+from tests.inference.helpers import prompt
+
+
+def greedy(runner: LlamaRunner, ids: list[int], n: int) -> list[int]:
+    cache = runner.new_cache(len(ids) + n)
+    out = [int(runner.prefill(ids, cache).argmax())]
+    while len(out) < n:
+        out.append(int(runner.decode([out[-1]], [cache])[0].argmax()))
+    return out
+
+
+def test_prefill_logits_match_transformers(tiny):
+    runner = LlamaRunner(tiny)
+    ids = prompt(1, 40)
+    with torch.no_grad():
+        ref = tiny(torch.tensor([ids])).logits[0, -1]
+    got = runner.prefill(ids, runner.new_cache(41))
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_matches_model_generate(tiny, seed):
+    runner = LlamaRunner(tiny)
+    runner.calibrate_invariant_sizes(16)
+    ids = prompt(seed, 7 + seed * 5)
+    ref = tiny.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(ids):].tolist()
+    assert greedy(runner, ids, 24) == ref
+
+
+def test_decode_is_bitwise_batch_invariant(tiny):
+    runner = LlamaRunner(tiny)
+    assert runner.calibrate_invariant_sizes(16)
+    prompts = [prompt(s, 3 + 4 * s) for s in range(7)]
+
+    def run(batch):
+        caches = [runner.new_cache(len(p) + 6) for p in batch]
+        cur = [int(runner.prefill(p, c).argmax()) for p, c in zip(batch, caches)]
+        steps = []
+        for _ in range(5):
+            logits = runner.decode(cur, caches)
+            steps.append(logits)
+            cur = logits.argmax(-1).tolist()
+        return steps
+
+    together = run(prompts)
+    for i, p in enumerate(prompts):
+        alone = run([p])
+        assert all(torch.equal(a[0], t[i]) for a, t in zip(alone, together)), f"row {i} differs"
+
+
+def test_prefill_mixed_with_decode_rows_is_bitwise_the_same(tiny):
+    runner = LlamaRunner(tiny)
+    runner.calibrate_invariant_sizes(16)
+    old, new = prompt(1, 9), prompt(2, 23)
+    c_old, c_new = runner.new_cache(20), runner.new_cache(30)
+    first = int(runner.prefill(old, c_old).argmax())
+    mixed = runner.forward([Segment(c_old, [first]), Segment(c_new, new)])
+    s_old, s_new = runner.new_cache(20), runner.new_cache(30)
+    runner.prefill(old, s_old)
+    assert torch.equal(mixed[0], runner.decode([first], [s_old])[0])
+    assert torch.equal(mixed[1], runner.prefill(new, s_new))
+    assert (c_old.length, c_new.length) == (10, 23)
+
+
+def test_prompt_continuation_is_refused(tiny):
+    runner = LlamaRunner(tiny)
+    cache = runner.new_cache(20)
+    runner.prefill(prompt(1, 5), cache)
+    with pytest.raises(ValueError):
+        runner.forward([Segment(cache, prompt(2, 3))])
+    assert cache.length == 5
+
+
+def test_poisoned_row_does_not_touch_the_others(tiny):
+    runner = LlamaRunner(tiny)
+    runner.calibrate_invariant_sizes(16)
+    prompts = [prompt(s) for s in range(4)]
+    caches = [runner.new_cache(20) for _ in prompts]
+    first = [int(runner.prefill(p, c).argmax()) for p, c in zip(prompts, caches)]
+    clean_caches = [runner.new_cache(20) for _ in prompts]
+    for p, c in zip(prompts, clean_caches):
+        runner.prefill(p, c)
+    poisoned = runner.decode(first, caches, poison=frozenset({2}))
+    clean = runner.decode(first, clean_caches)
+    assert not torch.isfinite(poisoned[2]).any()
+    for i in (0, 1, 3):
+        assert torch.equal(poisoned[i], clean[i])
+
+
+def test_int8_dynamic_reports_no_invariant_sizes(tiny):
+    runner = LlamaRunner(convert_model(tiny, "int8"))
+    assert runner.dtype_name == "int8"
+    assert runner.calibrate_invariant_sizes(16) == ()
+    assert runner.padded_size(3) == 3
+
+
+def test_bf16_conversion_keeps_the_original(tiny):
+    bf16 = convert_model(tiny, "bfloat16")
+    assert model_dtype(bf16) == "bfloat16" and model_dtype(tiny) == "float32"
+    runner = LlamaRunner(bf16)
+    assert runner.kv_bytes_per_token == LlamaRunner(tiny).kv_bytes_per_token // 2
+
+
+@pytest.mark.parametrize("dtype,min_cosine", [("bfloat16", 0.99), ("float16", 0.99), ("int8", 0.9)])
+def test_reduced_precision_logits_track_fp32(tiny, dtype, min_cosine):
+    """On random weights int8's per-tensor error is large; a broken conversion would be uncorrelated."""
+    fp32, low = LlamaRunner(tiny), LlamaRunner(convert_model(tiny, dtype))
+    for seed in range(8):
+        ids = prompt(seed, 20)
+        a, b = fp32.prefill(ids, fp32.new_cache(20)), low.prefill(ids, low.new_cache(20))
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > min_cosine
+        assert int((a > a[b.argmax()]).sum()) < 50  # its top token is near the top of fp32's
+
+
+def test_int8_model_cannot_be_converted_back(tiny):
+    with pytest.raises(InvalidInput) as e:
+        convert_model(convert_model(tiny, "int8"), "float32")
+    assert e.value.reason == "UNSUPPORTED_DTYPE"
+
+
+@pytest.mark.parametrize("dtype,device,reason", [("fp8", "cpu", "UNKNOWN_DTYPE"), ("int4", "cpu", "UNKNOWN_DTYPE"),
+                                                 ("int8-dynamic", "cpu", "UNKNOWN_DTYPE"),
+                                                 ("int8", "cuda", "UNSUPPORTED_DTYPE")])
+def test_load_model_rejects_bad_dtype(dtype, device, reason, tmp_path):
+    with pytest.raises(InvalidInput) as e:
+        load_model(tmp_path, dtype, device)
+    assert e.value.reason == reason
+
+
+def test_load_model_reports_a_missing_model(tmp_path):
+    with pytest.raises(InvalidInput) as e:
+        load_model(tmp_path / "nothing")
+    assert e.value.reason == "MODEL_NOT_FOUND"
+
+
+def test_tiny_model_is_small_deterministic_and_full_vocab():
+    a, b, c = tiny_model(seed=3), tiny_model(seed=3), tiny_model(seed=4)
+    assert a.config.vocab_size == 49152 and a.config.num_hidden_layers == 2
+    assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+    assert not a.training

@@ -1,0 +1,126 @@
+"""Sampling maths, seeds and determinism, and the engine's drain on stop."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from services.inference.api import FaultSpec
+from services.inference.sampling import pick, row_is_finite
+from shared.errors import NotReady
+from tests.inference.helpers import collect, ids, prompt, request
+
+
+def logits_fixture() -> torch.Tensor:
+    return torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0])
+
+
+def test_greedy_takes_the_lowest_id_among_ties_and_reports_logprob_and_entropy():
+    logits = logits_fixture()
+    p = pick(logits, 0.0, 1.0, 0, None)
+    logp = torch.log_softmax(logits, -1)
+    assert p.token_id == 1
+    assert p.logprob == pytest.approx(float(logp[1]))
+    assert p.entropy == pytest.approx(float(-(logp.exp() * logp).sum()))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        assert pick(logits_fixture(), 1.0, 1.0, 1, gen).token_id == 1
+        assert pick(logits_fixture(), 1.0, 1e-6, 0, gen).token_id == 1
+
+
+def test_top_k_restricts_the_support():
+    gen = torch.Generator().manual_seed(1)
+    seen = {pick(logits_fixture(), 10.0, 1.0, 3, gen).token_id for _ in range(300)}
+    assert seen == {1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # probabilities ~ [0.5, 0.3, 0.2]: top_p 0.75 keeps the first two only.
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    gen = torch.Generator().manual_seed(2)
+    seen = {pick(logits, 1.0, 0.75, 0, gen).token_id for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.bincount(torch.tensor([pick(logits, 1.0, 1.0, 0, gen).token_id for _ in range(3000)]),
+                            minlength=3)
+    assert (counts.float() / 3000 - torch.tensor([0.7, 0.2, 0.1])).abs().max() < 0.04
+
+
+def test_clamp_applies_to_reported_logprob():
+    logits = torch.tensor([100.0, 0.0])
+    assert pick(logits, 0.0, 1.0, 0, None, clamp=1.0).logprob == pytest.approx(-math.log1p(math.exp(-1)))
+
+
+def test_row_is_finite_flags_only_the_bad_rows():
+    x = torch.zeros(3, 4)
+    x[1, 2] = float("nan")
+    x[2, 0] = float("-inf")
+    assert row_is_finite(x).tolist() == [True, False, False]
+
+
+@pytest.mark.asyncio
+async def test_same_seeded_request_ten_times_is_identical(make_engine):
+    engine = await make_engine()
+    runs = [await collect(engine, request(f"s{i}", prompt(1), max_tokens=16, temperature=0.9, top_p=0.95,
+                                          top_k=50, seed=1234)) for i in range(10)]
+    first = runs[0][0]
+    for tokens, fin in runs:
+        assert ids(tokens) == ids(first) and fin.seed == 1234
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(tokens, first)) <= 1e-5
+    other, _ = await collect(engine, request("o", prompt(1), max_tokens=16, temperature=0.9, top_p=0.95,
+                                             top_k=50, seed=1235))
+    assert ids(other) != ids(first)
+
+
+@pytest.mark.asyncio
+async def test_chosen_seed_is_echoed_and_replays(make_engine):
+    engine = await make_engine()
+    tokens, fin = await collect(engine, request("a", prompt(2), max_tokens=12, temperature=1.0))
+    again, fin2 = await collect(engine, request("b", prompt(2), max_tokens=12, temperature=1.0, seed=fin.seed))
+    assert ids(again) == ids(tokens) and fin2.seed == fin.seed
+
+
+@pytest.mark.asyncio
+async def test_seeded_sampling_is_batch_invariant(make_engine):
+    engine = await make_engine()
+    reqs = [request(f"r{i}", prompt(i), max_tokens=10, temperature=1.0, seed=i) for i in range(6)]
+    alone = [await collect(engine, r) for r in reqs]
+    together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+    assert [ids(a) for a, _ in alone] == [ids(b) for b, _ in together]
+
+
+@pytest.mark.asyncio
+async def test_stop_lets_in_flight_work_finish_within_grace(make_engine):
+    engine = await make_engine(fault_injection_enabled=True)
+    slow = FaultSpec(slow_step_ms=20)  # ~200 ms of work: still running when the late request arrives
+    running = asyncio.create_task(collect(engine, request("a", prompt(1), max_tokens=10, faults=slow)))
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(engine.stop(grace_s=30))
+    await asyncio.sleep(0.01)
+    with pytest.raises(NotReady) as e:
+        await collect(engine, request("late", prompt(2)))
+    assert e.value.reason == "DRAINING"
+    tokens, fin = await running
+    await stopping
+    assert len(tokens) == 10 and engine.stats()["state"] == "stopped"
+
+
+@pytest.mark.asyncio
+async def test_stop_fails_what_outlives_the_grace(make_engine):
+    engine = await make_engine()
+    stream = engine.generate(request("a", prompt(1), max_tokens=3000))
+    await stream.__anext__()
+    await engine.stop(grace_s=0.02)
+    with pytest.raises(NotReady) as e:
+        async for _ in stream:
+            pass
+    assert e.value.reason == "SHUTTING_DOWN"
