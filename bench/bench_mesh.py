@@ -1,0 +1,152 @@
+"""The cost of the mesh: the same prompts in-process (tokenizer core + engine + validator core)
+and through the gateway of a real mesh (five gRPC hops, retries, traces, validation), same run.
+
+Run: .venv/bin/python bench/bench_mesh.py [--prompts 16] [--tokens 16] [--concurrency 1,4,16]
+     [--write docs/bench/mesh.md]
+
+Step 1 runs in-process and frees the model; step 2 starts `python -m keelctl up` on free loopback
+ports (Redis + 4 stages, the real model) and drives the gateway with concurrent clients.
+Greedy decoding on both sides, so both produce the same tokens; mesh overhead = p50 latency
+difference per request at concurrency 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.bench_inference import SUBJECTS, FORMS, engine_for, machine  # noqa: E402
+from keel.common.v1 import common_pb2  # noqa: E402
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from keelctl.ask import DEV_API_KEY  # noqa: E402
+from services.inference.engine import GenerationRequest, TokenEvent  # noqa: E402
+from services.inference.model import load_model  # noqa: E402
+from services.tokenizer.core import Tokenizer  # noqa: E402
+from services.validator.core import ValidatorCore  # noqa: E402
+from services.validator.pipeline import PipelineConfig  # noqa: E402
+from services.validator import config as validator_config  # noqa: E402
+from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+
+
+def texts(n: int) -> list[str]:
+    return [f.format(s) for f in FORMS for s in SUBJECTS][:n]
+
+
+async def in_process(prompts: list[str], tokens: int) -> list[float]:
+    tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
+    engine = engine_for(load_model(ROOT / "var/model"), "cpu", "float32", eos_token_ids=(2,))
+    await engine.start()
+    vcfg = validator_config.load()
+    core = ValidatorCore.build(vcfg.path(vcfg.contracts_dir), PipelineConfig.load(vcfg.path(vcfg.pipeline_file)),
+                               vcfg.quarantine)
+    lat = []
+    for i, text in enumerate(prompts):
+        t0 = time.perf_counter()
+        core.validate_input(json.dumps({"prompt": text, "max_tokens": tokens}), source="default",
+                            domain="default", trace_id="")
+        ids = tok.encode(tok.render_chat([("user", text)])).input_ids
+        out, ent = [], []
+        async for ev in engine.generate(GenerationRequest(f"m{i}", ids, tokens)):
+            if isinstance(ev, TokenEvent):
+                out.append(ev.token_id)
+                ent.append(ev.entropy)
+        core.validate_output(tok.decode(out, skip_special_tokens=True), domain="default", token_entropies=ent)
+        lat.append(time.perf_counter() - t0)
+    await engine.stop(1.0)
+    return lat
+
+
+def request(text: str, tokens: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(prompt=text, sampling=common_pb2.SamplingParams(max_tokens=tokens))
+
+
+async def through_mesh(target: str, prompts: list[str], tokens: int, concurrency: int) -> tuple[list[float], float, int]:
+    gate = asyncio.Semaphore(concurrency)
+    lat: list[float] = []
+    generated = 0
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def one(text: str) -> None:
+            nonlocal generated
+            async with gate:
+                t0 = time.perf_counter()
+                resp = await stub.Generate(request(text, tokens), metadata=(("x-api-key", DEV_API_KEY),), timeout=600)
+                lat.append(time.perf_counter() - t0)
+                generated += resp.usage.completion_tokens
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(t) for t in prompts))
+        wall = time.perf_counter() - t0
+    return lat, generated / wall, generated
+
+
+def validator_ms(traces: Path) -> list[float]:
+    """Per request: time the gateway spent in its calls to the validator (client spans, both calls)."""
+    per_trace: dict[str, float] = {}
+    for f in traces.glob("gateway-*.jsonl"):
+        for line in f.read_text().splitlines():
+            span = json.loads(line)
+            if span["name"].startswith("call validator/"):
+                per_trace[span["trace_id"]] = per_trace.get(span["trace_id"], 0.0) + span["duration_ms"]
+    return sorted(per_trace.values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    ap.add_argument("--hygiene", type=int, default=100, help="sequential requests for the RSS check")
+    ap.add_argument("--write", type=Path)
+    args = ap.parse_args()
+    prompts = texts(args.prompts)
+    local = asyncio.run(in_process(prompts, args.tokens))
+    lines = ["| path | concurrency | p50 ms | p99 ms | tokens/s |", "|---|---|---|---|---|",
+             f"| in-process (tokenizer core + engine + validator core) | 1 | {statistics.median(local) * 1e3:.1f} "
+             f"| {max(local) * 1e3:.1f} | - |"]
+    mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-bench-")))
+    try:
+        inference = psutil.Process(mesh.state()["processes"]["inference-0.0"]["pid"])
+        rss_warm = inference.memory_info().rss
+        asyncio.run(through_mesh(mesh.gateway, prompts[:2], args.tokens, 1))  # first-use effects out of the way
+        rss_before = inference.memory_info().rss
+        asyncio.run(through_mesh(mesh.gateway, (prompts * 100)[:args.hygiene], 4, 1))
+        rss_after = inference.memory_info().rss
+        p50_mesh_1 = None
+        for c in args.concurrency:
+            lat, tok_s, _ = asyncio.run(through_mesh(mesh.gateway, prompts, args.tokens, c))
+            if c == 1:
+                time.sleep(1)  # let the span exporter flush
+                val = validator_ms(mesh.tmp / "traces")
+            p50 = statistics.median(lat) * 1e3
+            p50_mesh_1 = p50 if c == 1 else p50_mesh_1
+            lines.append(f"| through the mesh (gateway) | {c} | {p50:.1f} | {max(lat) * 1e3:.1f} | {tok_s:.1f} |")
+    finally:
+        stop_mesh(mesh)
+    summary = (f"\nValidator's share of a request through the mesh (both calls, gateway client spans, "
+               f"{len(val)} requests): p50 {statistics.median(val):.2f} ms, p99 {val[int(0.99 * (len(val) - 1))]:.2f} ms.\n"
+               f"\nInference stage RSS after warm-up: {rss_warm / 2**20:.1f} MiB (fp32); over {args.hygiene} "
+               f"sequential requests after the first two: {(rss_after - rss_before) / 2**20:+.2f} MiB.\n"
+               f"\nMesh overhead at concurrency 1: {p50_mesh_1 - statistics.median(local) * 1e3:.1f} ms p50 per request "
+               f"({args.prompts} prompts x up to {args.tokens} tokens, greedy). Machine: {machine()}.")
+    out = "\n".join(lines) + summary
+    print(out)
+    if args.write:
+        args.write.write_text("# Mesh overhead\n\nCommand: `.venv/bin/python bench/bench_mesh.py "
+                              f"--prompts {args.prompts} --tokens {args.tokens} --concurrency "
+                              f"{','.join(map(str, args.concurrency))} --write {args.write}`\n\n{out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
