@@ -44,6 +44,8 @@ def texts(n: int) -> list[str]:
 
 async def in_process(prompts: list[str], tokens: int) -> list[float]:
     tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
+    tok.self_check()
+    tok.warmup()
     engine = engine_for(load_model(ROOT / "var/model"), "cpu", "float32", eos_token_ids=(2,))
     await engine.start()
     vcfg = validator_config.load()
