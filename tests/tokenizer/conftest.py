@@ -45,7 +45,7 @@ def reference():
     from tokenizers import Tokenizer as HfTokenizer, pre_tokenizers
 
     if not (HF_TOKENIZER_DIR / "tokenizer.json").exists():
-        pytest.skip("reference tokenizer missing: run `make model`")
+        pytest.fail("reference tokenizer missing: run `make model` (make test does it first)")
     ref = HfTokenizer.from_file(str(HF_TOKENIZER_DIR / "tokenizer.json"))
     ref.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
