@@ -56,8 +56,9 @@ class Mesh:
         return out
 
 
-def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
-               extra_env: dict | None = None) -> Mesh:
+def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
+             extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
+    """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
     ports = {"validator": [free_port()], "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
              "inference": [free_port() for _ in range(inference_replicas)], "gateway": [free_port()]}
     redis_port = free_port()
@@ -72,6 +73,12 @@ def start_mesh(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: in
                KEEL_TRACES_DIR=str(tmp / "traces"), KEEL_VALIDATOR_QUARANTINE__SPILL_PATH=str(tmp / "spill.jsonl"),
                **(extra_env or {}))
     env.pop("KEEL_MESH_TOKEN", None)
+    return layout, ports, redis_port, env
+
+
+def start_mesh(tmp: Path, **kwargs) -> Mesh:
+    """`python -m keelctl up` in the foreground (a child of the test), waited on until SERVING."""
+    layout, ports, redis_port, env = mesh_env(tmp, **kwargs)
     out = open(tmp / "keel-up.out", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "keelctl", "up"], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)

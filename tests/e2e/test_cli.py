@@ -56,3 +56,28 @@ def test_injected_prompt_is_rejected_and_quarantined(mesh):
     listed = keel(mesh, "quarantine", "list")
     assert listed.returncode == 0, listed.stderr
     assert "role_marker" in listed.stdout
+
+
+def test_up_detach_status_down(tmp_path):
+    """`keel up --detach` returns once every stage is SERVING; `keel down` stops the whole tree."""
+    import psutil
+    from tests.e2e.conftest import mesh_env
+
+    _, ports, _, env = mesh_env(tmp_path, tokenizer_workers=1)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "keelctl", *a], cwd=ROOT, env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=400)
+    up = run("up", "--detach")
+    state = json.loads((tmp_path / "var" / "run" / "keel.json").read_text())
+    pids = [state["pid"]] + [p["pid"] for p in state["processes"].values()]
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"gateway@127.0.0.1:{ports['gateway'][0]}" in up.stdout and up.stdout.count("SERVING") == 4
+        assert run("status").returncode == 0
+        down = run("down")
+        assert down.returncode == 0 and "keel is down" in down.stdout
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert run("status").returncode == 1  # nothing answers any more
+    finally:
+        for p in pids:
+            if psutil.pid_exists(p):
+                psutil.Process(p).kill()
