@@ -129,8 +129,9 @@ class Supervisor:
         while not stop.wait(0.1):
             self.poll_once()
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM in reverse order (gateway first, Redis last) so in-flight calls drain."""
+    def stop(self, grace_s: float = 45.0) -> None:
+        """SIGTERM in reverse order (gateway first, Redis last) so in-flight calls drain; grace_s must
+        exceed every stage's server.drain_grace_s or a slow drain is cut short by SIGKILL."""
         with self._lock:
             for c in reversed(self.children):
                 if c.popen and c.popen.poll() is None:

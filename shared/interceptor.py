@@ -87,6 +87,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         self.authenticate = authenticate
         self.is_ready = is_ready
         self.trace_root = trace_root
+        self.inflight = 0  # application calls being served (health watches excluded)
         m = metrics.metrics_for(service)
         self._requests = m.counter("keel_requests_total")
         self._duration = m.histogram("keel_request_duration_seconds")
@@ -133,8 +134,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(request, MalformedRequest):
             raise errors.InvalidInput(f"request body does not parse: {request.error}", reason="MALFORMED_REQUEST")
 
+    async def drained(self, grace_s: float) -> bool:
+        """Wait until no application call is in flight (True) or ``grace_s`` passes (False)."""
+        deadline = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.inflight
+
     @contextlib.asynccontextmanager
     async def _scope(self, method: str, request, context):
+        self.inflight += 1
         md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         parent = None if self.trace_root else tracing.extract(md.items())
         name = method.rsplit("/", 1)[-1]
@@ -164,6 +173,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 _record_error(span, err)
                 await context.abort(*to_status(err, trace_id))
             finally:
+                self.inflight -= 1
                 self._requests.labels(service=self.service, method=name, code=code).inc()
                 self._duration.labels(service=self.service, method=name).observe(time.perf_counter() - start)
                 trace_id_var.reset(tokens[0])

@@ -99,7 +99,11 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     ready = False
     serving_gauge.set(0)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(cfg.drain_grace_s)  # rejects new calls, lets in-flight ones finish within grace
+    # New calls now get UNAVAILABLE (not ready); in-flight ones finish within the grace period.
+    # Health watches are long-lived streams, not work: they are cut once the real calls are done.
+    if not await interceptor.drained(cfg.drain_grace_s):
+        log.warning("grace period over; cancelling the calls still in flight", extra={"inflight": interceptor.inflight})
+    await server.stop(0.5)
     await stage.close()
     log.info("stopped")
 

@@ -41,3 +41,23 @@ def test_kill9_stage_is_restarted_and_serves_again(own_mesh, stage, api_md, gate
     with grpc.insecure_channel(mesh.gateway) as ch:
         resp = mesh.stub(ch).Generate(gateway_request("Say hello.", max_tokens=4), metadata=api_md, timeout=120)
     assert resp.usage.completion_tokens > 0 and resp.trace_id
+
+
+def test_sigterm_drains_the_call_in_flight(own_mesh, api_md, gateway_request):
+    """SIGTERM to the inference stage mid-generation: the streamed answer still completes."""
+    mesh = own_mesh
+    mesh.wait_serving(120)
+    pid = mesh.state()["processes"]["inference-0.0"]["pid"]
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        stream = mesh.stub(ch).GenerateStream(
+            gateway_request("Write a long story about a lighthouse keeper.", max_tokens=48),
+            metadata=api_md, timeout=300)
+        first = next(stream)
+        assert first.WhichOneof("event") == "delta"
+        os.kill(pid, signal.SIGTERM)
+        rest = list(stream)
+    done = rest[-1]
+    assert done.WhichOneof("event") == "done" and done.done.usage.completion_tokens >= 2
+    log = mesh.tmp / "var" / "log" / "inference-0.0.log"
+    wait_until(lambda: '"msg": "stopped"' in log.read_text(), 60, "the drained inference process to stop")
+    assert '"msg": "draining"' in log.read_text()
