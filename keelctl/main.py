@@ -105,7 +105,7 @@ def cmd_down(args) -> int:
     except ProcessLookupError:
         print("keel is not running")
         return 0
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # each stage drains its in-flight calls first
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
@@ -113,7 +113,7 @@ def cmd_down(args) -> int:
             print("keel is down")
             return 0
         time.sleep(0.2)
-    print(f"supervisor {pid} did not stop within 60 s")
+    print(f"supervisor {pid} did not stop within 240 s")
     return 1
 
 
