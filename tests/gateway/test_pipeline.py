@@ -124,3 +124,17 @@ def test_check_ask_rejects_with_reason(bad, reason):
     with pytest.raises(errors.InvalidInput) as exc:
         check_ask(bad, Limits())
     assert exc.value.reason == reason
+
+
+@pytest.mark.asyncio
+async def test_rejected_input_never_reaches_inference_even_though_encoding_runs_beside_the_check():
+    class Rejecting(FakeUpstreams):
+        async def validate_input(self, payload, source, domain, timeout, md):
+            self.calls.append("validate_input")
+            raise errors.InvalidInput("injection", reason="PROMPT_INJECTION", metadata={"rule": "role_marker"})
+
+    up = Rejecting()
+    with pytest.raises(errors.InvalidInput) as exc:
+        await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert exc.value.reason == "PROMPT_INJECTION" and exc.value.metadata["rule"] == "role_marker"
+    assert "generate" not in up.calls and "decode" not in up.calls
