@@ -87,7 +87,8 @@ class Answer:
 class Upstreams(Protocol):
     """What the pipeline needs from the other stages (services/gateway/upstreams.py over gRPC)."""
 
-    async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict) -> list[str]: ...
+    async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict,
+                             rejected: errors.InvalidInput | None = None) -> list[str]: ...
     async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded: ...
     def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]: ...
     async def decode(self, ids: list[int], timeout: float, md: dict) -> str: ...
@@ -155,7 +156,11 @@ class Pipeline:
                                                deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
 
     async def prepare(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> tuple[Ask, Encoded, list[str], int]:
-        check_ask(ask, self.limits)
+        try:
+            check_ask(ask, self.limits)
+        except errors.InvalidInput as rejected:
+            await self._quarantine(ask, rejected, deadline, trace_id, inbound)
+            raise
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(63)
         max_length = self.limits.max_context_tokens - ask.max_tokens
         if max_length < 1:
@@ -175,6 +180,20 @@ class Pipeline:
         log.info("encoded", extra={"prompt_tokens": len(enc.ids), "truncated": enc.truncated,
                                    "fingerprint": enc.fingerprint})
         return ask, enc, flags, seed
+
+    async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, deadline: float, trace_id: str,
+                          inbound: dict) -> None:
+        """Hand an input the gateway's own limits rejected to the validator's quarantine. The
+        validator answers with the same rejection; if it cannot be reached, the client still gets
+        the gateway's rejection and the failure is logged with the payload's size."""
+        try:
+            await self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
+                payload_of(ask), ask.source or "default", ask.domain or "default", t, md, rejected=rejected),
+                deadline, trace_id, inbound)
+        except errors.InvalidInput as echoed:
+            rejected.metadata.update({k: v for k, v in echoed.metadata.items() if k in ("rule", "quarantine_id")})
+        except errors.KeelError as err:
+            log.error("could not quarantine a rejected input", extra={"reason": rejected.reason, "error": str(err)})
 
     async def generate(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> Answer:
         ask, enc, flags, seed = await self.prepare(ask, deadline, trace_id, inbound)

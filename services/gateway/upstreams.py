@@ -170,9 +170,12 @@ class MeshUpstreams:
         while not all([await p.any_serving() for p in self.pools.values()]):
             await asyncio.sleep(0.5)
 
-    async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict) -> list[str]:
+    async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict,
+                             rejected: errors.InvalidInput | None = None) -> list[str]:
         req = validator_pb2.ValidateInputRequest(payload_json=json.dumps(payload, ensure_ascii=False),
                                                  source=source, domain=domain)
+        if rejected is not None:
+            req.rejected_reason, req.rejected_message = rejected.reason, rejected.message
         resp = await self.pools["validator"].call(
             self._wait(timeout), timeout, lambda stub, t: stub.ValidateInput(req, timeout=t, metadata=_md(md)))
         return list(resp.flags)

@@ -13,14 +13,16 @@ Both calls are synchronous; they block at most one Redis socket timeout (then sp
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.validator.contracts import InputChecker
+from services.validator.contracts import InputChecker, InputVerdict
 from services.validator.pipeline import OutputPipeline, OutputResult, PipelineConfig
 from services.validator.plugins import OutputContext
 from services.validator.quarantine import Quarantine, QuarantineConfig
 from services.validator.records import QuarantineRecord
+from shared.errors import InvalidInput
 
 
 class ValidatorCore:
@@ -57,6 +59,18 @@ class ValidatorCore:
             error.metadata["quarantine_id"] = record_id
             raise error
         return list(verdict.flags), record_id
+
+    def quarantine_rejected(self, payload_json: str, *, source: str, domain: str, trace_id: str,
+                            reason: str, message: str) -> None:
+        """Record an input another stage (the gateway's limits) already rejected, then re-raise
+        that rejection: every rejected input ends up in the quarantine, whoever rejected it."""
+        try:
+            payload = json.loads(payload_json)
+        except ValueError:
+            payload = {"$raw": payload_json}
+        verdict = InputVerdict(accepted=False, rule="gateway_limits", reason=reason, message=message, domain=domain)
+        record_id = self.quarantine.put(QuarantineRecord.for_input(payload, verdict, trace_id=trace_id, source=source))
+        raise InvalidInput(message, reason=reason, metadata={"rule": "gateway_limits", "quarantine_id": record_id})
 
     def validate_output(self, text: str, *, domain: str, token_entropies: Sequence[float],
                         prompt: str = "", trace_id: str = "", source: str = "") -> OutputResult:

@@ -30,6 +30,11 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServicer):
         self.core, self.observer = core, observer
 
     async def ValidateInput(self, request, context):
+        if request.rejected_reason:
+            await asyncio.to_thread(
+                self.core.quarantine_rejected, request.payload_json, source=request.source or "default",
+                domain=request.domain or "default", trace_id=tracing.current_trace_id(),
+                reason=request.rejected_reason, message=request.rejected_message)
         flags, qid = await asyncio.to_thread(
             self.core.validate_input, request.payload_json, source=request.source or "default",
             domain=request.domain or "default", trace_id=tracing.current_trace_id())

@@ -81,3 +81,10 @@ def test_up_detach_status_down(tmp_path):
         for p in pids:
             if psutil.pid_exists(p):
                 psutil.Process(p).kill()
+
+
+def test_input_rejected_by_the_gateway_is_quarantined_too(mesh):
+    out = keel(mesh, "ask", "hi", "--max-tokens", "5000")
+    assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stdout
+    listed = keel(mesh, "quarantine", "list", "--count", "50")
+    assert "MAX_TOKENS_TOO_LARGE" in listed.stdout and "gateway_limits" in listed.stdout

@@ -17,9 +17,14 @@ class FakeUpstreams:
         self.tokens, self.verdict_pass, self.fail_generate = tokens, verdict_pass, fail_generate
         self.texts = texts or {}
         self.seeds: list[int] = []
+        self.quarantined: list[tuple[str, dict]] = []
 
-    async def validate_input(self, payload, source, domain, timeout, md):
+    async def validate_input(self, payload, source, domain, timeout, md, rejected=None):
         self.calls.append("validate_input")
+        if rejected is not None:  # as the real validator: quarantine, then answer the same rejection
+            self.quarantined.append((rejected.reason, payload))
+            raise errors.InvalidInput(rejected.message, reason=rejected.reason,
+                                      metadata={"rule": "gateway_limits", "quarantine_id": "q-1"})
         return ["low_quality"] if "meh" in str(payload) else []
 
     async def encode_chat(self, messages, max_length, timeout, md):
@@ -138,3 +143,14 @@ async def test_rejected_input_never_reaches_inference_even_though_encoding_runs_
         await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
     assert exc.value.reason == "PROMPT_INJECTION" and exc.value.metadata["rule"] == "role_marker"
     assert "generate" not in up.calls and "decode" not in up.calls
+
+
+@pytest.mark.asyncio
+async def test_input_rejected_by_gateway_limits_is_still_quarantined():
+    up = FakeUpstreams()
+    with pytest.raises(errors.InvalidInput) as exc:
+        await pipeline(up).generate(ask(text="x" * 40000), deadline=1e12, trace_id="t" * 32, inbound={})
+    assert exc.value.reason == "PROMPT_TOO_LARGE" and exc.value.metadata["quarantine_id"] == "q-1"
+    assert [r for r, _ in up.quarantined] == ["PROMPT_TOO_LARGE"]
+    assert up.quarantined[0][1]["messages"][0]["content"] == "x" * 40000  # the full payload
+    assert up.calls == ["validate_input"]  # nothing else was spent on it
