@@ -39,10 +39,11 @@ def _gateway(layout) -> str:
 
 
 def cmd_up(args) -> int:
+    import logging
+
     from keelctl.supervisor import Supervisor
     from shared import metrics
     from shared.logging import JsonFormatter, setup_logging
-    import logging
 
     layout = load_layout()
     if args.detach:
@@ -53,6 +54,7 @@ def cmd_up(args) -> int:
         try:
             statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: proc.poll() is None)
         except TimeoutError as exc:
+            proc.terminate()  # no half-started mesh left behind
             print(f"keel up failed: {exc}; see {LOG_DIR}")
             return 1
         print(f"keel is up (supervisor pid {proc.pid}); gateway at {_gateway(layout)}")
