@@ -159,8 +159,7 @@ def gateway_records(mesh: Mesh) -> tuple[list[dict], list[dict]]:
     spans = []
     for f in (mesh.tmp / "traces").glob("gateway-*.jsonl"):
         spans += map(json.loads, f.read_text().splitlines())
-    lines = (mesh.tmp / "var" / "log" / "gateway-0.0.log").read_text().splitlines()
-    decisions = [r for r in map(json.loads, (x for x in lines if x.startswith("{"))) if r.get("event") == "retry_decision"]
+    decisions = [r for r in mesh.log("gateway-0.0") if r.get("event") == "retry_decision"]
     return spans, decisions
 
 

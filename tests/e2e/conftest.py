@@ -16,6 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from keel.gateway.v1 import gateway_pb2_grpc
 from keelctl import health
+from keelctl.trace import load_spans
 from keelctl.ask import DEV_API_KEY
 from tests.conftest import free_port
 
@@ -41,19 +42,13 @@ class Mesh:
     def stub(self, channel) -> gateway_pb2_grpc.GatewayStub:
         return gateway_pb2_grpc.GatewayStub(channel)
 
-    def supervisor_log(self) -> list[dict]:
-        path = self.tmp / "var" / "log" / "supervisor.log"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    def log(self, process: str) -> list[dict]:
+        """The JSON records of one process's log, e.g. "supervisor" or "gateway-0.0"."""
+        lines = (self.tmp / "var" / "log" / f"{process}.log").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
 
     def spans(self, trace_id: str) -> list[dict]:
-        out = []
-        for f in (self.tmp / "traces").glob("*.jsonl"):
-            for line in f.read_text().splitlines():
-                if trace_id in line:
-                    rec = json.loads(line)
-                    if rec["trace_id"] == trace_id:
-                        out.append(rec)
-        return out
+        return load_spans(trace_id, self.tmp / "traces")
 
 
 def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,

@@ -10,7 +10,6 @@ streams in the engine's only slot while the contenders arrive.
 """
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -67,8 +66,7 @@ def trace_of(err: grpc.RpcError) -> str:
 
 
 def gateway_log(mesh) -> list[dict]:
-    lines = (mesh.tmp / "var" / "log" / "gateway-0.0.log").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.startswith("{")]
+    return mesh.log("gateway-0.0")
 
 
 def inference_decisions(mesh, trace_id: str) -> list[dict]:

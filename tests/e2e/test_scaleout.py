@@ -48,8 +48,7 @@ def ask(stub, i: int):
 
 
 def gateway_log(mesh) -> list[dict]:
-    lines = (mesh.tmp / "var" / "log" / "gateway-0.0.log").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.startswith("{")]
+    return mesh.log("gateway-0.0")
 
 
 def attempts(mesh) -> list[dict]:

@@ -35,7 +35,7 @@ def test_kill9_stage_is_restarted_and_serves_again(own_mesh, stage, api_md, gate
     assert new_pid != old_pid
     if stage != "redis":
         health.wait_serving({name: (f"127.0.0.1:{mesh.ports[stage][0]}", SERVICES[stage])}, 120)
-    logged = [r for r in mesh.supervisor_log() if r.get("stage") == name and r["msg"] == "stage exited; restarting"]
+    logged = [r for r in mesh.log("supervisor") if r.get("stage") == name and r["msg"] == "stage exited; restarting"]
     assert logged and logged[-1]["signal"] == signal.SIGKILL
     mesh.wait_serving(120)
     with grpc.insecure_channel(mesh.gateway) as ch:
