@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model vocab redis setup lock clean certs
+.PHONY: run test venv proto model vocab redis setup bench-deps lock clean
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -19,7 +19,7 @@ venv: .venv/.stamp
 .venv/.stamp: requirements.lock pyproject.toml
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip==26.3
-	$(PIP) install -q --no-deps $(FIND_LINKS) -r requirements.lock
+	$(PIP) install -q --no-deps $(FIND_LINKS) -r <(grep -v '# bench-only' requirements.lock)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -41,9 +41,13 @@ vocab: .venv/.stamp
 redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
+# The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE).
+bench-deps: .venv/.stamp
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q --no-deps -r <(grep '# bench-only' requirements.lock)
+
 lock:
 	$(PIP) freeze --exclude-editable | sed 's/+cpu$$//' > requirements.lock.new
-	@echo "review requirements.lock.new (keep the header and the dev-only marks), then move it over requirements.lock"
+	@echo "review requirements.lock.new (keep the header and the dev-only and bench-only marks), then move it over requirements.lock"
 
 clean:
 	rm -rf gen var .venv

@@ -230,20 +230,45 @@ class Pipeline:
             return await events.__anext__(), events
 
         ev, events = await self._call("inference", "Generate", open_stream, deadline, trace_id, inbound)
+        # Tokens arrive on their own task. Each Decode covers every token that arrived while the
+        # previous one was in flight (one Decode per stream at a time, so a loaded tokenizer means
+        # fewer, larger calls) and sends only the ids not yet emitted: byte-level BPE decodes by
+        # concatenating bytes, so once ids[:read] ended on a whole character, ids[read:] decodes
+        # to exactly the new text.
+        arrived: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(_pump(ev, events, arrived))
         ids: list[int] = []
         entropies: list[float] = []
-        emitted = ""
-        while isinstance(ev, Step):
-            ids.append(ev.token_id)
-            entropies.append(ev.entropy)
-            text = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
-                                    deadline, trace_id, inbound)
-            if not text.endswith("\ufffd") and len(text) > len(emitted):  # hold back a partial UTF-8 char
-                yield text[len(emitted):]
-                emitted = text
-            ev = await anext(events, None)
-        if not isinstance(ev, Done):
+        emitted, read, done, failure = "", 0, None, None
+        try:
+            while done is None and failure is None:
+                items = [await arrived.get()]
+                while not arrived.empty():
+                    items.append(arrived.get_nowait())
+                for item in items:
+                    if isinstance(item, Exception):
+                        failure = item  # text that arrived before it still goes out first
+                        break
+                    if isinstance(item, Step):
+                        ids.append(item.token_id)
+                        entropies.append(item.entropy)
+                    else:
+                        done = item if isinstance(item, Done) else False
+                if read < len(ids):
+                    window = ids[read:]
+                    text = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(window, t, md),
+                                            deadline, trace_id, inbound)
+                    if not text.endswith("\ufffd"):  # else hold back a partial UTF-8 character
+                        if text:
+                            yield text
+                        emitted, read = emitted + text, len(ids)
+        finally:
+            reader.cancel()
+        if failure is not None:
+            raise failure
+        if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
+        ev = done
         raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
                                deadline, trace_id, inbound)
         if len(raw) > len(emitted) and raw.startswith(emitted):
@@ -273,3 +298,16 @@ def deadline_from(time_remaining: float | None, limits: Limits) -> float:
 
 def dumps(payload: dict) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _pump(first, events, out: asyncio.Queue) -> None:
+    """Moves an inference stream into ``out``: its Steps, then its Done, None if it was cut short,
+    or the exception that ended it (handed over, so the consumer raises it)."""
+    try:
+        ev = first
+        while isinstance(ev, Step):
+            out.put_nowait(ev)
+            ev = await anext(events, None)
+        out.put_nowait(ev)
+    except Exception as exc:
+        out.put_nowait(exc)

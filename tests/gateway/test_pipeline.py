@@ -2,6 +2,7 @@
 seed fixing, blocked outputs, stream hold-back of partial characters, retries of a failed hop."""
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -12,8 +13,11 @@ from shared import errors
 
 
 class FakeUpstreams:
-    def __init__(self, tokens=(5, 6, 7), texts=None, verdict_pass=True, fail_generate=0):
+    def __init__(self, tokens=(5, 6, 7), texts=None, verdict_pass=True, fail_generate=0, paced=False):
         self.calls: list[str] = []
+        self.decoded: list[tuple[int, ...]] = []
+        # paced: each token after the first waits until the gateway decoded the previous ones
+        self.paced, self.decode_called = paced, asyncio.Event()
         self.tokens, self.verdict_pass, self.fail_generate = tokens, verdict_pass, fail_generate
         self.texts = texts or {}
         self.seeds: list[int] = []
@@ -37,12 +41,17 @@ class FakeUpstreams:
         if self.fail_generate:
             self.fail_generate -= 1
             raise errors.NotReady("replica died", reason="NOT_SERVING")
-        for t in self.tokens:
+        for i, t in enumerate(self.tokens):
+            if self.paced and i:
+                await self.decode_called.wait()
+                self.decode_called.clear()
             yield Step(t, 0.5)
         yield Done("stop", 3, len(self.tokens), seed)
 
     async def decode(self, ids, timeout, md):
         self.calls.append("decode")
+        self.decoded.append(tuple(ids))
+        self.decode_called.set()
         return self.texts.get(tuple(ids), "".join(chr(96 + i) for i in ids))
 
     async def validate_output(self, text, ask, entropies, timeout, md):
@@ -99,13 +108,42 @@ async def test_blocked_output_is_failed_precondition_naming_the_plugin():
 
 
 @pytest.mark.asyncio
-async def test_stream_holds_back_partial_characters():
-    # ids (5,) decode to a lone replacement char (half an emoji), (5, 6) to the whole emoji
-    up = FakeUpstreams(tokens=(5, 6, 7), texts={(5,): "\ufffd", (5, 6): "\U0001F600", (5, 6, 7): "\U0001F600!"})
+async def test_stream_holds_back_partial_characters_and_decodes_only_new_ids():
+    # (5,) decodes to a lone replacement char (half an emoji), (5, 6) to the whole emoji; once that
+    # is out, only (7,) is sent. The answer is decoded whole once at the end.
+    up = FakeUpstreams(tokens=(5, 6, 7), paced=True,
+                       texts={(5,): "\ufffd", (5, 6): "\U0001F600", (7,): "!", (5, 6, 7): "\U0001F600!"})
     items = [x async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={})]
     deltas = [x for x in items if isinstance(x, str)]
     assert deltas == ["\U0001F600", "!"]
+    assert up.decoded == [(5,), (5, 6), (7,), (5, 6, 7)]
     assert items[-1].text == "\U0001F600!"
+
+
+@pytest.mark.asyncio
+async def test_stream_decodes_tokens_that_arrived_together_in_one_call():
+    up = FakeUpstreams(tokens=(1, 2, 3, 4))  # unpaced: all four are waiting before the first Decode
+    items = [x async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={})]
+    assert [x for x in items if isinstance(x, str)] == ["abcd"]
+    assert up.decoded == [(1, 2, 3, 4), (1, 2, 3, 4)]
+
+
+@pytest.mark.asyncio
+async def test_stream_failure_after_tokens_ends_the_call_with_its_status():
+    class Dies(FakeUpstreams):
+        async def generate(self, enc, ask, seed, timeout, md):
+            self.calls.append("generate")
+            yield Step(5, 0.5)
+            raise errors.NotReady("replica died", reason="NOT_SERVING")
+
+    up = Dies()
+    got = []
+    with pytest.raises(errors.NotReady) as exc:
+        async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={}):
+            got.append(x)
+    assert exc.value.reason == "NOT_SERVING"
+    assert up.calls.count("generate") == 1  # tokens were out: no retry that would repeat text
+    assert up.decoded == [(5,)] and got == ["e"]
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,296 @@
+"""Serving benchmark: Keel through the full mesh and against the inference stage alone, with its peers
+in the same run on the same prompts, output lengths mixed.
+
+Run:  .venv/bin/python bench/bench_serving.py [--requests 64] [--concurrency 1,4,16,64]
+      [--dtypes float32,bfloat16] [--write docs/bench/serving.md]
+Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles llama-cpp-python, ~5 min).
+
+Workload: --requests chat prompts (the FORMS x SUBJECTS of bench_inference), max_tokens cycling through
+--max-tokens, greedy, the model's eos on: lengths are mixed by both. Keel runs first, one mesh per dtype
+(`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__DTYPE), each of N clients a closed
+loop over the shared list (N=1 takes the first 8 requests, N=4 the first 16, more take all): once
+straight to the inference stage (pre-tokenized ids, the mesh token), once through the gateway's
+GenerateStream (auth, tokenizer, validator both ways, retries, traces). The peers then run alone, each
+producing exactly the per-request lengths Keel's first dtype produced (eos off on their side):
+  hf-static       model.generate on left-padded batches of 16, each batch as long as its longest request
+  generate-batch  transformers' continuous batching (paged attention), one request per prompt, own length
+  llama-cpp       llama-cpp-python on the same GGUF (Q4_1), 2 threads, one request at a time
+tok/s = generated tokens / wall time of the whole set. TTFT from the call to the first streamed event;
+ITL between events (a gateway delta can hold two tokens when it completes a UTF-8 sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.bench_inference import FORMS, SUBJECTS, machine  # noqa: E402
+from keel.common.v1 import common_pb2  # noqa: E402
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from keel.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from keelctl.ask import DEV_API_KEY  # noqa: E402
+from services.inference.modelcache import gguf_path  # noqa: E402
+from services.tokenizer.core import Tokenizer  # noqa: E402
+from shared.interceptor import MESH_TOKEN_KEY  # noqa: E402
+from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+
+STATIC_BATCH = 16
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    text: str
+    ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    """One set of requests served by one system: generated tokens per job and latency samples (s)."""
+    wall: float = 0.0
+    tokens: dict[int, int] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)  # status code name -> requests
+
+    @property
+    def tok_s(self) -> float:
+        return sum(self.tokens.values()) / self.wall
+
+    def row(self) -> str:
+        def ms(xs, q):
+            return f"{sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3:.0f}" if xs else "-"
+        failed = ", ".join(f"{n} {code}" for code, n in self.failed.items()) or "0"
+        return (f"{len(self.tokens)} | {failed} | {sum(self.tokens.values())} | {self.tok_s:.1f} | "
+                f"{ms(self.ttft, .5)} / {ms(self.ttft, .99)} | {ms(self.itl, .5)} / {ms(self.itl, .99)}")
+
+
+def workload(n: int, max_tokens: list[int]) -> list[Job]:
+    tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
+    tok.self_check()
+    tok.warmup()
+    texts = [f.format(s) for f in FORMS for s in SUBJECTS][:n]
+    return [Job(i, t, list(tok.encode(tok.render_chat([("user", t)])).input_ids), max_tokens[i % len(max_tokens)])
+            for i, t in enumerate(texts)]
+
+
+def subset(jobs: list[Job], clients: int) -> list[Job]:
+    return jobs[:max(8, min(len(jobs), 4 * clients))] if clients < 16 else jobs
+
+
+# A call serves one job: it awaits the RPC, calls `event()` at each streamed token or delta, and
+# returns the number of tokens generated.
+Call = Callable[[Job, Callable[[], None]], Awaitable[int]]
+
+
+async def drive(jobs: list[Job], clients: int, call: Call) -> Result:
+    """`clients` closed-loop clients over one shared iterator of jobs."""
+    res, pending = Result(), iter(jobs)
+
+    async def client() -> None:
+        for job in pending:
+            t0 = last = time.perf_counter()
+
+            def event() -> None:
+                nonlocal last
+                now = time.perf_counter()
+                (res.itl if last > t0 else res.ttft).append(now - last if last > t0 else now - t0)
+                last = now
+            try:
+                res.tokens[job.index] = await call(job, event)
+            except grpc.aio.AioRpcError as e:
+                res.failed[e.code().name] = res.failed.get(e.code().name, 0) + 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    res.wall = time.perf_counter() - t0
+    return res
+
+
+def sampling(job: Job) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=job.max_tokens, temperature=0.0, seed=0)
+
+
+async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concurrency: list[int]
+                    ) -> dict[tuple[str, int], Result]:
+    out = {}
+    async with grpc.aio.insecure_channel(gateway) as gch, grpc.aio.insecure_channel(stage) as sch:
+        gw, inf = gateway_pb2_grpc.GatewayStub(gch), inference_pb2_grpc.InferenceStub(sch)
+
+        async def via_stage(job: Job, event) -> int:
+            n = 0
+            req = inference_pb2.GenerateRequest(prompt_ids=job.ids, sampling=sampling(job))
+            async for ev in inf.Generate(req, metadata=((MESH_TOKEN_KEY, token),), timeout=600):
+                if ev.HasField("token"):
+                    event()
+                    n += 1
+            return n
+
+        async def via_mesh(job: Job, event) -> int:
+            req = gateway_pb2.GenerateRequest(prompt=job.text, sampling=sampling(job))
+            async for ev in gw.GenerateStream(req, metadata=(("x-api-key", DEV_API_KEY),), timeout=600):
+                if ev.HasField("delta"):
+                    event()
+                else:
+                    return ev.done.usage.completion_tokens
+            raise RuntimeError("stream ended without a summary")
+
+        await drive(jobs[:2], 2, via_mesh)  # first-use effects (channels, caches) out of the way
+        for c in concurrency:
+            for path, call in (("stage", via_stage), ("mesh", via_mesh)):
+                out[(path, c)] = await drive(subset(jobs, c), c, call)
+                print(f"  {path} x{c}: {out[(path, c)].tok_s:.1f} tok/s", flush=True)
+    return out
+
+
+def keel(dtype: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[str, int], Result]:
+    # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
+    # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
+    mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-serving-")), extra_env={
+        "KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))})
+    try:
+        stage = f"127.0.0.1:{mesh.ports['inference'][0]}"
+        return asyncio.run(keel_runs(mesh.gateway, stage, mesh.state()["mesh_token"], jobs, concurrency))
+    finally:
+        stop_mesh(mesh)
+
+
+def load_hf(dtype: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(ROOT / "var/model"), dtype=getattr(torch, dtype)).eval()
+
+
+@torch.inference_mode()
+def hf_static(dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
+    model, res = load_hf(dtype), Result()
+    model.generate(torch.tensor([jobs[0].ids]), max_new_tokens=2, do_sample=False, pad_token_id=2)
+    t0 = time.perf_counter()
+    for i in range(0, len(jobs), STATIC_BATCH):
+        chunk = jobs[i:i + STATIC_BATCH]
+        width, steps = max(len(j.ids) for j in chunk), max(lengths[j.index] for j in chunk)
+        x = torch.tensor([[2] * (width - len(j.ids)) + j.ids for j in chunk])
+        mask = torch.tensor([[0] * (width - len(j.ids)) + [1] * len(j.ids) for j in chunk])
+        model.generate(x, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       eos_token_id=None, pad_token_id=2)
+        res.tokens.update({j.index: lengths[j.index] for j in chunk})  # a static batch runs to its longest
+    res.wall = time.perf_counter() - t0
+    return res
+
+
+@torch.inference_mode()
+def hf_continuous(dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
+    from transformers import GenerationConfig
+    model, res = load_hf(dtype), Result()
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(lengths.values()), eos_token_id=-1, pad_token_id=2)
+    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
+        t0 = time.perf_counter()
+        ids = {manager.add_request(j.ids, max_new_tokens=lengths[j.index], eos_token_id=-1): j.index for j in jobs}
+        while len(res.tokens) < len(jobs):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                res.tokens[ids[out.request_id]] = len(out.generated_tokens)
+        res.wall = time.perf_counter() - t0
+    return res
+
+
+def llama_cpp(jobs: list[Job], lengths: dict[int, int]) -> Result:
+    from llama_cpp import Llama
+    llm, res = Llama(model_path=str(gguf_path()), n_threads=2, n_ctx=2048, verbose=False, seed=0), Result()
+    t0 = time.perf_counter()
+    for job in jobs:
+        llm.reset()  # one independent request at a time: no prefix reuse across requests
+        start = last = time.perf_counter()
+        n = 0
+        for _ in llm.generate(job.ids, top_k=1, top_p=1.0, temp=0.0):
+            now = time.perf_counter()
+            (res.itl if n else res.ttft).append(now - (last if n else start))
+            last, n = now, n + 1
+            if n == lengths[job.index]:
+                break
+        res.tokens[job.index] = n
+    res.wall = time.perf_counter() - t0
+    return res
+
+
+def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str:
+    head = ("| system | dtype | clients | requests served | failed | tokens | tok/s | TTFT p50 / p99 ms "
+            "| ITL p50 / p99 ms |\n" + "|---" * 9 + "|")
+    lines = ["# Serving benchmark (issue 4)", "", f"Command: `{cmd}`", f"Machine: {machine()}", "",
+             (__doc__ or "").split("\n\n", 2)[2].strip(), "",
+             f"Output lengths (Keel {dtypes[0]}, greedy, eos on): mean {statistics.mean(lengths.values()):.1f}, "
+             f"min {min(lengths.values())}, max {max(lengths.values())} over {len(lengths)} requests.", "",
+             "## Keel", "", head]
+    for d in dtypes:
+        for c in concurrency:
+            for path in ("stage", "mesh"):
+                name = "inference stage alone (gRPC)" if path == "stage" else "full mesh (gateway stream)"
+                lines.append(f"| {name} | {d} | {c} | {keel_res[d][(path, c)].row()} |")
+    lines += ["", "## Peers (alone, same prompts, Keel's lengths)", "", head]
+    for (name, d), r in peers.items():
+        clients = "1 (one at a time)" if name == "llama-cpp" else "all at once"
+        lines.append(f"| {name} | {d} | {clients} | {r.row()} |")
+    lines += ["", "## Against the targets", ""]
+    full = {k: v for k, v in peers.items() if len(v.tokens) == len(jobs)}
+    if full and 16 in concurrency:
+        (bname, bd), best = max(full.items(), key=lambda kv: kv[1].tok_s)
+        for d in dtypes:
+            r = keel_res[d][("mesh", 16)]
+            lines.append(f"- 16 clients through the mesh, {d}: {r.tok_s:.1f} tok/s vs best peer {bname} {bd} "
+                         f"{best.tok_s:.1f} tok/s = **{r.tok_s / best.tok_s:.2f}x** (target 1.3x)")
+    if ("llama-cpp", "q4_1") in peers and 1 in concurrency:
+        ref = peers[("llama-cpp", "q4_1")]
+        for d in dtypes:
+            r = keel_res[d][("mesh", 1)]
+            lines.append(f"- one client through the mesh, {d}: {r.tok_s:.1f} tok/s vs llama.cpp single stream "
+                         f"{ref.tok_s:.1f} tok/s on the same {len(ref.tokens)} requests = **{r.tok_s / ref.tok_s:.2f}x** "
+                         "(target 0.5x)")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 48, 96, 160])
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    ap.add_argument("--peers", type=lambda s: s.split(","), default=["hf-static", "generate-batch", "llama-cpp"])
+    ap.add_argument("--write", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    jobs = workload(args.requests, args.max_tokens)
+    keel_res = {}
+    for d in args.dtypes:
+        print(f"keel {d}", flush=True)
+        keel_res[d] = keel(d, jobs, args.concurrency)
+    lengths = keel_res[args.dtypes[0]][("stage", max(args.concurrency))].tokens
+    peers: dict[tuple[str, str], Result] = {}
+    for name in args.peers:
+        if name == "llama-cpp":
+            peers[(name, "q4_1")] = llama_cpp(subset(jobs, 1), lengths)
+        for d in (("float32", "bfloat16") if name != "llama-cpp" else ()):
+            peers[(name, d)] = (hf_static if name == "hf-static" else hf_continuous)(d, jobs, lengths)
+        for (n, d), r in peers.items():
+            if n == name:
+                print(f"  {n} {d}: {r.tok_s:.1f} tok/s", flush=True)
+    cmd = "python " + " ".join(["bench/bench_serving.py"] + sys.argv[1:])
+    out = report(jobs, args.concurrency, args.dtypes, keel_res, peers, lengths, cmd)
+    print(out)
+    if args.write:
+        args.write.write_text(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
