@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model vocab redis setup bench-deps lock clean
+.PHONY: run test venv proto model vocab redis setup bench-deps certs lock clean
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -40,6 +40,10 @@ vocab: .venv/.stamp
 
 redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+# TLS inside the mesh: then `KEEL_MESH_TLS_DIR=var/certs make run` (see shared/tls.py).
+certs: .venv/.stamp
+	$(PY) -m keelctl certs --out var/certs
 
 # The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE).
 bench-deps: .venv/.stamp

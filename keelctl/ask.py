@@ -9,6 +9,7 @@ from google.protobuf import json_format
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from shared import tls
 
 DEV_API_KEY = "keel-dev-key"  # matches the dev key hashed in config/gateway.yaml; never use in production
 
@@ -24,7 +25,7 @@ def build_request(prompt: str, *, max_tokens: int = 64, temperature: float = 0.0
 def ask(target: str, request: gateway_pb2.GenerateRequest, *, api_key: str | None = None,
         timeout_s: float = 60.0) -> gateway_pb2.GenerateResponse:
     key = api_key or os.environ.get("KEEL_API_KEY", DEV_API_KEY)
-    with grpc.insecure_channel(target) as ch:
+    with tls.sync_channel(target) as ch:
         return gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout_s,
                                                         metadata=(("x-api-key", key),))
 

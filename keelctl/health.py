@@ -6,11 +6,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared import tls
+
 
 def status(target: str, service: str = "", timeout_s: float = 1.0) -> str:
     """SERVING, NOT_SERVING, UNKNOWN or DOWN (no answer)."""
     try:
-        with grpc.insecure_channel(target) as ch:
+        with tls.sync_channel(target) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

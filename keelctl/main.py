@@ -7,6 +7,7 @@
     keel trace TRACE_ID           the whole chain of one request, across every stage's trace files
     keel tokenize | detokenize    JSON lines on stdin -> stdout, in-process
     keel quarantine list|show|replay|purge ...
+    keel certs [--out var/certs]  TLS certificates for the mesh (then KEEL_MESH_TLS_DIR=var/certs keel up)
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from keelctl import health
-from keelctl.layout import LOG_DIR, ROOT, SERVICE_NAMES, STAGE_ORDER, load_layout, read_state
+from keelctl.layout import LOG_DIR, ROOT, SERVICE_NAMES, STAGE_ORDER, VAR_DIR, load_layout, read_state
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -137,6 +139,12 @@ def cmd_ask(args) -> int:
                     temperature=args.temperature, seed=args.seed, as_json=args.json, domain=args.domain)
 
 
+def cmd_certs(args) -> int:
+    from keelctl import certs
+    print(f"certificates in {certs.make(args.out, args.days)}; start the mesh with KEEL_MESH_TLS_DIR={args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="keel", description="Run and use the Keel mesh.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -152,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seed", type=int)
     a.add_argument("--domain", default="")
     a.add_argument("--json", action="store_true")
+    c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
+    c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
+    c.add_argument("--days", type=int, default=365)
     for name in ("trace", "tokenize", "detokenize", "quarantine"):
         sub.add_parser(name, add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -160,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return tools.dispatch(args.cmd, rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "ask": cmd_ask}[args.cmd](args)
+    return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "ask": cmd_ask, "certs": cmd_certs}[args.cmd](args)
 
 
 if __name__ == "__main__":

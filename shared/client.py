@@ -14,7 +14,7 @@ from typing import Iterable
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from shared import errors, tracing
+from shared import errors, tls, tracing
 from shared.interceptor import MESH_TOKEN_KEY, TRACE_ID_KEY
 
 _BY_CODE: dict[str, type[errors.KeelError]] = {
@@ -31,9 +31,9 @@ _BY_CODE: dict[str, type[errors.KeelError]] = {
 }
 
 
-def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024,
-            root_certificates: bytes | None = None) -> grpc.aio.Channel:
-    """A channel with grpcio's own retries off (Keel's gateway makes and logs every retry)."""
+def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024) -> grpc.aio.Channel:
+    """A channel with grpcio's own retries off (Keel's gateway makes and logs every retry); mTLS
+    with the mesh's client certificate when KEEL_MESH_TLS_DIR is set (shared/tls.py)."""
     options = [
         ("grpc.enable_retries", 0),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -45,8 +45,9 @@ def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024,
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.lb_policy_name", "round_robin"),
     ]
-    if root_certificates is not None:
-        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=options)
+    creds = tls.channel_credentials()
+    if creds is not None:
+        return grpc.aio.secure_channel(target, creds, options=options)
     return grpc.aio.insecure_channel(target, options=options)
 
 

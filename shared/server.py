@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared import metrics
+from shared import metrics, tls
 from shared.config import ConfigError, ServerConfig
 from shared.interceptor import ServerInterceptor
 from shared.logging import setup_logging
@@ -71,7 +71,8 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     for name in ("", stage.service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    creds = _credentials(cfg)
+    # Explicit server.tls_* wins; else the mesh-wide certificates, mutual for all but the gateway.
+    creds = _credentials(cfg) or tls.server_credentials(mutual=authenticate is None)
     port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if cfg.metrics_port:
         metrics.start_metrics_server(cfg.metrics_port)
