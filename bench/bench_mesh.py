@@ -117,6 +117,19 @@ def outside_model_ms(traces: Path) -> list[float]:
     return sorted(v["gateway/Generate"] - v["inference/Generate"] for v in spans.values() if len(v) == 2)
 
 
+def span_medians(traces: Path) -> str:
+    """Median duration per span name over the requests that reached inference: the gateway's client
+    span of each call next to the called stage's own server span (the hop is the difference)."""
+    spans: dict[str, list[float]] = {}
+    for f in traces.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            if "/" in s["name"]:
+                spans.setdefault(s["name"], []).append(s["duration_ms"])
+    return "\n".join(["| span | median ms | spans |", "|---|---|---|"] + [
+        f"| {name} | {statistics.median(d):.2f} | {len(d)} |" for name, d in sorted(spans.items())])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -145,6 +158,7 @@ def main() -> int:
                 time.sleep(1)  # let the span exporter flush
                 val = validator_ms(mesh.tmp / "traces")
                 outside = outside_model_ms(mesh.tmp / "traces")
+                breakdown = span_medians(mesh.tmp / "traces")
             p50 = statistics.median(lat) * 1e3
             p50_mesh_1 = p50 if c == 1 else p50_mesh_1
             lines.append(f"| through the mesh (gateway) | {c} | {p50:.1f} | {max(lat) * 1e3:.1f} | {tok_s:.1f} |")
@@ -152,6 +166,7 @@ def main() -> int:
         stop_mesh(mesh)
     summary = (f"\nMesh overhead from the traces (gateway span minus inference span, {len(outside)} requests at "
                f"concurrency 1): p50 {statistics.median(outside):.2f} ms, p99 {outside[int(0.99 * (len(outside) - 1))]:.2f} ms.\n"
+               f"\nSpans at concurrency 1 (every request so far; `call X` is the gateway's side of a hop):\n\n{breakdown}\n"
                f"\nValidator's share of a request through the mesh (both calls, gateway client spans, "
                f"{len(val)} requests): p50 {statistics.median(val):.2f} ms, p99 {val[int(0.99 * (len(val) - 1))]:.2f} ms.\n"
                f"\nInference stage RSS after warm-up: {rss_warm / 2**20:.1f} MiB (fp32); over {args.hygiene} "
@@ -164,7 +179,7 @@ def main() -> int:
     if args.write:
         args.write.write_text("# Mesh overhead\n\nCommand: `.venv/bin/python bench/bench_mesh.py "
                               f"--prompts {args.prompts} --tokens {args.tokens} --concurrency "
-                              f"{','.join(map(str, args.concurrency))} --write {args.write}`\n\n{out}\n")
+                              f"{','.join(map(str, args.concurrency))} --hygiene {args.hygiene} --write {args.write}`\n\n{out}\n")
     return 0
 
 

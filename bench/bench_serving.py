@@ -284,7 +284,7 @@ def main() -> int:
         for (n, d), r in peers.items():
             if n == name:
                 print(f"  {n} {d}: {r.tok_s:.1f} tok/s", flush=True)
-    cmd = "python " + " ".join(["bench/bench_serving.py"] + sys.argv[1:])
+    cmd = " ".join([".venv/bin/python", "bench/bench_serving.py"] + sys.argv[1:])
     out = report(jobs, args.concurrency, args.dtypes, keel_res, peers, lengths, cmd)
     print(out)
     if args.write:

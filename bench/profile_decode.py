@@ -1,0 +1,60 @@
+"""Where one decode step of the inference engine spends its time: a batch of B rows with P-token
+contexts, one token each, timed and then profiled by operator (torch.profiler).
+
+Run: .venv/bin/python bench/profile_decode.py [--dtype bfloat16] [--batch 16] [--context 40] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.bench_inference import machine  # noqa: E402
+from services.inference.forward import LlamaRunner  # noqa: E402
+from services.inference.model import load_model  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    runner = LlamaRunner(load_model(ROOT / "var/model", dtype=args.dtype))
+    if args.dtype == "float32":
+        runner.calibrate_invariant_sizes(args.batch)  # as the engine does: padded to an invariant size
+    caches = [runner.new_cache(args.context + args.steps * 3 + 8) for _ in range(args.batch)]
+    for c in caches:
+        runner.prefill(list(range(10, 10 + args.context)), c)
+
+    def step() -> None:
+        runner.decode([5] * args.batch, caches)
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    with torch.profiler.profile() as prof:
+        for _ in range(5):
+            step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"{args.dtype}, batch {args.batch}, context {args.context}: {ms:.1f} ms per decode step "
+          f"({args.batch / ms * 1e3:.0f} tok/s). Machine: {machine()}")
+    print("| operator | share of self CPU time | calls per step |\n|---|---|---|")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.count // 5} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
