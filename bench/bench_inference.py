@@ -36,6 +36,8 @@ FORMS = ["Explain {} in two sentences.", "Write a short poem about {}.", "Give t
          "What is the history of {}?", "Why is {} important?", "Describe {} to a child.",
          "List common misconceptions about {}.", "Write a tweet about {}.", "How does {} work?",
          "Summarize what you know about {}."]
+GATE_AGREEMENT = 0.8  # share of greedy tokens equal to fp32's, position by position
+GATE_PPL = 1.05       # perplexity at most 5% above fp32's
 PPL_TEXT = ("The history of science is the study of the development of science and scientific knowledge, "
             "including both the natural and social sciences. Science is a body of empirical, theoretical, and "
             "practical knowledge about the natural world, produced by scientists who emphasize the observation, "
@@ -193,8 +195,11 @@ def perplexity(model, tok, device: str) -> float:
 
 async def dtypes(ids, tok, args, device: str, fp32_greedy, lines: list[str]) -> None:
     lines += [f"\n### dtypes (quality gate over {args.quality_prompts} prompts, {args.invariance_tokens} tokens)\n",
-              "| dtype | identical to fp32 (prompts) | tokens agreeing with fp32 | perplexity | "
-              "keel decode tok/s b1 / b16 | HF tok/s b1 / b16 |", "|---|---|---|---|---|---|"]
+              f"Gate: greedy tokens agreeing with fp32 >= {GATE_AGREEMENT:.0%} and perplexity within "
+              f"{GATE_PPL - 1:.0%} of fp32's.\n",
+              "| dtype | identical to fp32 (prompts) | tokens agreeing with fp32 | perplexity | gate | "
+              "keel decode tok/s b1 / b16 | HF tok/s b1 / b16 |", "|---|---|---|---|---|---|---|"]
+    ppl_fp32 = None
     n = args.quality_prompts
     names = ["float32", "bfloat16"] + (["int8"] if device == "cpu" else [])
     for dtype in names:
@@ -211,8 +216,11 @@ async def dtypes(ids, tok, args, device: str, fp32_greedy, lines: list[str]) -> 
         same = sum(a == b for a, b in zip(greedy, fp32_greedy[:n]))
         agree = sum(x == y for a, b in zip(greedy, fp32_greedy) for x, y in zip(a, b))
         total = sum(len(b) for b in fp32_greedy[:n])
-        lines.append(f"| {dtype} | {same}/{n} | {100 * agree / total:.1f}% | {perplexity(model, tok, device):.3f} | "
-                     f"{speeds[0][0]:.1f} / {speeds[1][0]:.1f} | {speeds[0][1]:.1f} / {speeds[1][1]:.1f} |")
+        ppl = perplexity(model, tok, device)
+        ppl_fp32 = ppl_fp32 or ppl
+        passed = agree / total >= GATE_AGREEMENT and ppl <= GATE_PPL * ppl_fp32
+        lines.append(f"| {dtype} | {same}/{n} | {100 * agree / total:.1f}% | {ppl:.3f} | "
+                     f"{'passes' if passed else 'fails'} | {speeds[0][0]:.1f} / {speeds[1][0]:.1f} | {speeds[0][1]:.1f} / {speeds[1][1]:.1f} |")
         print(lines[-1], flush=True)
 
 
@@ -294,7 +302,7 @@ async def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--invariance-prompts", type=int, default=200)
     ap.add_argument("--invariance-tokens", type=int, default=16)
-    ap.add_argument("--quality-prompts", type=int, default=48)
+    ap.add_argument("--quality-prompts", type=int, default=200)
     ap.add_argument("--write", type=Path)
     args = ap.parse_args(argv)
     lines = await (run_gpu(args) if args.gpu else run_cpu(args, "cpu"))
