@@ -35,7 +35,8 @@ def make(out: Path, days: int = 365) -> Path:
             _openssl("req", *KEY, "-keyout", str(out / f"{name}.key"), "-out", str(work / f"{name}.csr"),
                      "-subj", f"/CN=keel-{name}")
             _openssl("x509", "-req", "-in", str(work / f"{name}.csr"), "-CA", str(out / "ca.pem"),
-                     "-CAkey", str(work / "ca.key"), "-set_serial", str(secrets.randbits(63)), "-out", str(out / f"{name}.pem"),
+                     "-CAkey", str(work / "ca.key"), "-set_serial", str(secrets.randbits(63)),
+                     "-out", str(out / f"{name}.pem"),
                      "-days", str(days), "-extfile", str(work / f"{name}.ext"))
             (out / f"{name}.key").chmod(0o600)
     return out

@@ -102,7 +102,7 @@ def check_ask(ask: Ask, limits: Limits) -> None:
         raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
     if len(ask.messages) > limits.max_messages:
         raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
-    for role, content in ask.messages:
+    for role, _ in ask.messages:
         if role not in ROLES:
             raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
                                       reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
@@ -155,7 +155,8 @@ class Pipeline:
         return await self.ex.call_with_retries(traced, method=method, upstream=upstream, idempotent=True,
                                                deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
 
-    async def prepare(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> tuple[Ask, Encoded, list[str], int]:
+    async def prepare(self, ask: Ask, deadline: float, trace_id: str,
+                      inbound: dict) -> tuple[Ask, Encoded, list[str], int]:
         try:
             check_ask(ask, self.limits)
         except errors.InvalidInput as rejected:
@@ -256,7 +257,7 @@ class Pipeline:
                         done = item if isinstance(item, Done) else False
                 if read < len(ids):
                     window = ids[read:]
-                    text = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(window, t, md),
+                    text = await self._call("tokenizer", "Decode", lambda t, md, w=window: self.up.decode(w, t, md),
                                             deadline, trace_id, inbound)
                     if not text.endswith("\ufffd"):  # else hold back a partial UTF-8 character
                         if text:
