@@ -269,12 +269,11 @@ class Pipeline:
             raise failure
         if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
-        ev = done
         raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
                                deadline, trace_id, inbound)
         if len(raw) > len(emitted) and raw.startswith(emitted):
             yield raw[len(emitted):]
-        yield await self.finish(ask, enc, flags, ev, raw, entropies, deadline, trace_id, inbound)
+        yield await self.finish(ask, enc, flags, done, raw, entropies, deadline, trace_id, inbound)
 
     async def finish(self, ask: Ask, enc: Encoded, flags: list[str], done: Done, raw: str, entropies: list[float],
                      deadline: float, trace_id: str, inbound: dict) -> Answer:
