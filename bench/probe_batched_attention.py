@@ -66,7 +66,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(2)
     pick, rng = random.Random(0), torch.Generator().manual_seed(0)
-    print(f"Machine: {machine()}\n\n| dtype | way | us per layer, 16 rows | rows differing from alone |\n|---|---|---|---|")
+    print(f"Machine: {machine()}\n")
+    print("| dtype | way | us per layer, 16 rows | rows differing from alone |\n|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         timing = batch(16, [pick.randint(40, 200) for _ in range(16)], dtype, rng)
         for way in (per_row, padded, manual):
@@ -75,7 +76,8 @@ def main() -> int:
                 rows = pick.choice([1, 2, 5, 16])
                 qs, ks, vs = batch(rows, [pick.randint(1, 300) for _ in range(rows)], dtype, rng)
                 together = way(qs, ks, vs, dtype)
-                differ += sum(not torch.equal(way([q], [k], [v], dtype)[0], t) for q, k, v, t in zip(qs, ks, vs, together))
+                differ += sum(not torch.equal(way([q], [k], [v], dtype)[0], t)
+                              for q, k, v, t in zip(qs, ks, vs, together))
             for _ in range(5):
                 way(*timing, dtype)
             t0 = time.perf_counter()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from keelctl import health
+from shared.config import ConfigError
 from keelctl.layout import LOG_DIR, ROOT, SERVICE_NAMES, STAGE_ORDER, VAR_DIR, load_layout, read_state
 
 DEMO_PROMPT = "What is the capital of France?"
@@ -171,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         return tools.dispatch(args.cmd, rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"up": cmd_up, "down": cmd_down, "status": cmd_status, "ask": cmd_ask, "certs": cmd_certs}[args.cmd](args)
+    try:
+        commands = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "ask": cmd_ask, "certs": cmd_certs}
+        return commands[args.cmd](args)
+    except ConfigError as exc:  # e.g. KEEL_MESH_TLS_DIR without its certificates
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ def run(stage_name: str, build: Callable[[], tuple[Stage, ServerConfig]]) -> Non
     setup_tracing(stage_name)
     try:
         stage, cfg = build()
+        tls.mesh_dir()  # TLS switched on without its certificates stops the stage here, not mid-start
     except ConfigError as exc:
         log.error("invalid configuration; not starting", extra={"error": str(exc)})
         raise SystemExit(2) from exc

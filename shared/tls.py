@@ -13,19 +13,21 @@ from pathlib import Path
 
 import grpc
 
+from shared.config import ConfigError
+
 ENV = "KEEL_MESH_TLS_DIR"
 FILES = ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
 
 
 def mesh_dir() -> Path | None:
-    """The certificate folder when TLS is on; a missing file stops the caller with its name."""
+    """The certificate folder when TLS is on; a missing file is a ConfigError naming it."""
     raw = os.environ.get(ENV)
     if not raw:
         return None
     folder = Path(raw)
     missing = [f for f in FILES if not (folder / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{ENV}={folder} lacks {', '.join(missing)}; run `make certs`")
+        raise ConfigError(f"{ENV}={folder} lacks {', '.join(missing)}; run `make certs`")
     return folder
 
 

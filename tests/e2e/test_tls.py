@@ -9,6 +9,7 @@ from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from keelctl import certs
 from keelctl.ask import ask
 from shared import tls
+from shared.config import ConfigError
 from shared.interceptor import MESH_TOKEN_KEY
 from tests.e2e.conftest import start_mesh, stop_mesh
 
@@ -68,5 +69,12 @@ def test_the_gateway_takes_tls_without_a_client_certificate(tls_mesh, gateway_re
 
 def test_missing_certificates_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv(tls.ENV, str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="ca.pem.*make certs"):
+    with pytest.raises(ConfigError, match="ca.pem.*make certs"):
         tls.channel_credentials()
+
+
+def test_cli_names_missing_certificates_instead_of_a_traceback(tmp_path, monkeypatch, capsys):
+    from keelctl.main import main
+    monkeypatch.setenv(tls.ENV, str(tmp_path))
+    assert main(["ask", "hi"]) == 2
+    assert "lacks ca.pem" in capsys.readouterr().err
