@@ -27,6 +27,7 @@ from .breaker import BreakerBoard, BreakerConfig
 from .memory import MemoryModel
 from .model import check_dtype, model_dtype
 from .scheduler import Scheduler, SchedulerSettings
+from .torchthread import TorchThread
 from .warmup import build_runners, measure_memory, set_deterministic
 
 __all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished",
@@ -108,11 +109,12 @@ class Engine:
                                     self.board, settings, tokens_per_s)
         self._state = "warm"
 
-    async def start(self) -> None:
+    async def start(self, thread: TorchThread | None = None) -> None:
+        """Start the batching loop, on `thread` when the caller keeps all torch work on one."""
         if self._state != "warm":
             raise NotReady(f"engine cannot start from state {self._state} (call warmup() first)",
                            reason="WARMING_UP", retry_after_ms=1000)
-        self._scheduler.start()
+        self._scheduler.start(thread)
         self._state = "serving"
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:

@@ -11,6 +11,7 @@ import gc
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from .faults import RowFaults, injected_oom, is_oom
 from .forward import LlamaRunner, RowCache, Segment
 from .memory import PeakMeter
 from .sampling import clamp_temperature, pick, row_is_finite
+from .torchthread import TorchThread
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +83,16 @@ class Scheduler:
         self.steps_since_oom = 0
         self.observed_peak_bytes = 0
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._thread: TorchThread | None = None
+        self._own_thread = False
+        self._loop_done: Future | None = None
 
     # ---- called from the asyncio side (any thread) ----
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="keel-inference", daemon=True)
-        self._thread.start()
+    def start(self, thread: TorchThread | None = None) -> None:
+        """Run the loop on the process's torch thread, or on a thread of its own."""
+        self._own_thread = thread is None
+        self._thread = thread or TorchThread("keel-inference")
+        self._loop_done = self._thread.submit(self._loop)
 
     def submit(self, ticket: Ticket, policy: Policy) -> None:
         with self.cond:
@@ -119,8 +125,10 @@ class Scheduler:
             self._stop = True
             self._shutdown_error = error
             self.cond.notify()
-        if self._thread is not None:
-            self._thread.join()
+        if self._loop_done is not None:
+            self._loop_done.result()
+        if self._own_thread and self._thread is not None:
+            self._thread.close()
 
     def batch_cap(self, policy: Policy) -> int:
         return min(self.settings.max_batch_size, policy.max_batch_size or self.settings.max_batch_size,

@@ -13,6 +13,7 @@ from services.inference import config as inf_config
 from services.inference.engine import Engine
 from services.inference.model import load_model
 from services.inference.servicer import InferenceServicer
+from services.inference.torchthread import TorchThread
 from shared import metrics
 from shared.config import ServerConfig
 
@@ -29,6 +30,7 @@ class InferenceStage:
         self.m = metrics.metrics_for("inference")
         self.engine: Engine | None = None
         self._gauges: asyncio.Task | None = None
+        self.torch = TorchThread()  # every torch call of this process runs here (torchthread.py says why)
 
     def register(self, server: grpc.aio.Server) -> None:
         self.servicer = InferenceServicer(None, self.cfg.max_tokens_limit, self.m)
@@ -36,10 +38,10 @@ class InferenceStage:
 
     async def warmup(self) -> None:
         e = self.cfg.engine
-        model = await asyncio.to_thread(load_model, self.cfg.model_dir, e.dtype, e.device)
+        model = await self.torch.run(load_model, self.cfg.model_dir, e.dtype, e.device)
         engine = Engine(model, e)
-        await asyncio.to_thread(engine.warmup)
-        await engine.start()
+        await self.torch.run(engine.warmup)
+        await engine.start(self.torch)
         log.info("engine warm", extra={"memory_model": engine.stats().get("memory")})
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
@@ -72,6 +74,7 @@ class InferenceStage:
             self._gauges.cancel()
         if self.engine:
             await self.engine.stop(self.cfg.server.drain_grace_s)
+        await asyncio.to_thread(self.torch.close)
 
 
 def build() -> tuple[InferenceStage, ServerConfig]:

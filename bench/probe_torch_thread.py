@@ -1,0 +1,69 @@
+"""Does it matter which threads of a process run torch? A decode step of 16 rows (the engine's own
+LlamaRunner) timed on a worker thread that loads the model and decodes, in a fresh process each:
+  alone   nothing else in the process ran torch (the inference stage's TorchThread layout)
+  after   the main thread ran one parallel op first (the layout before TorchThread: the model was
+          loaded and warmed on one thread, the batching loop ran on another)
+
+Run: .venv/bin/python bench/probe_torch_thread.py [--steps 15]
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(dtype: str, case: str, steps: int) -> None:
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from services.inference.forward import LlamaRunner
+    from services.inference.model import load_model
+    torch.set_num_threads(2)
+    if case == "after":
+        float((torch.randn(4_000_000) * 2).sum())  # one parallel region on the main thread
+
+    def work() -> None:
+        runner = LlamaRunner(load_model(ROOT / "var/model", dtype=dtype))
+        caches = [runner.new_cache(64 + steps) for _ in range(16)]
+        for c in caches:
+            runner.prefill(list(range(10, 50)), c)
+        for _ in range(3):
+            runner.decode([5] * 16, caches)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.decode([5] * 16, caches)
+        print((time.perf_counter() - t0) / steps * 1e3)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--child", nargs=2, metavar=("DTYPE", "CASE"))
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child, args.steps)
+        return 0
+    from bench.bench_inference import machine
+    print(f"Machine: {machine()}\n\n| dtype | alone, ms per step | after, ms per step | after / alone |\n|---|---|---|---|")
+    for dtype in ("float32", "bfloat16"):
+        ms = {}
+        for case in ("alone", "after"):
+            out = subprocess.run([sys.executable, __file__, "--child", dtype, case, "--steps", str(args.steps)],
+                                 capture_output=True, text=True, check=True, cwd=ROOT).stdout
+            ms[case] = float(out.strip().splitlines()[-1])
+        print(f"| {dtype} | {ms['alone']:.1f} | {ms['after']:.1f} | {ms['after'] / ms['alone']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
