@@ -11,7 +11,7 @@ Workload: --requests chat prompts (the FORMS x SUBJECTS of bench_inference), max
 loop over the shared list (N=1 takes the first 8 requests, N=4 the first 16, more take all): once
 straight to the inference stage (pre-tokenized ids, the mesh token), once through the gateway's
 GenerateStream (auth, tokenizer, validator both ways, retries, traces). The peers then run alone, each
-producing exactly the per-request lengths Keel's first dtype produced (eos off on their side):
+in a fresh process, producing exactly the per-request lengths Keel's first dtype produced (eos off):
   hf-static       model.generate on left-padded batches of 16, each batch as long as its longest request
   generate-batch  transformers' continuous batching (paged attention), one request per prompt, own length,
                   all handed over at once (generate-batch) or 16 in flight (generate-batch-16)
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -244,6 +246,33 @@ def llama_cpp(jobs: list[Job], lengths: dict[int, int]) -> Result:
     return res
 
 
+def run_peer(name: str, dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
+    """One peer in a fresh process of its own: once a thread of a process has run torch, torch on
+    its other threads is slower (bench/probe_torch_thread.py), and transformers' continuous
+    batching runs its loop on a thread of its own."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"name": name, "dtype": dtype, "lengths": lengths,
+                   "jobs": [[j.index, j.text, j.ids, j.max_tokens] for j in jobs]}, f)
+    out = subprocess.run([sys.executable, __file__, "--peer-child", f.name], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    Path(f.name).unlink()
+    r = json.loads(out.strip().splitlines()[-1])
+    return Result(r["wall"], {int(k): v for k, v in r["tokens"].items()}, r["ttft"], r["itl"])
+
+
+def peer_child(spec_file: Path) -> None:
+    spec = json.loads(spec_file.read_text())
+    jobs, lengths = [Job(*j) for j in spec["jobs"]], {int(k): v for k, v in spec["lengths"].items()}
+    name, dtype = spec["name"], spec["dtype"]
+    if name == "llama-cpp":
+        res = llama_cpp(jobs, lengths)
+    elif name == "hf-static":
+        res = hf_static(dtype, jobs, lengths)
+    else:
+        res = hf_continuous(dtype, jobs, lengths, STATIC_BATCH if name.endswith("-16") else None)
+    print(json.dumps({"wall": res.wall, "tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}))
+
+
 def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str:
     head = ("| system | dtype | clients | requests served | failed | tokens | tok/s | TTFT p50 / p99 ms "
             "| ITL p50 / p99 ms |\n" + "|---" * 9 + "|")
@@ -289,8 +318,12 @@ def main() -> int:
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     ap.add_argument("--peers", type=lambda s: s.split(","), default=list(PEER_CLIENTS))
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.peer_child:
+        peer_child(args.peer_child)
+        return 0
     jobs = workload(args.requests, args.max_tokens)
     keel_res = {}
     for d in args.dtypes:
@@ -299,16 +332,9 @@ def main() -> int:
     lengths = keel_res[args.dtypes[0]][("stage", max(args.concurrency))].tokens
     peers: dict[tuple[str, str], Result] = {}
     for name in args.peers:
-        if name == "llama-cpp":
-            peers[(name, "q4_1")] = llama_cpp(subset(jobs, 1), lengths)
-        for d in (("float32", "bfloat16") if name != "llama-cpp" else ()):
-            if name == "hf-static":
-                peers[(name, d)] = hf_static(d, jobs, lengths)
-            else:
-                peers[(name, d)] = hf_continuous(d, jobs, lengths, STATIC_BATCH if name.endswith("-16") else None)
-        for (n, d), r in peers.items():
-            if n == name:
-                print(f"  {n} {d}: {r.tok_s:.1f} tok/s", flush=True)
+        for d in (("q4_1",) if name == "llama-cpp" else ("float32", "bfloat16")):
+            peers[(name, d)] = run_peer(name, d, subset(jobs, 1) if name == "llama-cpp" else jobs, lengths)
+            print(f"  {name} {d}: {peers[(name, d)].tok_s:.1f} tok/s", flush=True)
     cmd = " ".join([".venv/bin/python", "bench/bench_serving.py"] + sys.argv[1:])
     out = report(jobs, args.concurrency, args.dtypes, keel_res, peers, lengths, cmd)
     print(out)
