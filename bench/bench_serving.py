@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 import grpc
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +50,7 @@ from shared.interceptor import MESH_TOKEN_KEY  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
 
 STATIC_BATCH = 16
+CPU_STAGES = ("inference", "gateway", "tokenizer", "validator", "redis")
 PEER_CLIENTS = {"hf-static": "batches of 16", "generate-batch": "all at once", "generate-batch-16": "16 in flight",
                 "llama-cpp": "1 (one at a time)"}
 
@@ -69,6 +71,7 @@ class Result:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     failed: dict[str, int] = field(default_factory=dict)  # status code name -> requests
+    cpu: dict[str, float] = field(default_factory=dict)  # mesh stage -> CPU seconds during the run
 
     @property
     def tok_s(self) -> float:
@@ -136,8 +139,18 @@ def sampling(job: Job) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=job.max_tokens, temperature=0.0, seed=0)
 
 
-async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concurrency: list[int]
-                    ) -> dict[tuple[str, int], Result]:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each mesh process (the stage's name without its replica)."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        stage = name.split("-")[0]
+        out[stage] = out.get(stage, 0.0) + t.user + t.system
+    return out
+
+
+async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concurrency: list[int],
+                    pids: dict[str, int]) -> dict[tuple[str, int], Result]:
     out = {}
     async with grpc.aio.insecure_channel(gateway) as gch, grpc.aio.insecure_channel(stage) as sch:
         gw, inf = gateway_pb2_grpc.GatewayStub(gch), inference_pb2_grpc.InferenceStub(sch)
@@ -163,7 +176,9 @@ async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concu
         await drive(jobs[:2], 2, via_mesh)  # first-use effects (channels, caches) out of the way
         for c in concurrency:
             for path, call in (("stage", via_stage), ("mesh", via_mesh)):
+                before = cpu_seconds(pids)
                 out[(path, c)] = await drive(subset(jobs, c), c, call)
+                out[(path, c)].cpu = {k: v - before[k] for k, v in cpu_seconds(pids).items()}
                 print(f"  {path} x{c}: {out[(path, c)].tok_s:.1f} tok/s", flush=True)
     return out
 
@@ -175,7 +190,9 @@ def keel(dtype: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[str,
         "KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))})
     try:
         stage = f"127.0.0.1:{mesh.ports['inference'][0]}"
-        return asyncio.run(keel_runs(mesh.gateway, stage, mesh.state()["mesh_token"], jobs, concurrency))
+        procs = mesh.state()["processes"]
+        pids = {name: p["pid"] for name, p in procs.items() if p.get("pid")}
+        return asyncio.run(keel_runs(mesh.gateway, stage, mesh.state()["mesh_token"], jobs, concurrency, pids))
     finally:
         stop_mesh(mesh)
 
@@ -286,6 +303,14 @@ def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str
             for path in ("stage", "mesh"):
                 name = "inference stage alone (gRPC)" if path == "stage" else "full mesh (gateway stream)"
                 lines.append(f"| {name} | {d} | {c} | {keel_res[d][(path, c)].row()} |")
+    lines += ["", "CPU seconds each mesh process used during a run, per second of the run (2 cores = 2.0):", "",
+              "| path | dtype | clients | " + " | ".join(CPU_STAGES) + " |", "|---" * (3 + len(CPU_STAGES)) + "|"]
+    for d in dtypes:
+        for c in concurrency:
+            for path in ("stage", "mesh"):
+                r = keel_res[d][(path, c)]
+                lines.append(f"| {path} | {d} | {c} | " + " | ".join(f"{r.cpu.get(s, 0) / r.wall:.2f}"
+                                                                     for s in CPU_STAGES) + " |")
     lines += ["", "## Peers (alone, same prompts, Keel's lengths)", "", head]
     for (name, d), r in peers.items():
         lines.append(f"| {name} | {d} | {PEER_CLIENTS[name]} | {r.row()} |")
