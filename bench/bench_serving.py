@@ -250,12 +250,10 @@ def llama_cpp(jobs: list[Job], lengths: dict[int, int]) -> Result:
     t0 = time.perf_counter()
     for job in jobs:
         llm.reset()  # one independent request at a time: no prefix reuse across requests
-        start = last = time.perf_counter()
-        n = 0
+        clock, n = EventClock(res), 0
         for _ in llm.generate(job.ids, top_k=1, top_p=1.0, temp=0.0):
-            now = time.perf_counter()
-            (res.itl if n else res.ttft).append(now - (last if n else start))
-            last, n = now, n + 1
+            clock()
+            n += 1
             if n == lengths[job.index]:
                 break
         res.tokens[job.index] = n

@@ -83,16 +83,15 @@ class Scheduler:
         self.steps_since_oom = 0
         self.observed_peak_bytes = 0
         self._stop = False
-        self._thread: TorchThread | None = None
-        self._own_thread = False
+        self._owned_thread: TorchThread | None = None  # made by start() when given none; closed at shutdown
         self._loop_done: Future | None = None
 
     # ---- called from the asyncio side (any thread) ----
     def start(self, thread: TorchThread | None = None) -> None:
         """Run the loop on the process's torch thread, or on a thread of its own."""
-        self._own_thread = thread is None
-        self._thread = thread or TorchThread("keel-inference")
-        self._loop_done = self._thread.submit(self._loop)
+        if thread is None:
+            thread = self._owned_thread = TorchThread("keel-inference")
+        self._loop_done = thread.submit(self._loop)
 
     def submit(self, ticket: Ticket, policy: Policy) -> None:
         with self.cond:
@@ -127,8 +126,8 @@ class Scheduler:
             self.cond.notify()
         if self._loop_done is not None:
             self._loop_done.result()
-        if self._own_thread and self._thread is not None:
-            self._thread.close()
+        if self._owned_thread is not None:
+            self._owned_thread.close()
 
     def batch_cap(self, policy: Policy) -> int:
         return min(self.settings.max_batch_size, policy.max_batch_size or self.settings.max_batch_size,
