@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model vocab redis setup bench-deps certs lock clean
+.PHONY: run test venv proto model vocab syspkgs setup bench-deps certs lock clean
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -13,7 +13,7 @@ run: setup
 test: setup
 	$(PY) -m pytest tests
 
-setup: venv proto model vocab redis
+setup: syspkgs venv proto model vocab
 
 venv: .venv/.stamp
 .venv/.stamp: requirements.lock pyproject.toml
@@ -38,8 +38,11 @@ var/model/keel-source.json: .venv/.stamp
 vocab: .venv/.stamp
 	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
 
-redis:
-	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+# Debian packages the mesh and the tests run for real: redis-server (quarantine), promtool (rule tests).
+SYSPKGS := redis-server:redis-server prometheus:promtool
+syspkgs:
+	@need=""; for p in $(SYSPKGS); do command -v $${p#*:} >/dev/null || need="$$need $${p%%:*}"; done; \
+	if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$need; fi
 
 # TLS inside the mesh: then `KEEL_MESH_TLS_DIR=var/certs make run` (see shared/tls.py).
 certs: .venv/.stamp
