@@ -23,6 +23,8 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from shared.errors import KeelError
+
 ROOT_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("KEEL_CONFIG_DIR", ROOT_DIR / "config"))
 T = TypeVar("T")
@@ -79,8 +81,11 @@ def validate(data: Any, schema_name: str, schema_dir: Path) -> None:
         raise ConfigError(f"{schema_name}: field '{where}' breaks rule '{err.validator}': {err.message}")
 
 
-def build(cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build a (nested) frozen dataclass from validated data; lists become tuples."""
+def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build a (nested) frozen dataclass from validated data; lists become tuples.
+
+    A value that passes the schema but fails the dataclass's own check (``__post_init__``) becomes a
+    ConfigError naming the block it sits in and the rule it broke, so the stage stops with exit 2."""
     hints = get_type_hints(cls)
     kwargs = {}
     for f in fields(cls):
@@ -88,11 +93,14 @@ def build(cls: type[T], data: Mapping[str, Any]) -> T:
             continue
         value, hint = data[f.name], hints[f.name]
         if is_dataclass(hint):
-            value = build(hint, value)
+            value = build(hint, value, f"{where}{f.name}.")
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[f.name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError, KeelError) as exc:
+        raise ConfigError(f"field '{where.rstrip('.') or '(top level)'}' breaks rule '{cls.__name__}': {exc}") from exc
 
 
 def load(stage: str, cls: type[T], path: Path | None = None,

@@ -59,3 +59,28 @@ def test_gateway_deadline_must_be_multiple_of_100(tmp_path):
     p = write(tmp_path, text.replace("default_deadline_ms: 60000", "default_deadline_ms: 60050"))
     with pytest.raises(ConfigError, match="limits.default_deadline_ms.*multipleOf"):
         gateway_config.load(p, environ={})
+
+
+def test_dataclass_rule_becomes_config_error_naming_the_block():
+    """Values that pass the schema but break a dataclass's own check stop the stage with exit 2 (a
+    ConfigError), not a traceback."""
+    with pytest.raises(ConfigError, match=r"field 'retry' breaks rule 'RetryConfig'.*cap_s >= base_s"):
+        gateway_config.load(environ={"KEEL_GATEWAY_RETRY__BASE_S": "2.0"})
+
+
+def test_client_facing_error_in_engine_config_becomes_config_error():
+    from services.inference import config as inference_config
+    env = {"KEEL_INFERENCE_ENGINE__BREAKER__FALLBACK_DTYPE": "int8", "KEEL_INFERENCE_ENGINE__DEVICE": "cuda"}
+    with pytest.raises(ConfigError, match=r"field 'engine' breaks rule 'EngineConfig'.*CPU only"):
+        inference_config.load(environ=env)
+
+
+def test_stage_exits_2_with_its_json_log_line_on_a_dataclass_rule():
+    import json, os, subprocess, sys
+    env = dict(os.environ, KEEL_GATEWAY_RETRY__BASE_S="2.0")
+    proc = subprocess.run([sys.executable, "-m", "services.gateway"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    line = json.loads([l for l in proc.stderr.splitlines() if l.startswith("{")][-1])
+    assert line["msg"] == "invalid configuration; not starting" and "retry" in line["error"]
