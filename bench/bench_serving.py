@@ -44,7 +44,7 @@ from keel.common.v1 import common_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 from keelctl.ask import DEV_API_KEY  # noqa: E402
-from services.inference.modelcache import gguf_path  # noqa: E402
+from shared.modelfile import gguf_path  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 from shared.interceptor import MESH_TOKEN_KEY  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402

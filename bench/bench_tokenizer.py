@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.inference.modelcache import gguf_path  # noqa: E402
+from shared.modelfile import gguf_path  # noqa: E402
 from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 

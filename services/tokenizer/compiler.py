@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT, help=f"default: {DEFAULT_OUTPUT}")
     args = parser.parse_args(argv)
     if args.gguf is None:
-        from services.inference.modelcache import gguf_path
+        from shared.modelfile import gguf_path
         args.gguf = gguf_path()
     out = compile_vocab(args.gguf, args.out)
     print(f"compiled tokenizer ready at {out}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.modelcache import gguf_path
+from shared.modelfile import gguf_path
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
 

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from services.inference.modelcache import gguf_path
+from shared.modelfile import gguf_path
 from services.tokenizer import fileformat as ff
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
