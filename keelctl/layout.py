@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import config
+from shared.config import VAR_DIR  # tests point KEEL_VAR_DIR at a temporary folder
 
 ROOT = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("KEEL_VAR_DIR", ROOT / "var"))  # tests point this at a temporary folder
 RUN_DIR = VAR_DIR / "run"
 LOG_DIR = VAR_DIR / "log"
 STATE_FILE = RUN_DIR / "keel.json"

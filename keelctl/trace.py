@@ -1,18 +1,17 @@
 """`keel trace TRACE_ID`: one request's spans from every stage's trace files, in time order.
 
-Reads ``traces/*.jsonl`` (or KEEL_TRACES_DIR, or --dir) and prints the span tree: start offset,
+Reads ``var/traces/*.jsonl`` (or KEEL_TRACES_DIR, or --dir) and prints the span tree: start offset,
 duration, service, span name, status and attributes.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
-from keelctl.layout import ROOT
+from shared.tracing import TRACES_DIR
 
 
 def load_spans(trace_id: str, directory: Path) -> list[dict]:
@@ -49,7 +48,7 @@ def render(spans: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="keel trace", description=__doc__.splitlines()[0])
     ap.add_argument("trace_id")
-    ap.add_argument("--dir", type=Path, default=Path(os.environ.get("KEEL_TRACES_DIR", ROOT / "traces")))
+    ap.add_argument("--dir", type=Path, default=TRACES_DIR)
     ap.add_argument("--json", action="store_true", help="print the spans as JSON lines")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"[0-9a-f]{32}", args.trace_id):

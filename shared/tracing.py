@@ -1,6 +1,6 @@
 """OpenTelemetry for every stage: W3C traceparent in gRPC metadata, spans as JSON lines on disk.
 
-Spans go to ``traces/<service>-<pid>-<YYYYMMDDHH>.jsonl`` (a new file every hour and whenever one
+Spans go to ``var/traces/<service>-<pid>-<YYYYMMDDHH>.jsonl`` (a new file every hour and whenever one
 passes ``max_bytes``), always; to OTLP as well when OTEL_EXPORTER_OTLP_ENDPOINT is set.
 ``keel trace TRACE_ID`` reads every stage's files back (keelctl/trace.py).
 """
@@ -21,7 +21,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACES_DIR = Path(os.environ.get("KEEL_TRACES_DIR", "traces"))
+from shared.config import VAR_DIR
+
+TRACES_DIR = Path(os.environ.get("KEEL_TRACES_DIR", VAR_DIR / "traces"))
 _propagator = TraceContextTextMapPropagator()
 
 
