@@ -33,11 +33,11 @@ class ValidatorCore:
 
     @classmethod
     def build(cls, contracts_dir: Path, pipeline_cfg: PipelineConfig,
-              quarantine_cfg: QuarantineConfig) -> ValidatorCore:
+              quarantine_cfg: QuarantineConfig, cpu_budget_s: float | None = None) -> ValidatorCore:
         """Compile contracts and import plugins once; low-confidence and blocked outputs go to
-        the quarantine's review stream."""
+        the quarantine's review stream. ``cpu_budget_s`` bounds one input check."""
         quarantine = Quarantine(quarantine_cfg)
-        return cls(InputChecker.from_config(contracts_dir, pipeline_cfg.domains),
+        return cls(InputChecker.from_config(contracts_dir, pipeline_cfg.domains, cpu_budget_s),
                    OutputPipeline.from_config(pipeline_cfg, review=quarantine.put), quarantine)
 
     def start(self) -> None:

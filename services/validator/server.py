@@ -65,7 +65,8 @@ class ValidatorStage:
     async def warmup(self) -> None:
         cfg = self.cfg
         pipeline_cfg = await asyncio.to_thread(PipelineConfig.load, cfg.path(cfg.pipeline_file))
-        core = await asyncio.to_thread(ValidatorCore.build, cfg.path(cfg.contracts_dir), pipeline_cfg, cfg.quarantine)
+        core = await asyncio.to_thread(ValidatorCore.build, cfg.path(cfg.contracts_dir), pipeline_cfg,
+                                      cfg.quarantine, cfg.input_cpu_budget_ms / 1000)
         await asyncio.to_thread(core.start)
         self.core = self.servicer.core = core  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
