@@ -111,6 +111,9 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("sum(keel_validator_quarantine_size)", "quarantine stream"),
             ("sum by (instance) (keel_validator_spill_backlog)", "spill backlog {{instance}}")], "short",
            "A growing spill backlog means Redis is down or slow."),
+        ts("Refused inputs not stored (flood gate)", [
+            (f"sum by (why) (rate(keel_validator_quarantine_dropped_total{RATE}))", "{{why}}")], "ops",
+           "Duplicates of a stored payload and records over a source's cap: a client repeating bad requests."),
     ]),
 ]
 

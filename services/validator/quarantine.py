@@ -57,6 +57,12 @@ class QuarantineConfig:
     dedup_ttl_s: int = 7 * 86400             # must outlast the longest outage + replay
     group: str = "operators"                 # consumer group of `keel quarantine`
     claim_idle_s: float = 300.0              # an operator claim older than this may be taken over
+    max_payload_bytes: int = 65536           # larger input payloads are stored clipped (shared/clip.py)
+    # Flood control of input records (services/validator/flood.py).
+    dedup_window_s: float = 3600.0           # a payload stored within this window is not stored again
+    max_per_source: int = 1000               # input records stored per source per source_window_s
+    source_window_s: float = 60.0
+    max_tracked: int = 100_000               # fingerprints and sources remembered (oldest forgotten)
 
     def __post_init__(self) -> None:
         # shared.config.build passes YAML strings straight through; keep the field a Path.
@@ -77,7 +83,9 @@ class QuarantineConfig:
                 raise ValueError(f"validator config quarantine.{key}: expected {kinds[key]}, "
                                  f"got {value!r}")
         cfg = cls(**d)
-        for name in ("socket_timeout_s", "connect_timeout_s", "probe_interval_s", "claim_idle_s"):
+        for name in ("socket_timeout_s", "connect_timeout_s", "probe_interval_s", "claim_idle_s",
+                     "dedup_window_s", "source_window_s", "max_payload_bytes", "max_per_source",
+                     "max_tracked"):
             if not float(getattr(cfg, name)) > 0:
                 raise ValueError(f"validator config quarantine.{name} must be > 0")
         if cfg.replay_batch < 1 or cfg.dedup_ttl_s < 60:
