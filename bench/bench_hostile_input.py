@@ -3,6 +3,13 @@ hostile 32 KB prompts are in flight, as a ratio to the same requests on a quiet 
 
 Run: .venv/bin/python bench/bench_hostile_input.py [--requests 40] [--hostile 3]
                                                    [--peer-root /work/main --peer-requests 5]
+     .venv/bin/python bench/bench_hostile_input.py --rules
+
+``--rules`` instead times each configured pattern rule alone (``CompiledRules.failures``,
+normalisation included; best of 3) on the adversarial 32 KB texts of
+tests/validator/test_hostile_rules.py, worst case per rule, against the same rule on 32 KB of
+ordinary mixed Chinese and English prose (peer): a ratio near 1 means the hostile text costs what
+any text of its size does.
 
 The validator stage runs as its own process (``python -m services.validator``, this checkout's
 config) against a redis-server of its own on free loopback ports. Phase "quiet": ``--requests``
@@ -105,13 +112,29 @@ def measure(root: Path, tmp: Path, redis_port: int, requests: int, hostile: int)
     return {"quiet": quiet, "hostile": loud, "ratio": loud["p50_ms"] / quiet["p50_ms"]}
 
 
+def rule_costs() -> None:
+    from tests.validator.test_hostile_rules import DELIMITERS, OPENED, PATTERN_RULES, SIZE, cost_s, fill
+    prose = fill("本月一年期LPR为3.45%，与上月持平。The central bank kept its rate unchanged. ")
+    hostile = [fill(p) for p in DELIMITERS] + OPENED
+    print(f"| rule | worst of {len(hostile)} adversarial {SIZE // 1024} KB texts (ms) | 32 KB prose (ms) | ratio |")
+    print("| --- | --- | --- | --- |")
+    for name, rule in sorted(PATTERN_RULES.items()):
+        worst = max(min(cost_s(rule, t) for _ in range(3)) for t in hostile)
+        plain = min(cost_s(rule, prose) for _ in range(3))
+        print(f"| {name} | {worst * 1e3:.2f} | {plain * 1e3:.2f} | {worst / plain:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--rules", action="store_true")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--hostile", type=int, default=3)
     ap.add_argument("--peer-root", type=Path)
     ap.add_argument("--peer-requests", type=int, default=5)
     args = ap.parse_args()
+    if args.rules:
+        rule_costs()
+        return
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         redis_port = free_port()
