@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.gateway.ratelimit import AuthFailureLimiter
+from services.gateway.ratelimit import AuthFailureLimit, AuthFailureLimiter
 from shared.errors import AMBIGUOUS_API_KEY, Unauthenticated
 
 API_KEY_HEADER = "x-api-key"
@@ -120,10 +120,11 @@ def presented_api_key(metadata: Metadata) -> str | None:
 
 class ApiKeyAuthenticator:
     """Checks a request's API key against the configured hashes and names the matching key.
-    With ``failures``, a peer that failed too often is refused before its key is looked at."""
+    A peer that failed too often (``failures``; default limits when not given) is refused before
+    its key is looked at."""
 
     def __init__(self, entries: Iterable[ApiKeyEntry], failures: AuthFailureLimiter | None = None):
-        self._failures = failures
+        self._failures = failures or AuthFailureLimiter(AuthFailureLimit())
         self._entries: list[tuple[str, bytes, bytes]] = []
         seen: set[str] = set()
         for entry in entries:
@@ -137,8 +138,6 @@ class ApiKeyAuthenticator:
         """Key id of the presented key; Unauthenticated MISSING_API_KEY / INVALID_API_KEY /
         AMBIGUOUS_API_KEY otherwise, each counted as a failure of ``peer`` (a gRPC peer string);
         Overloaded AUTH_FAILURES_LIMITED while that peer is blocked."""
-        if self._failures is None:
-            return self._check(metadata)
         host = peer_host(peer)
         self._failures.check(host)
         try:
