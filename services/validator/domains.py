@@ -121,9 +121,9 @@ class ProbeConfig:
         disclaimers = tuple(str(p) for p in d.get("disclaimers", ()))
         for pat in disclaimers:
             try:
-                re.compile(pat)
-            except re.error as exc:
-                raise ValueError(f"validator config {where}: bad disclaimer regex {pat!r}") from exc
+                compile_linear(pat, dot_all=False, ignore_case=True)
+            except ValueError as exc:
+                raise ValueError(f"validator config {where}: bad disclaimer regex {pat!r}: {exc}") from exc
         cfg = cls(min_entropy=float(d.get("min_entropy", 0.8)),
                   min_term_overlap=float(d.get("min_term_overlap", 0.0)),
                   terms=tuple(dict.fromkeys(terms)), antonyms=tuple(pairs),

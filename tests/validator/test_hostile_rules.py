@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.validator.contracts import InputChecker
+from services.validator.builtins import ForbiddenPatterns
 from services.validator.domains import DomainConfig, InputRule
 from services.validator.pipeline import PipelineConfig
+from services.validator.plugins import OutputContext
 from services.validator.rules import CompiledRules, RequestText
 from shared.errors import INPUT_CHECK_BUDGET_EXCEEDED, INVISIBLE_INPUT
 
@@ -83,6 +85,21 @@ def test_a_pattern_needing_backtracking_is_refused_at_load():
         DomainConfig.from_dict("x", {"input_rules": [{"kind": "pattern", "pattern": r"(?<!a)b"}]})
     with pytest.raises(ValueError, match="linear-time"):
         DomainConfig.from_dict("x", {"input_rules": [{"kind": "pattern", "pattern": r"(a+)\1"}]})
+
+
+@pytest.mark.parametrize("text", OPENED + [fill(p) for p in DELIMITERS], ids=lambda t: repr(t[:4]))
+def test_configured_forbidden_output_patterns_cost_linear_time(text):
+    forbidden = ForbiddenPatterns(**PIPELINE.plugins["forbidden"].args)
+    start = time.perf_counter()
+    forbidden.validate(text, OutputContext(domain="default"))
+    assert time.perf_counter() - start < BOUND_S
+
+
+def test_output_patterns_needing_backtracking_are_refused_at_load():
+    with pytest.raises(ValueError, match="linear-time"):
+        ForbiddenPatterns({"x": r"(?<!no )guarantee"})
+    with pytest.raises(ValueError, match="disclaimer.*linear-time"):
+        DomainConfig.from_dict("x", {"probes": {"disclaimers": [r"(a)\1"]}})
 
 
 def test_rules_still_catch_what_they_caught():
