@@ -102,3 +102,11 @@ class NumericalInstability(KeelError):
 
     code = "OUT_OF_RANGE"
     default_reason = "NUMERICAL_INSTABILITY"
+
+
+# Reasons (ErrorInfo.reason) of refused inputs and callers, named once for every stage.
+INPUT_CHECK_BUDGET_EXCEEDED = "INPUT_CHECK_BUDGET_EXCEEDED"  # the input check ran out of CPU time
+INVISIBLE_INPUT = "INVISIBLE_INPUT"            # the text has no visible character
+SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (pipeline.SEED_MAX)
+AMBIGUOUS_API_KEY = "AMBIGUOUS_API_KEY"        # several API keys presented in one request
+AUTH_FAILURES_LIMITED = "AUTH_FAILURES_LIMITED"  # too many failed authentications from a peer

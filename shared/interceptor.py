@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -80,7 +80,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, service: str, *, mesh_token: str | None = None,
-                 authenticate: Callable[[Mapping[str, str]], str] | None = None,
+                 authenticate: Callable[[Sequence[tuple[str, str | bytes]], str], str] | None = None,
                  is_ready: Callable[[], bool] = lambda: True, trace_root: bool = False):
         self.service = service
         self.mesh_token = mesh_token
@@ -118,7 +118,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _admit(self, md: Mapping[str, str], request) -> None:
+    def _admit(self, md: Mapping[str, str], request, context) -> None:
         if self.mesh_token is not None:
             given = md.get(MESH_TOKEN_KEY, "")
             if not given:
@@ -127,7 +127,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             if not hmac.compare_digest(given.encode(), self.mesh_token.encode()):
                 raise errors.Unauthenticated("wrong mesh credential", reason="INVALID_MESH_CREDENTIAL")
         elif self.authenticate is not None:
-            self.authenticate(md)
+            # Every metadata pair (a repeated header must stay visible) and the caller's address.
+            self.authenticate(context.invocation_metadata() or (), context.peer())
         if not self.is_ready():
             raise errors.NotReady(f"{self.service} is not serving (warming up or draining)",
                                   reason="NOT_SERVING", retry_after_ms=1000)
@@ -154,7 +155,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             trace_id = tracing.current_trace_id()
             tokens = (trace_id_var.set(trace_id), rpc_var.set(method))
             try:
-                self._admit(md, request)
+                self._admit(md, request, context)
                 yield
                 context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
             except errors.KeelError as err:

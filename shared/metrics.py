@@ -149,6 +149,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("keel_validator_quarantine_size", "Records in the Redis quarantine stream, as last seen.", owner="validator"),
     _g("keel_validator_spill_backlog", "Quarantine records in the local spill file not yet replayed into Redis.",
        owner="validator"),
+    _c("keel_validator_quarantine_dropped_total", "Rejected/flagged inputs not stored by the quarantine's flood gate "
+       "(why: duplicate of a stored payload, source_cap).", ("why",), "validator"),
     # Supervisor.
     _c("keel_supervisor_restarts_total", "Stage processes restarted by the supervisor.", ("stage",), "supervisor"),
 )

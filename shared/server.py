@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Protocol, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +32,7 @@ class Stage(Protocol):
 
     name: str            # "tokenizer"
     service_name: str    # "keel.tokenizer.v1.Tokenizer"
-    # optional: authenticate(metadata) -> principal, raising Unauthenticated (gateway only)
+    # optional: authenticate(metadata pairs, peer) -> principal, raising Unauthenticated (gateway only)
 
     def register(self, server: grpc.aio.Server) -> None: ...
     async def warmup(self) -> None: ...
@@ -51,7 +51,7 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     ready = False
     serving_gauge = metrics.metrics_for(stage.name).gauge("keel_stage_serving").labels(service=stage.name)
     # Only the public gateway authenticates clients itself; every other stage demands the mesh token.
-    authenticate: Callable[[Mapping[str, str]], str] | None = getattr(stage, "authenticate", None)
+    authenticate: Callable[[Sequence[tuple[str, str | bytes]], str], str] | None = getattr(stage, "authenticate", None)
     mesh_token = None if authenticate else os.environ.get("KEEL_MESH_TOKEN") or None
     interceptor = ServerInterceptor(stage.name, mesh_token=mesh_token, authenticate=authenticate,
                                     is_ready=lambda: ready, trace_root=authenticate is not None)

@@ -108,9 +108,13 @@ ROWS: list[tuple[str, list[dict]]] = [
             (f"sum(rate(keel_validator_empty_outputs_total{RATE}))", "empty"),
             (f"sum(rate(keel_validator_low_confidence_total{RATE}))", "low confidence")], "ops"),
         ts("Quarantine size and spill backlog", [
-            ("sum(keel_validator_quarantine_size)", "quarantine stream"),
+            # every validator worker reports the same stream's length: max, not sum
+            ("max(keel_validator_quarantine_size)", "quarantine stream"),
             ("sum by (instance) (keel_validator_spill_backlog)", "spill backlog {{instance}}")], "short",
            "A growing spill backlog means Redis is down or slow."),
+        ts("Refused inputs not stored (flood gate)", [
+            (f"sum by (why) (rate(keel_validator_quarantine_dropped_total{RATE}))", "{{why}}")], "ops",
+           "Duplicates of a stored payload and records over a source's cap: a client repeating bad requests."),
     ]),
 ]
 

@@ -10,7 +10,11 @@ Run: python -m services.gateway.auth hash KEY     (or ``hash -`` to read KEY fro
      python -m services.gateway.auth new          (prints a fresh random key and its hash)
 
 No grpc here: ``metadata`` is whatever the servicer has, a mapping or the
-``(key, value)`` pairs of ``context.invocation_metadata()``.
+``(key, value)`` pairs of ``context.invocation_metadata()`` (pairs keep repeated headers, which
+a mapping has already collapsed). A request that presents more than one key (two
+``x-api-key`` headers, two ``authorization`` headers, or ``x-api-key`` and a Bearer token that
+differ) is refused as AMBIGUOUS_API_KEY rather than picking one. Failed authentications count
+per peer (:class:`services.gateway.ratelimit.AuthFailureLimiter`).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shared.errors import Unauthenticated
+from services.gateway.ratelimit import AuthFailureLimit, AuthFailureLimiter
+from shared.errors import AMBIGUOUS_API_KEY, Unauthenticated
 
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
@@ -34,16 +39,30 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 Metadata = Mapping[str, str] | Sequence[tuple[str, str | bytes]] | None
 
 
-def header_value(metadata: Metadata, name: str) -> str | None:
-    """First value of header ``name`` (case-insensitive, as gRPC lowercases keys), or None."""
+def header_values(metadata: Metadata, name: str) -> list[str]:
+    """Every value of header ``name`` (case-insensitive, as gRPC lowercases keys), in order."""
     if not metadata:
-        return None
+        return []
     pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
     name = name.lower()
-    for key, value in pairs:
-        if key.lower() == name:
-            return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-    return None
+    return [value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            for key, value in pairs if key.lower() == name]
+
+
+def header_value(metadata: Metadata, name: str) -> str | None:
+    """First value of header ``name`` (case-insensitive, as gRPC lowercases keys), or None."""
+    values = header_values(metadata, name)
+    return values[0] if values else None
+
+
+def peer_host(peer: str) -> str:
+    """The address of a gRPC peer string without its port: ``ipv4:10.0.0.7:5123`` ->
+    ``10.0.0.7``, ``ipv6:[::1]:5123`` (or %5B::1%5D) -> ``::1``; anything else as given."""
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6") or ":" not in rest:
+        return peer
+    host = rest.rsplit(":", 1)[0].replace("%5B", "[").replace("%5D", "]")
+    return host.strip("[]")
 
 
 def _digest(salt: bytes, key: str) -> bytes:
@@ -82,19 +101,30 @@ class ApiKeyEntry:
 
 
 def presented_api_key(metadata: Metadata) -> str | None:
-    """The key from ``x-api-key`` or ``authorization: Bearer <key>``; None when neither is set."""
-    key = header_value(metadata, API_KEY_HEADER)
-    if not key:
-        auth = header_value(metadata, AUTHORIZATION_HEADER) or ""
-        scheme, _, rest = auth.partition(" ")
-        key = rest.strip() if scheme.lower() == "bearer" else None
-    return key or None
+    """The key from ``x-api-key`` or ``authorization: Bearer <key>``; None when neither is set.
+    Unauthenticated AMBIGUOUS_API_KEY when a header is repeated or the two headers differ."""
+    api_keys = header_values(metadata, API_KEY_HEADER)
+    auths = header_values(metadata, AUTHORIZATION_HEADER)
+    if len(api_keys) > 1 or len(auths) > 1:
+        raise Unauthenticated(f"send one API key: the request has {len(api_keys)} "
+                              f"'{API_KEY_HEADER}' and {len(auths)} '{AUTHORIZATION_HEADER}' headers",
+                              reason=AMBIGUOUS_API_KEY)
+    key = api_keys[0] if api_keys else None
+    scheme, _, rest = (auths[0] if auths else "").partition(" ")
+    bearer = rest.strip() if scheme.lower() == "bearer" else None
+    if key and bearer and not hmac.compare_digest(key.encode(), bearer.encode()):
+        raise Unauthenticated(f"'{API_KEY_HEADER}' and the Bearer token carry different keys; send one",
+                              reason=AMBIGUOUS_API_KEY)
+    return key or bearer or None
 
 
 class ApiKeyAuthenticator:
-    """Checks a request's API key against the configured hashes and names the matching key."""
+    """Checks a request's API key against the configured hashes and names the matching key.
+    A peer that failed too often (``failures``; default limits when not given) is refused before
+    its key is looked at."""
 
-    def __init__(self, entries: Iterable[ApiKeyEntry]):
+    def __init__(self, entries: Iterable[ApiKeyEntry], failures: AuthFailureLimiter | None = None):
+        self._failures = failures or AuthFailureLimiter(AuthFailureLimit())
         self._entries: list[tuple[str, bytes, bytes]] = []
         seen: set[str] = set()
         for entry in entries:
@@ -104,8 +134,19 @@ class ApiKeyAuthenticator:
             salt, digest = _parse_stored(entry.key_hash)
             self._entries.append((entry.key_id, salt, digest))
 
-    def authenticate(self, metadata: Metadata) -> str:
-        """Key id of the presented key; Unauthenticated MISSING_API_KEY / INVALID_API_KEY otherwise."""
+    def authenticate(self, metadata: Metadata, peer: str = "") -> str:
+        """Key id of the presented key; Unauthenticated MISSING_API_KEY / INVALID_API_KEY /
+        AMBIGUOUS_API_KEY otherwise, each counted as a failure of ``peer`` (a gRPC peer string);
+        Overloaded AUTH_FAILURES_LIMITED while that peer is blocked."""
+        host = peer_host(peer)
+        self._failures.check(host)
+        try:
+            return self._check(metadata)
+        except Unauthenticated:
+            self._failures.failed(host)
+            raise
+
+    def _check(self, metadata: Metadata) -> str:
         key = presented_api_key(metadata)
         if key is None:
             raise Unauthenticated("no API key: send it in 'x-api-key' or 'authorization: Bearer'",

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, replace
 
 from services.gateway.auth import ApiKeyEntry
 from services.gateway.pipeline import Limits
-from services.gateway.ratelimit import RateLimit, RateLimitConfig
+from services.gateway.ratelimit import AuthFailureLimit, RateLimit, RateLimitConfig
 from services.gateway.retry import RetryConfig
 from shared import config
 from shared.config import ServerConfig
@@ -28,6 +28,7 @@ class GatewayConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     api_keys: tuple[ApiKeyEntry, ...] = ()
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
+    auth_failures: AuthFailureLimit = field(default_factory=AuthFailureLimit)
 
 
 def load(path=None, environ=None) -> GatewayConfig:

@@ -18,11 +18,15 @@ from typing import AsyncIterator, Protocol
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared import errors, tracing
+from shared.clip import clip_payload
 from services.gateway.ratelimit import RequestLimits, check_request_size
 from services.gateway.retry import RetryExecutor
 
 log = logging.getLogger("keel.gateway")
 ROLES = ("system", "user", "assistant")
+# The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
+# so larger seeds are refused here (and by the validator's contract) with SEED_OUT_OF_RANGE.
+SEED_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class Limits:
     default_max_tokens: int = 128
     max_context_tokens: int = 2048
     default_deadline_ms: int = 60000
+    # A rejected request whose JSON is larger goes to the quarantine clipped (shared/clip.py).
+    max_quarantine_payload_bytes: int = 65536
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,9 @@ def check_ask(ask: Ask, limits: Limits) -> None:
         raise errors.InvalidInput("top_p must be in 0..1", reason="TOP_P_OUT_OF_RANGE")
     if ask.top_k < 0:
         raise errors.InvalidInput("top_k must be >= 0", reason="TOP_K_OUT_OF_RANGE")
+    if ask.seed is not None and not 0 <= ask.seed <= SEED_MAX:
+        raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
+                                  metadata={"limit": SEED_MAX, "actual": ask.seed})
 
 
 def payload_of(ask: Ask) -> dict:
@@ -162,7 +171,7 @@ class Pipeline:
         except errors.InvalidInput as rejected:
             await self._quarantine(ask, rejected, deadline, trace_id, inbound)
             raise
-        seed = ask.seed if ask.seed is not None else self._rng.getrandbits(63)
+        seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
         max_length = self.limits.max_context_tokens - ask.max_tokens
         if max_length < 1:
             raise errors.InvalidInput("max_tokens leaves no room for the prompt", reason="MAX_TOKENS_OUT_OF_RANGE")
@@ -184,12 +193,14 @@ class Pipeline:
 
     async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, deadline: float, trace_id: str,
                           inbound: dict) -> None:
-        """Hand an input the gateway's own limits rejected to the validator's quarantine. The
-        validator answers with the same rejection; if it cannot be reached, the client still gets
-        the gateway's rejection and the failure is logged with the payload's size."""
+        """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
+        when larger than ``max_quarantine_payload_bytes`` (a message must stay far below the
+        channel limit). The validator answers with the same rejection; if it cannot be reached,
+        the client still gets the gateway's rejection and the failure is logged."""
         try:
+            payload = clip_payload(payload_of(ask), self.limits.max_quarantine_payload_bytes)
             await self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
-                payload_of(ask), ask.source or "default", ask.domain or "default", t, md, rejected=rejected),
+                payload, ask.source or "default", ask.domain or "default", t, md, rejected=rejected),
                 deadline, trace_id, inbound)
         except errors.InvalidInput as echoed:
             rejected.metadata.update({k: v for k, v in echoed.metadata.items() if k in ("rule", "quarantine_id")})

@@ -1,9 +1,19 @@
-"""Per-API-key rate limits and request size limits, checked by the gateway before any work.
+"""Per-API-key rate limits, failed-authentication limits per peer, and request size limits,
+checked by the gateway before any work.
 
 Rate limits are token buckets per key id: ``burst`` requests at once, refilled at
 ``rate_per_s``. A request that finds no whole token gets Overloaded(reason="RATE_LIMITED")
 with ``retry_after_ms`` = the time until one token is back, rounded up, so a client that
 honours the hint succeeds on its next try (absent other traffic on the key).
+
+Failed authentications are limited per peer address (the port is ignored, so new connections
+do not help): after ``max_failures`` failures a peer is refused for ``backoff_base_s``, doubled
+with each further failure up to ``backoff_cap_s``, with Overloaded(reason=AUTH_FAILURES_LIMITED)
+and the time left as ``retry_after_ms``. While blocked its requests are refused before any key
+is checked, so guesses are not even tried. ``window_s`` without a failure after the last block
+ended forgets the failures (a success does not: interleaving a valid key would otherwise reset
+the count). At most ``max_peers`` peers are tracked (the one idle
+longest is forgotten first), so many addresses cannot exhaust memory.
 
 Size limits reject what could never be served as sent: InvalidInput with reasons
 PROMPT_TOO_LARGE, MAX_TOKENS_TOO_LARGE or MAX_TOKENS_INVALID and ``limit``/``actual`` in the
@@ -13,10 +23,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.errors import InvalidInput, Overloaded
+from shared.errors import AUTH_FAILURES_LIMITED, InvalidInput, Overloaded
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,64 @@ class RateLimiter:
         raise Overloaded(f"rate limit of {limit.rate_per_s:g}/s (burst {limit.burst:g}) reached",
                          reason="RATE_LIMITED", retry_after_ms=wait_ms,
                          metadata={"key_id": key_id, "rate_per_s": f"{limit.rate_per_s:g}"})
+
+
+@dataclass(frozen=True)
+class AuthFailureLimit:
+    max_failures: int = 10
+    window_s: float = 60.0
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 300.0
+    max_peers: int = 10_000
+
+    def __post_init__(self) -> None:
+        if (self.max_failures < 1 or self.window_s <= 0 or self.backoff_base_s <= 0
+                or self.backoff_cap_s < self.backoff_base_s or self.max_peers < 1):
+            raise ValueError(f"an auth failure limit needs max_failures >= 1, window_s > 0, "
+                             f"0 < backoff_base_s <= backoff_cap_s and max_peers >= 1: {self}")
+
+
+@dataclass
+class _Peer:
+    failures: int = 0
+    last_s: float = 0.0          # when the last failure happened or the last block ends
+    blocked_until: float = 0.0
+
+
+class AuthFailureLimiter:
+    """Counts failed authentications per peer host and blocks a peer with backoff; clock
+    injectable."""
+
+    def __init__(self, limit: AuthFailureLimit, *, clock: Callable[[], float] = time.monotonic):
+        self._limit, self._clock = limit, clock
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+
+    def check(self, peer: str) -> None:
+        """Overloaded AUTH_FAILURES_LIMITED with the time left while ``peer`` is blocked."""
+        state = self._peers.get(peer)
+        now = self._clock()
+        if state is None or now >= state.blocked_until:
+            return
+        wait_ms = math.ceil((state.blocked_until - now) * 1000.0)
+        raise Overloaded(f"{state.failures} failed authentications from this address; "
+                         f"try again in {wait_ms} ms", reason=AUTH_FAILURES_LIMITED,
+                         retry_after_ms=wait_ms, metadata={"failures": state.failures})
+
+    def failed(self, peer: str) -> None:
+        """Count one failed authentication of ``peer``; block it once over the limit."""
+        limit, now = self._limit, self._clock()
+        state = self._peers.pop(peer, None) or _Peer()
+        if now - state.last_s > limit.window_s:
+            state.failures = 0
+        state.failures += 1
+        state.last_s = now
+        over = state.failures - limit.max_failures
+        if over >= 0:
+            state.blocked_until = now + min(limit.backoff_cap_s, limit.backoff_base_s * 2.0 ** min(over, 64))
+            state.last_s = state.blocked_until
+        self._peers[peer] = state
+        while len(self._peers) > limit.max_peers:
+            self._peers.popitem(last=False)
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import time
-from typing import Mapping
 
 import grpc
 
 from keel.gateway.v1 import gateway_pb2_grpc
 from services.gateway import config as gateway_config
-from services.gateway.auth import ApiKeyAuthenticator
+from services.gateway.auth import ApiKeyAuthenticator, Metadata
 from services.gateway.pipeline import Pipeline
-from services.gateway.ratelimit import RateLimiter
+from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
 from services.gateway.retry import RetryExecutor
 from services.gateway.retry_alerts import RetryMonitor
 from shared import metrics
@@ -25,7 +24,7 @@ class GatewayStage:
 
     def __init__(self, cfg: gateway_config.GatewayConfig):
         self.cfg = cfg
-        self._auth = ApiKeyAuthenticator(cfg.api_keys)
+        self._auth = ApiKeyAuthenticator(cfg.api_keys, AuthFailureLimiter(cfg.auth_failures))
         self._limiter = RateLimiter(cfg.rate_limits)
         self.upstreams = MeshUpstreams({"tokenizer": cfg.upstreams.tokenizer, "inference": cfg.upstreams.inference,
                                         "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes,
@@ -43,8 +42,8 @@ class GatewayStage:
             upstream=r.upstream, code=r.code or "NONE", decision=r.decision, reason=r.reason or "retryable").inc())
         self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits)
 
-    def authenticate(self, metadata: Mapping[str, str]) -> str:
-        key_id = self._auth.authenticate(metadata)
+    def authenticate(self, metadata: Metadata, peer: str = "") -> str:
+        key_id = self._auth.authenticate(metadata, peer)
         self._limiter.check(key_id)
         return key_id
 

@@ -15,8 +15,8 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
         messages, raw = (("user", req.prompt),), req.prompt
     elif which == "chat":
         messages, raw = tuple((m.role, m.content) for m in req.chat.messages), None
-    else:
-        raise errors.InvalidInput("prompt or chat is required", reason="EMPTY_PROMPT")
+    else:  # neither: check_ask refuses it (EMPTY_PROMPT) and the quarantine keeps it
+        messages, raw = (), None
     s = req.sampling
     return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from services.validator.linear import compile_linear
 from services.validator.plugins import OutputContext, Verdict
 from services.validator.text import normalise, term_regex
 
@@ -69,11 +70,11 @@ class RequiredTerms:
 
 
 class DisclaimerPresence:
-    """Fails when no disclaimer occurs: ``patterns`` (regexes) if given, else the domain's
+    """Fails when no disclaimer occurs: ``patterns`` (RE2 regexes) if given, else the domain's
     configured disclaimers as measured by the probes."""
 
     def __init__(self, patterns: Sequence[str] | None = None):
-        self._regex = [re.compile(p, re.IGNORECASE) for p in patterns or ()]
+        self._regex = [compile_linear(p, dot_all=False, ignore_case=True) for p in patterns or ()]
 
     def validate(self, output: str, context: OutputContext) -> Verdict | None:
         if self._regex:
@@ -85,12 +86,12 @@ class DisclaimerPresence:
 
 
 class ForbiddenPatterns:
-    """Fails when any pattern matches. ``patterns`` maps a name to a regex (or is a list of
-    regexes, named by themselves); the verdict names every pattern that matched."""
+    """Fails when any pattern matches. ``patterns`` maps a name to an RE2 regex (or is a list of
+    them, named by themselves); the verdict names every pattern that matched."""
 
     def __init__(self, patterns: Mapping[str, str] | Sequence[str]):
         items = patterns.items() if isinstance(patterns, Mapping) else ((p, p) for p in patterns)
-        self._regex = {name: re.compile(p, re.IGNORECASE) for name, p in items}
+        self._regex = {name: compile_linear(p, dot_all=False, ignore_case=True) for name, p in items}
         if not self._regex:
             raise ValueError("ForbiddenPatterns: no patterns")
 

@@ -16,6 +16,8 @@ class ValidatorConfig:
     pipeline_file: str = "config/validator/pipeline.yaml"
     quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
     metrics_window_s: float = 300.0
+    # CPU time one input check may use before the input is refused (INPUT_CHECK_BUDGET_EXCEEDED).
+    input_cpu_budget_ms: float = 250.0
 
     def path(self, value: str | Path) -> Path:
         p = Path(value)

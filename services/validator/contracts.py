@@ -32,9 +32,10 @@ from jsonschema.exceptions import ValidationError, best_match
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from services.validator.cpu_budget import CpuBudget, CpuBudgetExceeded
 from services.validator.domains import DomainConfig
 from services.validator.rules import CompiledRules, RequestText
-from shared.errors import InvalidInput
+from shared.errors import INPUT_CHECK_BUDGET_EXCEEDED, InvalidInput
 
 DEFAULT = "default"
 _MESSAGE_LIMIT = 240
@@ -147,30 +148,44 @@ def load_contracts(contracts_dir: Path) -> dict[str, Any]:
 
 
 class InputChecker:
-    """Contract + semantic checks for gateway requests. Thread-safe (holds no mutable state)."""
+    """Contract + semantic checks for gateway requests. Thread-safe (holds no mutable state).
 
-    def __init__(self, contracts: Mapping[str, Any], domains: Mapping[str, DomainConfig]):
+    ``cpu_budget_s`` bounds the CPU time one :meth:`check_json` may use (None: unbounded); an
+    input that exhausts it is refused with reason INPUT_CHECK_BUDGET_EXCEEDED."""
+
+    def __init__(self, contracts: Mapping[str, Any], domains: Mapping[str, DomainConfig],
+                 cpu_budget_s: float | None = None):
         if DEFAULT not in contracts or DEFAULT not in domains:
             raise ValueError("InputChecker needs a 'default' contract and a 'default' domain")
         self._contracts = dict(contracts)
         self._rules = {name: CompiledRules(d) for name, d in domains.items()}
+        self._cpu_budget_s = cpu_budget_s
 
     @classmethod
-    def from_config(cls, contracts_dir: Path, domains: Mapping[str, DomainConfig | Mapping]
-                    ) -> InputChecker:
+    def from_config(cls, contracts_dir: Path, domains: Mapping[str, DomainConfig | Mapping],
+                    cpu_budget_s: float | None = None) -> InputChecker:
         """Load and compile every contract once; ``domains`` maps tag -> DomainConfig (raw
         mappings are parsed with :meth:`DomainConfig.from_dict`)."""
         parsed = {name: d if isinstance(d, DomainConfig) else DomainConfig.from_dict(name, d)
                   for name, d in domains.items()}
-        return cls(load_contracts(contracts_dir), parsed)
+        return cls(load_contracts(contracts_dir), parsed, cpu_budget_s)
 
     @property
     def sources(self) -> list[str]:
         return sorted(self._contracts)
 
-    def check(self, payload: Any, *, source: str, domain: str) -> InputVerdict:
+    def check(self, payload: Any, *, source: str, domain: str,
+              budget: CpuBudget | None = None) -> InputVerdict:
         contract = source if source in self._contracts else DEFAULT
         domain = domain or DEFAULT
+        budget = budget or CpuBudget(self._cpu_budget_s)
+        try:
+            return self._check(payload, contract, domain, budget)
+        except CpuBudgetExceeded as exc:
+            return InputVerdict(False, rule="cpu_budget", reason=INPUT_CHECK_BUDGET_EXCEEDED,
+                                message=_clip(str(exc)), contract=contract, domain=domain)
+
+    def _check(self, payload: Any, contract: str, domain: str, budget: CpuBudget) -> InputVerdict:
         if domain not in self._rules:
             return InputVerdict(False, rule="domain", reason="UNKNOWN_DOMAIN",
                                 message=_clip(f"unknown domain {domain!r}; known: "
@@ -179,7 +194,8 @@ class InputChecker:
         rejected = self._check_contract(payload, contract, domain)
         if rejected is not None:
             return rejected
-        failures = self._rules[domain].failures(RequestText.of(payload))
+        budget.charge("the contract")
+        failures = self._rules[domain].failures(RequestText.of(payload), budget)
         if not failures:
             return InputVerdict(True, contract=contract, domain=domain)
         first = failures[0]
@@ -191,7 +207,9 @@ class InputChecker:
     def check_json(self, payload_json: str, *, source: str, domain: str
                    ) -> tuple[Any, InputVerdict]:
         """Parse ``payload_json`` (what ValidateInputRequest carries) and check it. Returns the
-        payload to quarantine (``{"$raw": text}`` when it is not JSON) and the verdict."""
+        payload to quarantine (``{"$raw": text}`` when it is not JSON) and the verdict. The CPU
+        budget counts from here, parsing included."""
+        budget = CpuBudget(self._cpu_budget_s)
         try:
             payload = json.loads(payload_json)
         except (ValueError, RecursionError) as exc:
@@ -200,7 +218,7 @@ class InputChecker:
                 False, rule=f"contract.{contract}.json", reason="CONTRACT_VIOLATION",
                 message=_clip(f"payload is not JSON: {exc}"), contract=contract,
                 domain=domain or DEFAULT, path="")
-        return payload, self.check(payload, source=source, domain=domain)
+        return payload, self.check(payload, source=source, domain=domain, budget=budget)
 
     def _check_contract(self, payload: Any, contract: str, domain: str) -> InputVerdict | None:
         rule = f"contract.{contract}"

@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.validator.linear import compile_linear
+from shared.errors import INVISIBLE_INPUT
+
 ACTIONS = ("reject", "flag")
-RULE_KINDS = ("min_length", "cjk_share", "pattern")
+RULE_KINDS = ("min_length", "cjk_share", "pattern", "visible_chars")
 # Default reason per rule kind; a rule may override it in config.
 _DEFAULT_REASON = {"min_length": "LOW_QUALITY_INPUT", "cjk_share": "LOW_QUALITY_INPUT",
-                   "pattern": "PROMPT_INJECTION"}
+                   "pattern": "PROMPT_INJECTION", "visible_chars": INVISIBLE_INPUT}
 _DEFAULT_FLAG = {"min_length": "low_quality", "cjk_share": "low_quality",
-                 "pattern": "suspected_injection"}
+                 "pattern": "suspected_injection", "visible_chars": "invisible_input"}
 _UPPER_SNAKE = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
@@ -33,9 +36,12 @@ def _require(cond: bool, where: str, what: str) -> None:
 class InputRule:
     """One semantic check on the user text of a request.
 
-    kind ``min_length``: fewer than ``value`` non-space characters fails.
+    kind ``min_length``: fewer than ``value`` visible characters fails.
+    kind ``visible_chars``: fewer than ``value`` visible characters in *all* the text fails
+    (a prompt made only of zero-width, format or blank characters).
     kind ``cjk_share``: a share of CJK ideographs below ``value`` (0..1) fails.
-    kind ``pattern``: a match of the regex ``pattern`` on the normalised text fails.
+    kind ``pattern``: a match of the regex ``pattern`` (RE2 syntax: linear time, no
+    lookaround or backreferences) on the normalised text fails.
     ``action`` ``reject`` refuses the request; ``flag`` lets it through with ``flag`` set.
     """
 
@@ -69,13 +75,13 @@ class InputRule:
         if kind == "pattern":
             _require(bool(pattern), where, "a pattern rule needs 'pattern'")
             try:
-                re.compile(pattern)
-            except re.error as exc:
+                compile_linear(pattern)
+            except ValueError as exc:
                 raise ValueError(f"validator config {where}: bad regex {pattern!r}: {exc}") from exc
         elif kind == "cjk_share":
             _require(0.0 <= value <= 1.0, where, "cjk_share value must be within 0..1")
         else:
-            _require(value >= 0, where, "min_length value must be >= 0")
+            _require(value >= 0, where, f"{kind} value must be >= 0")
         return cls(name=name, kind=kind, action=action, value=value, pattern=pattern,
                    reason=reason, flag=str(d.get("flag") or ""))
 
@@ -115,9 +121,9 @@ class ProbeConfig:
         disclaimers = tuple(str(p) for p in d.get("disclaimers", ()))
         for pat in disclaimers:
             try:
-                re.compile(pat)
-            except re.error as exc:
-                raise ValueError(f"validator config {where}: bad disclaimer regex {pat!r}") from exc
+                compile_linear(pat, dot_all=False, ignore_case=True)
+            except ValueError as exc:
+                raise ValueError(f"validator config {where}: bad disclaimer regex {pat!r}: {exc}") from exc
         cfg = cls(min_entropy=float(d.get("min_entropy", 0.8)),
                   min_term_overlap=float(d.get("min_term_overlap", 0.0)),
                   terms=tuple(dict.fromkeys(terms)), antonyms=tuple(pairs),

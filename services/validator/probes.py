@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.validator.domains import ProbeConfig
+from services.validator.linear import compile_linear
 from services.validator.text import content_tokens, inflected_regex, normalise
 
 
@@ -51,7 +52,7 @@ class Probes:
         self._library = set().union(*(content_tokens(t) for t in cfg.terms)) if cfg.terms else set()
         self._pairs = [(a, b, re.compile(inflected_regex(a)), re.compile(inflected_regex(b)))
                        for a, b in cfg.antonyms]
-        self._disclaimers = [re.compile(p, re.IGNORECASE) for p in cfg.disclaimers]
+        self._disclaimers = [compile_linear(p, dot_all=False, ignore_case=True) for p in cfg.disclaimers]
 
     def measure(self, text: str, entropies: Sequence[float]) -> ProbeReport:
         norm = normalise(text)

@@ -28,7 +28,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.validator.records import QuarantineRecord
-from services.validator.spill import SpillEntry, SpillLog
+from services.validator.spill import SpillEntry, SpillLog, claim_slot, slot_path
+from shared.errors import PreconditionFailed
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ class QuarantineConfig:
     dedup_ttl_s: int = 7 * 86400             # must outlast the longest outage + replay
     group: str = "operators"                 # consumer group of `keel quarantine`
     claim_idle_s: float = 300.0              # an operator claim older than this may be taken over
+    spill_slots: int = 8                     # spill files workers may claim: spill_path, spill_path.1, ...
+    max_payload_bytes: int = 65536           # larger input payloads are stored clipped (shared/clip.py)
+    # Flood control of input records (services/validator/flood.py).
+    dedup_window_s: float = 3600.0           # a payload stored within this window is not stored again
+    max_per_source: int = 1000               # input records stored per source per source_window_s
+    source_window_s: float = 60.0
+    max_tracked: int = 100_000               # fingerprints and sources remembered (oldest forgotten)
 
     def __post_init__(self) -> None:
         # shared.config.build passes YAML strings straight through; keep the field a Path.
@@ -77,7 +85,9 @@ class QuarantineConfig:
                 raise ValueError(f"validator config quarantine.{key}: expected {kinds[key]}, "
                                  f"got {value!r}")
         cfg = cls(**d)
-        for name in ("socket_timeout_s", "connect_timeout_s", "probe_interval_s", "claim_idle_s"):
+        for name in ("socket_timeout_s", "connect_timeout_s", "probe_interval_s", "claim_idle_s",
+                     "dedup_window_s", "source_window_s", "max_payload_bytes", "max_per_source",
+                     "max_tracked", "spill_slots"):
             if not float(getattr(cfg, name)) > 0:
                 raise ValueError(f"validator config quarantine.{name} must be > 0")
         if cfg.replay_batch < 1 or cfg.dedup_ttl_s < 60:
@@ -106,8 +116,8 @@ class Quarantine:
         self._counts = {"direct": 0, "spilled": 0, "replayed": 0}
 
     def start(self) -> None:
-        """Open (and take ownership of) the spill file and start the replay thread."""
-        self._spill.open()
+        """Claim (open and own) a free spill slot and start the replay thread."""
+        self._spill = claim_slot(self.cfg.spill_path, self.cfg.spill_slots)
         self._up = self._spill.pending == 0 and self.ping()
         self._thread = threading.Thread(target=self._replay_loop, name="quarantine-replay",
                                         daemon=True)
@@ -209,10 +219,11 @@ class Quarantine:
                 return
             with self._lock:
                 idle = self._up and self._spill.pending == 0
-            if idle or not self.ping():
-                continue
             try:
-                self._drain()
+                if idle:
+                    self._adopt_orphans()
+                elif self.ping():
+                    self._drain()
             except redis.RedisError as exc:
                 log.warning("quarantine: replay interrupted (%s); %d records wait in %s",
                             exc, self.backlog(), self._spill.path)
@@ -237,6 +248,32 @@ class Quarantine:
             with self._lock:
                 self._spill.commit(batch)
                 self._counts["replayed"] += len(batch)
+
+    def _adopt_orphans(self) -> None:
+        """Replay the spill files of slots no live process owns: a worker that died with a
+        backlog (its lock went with it), or a slot left by a layout with more workers. Their
+        records reach the stream after this worker's own, through the same de-duplicating
+        script; a slot a live worker owns is left to it."""
+        for slot in range(self.cfg.spill_slots):
+            path = slot_path(self.cfg.spill_path, slot)
+            if path == self._spill.path or not path.exists() or path.stat().st_size == 0:
+                continue
+            orphan = SpillLog(path)
+            try:
+                orphan.open()
+            except PreconditionFailed:
+                continue
+            try:
+                while not self._stop.is_set():
+                    batch = orphan.read(self.cfg.replay_batch, QuarantineRecord.from_json)
+                    if not batch:
+                        break
+                    self._send_batch(batch)
+                    orphan.commit(batch)
+                    with self._lock:
+                        self._counts["replayed"] += len(batch)
+            finally:
+                orphan.close()
 
     def _send_batch(self, batch: list[SpillEntry]) -> None:
         records = [e.item for e in batch if e.item is not None]

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared.clip import TRUNCATED, canonical_json, clip_payload, is_clipped
+
 _MAX_DEPTH = 32
 _MAX_STR = 65536
 
@@ -39,10 +41,6 @@ def json_safe(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted((json_safe(v, depth + 1) for v in value), key=repr)
     return repr(value)[:_MAX_STR]
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def fingerprint(payload: Any) -> str:
@@ -79,14 +77,19 @@ class QuarantineRecord:
             object.__setattr__(self, "record_id", uuid.uuid4().hex)
 
     @classmethod
-    def for_input(cls, payload: Any, verdict: Any, *, trace_id: str, source: str
-                  ) -> QuarantineRecord:
-        """Record of an input the :class:`InputChecker` rejected or flagged."""
+    def for_input(cls, payload: Any, verdict: Any, *, trace_id: str, source: str,
+                  max_payload_bytes: int | None = None) -> QuarantineRecord:
+        """Record of an input the :class:`InputChecker` rejected or flagged. A payload whose
+        JSON exceeds ``max_payload_bytes`` (or that arrived clipped) is kept clipped
+        (shared/clip.py), its fingerprint being the sha256 of the whole."""
+        if max_payload_bytes is not None:
+            payload = clip_payload(payload, max_payload_bytes)
         safe = json_safe(payload)
         return cls(kind="input", reason=verdict.reason or "", rule=verdict.rule or "",
                    trace_id=trace_id, source=source, domain=verdict.domain,
                    payload=safe if isinstance(safe, dict) else {"$value": safe},
-                   message=verdict.message, flags=tuple(verdict.flags))
+                   message=verdict.message, flags=tuple(verdict.flags),
+                   fingerprint=payload[TRUNCATED]["sha256"] if is_clipped(payload) else "")
 
     def to_json(self) -> str:
         return canonical_json(asdict(self))

@@ -7,13 +7,14 @@ length and language rules judge what the user wrote).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.validator.cpu_budget import CpuBudget
 from services.validator.domains import DomainConfig, InputRule
-from services.validator.text import cjk_share, normalise
+from services.validator.linear import compile_linear
+from services.validator.text import cjk_share, normalise, visible_count
 
 
 @dataclass(frozen=True)
@@ -47,26 +48,35 @@ class RuleFailure:
 
 
 class CompiledRules:
-    """The input rules of one domain, with their regexes compiled."""
+    """The input rules of one domain, with their regexes compiled (RE2: linear time)."""
 
     def __init__(self, domain: DomainConfig):
         self.domain = domain.name
         self._rules = domain.input_rules
-        self._regex = {r.name: re.compile(r.pattern, re.DOTALL)
+        self._regex = {r.name: compile_linear(r.pattern)
                        for r in domain.input_rules if r.kind == "pattern"}
 
-    def failures(self, text: RequestText) -> list[RuleFailure]:
-        """Every failing rule, rejecting ones first (in config order), then flagging ones."""
+    def failures(self, text: RequestText, budget: CpuBudget | None = None) -> list[RuleFailure]:
+        """Every failing rule, rejecting ones first (in config order), then flagging ones.
+        ``budget`` is charged after each rule (CpuBudgetExceeded once it is spent)."""
+        budget = budget or CpuBudget(None)
         failed: list[RuleFailure] = []
         normalised: str | None = None
         for rule in self._rules:
             if rule.kind == "pattern":
                 if normalised is None:
                     normalised = normalise(text.all_text)
+                    budget.charge("normalising the text")
                 match = self._regex[rule.name].search(normalised)
                 if match:
                     failed.append(RuleFailure(rule, f"input matches injection rule "
                                                     f"{rule.name!r} near {match.group(0)[:40]!r}"))
+            elif rule.kind == "visible_chars":
+                visible = visible_count(text.all_text)
+                if visible < rule.value:
+                    failed.append(RuleFailure(rule, f"input has {visible} visible characters, "
+                                                    f"fewer than {rule.value:g}; the rest is "
+                                                    f"blank, zero-width or control characters"))
             elif rule.kind == "min_length":
                 length = len("".join(text.user_text.split()))
                 if length < rule.value:
@@ -77,5 +87,6 @@ class CompiledRules:
                 if share < rule.value:
                     failed.append(RuleFailure(rule, f"CJK share {share:.2f} is below "
                                                     f"{rule.value:.2f}"))
+            budget.charge(f"rule {rule.name!r}")
         failed.sort(key=lambda f: f.rule.action != "reject")
         return failed

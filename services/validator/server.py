@@ -13,6 +13,7 @@ import grpc
 from keel.validator.v1 import validator_pb2_grpc
 from services.validator import config as val_config
 from services.validator.core import ValidatorCore
+from services.validator.flood import DUPLICATE, SOURCE_CAP
 from services.validator.pipeline import OutputResult, PipelineConfig
 from services.validator.servicer import ValidatorServicer
 from shared import metrics
@@ -31,6 +32,9 @@ class ValidatorMetrics:
         self.low = m.counter("keel_validator_low_confidence_total")
         self.quarantine_size = m.gauge("keel_validator_quarantine_size")
         self.backlog = m.gauge("keel_validator_spill_backlog")
+        self.dropped = m.counter("keel_validator_quarantine_dropped_total")
+        for why in (DUPLICATE, SOURCE_CAP):   # export from 0 so increase() sees the first drop
+            self.dropped.labels(why=why)
         self.empty_rate = metrics.SlidingWindowGauge(m.gauge("keel_validator_empty_response_rate"), window_s)
         self.entropy = metrics.SlidingWindowGauge(m.gauge("keel_validator_output_entropy_mean"), window_s)
 
@@ -65,7 +69,9 @@ class ValidatorStage:
     async def warmup(self) -> None:
         cfg = self.cfg
         pipeline_cfg = await asyncio.to_thread(PipelineConfig.load, cfg.path(cfg.pipeline_file))
-        core = await asyncio.to_thread(ValidatorCore.build, cfg.path(cfg.contracts_dir), pipeline_cfg, cfg.quarantine)
+        core = await asyncio.to_thread(ValidatorCore.build, cfg.path(cfg.contracts_dir), pipeline_cfg,
+                                      cfg.quarantine, cfg.input_cpu_budget_ms / 1000,
+                                      lambda why: self.metrics.dropped.labels(why=why).inc())
         await asyncio.to_thread(core.start)
         self.core = self.servicer.core = core  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())

@@ -12,6 +12,11 @@ record_id, so that costs a lookup, not a duplicate. A torn final line (crash mid
 ``put`` never returned) is cut off on open. Once everything is replayed the file is truncated
 and then the cursor reset; a crash between the two leaves cursor > size, read as "empty".
 
+Worker slots: several processes of one validator (config/keel.yaml ``workers``) share one
+configured path, so each claims the first free slot (:func:`claim_slot`): ``path`` itself, then
+``path.1``, ``path.2``, ... (each with its own cursor, lock and corrupt file). A slot whose owner
+died is adopted and replayed by a live worker, or claimed again by the restarted one.
+
 Not thread-safe by itself: :class:`~services.validator.quarantine.Quarantine` serialises calls.
 """
 from __future__ import annotations
@@ -160,3 +165,24 @@ class SpillLog:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def slot_path(base: Path, slot: int) -> Path:
+    """Spill file of worker slot ``slot``: ``base`` itself for slot 0, ``<base>.<slot>`` after."""
+    return base if slot == 0 else base.with_name(f"{base.name}.{slot}")
+
+
+def claim_slot(base: Path, slots: int) -> SpillLog:
+    """The opened spill file of the first of ``slots`` slots no live process owns: several
+    worker processes of one validator share a config, and each takes a file of its own."""
+    for slot in range(slots):
+        log = SpillLog(slot_path(Path(base), slot))
+        try:
+            log.open()
+            return log
+        except PreconditionFailed:
+            continue
+    raise PreconditionFailed(f"all {slots} spill files {base}, {base}.1, ... are owned by other "
+                             f"processes; run fewer workers or raise quarantine.spill_slots",
+                             reason="SPILL_IN_USE")
+

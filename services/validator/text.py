@@ -16,6 +16,12 @@ import regex
 _CJK_RANGES = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2EBEF))
 _WORD = re.compile(r"[a-z0-9]+(?:['’][a-z]+)?")
 _FORMAT_CHARS = regex.compile(r"\p{Cf}+")
+# What renders as nothing: format and control characters, separators (spaces, line and
+# paragraph separators), combining marks with no base to sit on, private-use, unassigned and
+# surrogate code points, and the blank "letters" used as invisible filler (Hangul fillers,
+# the blank Braille pattern).
+_INVISIBLE = regex.compile(r"[\p{Cf}\p{Cc}\p{Z}\p{Mn}\p{Me}\p{Co}\p{Cn}\p{Cs}"
+                           r"\u115F\u1160\u3164\uFFA0\u2800]+")
 
 
 def is_cjk(ch: str) -> bool:
@@ -31,6 +37,11 @@ def normalise(text: str) -> str:
     if not unicodedata.is_normalized("NFKC", text):
         text = unicodedata.normalize("NFKC", text)
     return _FORMAT_CHARS.sub("", text.casefold())
+
+
+def visible_count(text: str) -> int:
+    """How many characters of ``text`` render as something visible."""
+    return len(text) - sum(len(run) for run in _INVISIBLE.findall(text))
 
 
 def cjk_share(text: str) -> float:

@@ -8,7 +8,12 @@ import sys
 import grpc
 import pytest
 
+import redis
+
+from keel.gateway.v1 import gateway_pb2
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.validator.records import QuarantineRecord
+from shared.clip import TRUNCATED
 from tests.e2e.conftest import ROOT, error_info
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -93,7 +98,8 @@ def test_invalid_utf8_text_to_tokenizer_is_invalid_argument(mesh):
     assert error_info(exc.value).reason == "INVALID_UTF8"
 
 
-@pytest.mark.parametrize("md,reason", [((), "MISSING_API_KEY"), ((("x-api-key", "wrong"),), "INVALID_API_KEY")])
+@pytest.mark.parametrize("md,reason", [((), "MISSING_API_KEY"), ((("x-api-key", "wrong"),), "INVALID_API_KEY"),
+                                       ((("x-api-key", "keel-dev-key"), ("x-api-key", "wrong")), "AMBIGUOUS_API_KEY")])
 def test_gateway_requires_an_api_key(mesh, gateway_request, md, reason):
     with grpc.insecure_channel(mesh.gateway) as ch, pytest.raises(grpc.RpcError) as exc:
         mesh.stub(ch).Generate(gateway_request("hi"), metadata=md, timeout=30)
@@ -106,3 +112,29 @@ def test_stage_rejects_calls_from_outside_the_mesh(mesh):
         tokenizer_pb2_grpc.TokenizerStub(ch).Decode(tokenizer_pb2.DecodeRequest(ids=[1]), timeout=10)
     assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert error_info(exc.value).reason == "MISSING_MESH_CREDENTIAL"
+
+
+def test_every_refused_input_reaches_the_quarantine(mesh, api_md, gateway_request):
+    """No prompt at all, a seed past the mesh's range, a prompt too large to send whole, a prompt of
+    invisible characters: each is refused with its reason and its quarantine_id names a stored record."""
+    cases = [(gateway_pb2.GenerateRequest(), "EMPTY_PROMPT"),
+             (gateway_request("hi", seed=2**63), "SEED_OUT_OF_RANGE"),
+             (gateway_request("\u0001" * 700_000), "PROMPT_TOO_LARGE"),
+             (gateway_request("\u200b\u2060\ufeff"), "INVISIBLE_INPUT")]
+    ids = []
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        for req, reason in cases:
+            with pytest.raises(grpc.RpcError) as exc:
+                mesh.stub(ch).Generate(req, metadata=api_md, timeout=60)
+            info = error_info(exc.value)
+            assert (exc.value.code(), info.reason) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
+            assert info.metadata["quarantine_id"], reason
+            ids.append(info.metadata["quarantine_id"])
+    client = redis.Redis(port=mesh.redis_port, decode_responses=True)
+    try:
+        records = {f["record_id"]: QuarantineRecord.from_fields(f) for _, f in client.xrange("keel:quarantine")}
+    finally:
+        client.close()
+    assert [records[i].reason for i in ids] == [reason for _, reason in cases]
+    assert records[ids[2]].payload[TRUNCATED]["bytes"] > 4 * 1024 * 1024
+

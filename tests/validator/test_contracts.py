@@ -24,7 +24,7 @@ def checker() -> InputChecker:
 @pytest.mark.parametrize("payload", [
     {"prompt": "hello"},
     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
-    {"prompt": "x", "max_tokens": 2048, "temperature": 0, "top_p": 1, "seed": 2**64 - 1,
+    {"prompt": "x", "max_tokens": 2048, "temperature": 0, "top_p": 1, "seed": 2**63 - 1,
      "stop": ["\n"], "stream": True, "domain": "default", "source": "web",
      "trace_id": "0" * 32, "top_k": 0},
 ])
@@ -50,6 +50,7 @@ def test_default_contract_accepts_well_formed_requests(checker, payload):
     ({"prompt": "a", "top_p": float("inf")}, "top_p", "type"),
     ({"prompt": "a", "top_p": 0}, "top_p", "exclusiveMinimum"),
     ({"prompt": "a", "seed": -1}, "seed", "minimum"),
+    ({"prompt": "a", "seed": 2**63}, "seed", "maximum"),  # inference seeds an int64 generator
     ({"prompt": "a", "seed": 2**64}, "seed", "maximum"),
     ({"prompt": "a", "domain": "Finance CN"}, "domain", "pattern"),
     ({"prompt": "a", "trace_id": "xyz"}, "trace_id", "pattern"),

@@ -1,0 +1,156 @@
+"""Failed authentications are limited per peer with backoff; a request presenting more than one
+API key is refused. Unit tests on a fake clock, then the gateway's real authentication behind the
+real server interceptor on a loopback port."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.gateway import config as gateway_config
+from services.gateway.auth import ApiKeyAuthenticator, ApiKeyEntry, hash_key, peer_host
+from services.gateway.ratelimit import AuthFailureLimit, AuthFailureLimiter
+from services.gateway.server import GatewayStage
+from shared import client
+from shared.errors import AMBIGUOUS_API_KEY, AUTH_FAILURES_LIMITED, Overloaded, Unauthenticated
+from shared.interceptor import ServerInterceptor
+
+KEY = "keel_alpha_0123456789abcdef"
+PEER = "ipv4:10.0.0.7:5123"
+
+
+@pytest.fixture
+def auth(clock):
+    limiter = AuthFailureLimiter(AuthFailureLimit(max_failures=3, window_s=60, backoff_base_s=1,
+                                                  backoff_cap_s=8), clock=clock)
+    return ApiKeyAuthenticator([ApiKeyEntry("team-a", hash_key(KEY))], limiter)
+
+
+def guess(auth, peer=PEER, key="wrong"):
+    auth.authenticate({"x-api-key": key}, peer)
+
+
+def test_after_max_failures_the_peer_is_refused_with_a_retry_hint(auth, clock):
+    for _ in range(3):
+        with pytest.raises(Unauthenticated):
+            guess(auth)
+    with pytest.raises(Overloaded) as info:
+        guess(auth, key=KEY)       # even the right key: guesses from a blocked peer are not tried
+    assert info.value.reason == AUTH_FAILURES_LIMITED and info.value.code == "RESOURCE_EXHAUSTED"
+    assert info.value.retry_after_ms == 1000
+    clock.advance(1.0)
+    assert auth.authenticate({"x-api-key": KEY}, PEER) == "team-a"
+
+
+def test_backoff_doubles_with_each_further_failure_up_to_the_cap(auth, clock):
+    for _ in range(3):
+        with pytest.raises(Unauthenticated):
+            guess(auth)
+    hints = []
+    for _ in range(6):
+        with pytest.raises(Overloaded) as info:
+            guess(auth)
+        hints.append(info.value.retry_after_ms)
+        clock.advance(hints[-1] / 1000)
+        with pytest.raises(Unauthenticated):
+            guess(auth)
+    assert hints == [1000, 2000, 4000, 8000, 8000, 8000]
+
+
+def test_peers_are_counted_by_address_not_by_connection(auth):
+    for port in range(3):
+        with pytest.raises(Unauthenticated):
+            guess(auth, peer=f"ipv4:10.0.0.7:{6000 + port}")
+    with pytest.raises(Overloaded):
+        guess(auth, peer="ipv4:10.0.0.7:7000")
+    assert auth.authenticate({"x-api-key": KEY}, "ipv4:10.0.0.8:7000") == "team-a"  # others unaffected
+
+
+def test_failures_are_forgotten_after_a_quiet_window(auth, clock):
+    for _ in range(2):
+        with pytest.raises(Unauthenticated):
+            guess(auth)
+    clock.advance(61)
+    for _ in range(2):
+        with pytest.raises(Unauthenticated):
+            guess(auth)          # the count started again: no block yet
+
+
+def test_tracked_peers_are_bounded(clock):
+    limiter = AuthFailureLimiter(AuthFailureLimit(max_failures=1, max_peers=2), clock=clock)
+    for host in ("a", "b", "c"):
+        limiter.failed(host)
+    limiter.check("a")           # forgotten: the oldest went first
+    with pytest.raises(Overloaded):
+        limiter.check("c")
+
+
+@pytest.mark.parametrize("metadata", [
+    (("x-api-key", KEY), ("x-api-key", "other")),
+    (("x-api-key", KEY), ("x-api-key", KEY)),
+    (("x-api-key", KEY), ("authorization", "Bearer other")),
+    (("authorization", f"Bearer {KEY}"), ("authorization", "Bearer other")),
+])
+def test_more_than_one_key_is_refused_and_counted(auth, metadata):
+    with pytest.raises(Unauthenticated) as info:
+        auth.authenticate(metadata, PEER)
+    assert info.value.reason == AMBIGUOUS_API_KEY
+
+
+def test_the_same_key_in_both_headers_is_accepted(auth):
+    assert auth.authenticate((("x-api-key", KEY), ("authorization", f"Bearer {KEY}")), PEER) == "team-a"
+
+
+@pytest.mark.parametrize("peer,host", [("ipv4:127.0.0.1:5000", "127.0.0.1"), ("ipv6:[::1]:5000", "::1"),
+                                       ("ipv6:%5B::1%5D:5000", "::1"), ("unix:/tmp/s", "unix:/tmp/s")])
+def test_peer_host_drops_the_port(peer, host):
+    assert peer_host(peer) == host
+
+
+class Echo(tokenizer_pb2_grpc.TokenizerServicer):
+    async def Decode(self, request, context):
+        return tokenizer_pb2.DecodeResponse(text="ok")
+
+
+@pytest_asyncio.fixture
+async def gateway_channel():
+    """The gateway stage's own authenticate (keys and limits from config/gateway.yaml) behind the
+    real interceptor, in front of a trivial servicer."""
+    stage = GatewayStage(gateway_config.load())
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate,
+                                                          trace_root=True)])
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Echo(), srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield ch, stage.cfg.auth_failures
+    await ch.close()
+    await srv.stop(None)
+
+
+async def status_of(ch, md):
+    try:
+        await tokenizer_pb2_grpc.TokenizerStub(ch).Decode(tokenizer_pb2.DecodeRequest(ids=[1]), metadata=md)
+        return grpc.StatusCode.OK, None
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), client.translate(exc)
+
+
+@pytest.mark.asyncio
+async def test_200_wrong_keys_from_one_address_are_cut_off(gateway_channel):
+    ch, limit = gateway_channel
+    answers = [await status_of(ch, (("x-api-key", f"guess-{i}"),)) for i in range(200)]
+    codes = [code for code, _ in answers]
+    assert codes[:limit.max_failures] == [grpc.StatusCode.UNAUTHENTICATED] * limit.max_failures
+    assert set(codes[limit.max_failures:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    err = answers[-1][1]
+    assert err.reason == AUTH_FAILURES_LIMITED and err.retry_after_ms > 0
+
+
+@pytest.mark.asyncio
+async def test_two_api_key_headers_are_refused_over_the_wire(gateway_channel):
+    ch, _ = gateway_channel
+    code, err = await status_of(ch, (("x-api-key", "keel-dev-key"), ("x-api-key", "other")))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and err.reason == AMBIGUOUS_API_KEY
+    assert (await status_of(ch, (("x-api-key", "keel-dev-key"),)))[0] == grpc.StatusCode.OK
