@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from services.inference import formats, gate
 from services.inference.formats import FormatsConfig
 from services.inference.gate import GateResult, GateThresholds, Sequence
 from services.inference.model import convert_model, model_dtype
-from shared.config import ConfigError
+from shared.config import ROOT_DIR, ConfigError
 from tests.inference.helpers import prompt
 
 SHA = "0" * 64
@@ -117,3 +120,14 @@ def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(
     for fmt in ("bfloat16", "int8", "int4"):
         assert formats.invariant_sizes(convert_model(tiny, fmt)) == tuple(range(1, 18)), fmt
     assert 17 in formats.invariant_sizes(tiny)
+
+
+def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_path, tiny):
+    model_dir = tmp_path / "model"
+    tiny.save_pretrained(model_dir)
+    env = {**os.environ, "KEEL_INFERENCE_ENGINE__DTYPE": "int4", "KEEL_INFERENCE_MODEL_PATH": str(model_dir),
+           "KEEL_INFERENCE_SERVER__PORT": "0", "KEEL_INFERENCE_SERVER__METRICS_PORT": "0"}
+    proc = subprocess.run([sys.executable, "-m", "services.inference"], cwd=ROOT_DIR, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "quality gate" in proc.stderr + proc.stdout and "int4 has no gate result" in proc.stderr + proc.stdout
