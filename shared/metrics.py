@@ -130,6 +130,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        owner="inference"),
     _g("keel_inference_breaker_level", "Circuit breaker level per error type: 0 closed, 1 parameters capped, "
        "2 smaller batch / fallback dtype, 3 open (rejecting).", ("error_type",), "inference"),
+    _g("keel_inference_weight_format", "1 for the weight format the stage serves (engine.dtype, auto resolved "
+       "at start).", ("format",), "inference"),
+    _c("keel_inference_precision_fallbacks_total", "Requests the circuit breaker ran in its fallback weight format "
+       "instead of the served one.", owner="inference"),
+    _c("keel_inference_fallback_format_tokens_total", "Tokens generated in the breaker's fallback weight format; "
+       "over keel_inference_generated_tokens_total, the share of decode steps run in it.", owner="inference"),
     _c("keel_inference_numerical_faults_total", "Rows failed with NaN/inf logits.", owner="inference"),
     _c("keel_inference_oom_recoveries_total", "Out-of-memory errors recovered from without a restart.",
        owner="inference"),

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.inference.engine import EngineConfig
+from services.inference.formats import FormatsConfig
 from shared import config
 from shared.config import ROOT_DIR, ServerConfig
 
@@ -15,6 +16,8 @@ class InferenceConfig:
     model_path: str = "var/model"
     max_tokens_limit: int = 1024
     engine: EngineConfig
+    formats: FormatsConfig = field(default_factory=FormatsConfig)
+    warm_restart: bool = True  # reuse the calibration stored under var/warm by an identical engine
 
     @property
     def model_dir(self) -> Path:

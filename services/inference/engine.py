@@ -28,7 +28,10 @@ from .memory import MemoryModel
 from .model import check_dtype, model_dtype
 from .scheduler import Scheduler, SchedulerSettings
 from .torchthread import TorchThread
-from .warmup import build_runners, measure_memory, set_deterministic
+from .warmup import Calibration, build_runners, measure_memory, set_deterministic
+
+# Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
+ENGINE_VERSION = 1
 
 __all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished",
            "FaultSpec"]
@@ -56,7 +59,7 @@ class EngineConfig:
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
 
     def __post_init__(self):
-        check_dtype(self.dtype, self.device)
+        check_dtype(self.dtype, self.device, allow_auto=True)  # the stage resolves "auto" (formats.py)
         if self.breaker.fallback_dtype is not None:
             check_dtype(self.breaker.fallback_dtype, self.device)
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
@@ -83,20 +86,29 @@ class Engine:
         self.config = config
         self.board = BreakerBoard(config.breaker, config.max_batch_size, clock)
         self.memory: MemoryModel | None = None
+        self.calibration: Calibration | None = None
         self._scheduler: Scheduler | None = None
         self._tickets: dict[str, Ticket] = {}
         self._state = "created"  # created -> warm -> serving -> draining -> stopped
 
-    def warmup(self) -> None:
+    def warmup(self, calibration: Calibration | None = None) -> None:
+        """Measure the engine on this host (batch-invariant sizes, memory model, tokens/s), kept as
+        `self.calibration`; or reuse `calibration`, measured earlier by an identical engine."""
         cfg = self.config
         if cfg.intra_op_threads is not None:
             torch.set_num_threads(cfg.intra_op_threads)
         set_deterministic(cfg.device)
         runners = build_runners(self.model, cfg.device, cfg.breaker.fallback_dtype, cfg.max_batch_size,
-                                cfg.batch_invariant)
-        lengths = tuple(min(p, cfg.max_context_tokens - 1) for p in cfg.warmup_prompt_tokens)
-        long_m = min(cfg.warmup_max_tokens, cfg.max_context_tokens - min(lengths))
-        self.memory, tokens_per_s = measure_memory(runners, lengths, max(1, long_m), cfg.device)
+                                cfg.batch_invariant and calibration is None)
+        if calibration is None:
+            lengths = tuple(min(p, cfg.max_context_tokens - 1) for p in cfg.warmup_prompt_tokens)
+            long_m = min(cfg.warmup_max_tokens, cfg.max_context_tokens - min(lengths))
+            memory, tokens_per_s = measure_memory(runners, lengths, max(1, long_m), cfg.device)
+            calibration = Calibration(memory, {k: r.invariant_sizes for k, r in runners.items()}, tokens_per_s)
+        for name, runner in runners.items():
+            runner.invariant_sizes = calibration.invariant_sizes.get(name, ())
+        self.calibration = calibration
+        self.memory, tokens_per_s = calibration.memory, calibration.tokens_per_s
         if self.memory.max_total_tokens(cfg.memory_budget_bytes) < 2:
             raise InvalidInput(
                 f"memory budget {cfg.memory_budget_bytes} B leaves no room beyond the model "

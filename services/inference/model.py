@@ -1,7 +1,9 @@
-"""Load the serving model (fp32, bf16 or int8) and build a tiny random one for tests.
+"""Load the serving model in one weight format and build a tiny random one for tests.
 
-The engine only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj,
-mlp, input/post_attention_layernorm, norm, rotary_emb, lm_head); see forward.py.
+Formats: float32, bfloat16, float16 (the whole model cast), int8 and int4 (weight-only: every Linear,
+lm_head included, swapped for a quantized module from quant.py; the rest stays float32). The engine
+only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj, mlp,
+input/post_attention_layernorm, norm, rotary_emb, lm_head) and calls the modules; see forward.py.
 """
 from __future__ import annotations
 
@@ -13,17 +15,23 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from shared.errors import InvalidInput
 
-DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: dynamic quantization of every Linear
+from .quant import QUANTIZED, quantize_linears, weight_format
+
+DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED
+AUTO = "auto"  # the stage picks a format at start (formats.py); a model is never "auto"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_dtype(dtype: str, device: str = "cpu") -> None:
+def check_dtype(dtype: str, device: str = "cpu", allow_auto: bool = False) -> None:
+    if dtype == AUTO and allow_auto:
+        return
     if dtype not in DTYPES:
-        raise InvalidInput(f"unknown dtype {dtype!r}; expected one of {DTYPES}", reason="UNKNOWN_DTYPE",
+        expected = ((AUTO,) if allow_auto else ()) + DTYPES
+        raise InvalidInput(f"unknown dtype {dtype!r}; expected one of {expected}", reason="UNKNOWN_DTYPE",
                            metadata={"dtype": dtype})
-    if dtype == "int8" and device != "cpu":
-        # quantize_dynamic produces fbgemm/qnnpack CPU kernels only.
-        raise InvalidInput("int8 runs on CPU only", reason="UNSUPPORTED_DTYPE",
+    if dtype in QUANTIZED and device != "cpu":
+        # The weight-only kernels used here (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
+        raise InvalidInput(f"{dtype} runs on CPU only", reason="UNSUPPORTED_DTYPE",
                            metadata={"dtype": dtype, "device": device})
 
 
@@ -32,20 +40,15 @@ def convert_model(model: torch.nn.Module, dtype: str, device: str = "cpu") -> to
     check_dtype(dtype, device)
     if model_dtype(model) == dtype:
         return model
-    if model_dtype(model) == "int8":
-        raise InvalidInput("an int8 model cannot be converted back to a float dtype",
+    if model_dtype(model) in QUANTIZED:
+        raise InvalidInput(f"a {model_dtype(model)} model cannot be converted to another format",
                            reason="UNSUPPORTED_DTYPE", metadata={"dtype": dtype})
-    out = copy.deepcopy(model)
-    if dtype == "int8":
-        return _quantize(out.to(dtype=torch.float32))
-    return out.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
+    return _to_format(copy.deepcopy(model), dtype, device)
 
 
 def model_dtype(model: torch.nn.Module) -> str:
-    """The dtype name load_model would use for this model."""
-    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in model.modules()):
-        return "int8"
-    return {v: k for k, v in _TORCH_DTYPES.items()}[model.model.embed_tokens.weight.dtype]
+    """The format name load_model would use for this model."""
+    return weight_format(model) or {v: k for k, v in _TORCH_DTYPES.items()}[model.model.embed_tokens.weight.dtype]
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
@@ -57,13 +60,13 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.requires_grad_(False)
-    if dtype == "int8":
-        return _quantize(model)
+    return _to_format(model, dtype, device)
+
+
+def _to_format(model: torch.nn.Module, dtype: str, device: str) -> torch.nn.Module:
+    if dtype in QUANTIZED:
+        return quantize_linears(model.to(dtype=torch.float32), dtype).eval()
     return model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
-
-
-def _quantize(model: torch.nn.Module) -> torch.nn.Module:
-    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8).eval()
 
 
 def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:

@@ -10,12 +10,15 @@ import grpc
 
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
+from services.inference import formats
+from services.inference.bootstrap import start_engine
 from services.inference.engine import Engine
-from services.inference.model import load_model
+from services.inference.model import AUTO
 from services.inference.servicer import InferenceServicer
 from services.inference.torchthread import TorchThread
 from shared import metrics
-from shared.config import ServerConfig
+from services.inference.warmcache import model_sha256
+from shared.config import ConfigError, ServerConfig
 
 log = logging.getLogger("keel.inference")
 BREAKER_KINDS = ("numerical_instability", "oom", "timeout", "output_limit")
@@ -25,8 +28,9 @@ class InferenceStage:
     name = "inference"
     service_name = "keel.inference.v1.Inference"
 
-    def __init__(self, cfg: inf_config.InferenceConfig):
+    def __init__(self, cfg: inf_config.InferenceConfig, model_sha: str):
         self.cfg = cfg
+        self.model_sha = model_sha  # sha256 of the weights: keys the gate results and the warm-start record
         self.m = metrics.metrics_for("inference")
         self.engine: Engine | None = None
         self._gauges: asyncio.Task | None = None
@@ -37,12 +41,13 @@ class InferenceStage:
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, server)
 
     async def warmup(self) -> None:
-        e = self.cfg.engine
-        model = await self.torch.run(load_model, self.cfg.model_dir, e.dtype, e.device)
-        engine = Engine(model, e)
-        await self.torch.run(engine.warmup)
+        started = await self.torch.run(start_engine, self.cfg, self.model_sha)
+        engine = started.engine
         await engine.start(self.torch)
-        log.info("engine warm", extra={"memory_model": engine.stats().get("memory")})
+        log.info("engine warm", extra={"memory_model": engine.stats().get("memory"), "format": started.record.format,
+                                       "format_reason": started.record.reason, "warm_start": started.warm,
+                                       "phases_s": started.phases_s})
+        self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 
@@ -79,4 +84,9 @@ class InferenceStage:
 
 def build() -> tuple[InferenceStage, ServerConfig]:
     cfg = inf_config.load()
-    return InferenceStage(cfg), cfg.server
+    if not (cfg.model_dir / "config.json").exists():
+        raise ConfigError(f"field 'model_path' breaks rule 'exists': no model at {cfg.model_dir}; run `make model`")
+    model_sha = model_sha256(cfg.model_dir)
+    if cfg.engine.dtype != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
+        formats.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
+    return InferenceStage(cfg, model_sha), cfg.server

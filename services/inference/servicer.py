@@ -43,6 +43,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._ttft = metrics.histogram("keel_inference_ttft_seconds")
         self._itl = metrics.histogram("keel_inference_itl_seconds")
         self._tokens = metrics.counter("keel_inference_generated_tokens_total")
+        self._fallbacks = metrics.counter("keel_inference_precision_fallbacks_total")
+        self._fallback_tokens = metrics.counter("keel_inference_fallback_format_tokens_total")
 
     def _phase_spans(self, ev: Finished, start_ns: int, first_ns: int, end_ns: int) -> None:
         """Queue wait, prefill and decode as child spans, from the engine's own timings."""
@@ -80,6 +82,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield inference_pb2.GenerateEvent(token=inference_pb2.Token(
                     id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index))
             elif isinstance(ev, Finished):
+                if ev.dtype != self.engine.config.dtype:  # run by the breaker's fallback format
+                    self._fallbacks.inc()
+                    self._fallback_tokens.inc(ev.completion_tokens)
                 span.set_attributes(ev.span_attributes())
                 self._phase_spans(ev, start_ns, first_ns if ev.completion_tokens else time.time_ns(), time.time_ns())
                 yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,15 @@ from .model import convert_model
 from .sampling import pick
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What warm-up measures on this host; an identical engine may be given it instead (warmcache.py)."""
+
+    memory: MemoryModel
+    invariant_sizes: dict[str, tuple[int, ...]]  # per runner ("primary", "fallback")
+    tokens_per_s: float                           # batch-1 decode rate, the scheduler's first estimate
 
 
 def set_deterministic(device: str) -> None:

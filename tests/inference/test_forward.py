@@ -98,13 +98,6 @@ def test_poisoned_row_does_not_touch_the_others(tiny):
         assert torch.equal(poisoned[i], clean[i])
 
 
-def test_int8_dynamic_reports_no_invariant_sizes(tiny):
-    runner = LlamaRunner(convert_model(tiny, "int8"))
-    assert runner.dtype_name == "int8"
-    assert runner.calibrate_invariant_sizes(16) == ()
-    assert runner.padded_size(3) == 3
-
-
 def test_bf16_conversion_keeps_the_original(tiny):
     bf16 = convert_model(tiny, "bfloat16")
     assert model_dtype(bf16) == "bfloat16" and model_dtype(tiny) == "float32"
@@ -129,7 +122,7 @@ def test_int8_model_cannot_be_converted_back(tiny):
     assert e.value.reason == "UNSUPPORTED_DTYPE"
 
 
-@pytest.mark.parametrize("dtype,device,reason", [("fp8", "cpu", "UNKNOWN_DTYPE"), ("int4", "cpu", "UNKNOWN_DTYPE"),
+@pytest.mark.parametrize("dtype,device,reason", [("fp8", "cpu", "UNKNOWN_DTYPE"), ("int2", "cpu", "UNKNOWN_DTYPE"),
                                                  ("int8-dynamic", "cpu", "UNKNOWN_DTYPE"),
                                                  ("int8", "cuda", "UNSUPPORTED_DTYPE")])
 def test_load_model_rejects_bad_dtype(dtype, device, reason, tmp_path):

@@ -1,0 +1,123 @@
+"""Time from `kill -9` of the inference stage to SERVING again, cold (no stored calibration) vs warm.
+
+The stage runs alone as `python -m services.inference` (the command the supervisor runs) on free ports,
+with KEEL_VAR_DIR pointing at a scratch folder that holds a copy of the gate results. Each round:
+SIGKILL the running process, start it again at once (as the supervisor does, minus its 0.2 s
+backoff), and poll grpc.health.v1 until SERVING. Cold rounds delete the stored warm-start records
+before the restart; warm rounds keep them. The page cache is warm in both (the model was read
+before). For each restart the stage's own "engine warm" log line gives its start-up phases.
+
+Run: .venv/bin/python bench/bench_restart.py [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+def start(env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.inference"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("ab"), start_new_session=True)
+
+
+def wait_serving(port: int, proc: subprocess.Popen, limit_s: float = 300) -> float:
+    t0 = time.monotonic()
+    while not serving(port):
+        if proc.poll() is not None:
+            raise SystemExit(f"the stage exited with {proc.returncode}")
+        if time.monotonic() - t0 > limit_s:
+            raise SystemExit("the stage did not reach SERVING")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def last_warm_line(log: Path) -> dict:
+    lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{") and '"engine warm"' in x]
+    return lines[-1] if lines else {}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--cold-kills", type=int, default=5)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="keel-restart-"))
+    src_gate = Path(os.environ.get("KEEL_VAR_DIR", ROOT / "var")) / "gate"
+    if src_gate.exists():
+        shutil.copytree(src_gate, scratch / "gate")
+    port = free_port()
+    env = {**os.environ, "KEEL_VAR_DIR": str(scratch), "KEEL_INFERENCE_SERVER__PORT": str(port),
+           "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()), "KEEL_INFERENCE_ENGINE__DTYPE": args.dtype,
+           "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads)}
+    log = scratch / "stage.log"
+    proc = start(env, log)
+    first = wait_serving(port, proc)
+    print(f"first start (cold, page cache as found): {first:.2f} s; {last_warm_line(log).get('phases_s')}", flush=True)
+    results: dict[str, list[float]] = {"cold": [], "warm": []}
+    phases: dict[str, list[dict]] = {"cold": [], "warm": []}
+    for mode, n in (("cold", args.cold_kills), ("warm", args.kills)):
+        for _ in range(n):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if mode == "cold":
+                for rec in (scratch / "warm").glob("engine-*.json"):
+                    rec.unlink()
+            t0 = time.monotonic()
+            proc = start(env, log)
+            wait_serving(port, proc)
+            results[mode].append(time.monotonic() - t0)
+            line = last_warm_line(log)
+            phases[mode].append(line.get("phases_s", {}))
+            print(f"{mode}: {results[mode][-1]:.2f} s to SERVING, format {line.get('format')}, "
+                  f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}", flush=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    print(f"\nCommand: `.venv/bin/python bench/bench_restart.py {' '.join(argv or sys.argv[1:])}`")
+    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| start | kills | p50 s to SERVING | max s | engine phases (median s) |")
+    print("|---|---|---|---|---|")
+    for mode in ("cold", "warm"):
+        xs = results[mode]
+        if not xs:
+            continue
+        keys = phases[mode][0].keys() if phases[mode] else []
+        med = {k: round(statistics.median(p.get(k, 0) for p in phases[mode]), 3) for k in keys}
+        print(f"| {mode} | {len(xs)} | {statistics.median(xs):.2f} | {max(xs):.2f} | {med} |")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

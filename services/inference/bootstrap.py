@@ -1,0 +1,103 @@
+"""Start-up of the inference engine: pick the weight format, load the model, warm the engine up.
+
+Runs on the stage's torch thread. A warm start (same engine fingerprint as a stored record, and the
+verification probe gives the same bits) loads the recorded format and hands the engine its stored
+calibration; a cold start resolves the format (formats.py), measures everything and stores the
+record. Each phase's duration is logged, so a slow start says where its time went.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import formats, warmcache
+from .config import InferenceConfig
+from .engine import ENGINE_VERSION, Engine
+from .model import AUTO, load_model
+from .warmcache import WarmRecord
+from .warmup import set_deterministic
+
+log = logging.getLogger(__name__)
+
+# Engine settings a calibration depends on (besides the model, format, torch build, CPU and threads).
+CALIBRATION_SETTINGS = ("max_batch_size", "max_context_tokens", "warmup_prompt_tokens", "warmup_max_tokens",
+                        "batch_invariant", "device", "intra_op_threads")
+
+
+@dataclass(frozen=True)
+class Started:
+    engine: Engine
+    record: WarmRecord
+    warm: bool                   # True: the stored calibration was reused
+    phases_s: dict[str, float]   # seconds per start-up phase, in order
+
+
+class _Phases:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = round(now - self._t, 3)
+        self._t = now
+
+
+def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:
+    e = cfg.engine
+    settings = {k: getattr(e, k) for k in CALIBRATION_SETTINGS}
+    settings["fallback_dtype"] = e.breaker.fallback_dtype
+    f = cfg.formats
+    settings["formats"] = {"gate": f.gate.__dict__, "force": f.force, "auto_candidates": f.auto_candidates}
+    return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
+
+
+def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
+    """A warmed engine (not yet started) for the stage, warm from var/warm when possible."""
+    e = cfg.engine
+    phases = _Phases()
+    if e.intra_op_threads is not None:
+        torch.set_num_threads(e.intra_op_threads)
+    set_deterministic(e.device)
+    fp = fingerprint(cfg, model_sha)
+    record = warmcache.load(fp) if cfg.warm_restart else None
+    if record is not None:
+        model = load_model(cfg.model_dir, record.format, e.device)
+        phases.mark("load_model")
+        ok = warmcache.probe_digest(model) == record.probe_digest
+        phases.mark("verify_probe")
+        if ok:
+            engine = Engine(model, replace(e, dtype=record.format))
+            engine.warmup(record.calibration)
+            phases.mark("warmup_reused")
+            log.info("warm start: reusing the stored calibration", extra={"format": record.format,
+                                                                          "phases_s": phases.times})
+            return Started(engine, record, True, phases.times)
+        log.warning("warm start refused: the verification probe gave different logits; measuring again",
+                    extra={"format": record.format})
+        del model
+    if e.dtype == AUTO:
+        reference = load_model(cfg.model_dir, "float32", e.device)
+        phases.mark("load_model")
+        choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device)
+        del reference
+        phases.mark("choose_format")
+    else:
+        choice = formats.check_explicit(e.dtype, model_sha, cfg.formats)
+        model = load_model(cfg.model_dir, e.dtype, e.device)
+        phases.mark("load_model")
+    engine = Engine(model, replace(e, dtype=choice.format))
+    engine.warmup()
+    phases.mark("warmup_measured")
+    record = WarmRecord(choice.format, choice.reason, choice.gate, engine.calibration,
+                        warmcache.probe_digest(model))
+    if cfg.warm_restart:
+        warmcache.store(fp, record)
+    phases.mark("store_record")
+    log.info("cold start: format chosen and engine measured", extra={"format": choice.format,
+                                                                     "reason": choice.reason,
+                                                                     "phases_s": phases.times})
+    return Started(engine, record, False, phases.times)

@@ -1,0 +1,151 @@
+"""Which weight format the stage serves: an explicit one checked against its quality gate, or `auto`.
+
+* An explicit format other than float32 (the reference) must have passed the gate for this very model
+  (results stored by `bench/gate_formats.py` under var/gate/, keyed by the hash of the weights); a
+  format that failed, or was never gated, stops the stage with a ConfigError (exit 2) unless
+  `formats.force` is set.
+* `auto` keeps the candidates that pass the gate (float32 always does) and whose linear layers give a
+  row the same bits whatever the batch size, M = 1..17 (float32's MKL kernels do not at small M; the
+  engine pads float32 passes to sizes that do, so float32 is timed at its padded size). It then times
+  a decode-like pass (one token per row, every layer and lm_head) at batch 1 and at the largest
+  batch, and serves the format with the lowest sum of the two.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.config import ConfigError
+from shared.errors import InvalidInput
+
+from . import gate
+from .gate import GateResult, GateThresholds
+from .model import DTYPES, check_dtype, convert_model
+from .warmcache import var_dir
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "float32"
+INVARIANCE_ROWS = 17  # the widest batch the row check compares against (M = 1..17)
+
+
+@dataclass(frozen=True)
+class FormatsConfig:
+    gate: GateThresholds = field(default_factory=GateThresholds)
+    force: bool = False  # serve an explicit format even when it failed or never ran the gate
+    auto_candidates: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4")
+
+    def __post_init__(self):
+        unknown = [c for c in self.auto_candidates if c not in DTYPES]
+        if unknown or not self.auto_candidates:
+            raise ValueError(f"auto_candidates must be a non-empty subset of {DTYPES}, got {unknown or 'none'}")
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    format: str
+    reason: str
+    gate: GateResult | None
+
+
+def gate_path(model_sha: str) -> Path:
+    return var_dir() / "gate" / f"{model_sha}.json"
+
+
+def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) -> tuple[bool, str]:
+    """(passes, why) for one format against the stored gate results of the model."""
+    if fmt == REFERENCE:
+        return True, "float32 is the reference the gate compares with"
+    result = results.get(fmt)
+    if result is None:
+        return False, f"{fmt} has no gate result for this model (run bench/gate_formats.py)"
+    failures = result.failures(limits)
+    if failures:
+        return False, f"{fmt} fails the quality gate: " + "; ".join(failures)
+    return True, (f"{fmt} passes the quality gate (mean KL {result.kl_mean:.4f}, p95 KL {result.kl_p95:.4f}, "
+                  f"greedy agreement {result.greedy_agreement:.3f})")
+
+
+def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig) -> FormatChoice:
+    """The choice for an explicit `engine.dtype`; ConfigError when it is not allowed to serve."""
+    results = gate.load(gate_path(model_sha), model_sha)
+    ok, why = verdict(fmt, results, cfg.gate)
+    if not ok and not cfg.force:
+        raise ConfigError(f"field 'engine.dtype' breaks rule 'quality gate': {why}; "
+                          "set formats.force: true to serve it anyway")
+    if not ok:
+        log.warning("serving a format that did not pass the quality gate (formats.force)", extra={"why": why})
+    return FormatChoice(fmt, ("forced: " if not ok else "configured: ") + why, results.get(fmt))
+
+
+def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
+    """Batch sizes M (1..17) at which every row of a linear equals the same row inside a batch of 17.
+
+    Checked on one attention projection, one MLP projection and lm_head with random activations.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    layer = model.model.layers[0]
+    dense = (layer.self_attn.q_proj, layer.mlp.down_proj, model.lm_head)
+    dtype = model.model.embed_tokens.weight.dtype
+    refs = []
+    for lin in dense:
+        xs = torch.randn(INVARIANCE_ROWS, lin.in_features, generator=gen).to(dtype)
+        refs.append((lin, xs, lin(xs)))
+    with torch.inference_mode():
+        return tuple(m for m in range(1, INVARIANCE_ROWS + 1)
+                     if all(torch.equal(lin(xs[:m]), full[:m]) for lin, xs, full in refs))
+
+
+@torch.inference_mode()
+def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
+    """Median seconds of one decode-like pass: `rows` one-token rows through every layer and lm_head."""
+    ids = torch.arange(3, 3 + rows, device=model.device)[:, None]
+    model(ids, use_cache=False)  # first call pays one-time kernel setup
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(ids, use_cache=False)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, max_batch: int,
+                device: str) -> tuple[FormatChoice, torch.nn.Module]:
+    """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted."""
+    results = gate.load(gate_path(model_sha), model_sha)
+    report, best = {}, None
+    for fmt in cfg.auto_candidates:
+        try:
+            check_dtype(fmt, device)
+        except InvalidInput as exc:
+            report[fmt] = str(exc)
+            continue
+        ok, why = verdict(fmt, results, cfg.gate)
+        if not ok:
+            report[fmt] = why
+            continue
+        model = convert_model(reference, fmt, device)
+        sizes = invariant_sizes(model)
+        if fmt != REFERENCE and len(sizes) < INVARIANCE_ROWS:
+            report[fmt] = f"rows not batch-invariant at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
+            continue
+        one = min(sizes, default=1)  # the engine pads a float32 pass of 1 row to this size
+        big = next((m for m in sizes if m >= max_batch), max_batch)
+        t1, tb = decode_pass_s(model, one), decode_pass_s(model, big)
+        report[fmt] = f"decode pass {t1 * 1e3:.1f} ms at batch 1 (as {one}), {tb * 1e3:.1f} ms at batch {big}"
+        if best is None or t1 + tb < best[0]:
+            best = (t1 + tb, fmt, model)
+        del model
+    if best is None:
+        raise ConfigError("field 'formats.auto_candidates' breaks rule 'eligible': no candidate passes the "
+                          "gate and the batch-invariance check: " + "; ".join(f"{k}: {v}" for k, v in report.items()))
+    _, fmt, model = best
+    reason = f"auto: {fmt} is the fastest eligible format on this host; " + "; ".join(
+        f"{k}: {v}" for k, v in report.items())
+    log.info("weight format chosen", extra={"format": fmt, "candidates": report})
+    return FormatChoice(fmt, reason, results.get(fmt)), model

@@ -1,0 +1,113 @@
+"""The quality gate of a weight format: how far its next-token distributions are from float32's.
+
+Teacher-forced: reference and candidate read the same token sequences (a prompt followed by float32's
+greedy answer), and at every answer position we compare the two next-token distributions:
+  * KL(float32 || candidate) in nats, the mean and the 95th percentile over all scored positions;
+  * greedy agreement, the share of positions where both put their maximum on the same token.
+Teacher forcing keeps one early disagreement from derailing the rest of a sequence, so each position
+is judged on its own. The full gate over 200 prompts of the real model is run once by
+`bench/gate_formats.py`, which stores the results with `store()`; the stage reads them at start.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    kl_mean_max: float = 0.05      # nats per token
+    kl_p95_max: float = 0.2
+    greedy_agreement_min: float = 0.9
+
+    def __post_init__(self):
+        if self.kl_mean_max < 0 or self.kl_p95_max < 0 or not 0 <= self.greedy_agreement_min <= 1:
+            raise ValueError("gate thresholds: KL bounds must be >= 0 and greedy_agreement_min in [0, 1]")
+
+
+@dataclass(frozen=True)
+class GateResult:
+    format: str
+    kl_mean: float
+    kl_p95: float
+    greedy_agreement: float
+    positions: int
+    sequences: int
+
+    def failures(self, limits: GateThresholds) -> list[str]:
+        """Each broken threshold, in words; empty when the format passes."""
+        out = []
+        if not self.kl_mean <= limits.kl_mean_max:
+            out.append(f"mean KL {self.kl_mean:.4f} > {limits.kl_mean_max}")
+        if not self.kl_p95 <= limits.kl_p95_max:
+            out.append(f"p95 KL {self.kl_p95:.4f} > {limits.kl_p95_max}")
+        if not self.greedy_agreement >= limits.greedy_agreement_min:
+            out.append(f"greedy agreement {self.greedy_agreement:.4f} < {limits.greedy_agreement_min}")
+        return out
+
+    def passes(self, limits: GateThresholds) -> bool:
+        return not self.failures(limits)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """Token ids read by both models; positions >= score_from predict a token that is scored."""
+
+    ids: tuple[int, ...]
+    score_from: int
+
+
+@torch.inference_mode()
+def _log_probs(model: torch.nn.Module, seq: Sequence) -> torch.Tensor:
+    """float32 log-probabilities of the next token at each scored position [n, V]."""
+    ids = torch.tensor([seq.ids[:-1]])
+    logits = model(ids).logits[0, seq.score_from - 1:].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def evaluate(reference: torch.nn.Module, candidates: dict[str, torch.nn.Module],
+             sequences: list[Sequence]) -> list[GateResult]:
+    """Compare each candidate (by format name) with `reference` (float32) over `sequences`."""
+    kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in candidates}
+    agree = dict.fromkeys(candidates, 0)
+    for seq in sequences:
+        ref = _log_probs(reference, seq)
+        for fmt, model in candidates.items():
+            cand = _log_probs(model, seq)
+            kls[fmt].append((ref.exp() * (ref - cand)).sum(-1).clamp(min=0))
+            agree[fmt] += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+    out = []
+    for fmt in candidates:
+        kl = torch.cat(kls[fmt]).double()
+        n = kl.numel()
+        if bool(torch.isfinite(kl).all()):
+            mean, p95 = float(kl.mean()), float(torch.quantile(kl, 0.95))
+        else:
+            mean = p95 = math.inf
+        out.append(GateResult(fmt, mean, p95, agree[fmt] / n, n, len(sequences)))
+    return out
+
+
+def store(path: Path, model_sha256: str, results: list[GateResult], probe_set: str) -> None:
+    """Write the results of one model (by the hash of its weights) to `path`, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"model_sha256": model_sha256, "probe_set": probe_set,
+            "formats": {r.format: asdict(r) for r in results}}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def load(path: Path, model_sha256: str) -> dict[str, GateResult]:
+    """The stored results for this model, by format; empty when the gate was never run for it."""
+    try:
+        data = json.loads(path.read_text())
+        if data["model_sha256"] != model_sha256:
+            return {}
+        return {name: GateResult(**r) for name, r in data["formats"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}

@@ -1,0 +1,142 @@
+"""Warm restart: what warm-up measured, kept under var/ and reused by the next start of the same engine.
+
+A record is keyed by the engine fingerprint: the sha256 of the model's weight files, the requested
+weight format, torch's version and build configuration (BLAS/MKL/OpenMP), the CPU capability torch
+dispatches to, the intra-op thread count, the engine's calibration version and the engine settings
+that shape the measurements. It holds the format choice (with its gate result and timings), the
+engine's `Calibration` (memory model, batch-invariant sizes, tokens/s) and the digest of a
+verification probe. A later start with the same fingerprint loads the model, runs that probe (one
+forward pass of a few tokens) and reuses the record only if the logits are the same bits; otherwise,
+or when no record matches, it measures again and overwrites the record.
+
+Hashing ~500 MB of weights takes a second or two, so each file's hash is cached by (size, mtime).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from shared.config import ROOT_DIR
+
+from .gate import GateResult
+from .memory import MemoryModel
+from .warmup import Calibration
+
+log = logging.getLogger(__name__)
+
+PROBE_IDS = (1, 504, 2583, 314, 253, 1142, 28, 30)  # any fixed ids: the probe only needs to be the same
+
+
+def var_dir() -> Path:
+    """KEEL_VAR_DIR (tests point it at a temporary folder), else var/ in the repository."""
+    return Path(os.environ.get("KEEL_VAR_DIR", ROOT_DIR / "var"))
+
+
+def model_sha256(model_dir: Path) -> str:
+    """sha256 over the model directory's config and weight files, each hashed once per (size, mtime)."""
+    cache_path = var_dir() / "warm" / "file-hashes.json"
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    total = hashlib.sha256()
+    changed = False
+    for path in sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".json", ".safetensors")):
+        st = path.stat()
+        key = str(path.resolve())
+        entry = cache.get(key)
+        if not entry or entry["size"] != st.st_size or entry["mtime_ns"] != st.st_mtime_ns:
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+            entry = cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+            changed = True
+        total.update(f"{path.name}:{entry['sha256']}\n".encode())
+    if changed:
+        _write_json(cache_path, cache)
+    return total.hexdigest()
+
+
+def fingerprint(model_sha: str, requested_format: str, engine_version: int, settings: dict) -> dict:
+    """Everything a stored calibration depends on. `settings`: the engine settings that shape it.
+
+    Returned as plain JSON types (tuples become lists), so it compares equal to a stored copy."""
+    return json.loads(json.dumps({"model_sha256": model_sha, "format": requested_format, "torch": torch.__version__,
+            "build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
+            "parallel": torch.__config__.parallel_info().splitlines()[0:3],
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "engine_version": engine_version, "settings": settings}))
+
+
+def fingerprint_key(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class WarmRecord:
+    """What a start measured: the format it serves, why, and the engine's calibration."""
+
+    format: str
+    reason: str
+    gate: GateResult | None
+    calibration: Calibration
+    probe_digest: str
+
+    def to_json(self) -> dict:
+        cal = self.calibration
+        return {"format": self.format, "reason": self.reason, "gate": asdict(self.gate) if self.gate else None,
+                "probe_digest": self.probe_digest,
+                "calibration": {"memory": asdict(cal.memory), "tokens_per_s": cal.tokens_per_s,
+                                "invariant_sizes": {k: list(v) for k, v in cal.invariant_sizes.items()}}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> WarmRecord:
+        cal = data["calibration"]
+        return cls(data["format"], data["reason"], GateResult(**data["gate"]) if data["gate"] else None,
+                   Calibration(MemoryModel(**cal["memory"]),
+                               {k: tuple(v) for k, v in cal["invariant_sizes"].items()}, cal["tokens_per_s"]),
+                   data["probe_digest"])
+
+
+def _path(fp: dict) -> Path:
+    return var_dir() / "warm" / f"engine-{fingerprint_key(fp)}.json"
+
+
+def load(fp: dict) -> WarmRecord | None:
+    """The record stored for exactly this fingerprint, or None."""
+    try:
+        data = json.loads(_path(fp).read_text())
+        if data.get("fingerprint") != fp:
+            return None
+        return WarmRecord.from_json(data["record"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("unreadable warm-start record; measuring again", extra={"error": str(exc)})
+        return None
+
+
+def store(fp: dict, record: WarmRecord) -> Path:
+    path = _path(fp)
+    _write_json(path, {"fingerprint": fp, "record": record.to_json()})
+    return path
+
+
+@torch.inference_mode()
+def probe_digest(model: torch.nn.Module) -> str:
+    """sha256 of the float32 logits of one short forward pass: changes if weights, format or kernels do."""
+    logits = model(torch.tensor([PROBE_IDS], device=model.device)).logits.float().cpu()
+    return hashlib.sha256(logits.numpy().tobytes()).hexdigest()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)  # atomic: a start killed mid-write leaves the old record or none

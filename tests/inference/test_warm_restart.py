@@ -1,0 +1,119 @@
+"""Warm restart: a second start of the same engine reuses the stored calibration after one probe."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from services.inference import bootstrap, engine as engine_module, warmcache
+from services.inference.config import InferenceConfig
+from services.inference.formats import FormatsConfig
+from tests.inference.helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny):
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def var_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _cfg(model_dir, **engine) -> InferenceConfig:
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"dtype": "float32", **engine}),
+                           formats=FormatsConfig(auto_candidates=("float32", "bfloat16")))
+
+
+def _start(cfg: InferenceConfig) -> bootstrap.Started:
+    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+
+
+def _no_measuring(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again on a warm start")
+    monkeypatch.setattr(engine_module, "measure_memory", refuse)
+
+
+def test_second_start_reuses_the_calibration_without_measuring(var_dir, model_dir, monkeypatch):
+    cfg = _cfg(model_dir)
+    cold = _start(cfg)
+    assert not cold.warm and "warmup_measured" in cold.phases_s
+    _no_measuring(monkeypatch)
+    warm = _start(cfg)
+    assert warm.warm and "warmup_measured" not in warm.phases_s and "verify_probe" in warm.phases_s
+    assert warm.record == cold.record
+    assert warm.engine.calibration == cold.engine.calibration
+    assert warm.engine.memory == cold.engine.memory
+
+
+@pytest.mark.parametrize("change", [{"max_batch_size": 8}, {"intra_op_threads": 1}, {"batch_invariant": False}])
+def test_a_changed_fingerprint_measures_again(var_dir, model_dir, change):
+    _start(_cfg(model_dir))
+    assert not _start(_cfg(model_dir, **change)).warm
+
+
+def test_changed_weights_measure_again(var_dir, model_dir, tmp_path, tiny):
+    _start(_cfg(model_dir))
+    other = tmp_path / "other"
+    changed = tiny.__class__(tiny.config)  # same shapes, other random weights
+    changed.save_pretrained(other)
+    assert not _start(_cfg(other)).warm
+
+
+def test_a_failed_verification_probe_measures_again_and_rewrites_the_record(var_dir, model_dir):
+    cfg = _cfg(model_dir)
+    _start(cfg)
+    [path] = (var_dir / "warm").glob("engine-*.json")
+    data = json.loads(path.read_text())
+    data["record"]["probe_digest"] = "0" * 64  # as if the kernels now gave other bits
+    path.write_text(json.dumps(data))
+    again = _start(cfg)
+    assert not again.warm
+    assert json.loads(path.read_text())["record"]["probe_digest"] == again.record.probe_digest != "0" * 64
+    assert _start(cfg).warm
+
+
+def test_an_unreadable_record_measures_again(var_dir, model_dir):
+    cfg = _cfg(model_dir)
+    _start(cfg)
+    [path] = (var_dir / "warm").glob("engine-*.json")
+    path.write_text("{not json")
+    assert not _start(cfg).warm
+
+
+def test_warm_restart_off_never_reads_or_writes_records(var_dir, model_dir):
+    cfg = dataclasses.replace(_cfg(model_dir), warm_restart=False)
+    _start(cfg)
+    assert not list((var_dir / "warm").glob("engine-*.json"))
+    assert not _start(cfg).warm
+
+
+def test_auto_stores_its_choice_and_a_warm_start_loads_that_format(var_dir, model_dir, monkeypatch):
+    cfg = _cfg(model_dir, dtype="auto")
+    cold = _start(cfg)
+    assert cold.record.format == "float32"  # bfloat16 has no stored gate result here
+    assert "bfloat16 has no gate result" in cold.record.reason and "choose_format" in cold.phases_s
+    _no_measuring(monkeypatch)
+    warm = _start(cfg)
+    assert warm.warm and warm.record.format == "float32" and "choose_format" not in warm.phases_s
+
+
+def test_model_hash_is_cached_by_size_and_mtime(var_dir, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    f = d / "model.safetensors"
+    f.write_bytes(b"a" * 1000)
+    first = warmcache.model_sha256(d)
+    st = f.stat()
+    f.write_bytes(b"b" * 1000)  # same size; restore the mtime: the cached hash is used
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert warmcache.model_sha256(d) == first
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new mtime: hashed again
+    assert warmcache.model_sha256(d) != first
