@@ -219,15 +219,44 @@ class MeshUpstreams:
             self._wait(timeout), timeout, lambda stub, t: stub.Decode(req, timeout=t, metadata=_md(md)))
         return resp.text
 
+    async def decode_stream(self, timeout: float, md: dict) -> TokenizerDecodeStream:
+        pool = self.pools["tokenizer"]
+        started = asyncio.get_running_loop().time()
+        target = await pool.pick(self._wait(timeout))
+        _note_endpoint(target)
+        timeout -= asyncio.get_running_loop().time() - started
+        return TokenizerDecodeStream(pool, target, pool.stubs[target].DecodeStream(timeout=timeout, metadata=_md(md)))
+
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
-                              md: dict) -> tuple[str, dict]:
+                              md: dict) -> tuple[str, common_pb2.ValidationResult]:
         prompt = next((c for r, c in reversed(ask.messages) if r == "user"), "")
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
                                                   token_entropies=entropies, prompt=prompt)
         resp = await self.pools["validator"].call(
             self._wait(timeout), timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))
-        r = resp.result
-        result = {"passed": r.passed, "low_confidence": r.low_confidence, "probes": dict(r.probes),
-                  "verdicts": [{"plugin": v.plugin, "passed": v.passed, "message": v.message, "blocking": v.blocking}
-                               for v in r.verdicts]}
-        return resp.text, result
+        return resp.text, resp.result
+
+
+class TokenizerDecodeStream:
+    """One DecodeStream call on one tokenizer replica (services/gateway/streamtext.py uses it)."""
+
+    def __init__(self, pool: Pool, target: str, call):
+        self.pool, self.target, self.call = pool, target, call
+
+    async def send(self, ids: list[int], finish: bool) -> str:
+        try:
+            await self.call.write(tokenizer_pb2.DecodeStreamRequest(ids=ids, skip_special_tokens=True, finish=finish))
+            resp = await self.call.read()
+        except grpc.aio.AioRpcError as exc:
+            err = client.translate(exc)
+            self.pool.balancer.observe_error(self.target, err)
+            raise err from None
+        if resp is grpc.aio.EOF:
+            raise errors.NotReady("the tokenizer ended a decode stream early", reason="STREAM_TRUNCATED")
+        if finish:
+            await self.call.done_writing()
+            self.pool.balancer.observe_success(self.target)
+        return resp.text
+
+    def close(self) -> None:
+        self.call.cancel()
