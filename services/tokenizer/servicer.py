@@ -68,14 +68,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def DecodeStream(self, request_iterator, context):
         """One StreamDecoder per call: each request's ids in, exactly the text they complete out."""
-        stream = None
-        async for request in request_iterator:
-            if stream is None:
-                stream = self.tok.stream_decoder(skip_special_tokens=request.skip_special_tokens)
-            with self._latency.labels(op="decode_stream").time():
-                text = stream.extend(request.ids)
+        stream, ids, chars, batches = None, 0, 0, 0
+        try:
+            async for request in request_iterator:
+                if stream is None:
+                    stream = self.tok.stream_decoder(skip_special_tokens=request.skip_special_tokens)
+                with self._latency.labels(op="decode_stream").time():
+                    text = stream.extend(request.ids)
+                    if request.finish:
+                        text += stream.finish()
+                ids, chars, batches = ids + len(request.ids), chars + len(text), batches + 1
+                yield tokenizer_pb2.DecodeStreamResponse(text=text)
                 if request.finish:
-                    text += stream.finish()
-            yield tokenizer_pb2.DecodeStreamResponse(text=text)
-            if request.finish:
-                return
+                    return
+        finally:
+            trace.get_current_span().set_attributes({"input_len": ids, "output_len": chars, "batches": batches})

@@ -145,3 +145,22 @@ async def test_stream_message_that_does_not_parse_is_malformed_request(stub):
     call = raw(metadata=MESH)
     await call.write(b"\x0a\x05\xff\xff")  # field 1, length 5, only 2 bytes follow
     assert await reason_of(call.read()) == (grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST")
+
+
+@pytest.mark.asyncio
+async def test_stream_before_the_stage_is_ready_is_unavailable_with_a_retry_hint():
+    servicer = TokenizerServicer(TokenizerConfig(), metrics.metrics_for("tokenizer", CollectorRegistry()))
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("tokenizer", mesh_token="s3cret", is_ready=lambda: False)])
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = tokenizer_pb2_grpc.TokenizerStub(ch).DecodeStream(metadata=MESH)
+            await call.write(tokenizer_pb2.DecodeStreamRequest(ids=[1], finish=True))
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call.read()
+    finally:
+        await srv.stop(None)
+    err = client.translate(exc.value)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and err.reason == "NOT_SERVING" and err.retry_after_ms
