@@ -48,6 +48,18 @@ def tolerant(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes]
     return parse
 
 
+def _check_parsed(request) -> None:
+    if isinstance(request, MalformedRequest):
+        raise errors.InvalidInput(f"request body does not parse: {request.error}", reason="MALFORMED_REQUEST")
+
+
+async def _parsed(requests):
+    """A request stream's messages; one whose bytes did not parse ends the call as MALFORMED_REQUEST."""
+    async for request in requests:
+        _check_parsed(request)
+        yield request
+
+
 def to_status(err: errors.KeelError, trace_id: str = "") -> tuple[grpc.StatusCode, str, tuple]:
     """KeelError -> (code, message, trailing metadata with the rich status)."""
     code = grpc.StatusCode[err.code]
@@ -116,6 +128,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, request_deserializer=tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
+        if handler.stream_stream:
+            bidi = handler.stream_stream
+
+            async def stream_stream(request_iterator, context):
+                async with self._scope(method, None, context):
+                    async for item in bidi(_parsed(request_iterator), context):
+                        yield item
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
         return handler
 
     def _admit(self, md: Mapping[str, str], request, context) -> None:
@@ -132,8 +154,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if not self.is_ready():
             raise errors.NotReady(f"{self.service} is not serving (warming up or draining)",
                                   reason="NOT_SERVING", retry_after_ms=1000)
-        if isinstance(request, MalformedRequest):
-            raise errors.InvalidInput(f"request body does not parse: {request.error}", reason="MALFORMED_REQUEST")
+        _check_parsed(request)
 
     async def drained(self, grace_s: float) -> bool:
         """Wait until no application call is in flight (True) or ``grace_s`` passes (False)."""

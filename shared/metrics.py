@@ -111,7 +111,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "not uniform over their range) or retry_rate (retries over 10% of requests).", ("upstream", "kind")),
     _g("keel_stage_serving", "1 while the stage reports SERVING on grpc.health.v1, else 0.", ("service",)),
     # Tokenizer.
-    _h("keel_tokenizer_latency_seconds", "Tokenizer core time per operation (encode, decode, chat_template).",
+    _h("keel_tokenizer_latency_seconds", "Tokenizer core time per operation (encode, decode, decode_stream).",
        TOKENIZER_BUCKETS, ("op",), "tokenizer"),
     _c("keel_tokenizer_truncations_total", "Inputs truncated to max_length (always reported to the caller too).",
        owner="tokenizer"),

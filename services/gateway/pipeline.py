@@ -17,10 +17,12 @@ from typing import AsyncIterator, Protocol
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from keel.common.v1 import common_pb2
 from shared import errors, tracing
 from shared.clip import clip_payload
 from services.gateway.ratelimit import RequestLimits, check_request_size
 from services.gateway.retry import RetryExecutor
+from services.gateway.streamtext import DecodeStream, StreamedText
 
 log = logging.getLogger("keel.gateway")
 ROLES = ("system", "user", "assistant")
@@ -86,7 +88,8 @@ class Answer:
     seed: int = 0
     prompt_truncated: bool = False
     input_flags: list[str] = field(default_factory=list)
-    validation: dict = field(default_factory=dict)
+    # The validator's result as the shared type of keel.common.v1, passed through unchanged.
+    validation: common_pb2.ValidationResult = field(default_factory=common_pb2.ValidationResult)
     trace_id: str = ""
 
 
@@ -98,8 +101,9 @@ class Upstreams(Protocol):
     async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded: ...
     def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]: ...
     async def decode(self, ids: list[int], timeout: float, md: dict) -> str: ...
+    async def decode_stream(self, timeout: float, md: dict) -> DecodeStream: ...
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
-                              md: dict) -> tuple[str, dict]: ...
+                              md: dict) -> tuple[str, common_pb2.ValidationResult]: ...
 
 
 def check_ask(ask: Ask, limits: Limits) -> None:
@@ -242,60 +246,54 @@ class Pipeline:
             return await events.__anext__(), events
 
         ev, events = await self._call("inference", "Generate", open_stream, deadline, trace_id, inbound)
-        # Tokens arrive on their own task. Each Decode covers every token that arrived while the
-        # previous one was in flight (one Decode per stream at a time, so a loaded tokenizer means
-        # fewer, larger calls) and sends only the ids not yet emitted: byte-level BPE decodes by
-        # concatenating bytes, so once ids[:read] ended on a whole character, ids[read:] decodes
-        # to exactly the new text.
+        # Tokens arrive on their own task. One DecodeStream batch is in flight at a time and takes
+        # every token that arrived while the previous one ran (a loaded tokenizer means fewer,
+        # larger batches); each returns exactly the new text (services/gateway/streamtext.py).
         arrived: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(_pump(ev, events, arrived))
-        ids: list[int] = []
+        streamed = StreamedText(self.up.decode_stream)
         entropies: list[float] = []
-        emitted, read, done, failure = "", 0, None, None
+        done, failure = None, None
         try:
             while done is None and failure is None:
                 items = [await arrived.get()]
                 while not arrived.empty():
                     items.append(arrived.get_nowait())
+                new: list[int] = []
                 for item in items:
                     if isinstance(item, Exception):
                         failure = item  # text that arrived before it still goes out first
                         break
                     if isinstance(item, Step):
-                        ids.append(item.token_id)
+                        new.append(item.token_id)
                         entropies.append(item.entropy)
                     else:
                         done = item if isinstance(item, Done) else False
-                if read < len(ids):
-                    window = ids[read:]
-                    text = await self._call("tokenizer", "Decode", lambda t, md, w=window: self.up.decode(w, t, md),
+                finish = isinstance(done, Done)
+                if new or (finish and streamed.ids):
+                    text = await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish),
                                             deadline, trace_id, inbound)
-                    if not text.endswith("\ufffd"):  # else hold back a partial UTF-8 character
-                        if text:
-                            yield text
-                        emitted, read = emitted + text, len(ids)
+                    if text:
+                        yield text
         finally:
             reader.cancel()
+            streamed.close()
         if failure is not None:
             raise failure
         if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
-        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
-                               deadline, trace_id, inbound)
-        if len(raw) > len(emitted) and raw.startswith(emitted):
-            yield raw[len(emitted):]
+        raw = streamed.text
         yield await self.finish(ask, enc, flags, done, raw, entropies, deadline, trace_id, inbound)
 
     async def finish(self, ask: Ask, enc: Encoded, flags: list[str], done: Done, raw: str, entropies: list[float],
                      deadline: float, trace_id: str, inbound: dict) -> Answer:
         text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
             raw, ask, entropies, t, md), deadline, trace_id, inbound)
-        if not result.get("passed", True):
-            failed = [v for v in result.get("verdicts", []) if not v["passed"] and v["blocking"]]
-            first = failed[0] if failed else {"plugin": "unknown", "message": ""}
-            raise errors.PreconditionFailed(f"answer blocked by output validation: {first['message']}",
-                                            reason="OUTPUT_BLOCKED",
-                                            metadata={"plugin": first["plugin"], "trace_id": trace_id})
+        if not result.passed:
+            first = next((v for v in result.verdicts if not v.passed and v.blocking), None)
+            plugin, message = (first.plugin, first.message) if first else ("unknown", "")
+            raise errors.PreconditionFailed(f"answer blocked by output validation: {message}",
+                                            reason="OUTPUT_BLOCKED", metadata={"plugin": plugin, "trace_id": trace_id})
         return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=enc.truncated,
                       input_flags=flags, validation=result, trace_id=trace_id)

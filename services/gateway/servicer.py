@@ -24,14 +24,10 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
 
 
 def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
-    v = a.validation
-    validation = common_pb2.ValidationResult(
-        passed=v.get("passed", True), low_confidence=v.get("low_confidence", False), probes=v.get("probes", {}),
-        verdicts=[common_pb2.Verdict(**x) for x in v.get("verdicts", [])])
     return gateway_pb2.GenerateResponse(
         text=a.text, trace_id=a.trace_id, finish_reason=a.finish_reason, seed=a.seed,
         usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
-        validation=validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags)
+        validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

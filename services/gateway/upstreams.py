@@ -123,18 +123,26 @@ class Pool:
     async def call(self, wait_s: float, timeout: float, fn: Callable):
         """One unary attempt on the next healthy replica, ``fn(stub, timeout_left)``; errors
         translated, health noted. Time spent waiting for a replica comes off the timeout."""
-        started = asyncio.get_running_loop().time()
-        target = await self.pick(wait_s)
-        timeout -= asyncio.get_running_loop().time() - started
-        _note_endpoint(target)
+        target, timeout = await self.pick_for(wait_s, timeout)
         try:
             result = await fn(self.stubs[target], timeout)
         except grpc.aio.AioRpcError as exc:
-            err = client.translate(exc)
-            self.balancer.observe_error(target, err)
-            raise err from None
+            raise self.failed(target, exc) from None
         self.balancer.observe_success(target)
         return result
+
+    def failed(self, target: str, exc: grpc.aio.AioRpcError) -> errors.KeelError:
+        """The KeelError for a failed call on ``target``, noted by the balancer."""
+        err = client.translate(exc)
+        self.balancer.observe_error(target, err)
+        return err
+
+    async def pick_for(self, wait_s: float, timeout: float) -> tuple[str, float]:
+        """pick(), and what ``timeout`` leaves after waiting for the replica."""
+        started = asyncio.get_running_loop().time()
+        target = await self.pick(wait_s)
+        _note_endpoint(target)
+        return target, timeout - (asyncio.get_running_loop().time() - started)
 
     async def close(self) -> None:
         for w in self._watchers:
@@ -193,10 +201,7 @@ class MeshUpstreams:
                                              top_p=ask.top_p, top_k=ask.top_k, seed=seed)
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
         pool = self.pools["inference"]
-        started = asyncio.get_running_loop().time()
-        target = await pool.pick(self._wait(timeout))
-        _note_endpoint(target)
-        timeout -= asyncio.get_running_loop().time() - started
+        target, timeout = await pool.pick_for(self._wait(timeout), timeout)
         call = pool.stubs[target].Generate(req, timeout=timeout, metadata=_md(md))
         try:
             async for ev in call:
@@ -206,9 +211,7 @@ class MeshUpstreams:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed)
         except grpc.aio.AioRpcError as exc:
-            err = client.translate(exc)
-            pool.balancer.observe_error(target, err)
-            raise err from None
+            raise pool.failed(target, exc) from None
         finally:
             call.cancel()  # the consumer stopped early: free the row in the inference batch
         pool.balancer.observe_success(target)
@@ -219,15 +222,52 @@ class MeshUpstreams:
             self._wait(timeout), timeout, lambda stub, t: stub.Decode(req, timeout=t, metadata=_md(md)))
         return resp.text
 
+    async def decode_stream(self, timeout: float, md: dict) -> TokenizerDecodeStream:
+        pool = self.pools["tokenizer"]
+        target, timeout = await pool.pick_for(self._wait(timeout), timeout)
+        return TokenizerDecodeStream(pool, target, pool.stubs[target].DecodeStream(timeout=timeout, metadata=_md(md)))
+
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
-                              md: dict) -> tuple[str, dict]:
+                              md: dict) -> tuple[str, common_pb2.ValidationResult]:
         prompt = next((c for r, c in reversed(ask.messages) if r == "user"), "")
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
                                                   token_entropies=entropies, prompt=prompt)
         resp = await self.pools["validator"].call(
             self._wait(timeout), timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))
-        r = resp.result
-        result = {"passed": r.passed, "low_confidence": r.low_confidence, "probes": dict(r.probes),
-                  "verdicts": [{"plugin": v.plugin, "passed": v.passed, "message": v.message, "blocking": v.blocking}
-                               for v in r.verdicts]}
-        return resp.text, result
+        return resp.text, resp.result
+
+
+class TokenizerDecodeStream:
+    """One DecodeStream call on one tokenizer replica (services/gateway/streamtext.py uses it)."""
+
+    def __init__(self, pool: Pool, target: str, call):
+        self.pool, self.target, self.call = pool, target, call
+
+    async def send(self, ids: list[int], finish: bool) -> str:
+        request = tokenizer_pb2.DecodeStreamRequest(ids=ids, skip_special_tokens=True, finish=finish)
+        try:
+            await self.call.write(request)
+        except asyncio.InvalidStateError:
+            pass  # the call already ended: read() raises its status
+        except grpc.aio.AioRpcError as exc:
+            # Requests and responses alternate, so a stage's own error status arrives on a read.
+            # A write fails when the connection went (grpcio then reports INTERNAL "Internal error
+            # from Core", not the cause): the replica is unreachable, as for a refused connection.
+            if exc.code() != grpc.StatusCode.INTERNAL:
+                raise self.pool.failed(self.target, exc) from None
+            err = errors.NotReady(f"the decode stream to {self.target} broke", reason="STREAM_TRUNCATED")
+            self.pool.balancer.observe_error(self.target, err)
+            raise err from None
+        try:
+            resp = await self.call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self.pool.failed(self.target, exc) from None
+        if resp is grpc.aio.EOF:
+            raise errors.NotReady("the tokenizer ended a decode stream early", reason="STREAM_TRUNCATED")
+        if finish:
+            await self.call.done_writing()
+            self.pool.balancer.observe_success(self.target)
+        return resp.text
+
+    def close(self) -> None:
+        self.call.cancel()

@@ -97,7 +97,8 @@ class Decoder:
 
 
 class StreamDecoder:
-    """``push(id) -> str`` emits whole characters only; ``finish() -> str`` flushes the rest."""
+    """``push(id)`` / ``extend(ids)`` -> str emit whole characters only; ``finish() -> str``
+    flushes the rest. Ids are checked before any is taken: a bad one leaves the state unchanged."""
 
     def __init__(self, decoder: Decoder, skip_special_tokens: bool = True):
         self._decoder = decoder
@@ -105,10 +106,15 @@ class StreamDecoder:
         self._pending = b""
 
     def push(self, token_id: int) -> str:
-        (token,) = self._decoder.check_ids((token_id,))
-        if token in self._skip:
+        return self.extend((token_id,))
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        ids = self._decoder.check_ids(token_ids)
+        if self._skip:
+            ids = [i for i in ids if i not in self._skip]
+        if not ids:
             return ""
-        data = self._pending + self._decoder.token_bytes([token])
+        data = self._pending + self._decoder.token_bytes(ids)
         cut = complete_prefix(data)
         self._pending = data[cut:]
         return data[:cut].decode("utf-8", "replace") if cut else ""

@@ -65,3 +65,21 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             text = self.tok.decode(list(request.ids), skip_special_tokens=request.skip_special_tokens)
         trace.get_current_span().set_attributes({"input_len": len(request.ids), "output_len": len(text)})
         return tokenizer_pb2.DecodeResponse(text=text)
+
+    async def DecodeStream(self, request_iterator, context):
+        """One StreamDecoder per call: each request's ids in, exactly the text they complete out."""
+        stream, ids, chars, batches = None, 0, 0, 0
+        try:
+            async for request in request_iterator:
+                if stream is None:
+                    stream = self.tok.stream_decoder(skip_special_tokens=request.skip_special_tokens)
+                with self._latency.labels(op="decode_stream").time():
+                    text = stream.extend(request.ids)
+                    if request.finish:
+                        text += stream.finish()
+                ids, chars, batches = ids + len(request.ids), chars + len(text), batches + 1
+                yield tokenizer_pb2.DecodeStreamResponse(text=text)
+                if request.finish:
+                    return
+        finally:
+            trace.get_current_span().set_attributes({"input_len": ids, "output_len": chars, "batches": batches})

@@ -60,11 +60,13 @@ class PipelineConfig:
 class OutputResult:
     text: str                       # the processed text (returned even when blocked: see blocked)
     blocked: bool                   # True: do not send ``text`` to the client
-    verdicts: list[Verdict]
+    verdicts: list[Verdict]         # the failed checks
     probes: dict[str, float | bool]
     low_confidence: bool
     review_id: str | None = None    # record_id in the review stream, if it was sent there
     flags: list[str] = field(default_factory=list)
+    # The checks that passed, as (plugin name, blocking: would its failure have blocked).
+    passed_checks: tuple[tuple[str, bool], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,9 @@ class OutputPipeline:
         review_id = None
         if flags and self._review is not None:
             review_id = self._review(self._review_record(text, ctx, verdicts, report.values, flags))
-        return OutputResult(text, blocked, verdicts, dict(report.values), low, review_id, flags)
+        failed = {v.plugin for v in verdicts}
+        passed = tuple((spec.name, spec.blocks) for spec, _ in chain.validators if spec.name not in failed)
+        return OutputResult(text, blocked, verdicts, dict(report.values), low, review_id, flags, passed)
 
     @staticmethod
     def _validate(spec: PluginSpec, plugin: OutputValidator, text: str,
@@ -134,7 +138,7 @@ class OutputPipeline:
             verdict = Verdict(f"validator returned {type(verdict).__name__}, not Verdict")
         if verdict is None:
             return None
-        return replace(verdict, plugin=spec.name, blocking=spec.on_fail == "block")
+        return replace(verdict, plugin=spec.name, blocking=spec.blocks)
 
     @staticmethod
     def _review_record(text: str, ctx: OutputContext, verdicts: list[Verdict],

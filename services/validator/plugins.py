@@ -62,6 +62,11 @@ class PluginSpec:
     args: Mapping[str, Any] = field(default_factory=dict)
     on_fail: str = "block"
 
+    @property
+    def blocks(self) -> bool:
+        """Whether a failure of this check blocks the answer (else it only annotates it)."""
+        return self.on_fail == "block"
+
     @classmethod
     def from_dict(cls, name: str, d: Mapping[str, Any]) -> PluginSpec:
         where = f"validator config plugins.{name}"

@@ -17,12 +17,14 @@ from shared import tracing
 
 
 def to_result(r: OutputResult) -> common_pb2.ValidationResult:
-    # OutputResult lists failed checks only; booleans among the probes travel as 0/1.
+    # One verdict per check that ran: the failed ones first, then the passed ones; booleans among
+    # the probes travel as 0/1.
+    failed = [common_pb2.Verdict(plugin=v.plugin, passed=False, message=v.message, blocking=v.blocking)
+              for v in r.verdicts]
+    passed = [common_pb2.Verdict(plugin=name, passed=True, blocking=blocking) for name, blocking in r.passed_checks]
     return common_pb2.ValidationResult(
         passed=not r.blocked, low_confidence=r.low_confidence,
-        probes={k: float(v) for k, v in r.probes.items()},
-        verdicts=[common_pb2.Verdict(plugin=v.plugin, passed=False, message=v.message, blocking=v.blocking)
-                  for v in r.verdicts])
+        probes={k: float(v) for k, v in r.probes.items()}, verdicts=failed + passed)
 
 
 class ValidatorServicer(validator_pb2_grpc.ValidatorServicer):

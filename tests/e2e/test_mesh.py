@@ -28,6 +28,8 @@ def test_demo_question_is_answered_with_paris_and_a_trace_id(mesh, api_md, gatew
     assert resp.usage.prompt_tokens > 10 and 0 < resp.usage.completion_tokens <= 24
     assert resp.finish_reason in ("stop", "length")
     assert resp.validation.passed
+    # one verdict per output check of the domain, each passed
+    assert resp.validation.verdicts and all(v.passed and v.plugin for v in resp.validation.verdicts)
 
 
 def test_every_stage_is_crossed_and_traced(mesh, api_md, gateway_request):
@@ -57,6 +59,12 @@ def test_stream_yields_deltas_then_summary(mesh, api_md, gateway_request):
     done = events[-1].done
     assert events[-1].WhichOneof("event") == "done" and len(deltas) >= 2
     assert "".join(deltas).strip() == done.text.strip()
+    # the text came from one tokenizer DecodeStream; the answer was not decoded a second time
+    from tests.e2e.conftest import wait_until
+    wait_until(lambda: "tokenizer/DecodeStream" in {s["name"] for s in mesh.spans(done.trace_id)}, 10,
+               "the DecodeStream span")
+    names = [s["name"] for s in mesh.spans(done.trace_id)]
+    assert names.count("tokenizer/DecodeStream") == 1 and "tokenizer/Decode" not in names
 
 
 @pytest.mark.parametrize("build,reason", [

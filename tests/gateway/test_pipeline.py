@@ -1,20 +1,51 @@
 """The gateway pipeline against a scripted in-process Upstreams (no grpc): order of hops,
-seed fixing, blocked outputs, stream hold-back of partial characters, retries of a failed hop."""
+seed fixing, blocked outputs, streamed text, retries of a failed hop."""
 from __future__ import annotations
 
 import asyncio
 import random
+from array import array
 
 import pytest
 
+from keel.common.v1 import common_pb2
 from services.gateway.pipeline import Ask, Done, Encoded, Limits, Pipeline, Step, check_ask
 from services.gateway.retry import RetryConfig, RetryExecutor
+from services.tokenizer.decoding import Decoder, StreamDecoder
 from shared import errors
+
+EMOJI = "\U0001F600"
+# A byte-level vocabulary for the fake tokenizer: id i is chr(96 + i), except 10 and 11, the two
+# halves of EMOJI's UTF-8 bytes; 12, a real U+FFFD; 13, a special token.
+_TOKENS = [chr(96 + i).encode() for i in range(10)] + [EMOJI.encode()[:2], EMOJI.encode()[2:],
+                                                         "\ufffd".encode(), b"<|end|>"]
+VOCAB = Decoder(memoryview(array("I", [sum(map(len, _TOKENS[:i])) for i in range(len(_TOKENS) + 1)])),
+                memoryview(b"".join(_TOKENS)), frozenset({13}))
+
+
+class FakeDecodeStream:
+    """The tokenizer's DecodeStream with the real stream decoder on VOCAB."""
+
+    def __init__(self, up: "FakeUpstreams"):
+        self.up, self.decoder = up, StreamDecoder(VOCAB, skip_special_tokens=True)
+
+    async def send(self, ids, finish):
+        self.up.decoded.append(tuple(ids))
+        text = self.decoder.extend(ids) + (self.decoder.finish() if finish else "")
+        self.up.decode_called.set()
+        if self.up.lose_response == len(self.up.decoded):  # the tokenizer took the ids, then died
+            raise errors.NotReady("tokenizer replica died", reason="NOT_SERVING")
+        return text
+
+    def close(self):
+        self.up.closed += 1
 
 
 class FakeUpstreams:
-    def __init__(self, tokens=(5, 6, 7), texts=None, verdict_pass=True, fail_generate=0, paced=False):
+    def __init__(self, tokens=(5, 6, 7), texts=None, verdict_pass=True, fail_generate=0, paced=False,
+                 lose_response=0):
         self.calls: list[str] = []
+        self.lose_response, self.closed, self.validated = lose_response, 0, []
         self.decoded: list[tuple[int, ...]] = []
         # paced: each token after the first waits until the gateway decoded the previous ones
         self.paced, self.decode_called = paced, asyncio.Event()
@@ -54,12 +85,17 @@ class FakeUpstreams:
         self.decode_called.set()
         return self.texts.get(tuple(ids), "".join(chr(96 + i) for i in ids))
 
+    async def decode_stream(self, timeout, md):
+        self.calls.append("decode_stream")
+        return FakeDecodeStream(self)
+
     async def validate_output(self, text, ask, entropies, timeout, md):
         self.calls.append("validate_output")
-        verdicts = [] if self.verdict_pass else [{"plugin": "forbidden", "passed": False, "message": "no",
-                                                   "blocking": True}]
-        return text.upper(), {"passed": self.verdict_pass, "verdicts": verdicts, "probes": {"entropy_mean": 0.5},
-                              "low_confidence": False}
+        self.validated.append(text)
+        verdicts = [common_pb2.Verdict(plugin="forbidden", passed=self.verdict_pass, message="" if self.verdict_pass
+                                       else "no", blocking=True)]
+        return text.upper(), common_pb2.ValidationResult(passed=self.verdict_pass, verdicts=verdicts,
+                                                         probes={"entropy_mean": 0.5})
 
 
 async def no_sleep(_s):
@@ -81,7 +117,7 @@ async def test_hops_in_order_and_processed_text_returned():
     ans = await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
     assert up.calls == ["validate_input", "encode", "generate", "decode", "validate_output"]
     assert ans.text == "EFG" and ans.completion_tokens == 3 and ans.finish_reason == "stop"
-    assert ans.validation["probes"] == {"entropy_mean": 0.5}
+    assert dict(ans.validation.probes) == {"entropy_mean": 0.5} and ans.validation.verdicts[0].passed
 
 
 @pytest.mark.asyncio
@@ -107,25 +143,52 @@ async def test_blocked_output_is_failed_precondition_naming_the_plugin():
     assert exc.value.reason == "OUTPUT_BLOCKED" and exc.value.metadata["plugin"] == "forbidden"
 
 
-@pytest.mark.asyncio
-async def test_stream_holds_back_partial_characters_and_decodes_only_new_ids():
-    # (5,) decodes to a lone replacement char (half an emoji), (5, 6) to the whole emoji; once that
-    # is out, only (7,) is sent. The answer is decoded whole once at the end.
-    up = FakeUpstreams(tokens=(5, 6, 7), paced=True,
-                       texts={(5,): "\ufffd", (5, 6): "\U0001F600", (7,): "!", (5, 6, 7): "\U0001F600!"})
+async def stream(up) -> tuple[list[str], object]:
     items = [x async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={})]
-    deltas = [x for x in items if isinstance(x, str)]
-    assert deltas == ["\U0001F600", "!"]
-    assert up.decoded == [(5,), (5, 6), (7,), (5, 6, 7)]
-    assert items[-1].text == "\U0001F600!"
+    return [x for x in items if isinstance(x, str)], items[-1]
 
 
 @pytest.mark.asyncio
-async def test_stream_decodes_tokens_that_arrived_together_in_one_call():
-    up = FakeUpstreams(tokens=(1, 2, 3, 4))  # unpaced: all four are waiting before the first Decode
-    items = [x async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={})]
-    assert [x for x in items if isinstance(x, str)] == ["abcd"]
-    assert up.decoded == [(1, 2, 3, 4), (1, 2, 3, 4)]
+async def test_stream_sends_a_real_replacement_character_at_once():
+    # paced: "g" is generated only after the gateway decoded U+FFFD, so holding it back would
+    # merge the two deltas.
+    deltas, answer = await stream(FakeUpstreams(tokens=(12, 7), paced=True))
+    assert deltas == ["\ufffd", "g"]
+    assert answer.text == "\ufffdG"
+
+
+@pytest.mark.asyncio
+async def test_stream_sends_a_character_split_across_tokens_whole_with_its_last_token():
+    up = FakeUpstreams(tokens=(10, 11, 7), paced=True)
+    deltas, _ = await stream(up)
+    assert deltas == [EMOJI, "g"]
+    assert up.decoded == [(10,), (11,), (7,)]  # each id sent once (the end came with the last one)
+    assert "decode" not in up.calls  # the answer is not decoded a second time
+
+
+@pytest.mark.asyncio
+async def test_stream_concatenation_is_the_text_validated_and_a_cut_character_is_flushed():
+    up = FakeUpstreams(tokens=(1, 12, 10, 11, 13, 2, 10), paced=True)  # ends on half the emoji
+    deltas, answer = await stream(up)
+    assert "".join(deltas) == up.validated[0] == "a\ufffd" + EMOJI + "b\ufffd"
+    assert answer.text == up.validated[0].upper()
+
+
+@pytest.mark.asyncio
+async def test_stream_decodes_tokens_that_arrived_together_in_one_batch():
+    up = FakeUpstreams(tokens=(1, 2, 3, 4))  # unpaced: all four and the end wait before the first batch
+    deltas, _ = await stream(up)
+    assert deltas == ["abcd"] and up.decoded == [(1, 2, 3, 4)]
+
+
+@pytest.mark.asyncio
+async def test_stream_retry_after_a_lost_tokenizer_answer_resends_every_id_and_repeats_no_text():
+    up = FakeUpstreams(tokens=(1, 10, 11, 2), paced=True, lose_response=3)  # the batch (11,) is lost
+    deltas, answer = await stream(up)
+    assert deltas == ["a", EMOJI, "b"]
+    assert up.decoded == [(1,), (10,), (11,), (1, 10, 11), (2,)]
+    assert up.calls.count("decode_stream") == 2 and up.closed == 1
+    assert answer.text == ("a" + EMOJI + "b").upper()
 
 
 @pytest.mark.asyncio
@@ -144,6 +207,7 @@ async def test_stream_failure_after_tokens_ends_the_call_with_its_status():
     assert exc.value.reason == "NOT_SERVING"
     assert up.calls.count("generate") == 1  # tokens were out: no retry that would repeat text
     assert up.decoded == [(5,)] and got == ["e"]
+    assert up.closed == 1  # the unfinished decode stream is cancelled
 
 
 @pytest.mark.asyncio

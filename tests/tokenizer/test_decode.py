@@ -110,12 +110,22 @@ def test_complete_prefix(data, cut):
     assert complete_prefix(data) == cut
 
 
+# Ids that hold pieces of multi-byte characters, so that random lists often split one.
+SPLIT_TEXT = "😀中é👩\u200d💻\ufffd"
+
+
 @settings(max_examples=300, deadline=None)
-@given(ids=st.lists(st.integers(0, 49151), max_size=24), cut=st.integers(0, 24))
-def test_decode_of_a_split_concatenates_once_the_head_ends_on_a_whole_character(tok, ids, cut):
-    # The gateway's stream decodes only the ids after the text it already sent; that is exact
-    # because byte-level BPE decodes by concatenating bytes, as long as the head ended cleanly.
-    head, tail = ids[:cut], ids[cut:]
-    text = tok.decode(head, skip_special_tokens=True)
-    if not text.endswith("\ufffd"):
-        assert text + tok.decode(tail, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
+@given(picks=st.lists(st.tuples(st.booleans(), st.integers(0, 49151)), max_size=24),
+       cuts=st.lists(st.integers(0, 24), max_size=6))
+def test_stream_batches_concatenate_to_decode_and_each_prefix_is_a_fresh_decoders_answer(tok, picks, cuts):
+    # The gateway's DecodeStream sends ids in batches of any size. A retry on a new stream resends
+    # every id so far and skips the text already sent, which relies on the second property.
+    pieces = tok.encode_ids(SPLIT_TEXT)
+    ids = [pieces[n % len(pieces)] if split else n for split, n in picks]
+    bounds = sorted({min(c, len(ids)) for c in cuts} | {len(ids)})
+    stream, sent, start = tok.stream_decoder(), "", 0
+    for end in bounds:
+        sent += stream.extend(ids[start:end])
+        assert sent == tok.stream_decoder().extend(ids[:end])
+        start = end
+    assert sent + stream.finish() == tok.decode(ids, skip_special_tokens=True)

@@ -53,6 +53,13 @@ def test_finance_requires_terms_and_disclaimer_but_only_annotates(pipe):
     assert run(pipe, "今天天气很好，适合出门散步。", domain="default").verdicts == []
 
 
+def test_every_check_that_did_not_fail_is_listed_as_passed_with_its_blocking_flag(pipe):
+    ran = {spec.name: spec.blocks for spec in (CFG.plugins[n] for n in CFG.domains["finance-cn"].validators)}
+    assert dict(run(pipe, GOOD_FINANCE).passed_checks) == ran
+    failed = run(pipe, "今天天气很好，适合出门散步。")
+    assert dict(failed.passed_checks) == {n: b for n, b in ran.items() if n not in {"finance_terms", "disclaimer"}}
+
+
 @pytest.mark.parametrize("text, plugin", [
     ("   \n ", "not_empty"),
     ("这只基金保证收益，稳赚不赔。LPR 仅供参考", "forbidden"),
