@@ -5,7 +5,7 @@ import pytest
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.gateway.pipeline import Answer, Limits
+from services.gateway.pipeline import Answer, Limits, check_ask
 from services.gateway.servicer import GatewayServicer, to_ask, to_response
 from shared import errors
 
@@ -29,9 +29,12 @@ def test_chat_and_sampling_are_carried_and_seed_zero_is_a_seed():
     assert (ask.max_tokens, ask.temperature, ask.top_p, ask.top_k, ask.seed) == (5, 0.5, pytest.approx(0.9), 40, 0)
 
 
-def test_no_input_is_empty_prompt():
+def test_no_input_becomes_an_ask_that_the_limits_refuse_as_empty_prompt():
+    """Neither prompt nor chat still converts (so the refusal reaches the quarantine); check_ask refuses it."""
+    ask = to_ask(gateway_pb2.GenerateRequest(), LIMITS)
+    assert ask.messages == () and ask.raw_prompt is None
     with pytest.raises(errors.InvalidInput) as exc:
-        to_ask(gateway_pb2.GenerateRequest(), LIMITS)
+        check_ask(ask, LIMITS)
     assert exc.value.reason == "EMPTY_PROMPT"
 
 
