@@ -54,7 +54,7 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     authenticate: Callable[[Mapping[str, str]], str] | None = getattr(stage, "authenticate", None)
     mesh_token = None if authenticate else os.environ.get("KEEL_MESH_TOKEN") or None
     interceptor = ServerInterceptor(stage.name, mesh_token=mesh_token, authenticate=authenticate,
-                                    is_ready=lambda: ready, trace_root=authenticate is not None)
+                                    is_ready=lambda: ready)
     server = grpc.aio.server(interceptors=[interceptor], options=[
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
