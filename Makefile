@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model vocab syspkgs setup bench-deps certs lock clean
+.PHONY: run test venv proto model vocab syspkgs setup bench-deps certs lock clean audit
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -51,6 +51,12 @@ certs: .venv/.stamp
 # The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE).
 bench-deps: .venv/.stamp
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q --no-deps -r <(grep '# bench-only' requirements.lock)
+
+# Known vulnerabilities of every pin in the lock (pip-audit queries PyPI's vulnerability data, so it
+# needs the network; --strict fails when any pin could not be checked: no silent pass offline).
+audit: .venv/.stamp
+	$(PY) -m pip_audit --strict --no-deps --disable-pip --progress-spinner off \
+		-r <(sed 's/ *#.*//' requirements.lock | grep -v '^$$')
 
 lock:
 	$(PIP) freeze --exclude-editable | sed 's/+cpu$$//' > requirements.lock.new
