@@ -34,7 +34,11 @@ def baseline_commit() -> str:
     assert main, "no 'main' branch in this clone: the breaking-change check needs it"
     head = _git("rev-parse", "HEAD")
     base = _git("merge-base", "HEAD", main)
-    return _git("rev-parse", "HEAD~1") if base == head else base
+    if base != head:
+        return base
+    parent = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD~1"], cwd=ROOT, capture_output=True, text=True)
+    assert parent.returncode == 0, "HEAD is main and has no parent here (a shallow clone?): fetch with depth >= 2"
+    return parent.stdout.strip()
 
 
 def extract_protos(commit: str, dest: Path) -> Path:
