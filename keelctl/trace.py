@@ -1,9 +1,7 @@
 """`keel trace TRACE_ID`: one request's spans from every stage's trace files, in time order.
 
 Reads ``traces/*.jsonl`` (or KEEL_TRACES_DIR, or --dir) and prints the span tree: start offset,
-duration, service, span name, status and attributes. ``--format chrome`` writes the spans as a
-Chrome Trace Event file instead (open it in https://ui.perfetto.dev or chrome://tracing): one
-process per stage, each span a complete ("X") event, overlapping spans of a stage on separate rows.
+duration, service, span name, status and attributes.
 """
 from __future__ import annotations
 
@@ -49,7 +47,9 @@ def render(spans: list[dict]) -> str:
 
 
 def chrome_events(spans: list[dict]) -> dict:
-    """Chrome Trace Event JSON (object form) of one trace's spans; times in microseconds."""
+    """Chrome Trace Event JSON (object form) of one trace's spans, for ``--format chrome`` (open the
+    file in https://ui.perfetto.dev or chrome://tracing): one process per stage, each span a
+    complete ("X") event, overlapping spans of a stage on separate rows; times in microseconds."""
     services = sorted({s["service"] for s in spans})
     pids = {name: i + 1 for i, name in enumerate(services)}
     events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pids[name], "tid": 0, "args": {"name": name}}
