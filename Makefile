@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model vocab syspkgs setup bench-deps certs lock clean
+.PHONY: run test venv proto model vocab syspkgs setup node bench-deps certs lock clean audit
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -13,7 +13,7 @@ run: setup
 test: setup
 	$(PY) -m pytest tests
 
-setup: syspkgs venv proto model vocab
+setup: syspkgs venv proto model vocab node
 
 venv: .venv/.stamp
 .venv/.stamp: requirements.lock pyproject.toml
@@ -38,11 +38,18 @@ var/model/keel-source.json: .venv/.stamp
 vocab: .venv/.stamp
 	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
 
-# Debian packages the mesh and the tests run for real: redis-server (quarantine), promtool (rule tests).
-SYSPKGS := redis-server:redis-server prometheus:promtool
+# Debian packages the mesh and the tests run for real: redis-server (quarantine), promtool (rule tests),
+# node and npm (the Node client test, tests/node).
+SYSPKGS := redis-server:redis-server prometheus:promtool nodejs:node npm:npm
 syspkgs:
 	@need=""; for p in $(SYSPKGS); do command -v $${p#*:} >/dev/null || need="$$need $${p%%:*}"; done; \
 	if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$need; fi
+
+# The Node client test's packages, exactly as tests/node/package-lock.json pins them.
+node: tests/node/node_modules/.stamp
+tests/node/node_modules/.stamp: tests/node/package.json tests/node/package-lock.json
+	npm ci --prefix tests/node --no-audit --no-fund --ignore-scripts
+	touch $@
 
 # TLS inside the mesh: then `KEEL_MESH_TLS_DIR=var/certs make run` (see shared/tls.py).
 certs: .venv/.stamp
@@ -51,6 +58,12 @@ certs: .venv/.stamp
 # The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE).
 bench-deps: .venv/.stamp
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q --no-deps -r <(grep '# bench-only' requirements.lock)
+
+# Known vulnerabilities of every pin in the lock (pip-audit queries PyPI's vulnerability data, so it
+# needs the network; --strict fails when any pin could not be checked: no silent pass offline).
+audit: .venv/.stamp
+	$(PY) -m pip_audit --strict --no-deps --disable-pip --progress-spinner off \
+		-r <(sed 's/ *#.*//' requirements.lock | grep -v '^$$')
 
 lock:
 	$(PIP) freeze --exclude-editable | sed 's/+cpu$$//' > requirements.lock.new

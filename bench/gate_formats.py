@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     limits = inf_config.load().formats.gate
-    tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))  # nosec B615 (local directory, no hub)
     reference = load_model(MODEL, "float32")
     t0 = time.perf_counter()
     seqs = answers(reference, tok, prompts(tok, args.prompts), args.answer_tokens)

@@ -5,6 +5,7 @@
     keel status                   health of every process of the running mesh
     keel ask "PROMPT" [--max-tokens N] [--temperature T] [--seed S] [--json]
     keel trace TRACE_ID           the whole chain of one request, across every stage's trace files
+                                  (--format chrome: a Chrome Trace Event file)
     keel tokenize | detokenize    JSON lines on stdin -> stdout, in-process
     keel quarantine list|show|replay|purge ...
     keel certs [--out var/certs]  TLS certificates for the mesh (then KEEL_MESH_TLS_DIR=var/certs keel up)

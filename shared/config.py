@@ -49,6 +49,7 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    reflection: bool = False  # offer server reflection (v1 and v1alpha): on for the public gateway
 
 
 def _registry(schema_dir: Path) -> Registry:

@@ -110,3 +110,138 @@ INVISIBLE_INPUT = "INVISIBLE_INPUT"            # the text has no visible charact
 SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (pipeline.SEED_MAX)
 AMBIGUOUS_API_KEY = "AMBIGUOUS_API_KEY"        # several API keys presented in one request
 AUTH_FAILURES_LIMITED = "AUTH_FAILURES_LIMITED"  # too many failed authentications from a peer
+# ErrorInfo metadata keys that describe the gateway's own retry handling. They stay in logs and
+# traces; the gateway removes them from what its clients receive (shared/interceptor.py).
+INTERNAL_METADATA_KEYS = frozenset({"retry_stop", "attempts", "retry_hint", "message_size"})
+
+
+class Reason:
+    """One catalogued reason: the exception class that carries it (its gRPC status) and what it
+    means. ``metadata`` lists ErrorInfo keys set where the code builds the metadata away from the
+    raise (shared/errordoc.py finds the others); ``cls`` None: a quarantine/flag reason only."""
+
+    def __init__(self, cls: type[KeelError] | None, meaning: str, metadata: tuple[str, ...] = ()):
+        self.cls, self.meaning, self.metadata = cls, meaning, metadata
+
+
+_VERDICT_KEYS = ("rule", "contract", "domain", "field", "quarantine_id")
+
+# Every reason Keel raises; docs/errors.md is generated from this (python -m shared.errordoc).
+REASONS: dict[str, Reason] = {
+    # Base classes' defaults (raised when no specific reason is given).
+    "INVALID_INPUT": Reason(InvalidInput, "bad request (no more specific reason)"),
+    "FAILED_PRECONDITION": Reason(PreconditionFailed, "can never succeed as sent"),
+    "UNAUTHENTICATED": Reason(Unauthenticated, "missing or wrong credential"),
+    "PERMISSION_DENIED": Reason(PermissionDenied, "credential valid, action not allowed"),
+    "NOT_FOUND": Reason(NotFound, "the named thing does not exist"),
+    "OVERLOADED": Reason(Overloaded, "too much work right now"),
+    "NOT_READY": Reason(NotReady, "a stage cannot serve right now"),
+    "DEADLINE_EXCEEDED": Reason(DeadlineExpired, "the call's deadline ran out; the message names the step that was running"),
+    "CANCELLED": Reason(Cancelled, "the client cancelled the call"),
+    "INTERNAL": Reason(Fatal, "a bug: logged with its stack under the trace id"),
+    "NUMERICAL_INSTABILITY": Reason(NumericalInstability, "NaN/inf in the model's output"),
+    # Gateway: credentials and limits.
+    "MISSING_API_KEY": Reason(Unauthenticated, "no API key in `x-api-key` or `authorization: Bearer`"),
+    "INVALID_API_KEY": Reason(Unauthenticated, "the API key is not recognised"),
+    "RATE_LIMITED": Reason(Overloaded, "the key's rate limit is reached; retry after the hint"),
+    "AMBIGUOUS_API_KEY": Reason(Unauthenticated, "more than one API key in a request (repeated header, or x-api-key and Bearer differ)"),
+    "AUTH_FAILURES_LIMITED": Reason(Overloaded, "too many failed authentications from this address; retry after the hint"),
+    "SEED_OUT_OF_RANGE": Reason(InvalidInput, "seed above 2^63-1, the range every stage accepts"),
+    "EMPTY_PROMPT": Reason(InvalidInput, "neither prompt nor chat, or only blank text"),
+    "TOO_MANY_MESSAGES": Reason(InvalidInput, "more chat turns than the gateway's max_messages"),
+    "UNKNOWN_ROLE": Reason(InvalidInput, "a chat role other than system, user, assistant"),
+    "PROMPT_NOT_TEXT": Reason(InvalidInput, "the prompt is not text"),
+    "PROMPT_TOO_LARGE": Reason(InvalidInput, "the prompt is larger than max_prompt_bytes", _VERDICT_KEYS[:1] + ("quarantine_id",)),
+    "MAX_TOKENS_INVALID": Reason(InvalidInput, "max_tokens is not a positive integer"),
+    "MAX_TOKENS_TOO_LARGE": Reason(InvalidInput, "max_tokens above the gateway's max_tokens_limit"),
+    "MAX_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "max_tokens leaves no room for the prompt in the context"),
+    "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
+    "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
+    "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
+    "MALFORMED_REQUEST": Reason(InvalidInput, "the request body does not parse as the RPC's message"),
+    "OUTPUT_BLOCKED": Reason(PreconditionFailed, "a blocking output check failed; `plugin` names it"),
+    "STREAM_TRUNCATED": Reason(NotReady, "the inference stream ended without a result; retry"),
+    "NO_HEALTHY_UPSTREAM": Reason(NotReady, "no replica of a stage is serving; retry after the hint"),
+    "MESSAGE_TOO_LARGE": Reason(Overloaded, "a message exceeds the gRPC size limit; not retried"),
+    # Mesh credentials (stages behind the gateway).
+    "MISSING_MESH_CREDENTIAL": Reason(Unauthenticated, "a stage was called without the mesh token"),
+    "INVALID_MESH_CREDENTIAL": Reason(Unauthenticated, "a stage was called with a wrong mesh token"),
+    "NOT_SERVING": Reason(NotReady, "the stage is warming up or draining; retry after the hint"),
+    # Validator.
+    "CONTRACT_VIOLATION": Reason(InvalidInput, "the request breaks its source's input contract", _VERDICT_KEYS),
+    "UNKNOWN_DOMAIN": Reason(InvalidInput, "the domain tag is not configured", _VERDICT_KEYS),
+    "LOW_QUALITY_INPUT": Reason(InvalidInput, "a domain's quality rule rejected the input (or only flagged it)", _VERDICT_KEYS),
+    "PROMPT_INJECTION": Reason(InvalidInput, "a domain's pattern rule rejected the input (or only flagged it)", _VERDICT_KEYS),
+    "INVISIBLE_INPUT": Reason(InvalidInput, "the prompt has no visible character (only zero-width, format or control characters)", _VERDICT_KEYS),
+    "INPUT_CHECK_BUDGET_EXCEEDED": Reason(InvalidInput, "the input checks used up the per-request CPU budget; the input is quarantined", _VERDICT_KEYS),
+    "LOW_CONFIDENCE_OUTPUT": Reason(None, "quarantine record of an answer whose probes were all low (not an error)"),
+    "ALREADY_DONE": Reason(PreconditionFailed, "quarantine: the record was already handled"),
+    "CLAIMED_BY_OTHER": Reason(PreconditionFailed, "quarantine: another operator claimed the record"),
+    "NOT_CLAIMED": Reason(PreconditionFailed, "quarantine: the record must be claimed first"),
+    "SPILL_IN_USE": Reason(PreconditionFailed, "start-up: another validator owns the spill file"),
+    # Tokenizer.
+    "EMPTY_INPUT": Reason(InvalidInput, "nothing to encode"),
+    "EMPTY_MESSAGES": Reason(InvalidInput, "chat input without messages"),
+    "INVALID_MESSAGES": Reason(InvalidInput, "a chat message is not a role/content pair"),
+    "INVALID_INPUT_TYPE": Reason(InvalidInput, "the input is neither text nor chat"),
+    "INVALID_JSON": Reason(InvalidInput, "`keel tokenize`: a line is not JSON"),
+    "INVALID_OPTIONS": Reason(InvalidInput, "encode options out of range"),
+    "INVALID_REQUEST": Reason(InvalidInput, "a tokenizer request field has the wrong type"),
+    "INVALID_TOKEN_ID": Reason(InvalidInput, "a token id to decode is not an integer"),
+    "TOKEN_ID_OUT_OF_RANGE": Reason(InvalidInput, "a token id to decode is outside the vocabulary"),
+    "INVALID_UTF8": Reason(InvalidInput, "text is not valid UTF-8"),
+    "INPUT_TOO_LARGE": Reason(InvalidInput, "text larger than the tokenizer accepts"),
+    "MAX_LENGTH_OUT_OF_RANGE": Reason(InvalidInput, "max_length outside the stage's limit"),
+    "MAX_LENGTH_REQUIRED": Reason(InvalidInput, "padding asked without a max_length"),
+    "CHAT_TEMPLATE_ERROR": Reason(InvalidInput, "the chat template could not render the messages"),
+    "NO_CHAT_TEMPLATE": Reason(PreconditionFailed, "the model ships no chat template"),
+    "NOT_WARMED_UP": Reason(NotReady, "the tokenizer's vocabulary is not loaded yet"),
+    "SELF_CHECK_FAILED": Reason(Fatal, "start-up: the tokenizer disagrees with its reference encodings"),
+    "GGUF_NOT_FOUND": Reason(PreconditionFailed, "start-up: the model's GGUF file is missing"),
+    "UNSUPPORTED_TOKENIZER": Reason(PreconditionFailed, "start-up: the GGUF's tokenizer is not byte-level BPE"),
+    "UNSUPPORTED_REGEX_VERSION": Reason(PreconditionFailed, "start-up: the pre-tokenizer regex is unknown"),
+    "UNSUPPORTED_HOST": Reason(Fatal, "start-up: the host's byte order is not supported"),
+    "COMPILED_FILE_BAD_MAGIC": Reason(Fatal, "start-up: var/vocab.kvoc is not a vocabulary file"),
+    "COMPILED_FILE_CORRUPT": Reason(Fatal, "start-up: var/vocab.kvoc is inconsistent"),
+    "COMPILED_FILE_STALE": Reason(Fatal, "start-up: var/vocab.kvoc does not match the GGUF"),
+    "COMPILED_FILE_TRUNCATED": Reason(Fatal, "start-up: var/vocab.kvoc is cut short"),
+    "COMPILED_FILE_UNREADABLE": Reason(Fatal, "start-up: var/vocab.kvoc cannot be read"),
+    "COMPILED_FILE_VERSION": Reason(Fatal, "start-up: var/vocab.kvoc has another format version"),
+    # Inference.
+    "MISSING_REQUEST_ID": Reason(InvalidInput, "inference request without an id"),
+    "DUPLICATE_REQUEST_ID": Reason(InvalidInput, "an inference request id is already in flight"),
+    "CONTEXT_LENGTH_EXCEEDED": Reason(InvalidInput, "prompt plus max_tokens exceed the model's context"),
+    "TOKEN_OUT_OF_RANGE": Reason(InvalidInput, "a prompt id is outside the vocabulary"),
+    "INVALID_MAX_TOKENS": Reason(InvalidInput, "inference max_tokens out of range"),
+    "INVALID_TEMPERATURE": Reason(InvalidInput, "inference temperature out of range"),
+    "INVALID_TOP_P": Reason(InvalidInput, "inference top_p out of range"),
+    "INVALID_TOP_K": Reason(InvalidInput, "inference top_k out of range"),
+    "INVALID_SEED": Reason(InvalidInput, "seed outside 0..2^63-1"),
+    "INVALID_DEADLINE": Reason(InvalidInput, "inference deadline not positive"),
+    "INVALID_FAULT": Reason(InvalidInput, "a test fault specification is out of range"),
+    "FAULT_INJECTION_DISABLED": Reason(PermissionDenied, "test faults sent to a stage that does not allow them"),
+    "REQUEST_EXCEEDS_MEMORY_BUDGET": Reason(PreconditionFailed, "the request could never fit the stage's memory budget"),
+    "QUEUE_FULL": Reason(Overloaded, "the inference queue is full; retry after the hint"),
+    "QUEUE_TIMEOUT": Reason(Overloaded, "the request waited too long in the queue; retry after the hint"),
+    "OUT_OF_MEMORY": Reason(Overloaded, "the batch ran out of memory; retry after the hint"),
+    "CIRCUIT_OPEN": Reason(NotReady, "inference's breaker is open after repeated faults; retry after the hint"),
+    "WARMING_UP": Reason(NotReady, "the inference engine is loading; retry after the hint"),
+    "DRAINING": Reason(NotReady, "the inference engine is draining; retry after the hint"),
+    "SHUTTING_DOWN": Reason(NotReady, "the inference engine stopped before the request finished; retry"),
+    "DEADLINE_EXPIRED": Reason(DeadlineExpired, "the request's deadline ran out during generation"),
+    "DEADLINE_EXPIRED_IN_QUEUE": Reason(DeadlineExpired, "the request's deadline ran out while queued"),
+    "NON_FINITE_LOGITS": Reason(NumericalInstability, "NaN/inf logits for this request; the same input fails again"),
+    "STEP_FAILED": Reason(Fatal, "a model step failed (a bug or a dead device)"),
+    "DTYPE_MISMATCH": Reason(InvalidInput, "start-up: model weights and configured dtype disagree"),
+    "UNKNOWN_DTYPE": Reason(InvalidInput, "start-up: the configured dtype is unknown"),
+    "UNSUPPORTED_DTYPE": Reason(InvalidInput, "start-up: the dtype is not supported on this device"),
+    "MODEL_NOT_FOUND": Reason(InvalidInput, "start-up: var/model is missing"),
+    "BUDGET_TOO_SMALL": Reason(InvalidInput, "start-up: the memory budget does not fit the model"),
+    "INVALID_CONFIG": Reason(InvalidInput, "start-up: an inference config value is out of range"),
+    # Shared helpers (start-up and tools).
+    "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
+    "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),
+    "INVALID_BUCKETS": Reason(InvalidInput, "start-up: histogram buckets are not increasing"),
+    "INVALID_WINDOW": Reason(InvalidInput, "a metrics window is not positive"),
+    "NON_FINITE_OBSERVATION": Reason(InvalidInput, "a metric observation is NaN/inf"),
+}

@@ -60,10 +60,13 @@ async def _parsed(requests):
         yield request
 
 
-def to_status(err: errors.KeelError, trace_id: str = "") -> tuple[grpc.StatusCode, str, tuple]:
-    """KeelError -> (code, message, trailing metadata with the rich status)."""
+def to_status(err: errors.KeelError, trace_id: str = "", *,
+              public: bool = False) -> tuple[grpc.StatusCode, str, tuple]:
+    """KeelError -> (code, message, trailing metadata with the rich status). ``public``: the
+    caller is a client outside the mesh, so the gateway's retry bookkeeping stays out."""
     code = grpc.StatusCode[err.code]
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=errors.DOMAIN, metadata=err.metadata)
+    metadata = {k: v for k, v in err.metadata.items() if not (public and k in errors.INTERNAL_METADATA_KEYS)}
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=errors.DOMAIN, metadata=metadata)
     details = [info]
     trailers: list[tuple[str, str | bytes]] = []
     if err.retry_after_ms is not None:
@@ -88,17 +91,20 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
     mesh_token: stages accept only calls carrying it (the gateway passes ``authenticate`` instead).
     is_ready: False while warming up or draining -> UNAVAILABLE with a retry hint.
-    trace_root: the gateway starts a new trace per request instead of joining the caller's.
+    A stage that authenticates its callers itself (``authenticate``: the gateway) is the public
+    one: a caller's invalid ``traceparent`` is logged and a new trace started, and error details
+    leave out errors.INTERNAL_METADATA_KEYS. Every stage sends the trace id in its initial
+    metadata (so a cancelled stream still has it) and again in the trailers.
     """
 
     def __init__(self, service: str, *, mesh_token: str | None = None,
                  authenticate: Callable[[Sequence[tuple[str, str | bytes]], str], str] | None = None,
-                 is_ready: Callable[[], bool] = lambda: True, trace_root: bool = False):
+                 is_ready: Callable[[], bool] = lambda: True):
         self.service = service
         self.mesh_token = mesh_token
         self.authenticate = authenticate
         self.is_ready = is_ready
-        self.trace_root = trace_root
+        self.public = authenticate is not None
         self.inflight = 0  # application calls being served (health watches excluded)
         m = metrics.metrics_for(service)
         self._requests = m.counter("keel_requests_total")
@@ -156,6 +162,15 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                                   reason="NOT_SERVING", retry_after_ms=1000)
         _check_parsed(request)
 
+    def _parent(self, md: Mapping[str, str]):
+        """The caller's trace context; a public stage logs and drops an invalid ``traceparent``."""
+        parent = tracing.extract(md.items())
+        if self.public and "traceparent" in md and not trace.get_current_span(parent).get_span_context().is_valid:
+            log.warning("ignoring an invalid traceparent; starting a new trace",
+                        extra={"traceparent": md["traceparent"][:128]})
+            return None
+        return parent
+
     async def drained(self, grace_s: float) -> bool:
         """Wait until no application call is in flight (True) or ``grace_s`` passes (False)."""
         deadline = time.monotonic() + grace_s
@@ -167,7 +182,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     async def _scope(self, method: str, request, context):
         self.inflight += 1
         md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        parent = None if self.trace_root else tracing.extract(md.items())
+        parent = self._parent(md)
         name = method.rsplit("/", 1)[-1]
         start = time.perf_counter()
         code = "OK"
@@ -176,6 +191,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             trace_id = tracing.current_trace_id()
             tokens = (trace_id_var.set(trace_id), rpc_var.set(method))
             try:
+                if trace_id:
+                    await context.send_initial_metadata(((TRACE_ID_KEY, trace_id),))
                 self._admit(md, request, context)
                 yield
                 context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
@@ -183,8 +200,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 code = err.code
                 _record_error(span, err)
                 log.log(logging.ERROR if code == "INTERNAL" else logging.INFO, "rpc failed",
-                        extra={"code": code, "reason": err.reason, "detail": err.message})
-                await context.abort(*to_status(err, trace_id))
+                        extra={"code": code, "reason": err.reason, "detail": err.message, "metadata": err.metadata})
+                await context.abort(*to_status(err, trace_id, public=self.public))
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 code = "CANCELLED"
                 raise
@@ -193,7 +210,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 log.exception("unexpected error (bug)")
                 err = errors.Fatal(f"internal error in {self.service}: {type(exc).__name__}", reason="INTERNAL")
                 _record_error(span, err)
-                await context.abort(*to_status(err, trace_id))
+                await context.abort(*to_status(err, trace_id, public=self.public))
             finally:
                 self.inflight -= 1
                 self._requests.labels(service=self.service, method=name, code=code).inc()
@@ -205,4 +222,6 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 def _record_error(span: trace.Span, err: errors.KeelError) -> None:
     span.set_attribute("rpc.grpc.status", err.code)
     span.set_attribute("error.reason", err.reason)
+    for key, value in err.metadata.items():
+        span.set_attribute(f"error.metadata.{key}", value)
     span.set_status(trace.Status(trace.StatusCode.ERROR, f"{err.code} {err.reason}: {err.message}"))

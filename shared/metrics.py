@@ -238,7 +238,8 @@ def metrics_for(stage: str, registry: CollectorRegistry = REGISTRY) -> StageMetr
         return StageMetrics(stage, {s.name: built[s.name] for s in specs}, registry)
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY, addr: str = "0.0.0.0"):
+# Every interface by default: Prometheus scrapes each stage from outside its container/pod.
+def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY, addr: str = "0.0.0.0"):  # nosec B104
     """Serve ``registry`` on http://addr:port/metrics from a daemon thread; returns the server.
 
     ``port=0`` picks a free port (read it from ``server.server_address[1]``). Call ``shutdown()``

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared import metrics, tls
+from shared import discovery, metrics, tls
 from shared.config import ConfigError, ServerConfig
 from shared.interceptor import ServerInterceptor
 from shared.logging import setup_logging
@@ -54,7 +53,7 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     authenticate: Callable[[Sequence[tuple[str, str | bytes]], str], str] | None = getattr(stage, "authenticate", None)
     mesh_token = None if authenticate else os.environ.get("KEEL_MESH_TOKEN") or None
     interceptor = ServerInterceptor(stage.name, mesh_token=mesh_token, authenticate=authenticate,
-                                    is_ready=lambda: ready, trace_root=authenticate is not None)
+                                    is_ready=lambda: ready)
     server = grpc.aio.server(interceptors=[interceptor], options=[
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -64,10 +63,11 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ])
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = discovery.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     stage.register(server)
-    reflection.enable_server_reflection((stage.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if cfg.reflection:
+        discovery.enable_reflection(server, (stage.service_name,))
     for name in ("", stage.service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"

@@ -165,8 +165,11 @@ class Pipeline:
                     span.set_attributes({"rpc.grpc.status": err.code, "error.reason": err.reason})
                     span.set_status(Status(StatusCode.ERROR, f"{err.code} {err.reason}"))
                     raise
-        return await self.ex.call_with_retries(traced, method=method, upstream=upstream, idempotent=True,
-                                               deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
+        try:
+            return await self.ex.call_with_retries(traced, method=method, upstream=upstream, idempotent=True,
+                                                   deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
+        except errors.DeadlineExpired as err:
+            raise plain_deadline(err, upstream, method) from err
 
     async def prepare(self, ask: Ask, deadline: float, trace_id: str,
                       inbound: dict) -> tuple[Ask, Encoded, list[str], int]:
@@ -297,6 +300,16 @@ class Pipeline:
         return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=enc.truncated,
                       input_flags=flags, validation=result, trace_id=trace_id)
+
+
+def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:
+    """The client's view of a deadline that ran out during a downstream call: which step was
+    running, in plain words. The retry executor's own account stays in the log."""
+    log.info("deadline exceeded", extra={"upstream": upstream, "method": method, "detail": err.message,
+                                         "metadata": err.metadata})
+    return errors.DeadlineExpired(
+        f"deadline exceeded: the call's deadline ran out while the gateway waited for {upstream} ({method}); "
+        "retry with a longer deadline", reason="DEADLINE_EXCEEDED", metadata={"upstream": upstream, "step": method})
 
 
 def deadline_from(time_remaining: float | None, limits: Limits) -> float:

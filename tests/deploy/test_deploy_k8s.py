@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from shared.metrics import SPECS
-from tests.deploy.k8s_objects import K8S, OVERLAYS, STAGES, container, find, one
+from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, container, find, one
 
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # the grpc probe is GA since 1.27, autoscaling/v2 since 1.23
 EXACT_TAG = re.compile(r":v?\d+\.\d+\.\d+([-.][\w.-]+)?$|@sha256:[0-9a-f]{64}$")
@@ -202,3 +202,11 @@ def test_prometheus_adapter_serves_the_metric_the_hpa_asks_for():
     assert rule["seriesQuery"].startswith("keel_inference_queue_depth{")
     assert rule["name"]["as"] == "keel_inference_queue_depth"
     assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_rendered_configmap_is_config_itself(rendered, overlay):
+    """One source of truth: the ConfigMap holds the repository's config files byte for byte."""
+    (cm,) = [o for o in rendered[overlay] if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("keel-config-")]
+    assert cm["data"] == {f"{s}.yaml": (ROOT / "config" / f"{s}.yaml").read_text() for s in STAGES}
+    assert cm["metadata"]["namespace"] == "keel"

@@ -4,7 +4,6 @@ passes the stage's own schema with the stage's own env-override rules (shared/co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import yaml
@@ -184,26 +183,3 @@ def test_a_wrong_env_override_key_fails_the_schema():
     text = (ROOT / "config" / "gateway.yaml").read_text()
     with pytest.raises(keel_config.ConfigError, match="upstream"):
         effective_config("gateway", text, {"KEEL_GATEWAY_UPSTREAM__TOKENIZER": "[tokenizer:50052]"})
-
-
-def configmap_sources() -> dict[str, Path]:
-    base = K8S / "base"
-    (gen,) = yaml.safe_load((base / "kustomization.yaml").read_text())["configMapGenerator"]
-    return {key: (base / src).resolve() for key, src in (f.split("=", 1) for f in gen["files"])}
-
-
-def test_configmap_is_generated_from_the_repository_config_wherever_it_exists():
-    sources = configmap_sources()
-    assert set(sources) == {f"{stage}.yaml" for stage in STAGES}
-    for key, src in sources.items():
-        real = ROOT / "config" / key
-        if real.exists():
-            assert src == real, f"config/{key} exists now: point base/kustomization.yaml at it, delete {src.name}"
-        else:
-            assert src.parent == K8S / "base" / "config-placeholders", f"{key}: placeholders live under deploy/ only"
-
-
-def test_configmap_content_is_the_source_file(rendered):
-    (cm,) = find(rendered["dev"], "ConfigMap")
-    for key, src in configmap_sources().items():
-        assert cm["data"][key] == src.read_text(), key

@@ -118,8 +118,7 @@ async def gateway_channel():
     """The gateway stage's own authenticate (keys and limits from config/gateway.yaml) behind the
     real interceptor, in front of a trivial servicer."""
     stage = GatewayStage(gateway_config.load())
-    srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate,
-                                                          trace_root=True)])
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Echo(), srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     await srv.start()

@@ -1,0 +1,70 @@
+"""Typed results, and the request built from keyword arguments."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    plugin: str
+    passed: bool
+    message: str
+    blocking: bool
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole, validated answer (GenerateResponse)."""
+    text: str
+    trace_id: str
+    finish_reason: str          # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int                   # send it back to repeat the answer
+    prompt_truncated: bool
+    input_flags: tuple[str, ...]
+    validation_passed: bool
+    low_confidence: bool
+    verdicts: tuple[Verdict, ...] = ()
+    probes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A streamed piece of text (never a partial UTF-8 character)."""
+    text: str
+
+
+def request(prompt: str | None = None, *, messages: Sequence[tuple[str, str]] | None = None,
+            max_tokens: int = 0, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
+            seed: int | None = None, domain: str = "", source: str = "") -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest: a ``prompt``, or ``messages`` as (role, content) pairs."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt or messages")
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:
+        sampling.seed = seed
+    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=domain, source=source)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+    return req
+
+
+def answer(resp: gateway_pb2.GenerateResponse) -> Answer:
+    v = resp.validation
+    return Answer(
+        text=resp.text, trace_id=resp.trace_id, finish_reason=resp.finish_reason,
+        prompt_tokens=resp.usage.prompt_tokens, completion_tokens=resp.usage.completion_tokens, seed=resp.seed,
+        prompt_truncated=resp.prompt_truncated, input_flags=tuple(resp.input_flags), validation_passed=v.passed,
+        low_confidence=v.low_confidence, probes=dict(v.probes),
+        verdicts=tuple(Verdict(x.plugin, x.passed, x.message, x.blocking) for x in v.verdicts))
+
+
+def event(msg: gateway_pb2.GenerateStreamResponse) -> Delta | Answer:
+    return Delta(msg.delta) if msg.WhichOneof("event") == "delta" else answer(msg.done)
