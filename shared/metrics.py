@@ -33,7 +33,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from shared.errors import InvalidInput
 
 COMMON = "common"
-STAGES = ("gateway", "tokenizer", "inference", "validator", "supervisor")
+STAGES = ("gateway", "tokenizer", "inference", "validator", "feedback", "supervisor", "keelctl")
 KINDS = ("counter", "gauge", "histogram")
 
 
@@ -149,6 +149,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("keel_validator_quarantine_size", "Records in the Redis quarantine stream, as last seen.", owner="validator"),
     _g("keel_validator_spill_backlog", "Quarantine records in the local spill file not yet replayed into Redis.",
        owner="validator"),
+    # Feedback (replay records, feedback; services/feedback) and the gateway's side of it.
+    _c("keel_feedback_total", "Feedback items created (an update of the same feedback_id is not counted again).",
+       ("error_type", "severity"), "feedback"),
+    _c("keel_replay_records_total", "Replay records by path: direct (written to the database), spilled (to the "
+       "local file while the database was down), replayed (from the spill into the database).", ("path",),
+       "feedback"),
+    _g("keel_feedback_spill_backlog", "Replay records in the local spill file not yet in the database.",
+       owner="feedback"),
+    _c("keel_replay_records_dropped_total", "Replay records the gateway could not hand to the feedback stage "
+       "(queue full or stage unreachable); reason says which.", ("reason",), "gateway"),
+    _c("keel_determinism_checks_total", "Replays run by `keel verify determinism`, by result (identical, "
+       "mismatch, not_comparable, failed).", ("result",), "keelctl"),
     # Supervisor.
     _c("keel_supervisor_restarts_total", "Stage processes restarted by the supervisor.", ("stage",), "supervisor"),
 )
