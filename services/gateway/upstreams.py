@@ -204,7 +204,8 @@ class MeshUpstreams:
                     yield Step(ev.token.id, ev.token.entropy)
                 else:
                     f = ev.finished
-                    yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed)
+                    yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
+                               {"dtype": f.dtype})
         except grpc.aio.AioRpcError as exc:
             err = client.translate(exc)
             pool.balancer.observe_error(target, err)
