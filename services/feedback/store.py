@@ -103,6 +103,20 @@ class Store:
             r["expected_keywords"] = json.loads(r["expected_keywords"])
         return rows
 
+    def feedback_with_records(self, since_ms: int, severities, error_types) -> Iterator[tuple[dict, dict]]:
+        """(feedback row, replay record) pairs for the selected feedback, joined on trace_id."""
+        f, r = db.feedback.c, db.replay_records.c
+        q = (sa.select(db.feedback, r.body).join(db.replay_records, r.trace_id == f.trace_id)
+             .where(f.created_ms >= since_ms, f.severity.in_(list(severities)), f.error_type.in_(list(error_types)))
+             .order_by(f.feedback_id))
+        with self._tx() as conn:
+            rows = conn.execute(q).all()
+        for row in rows:
+            item = dict(row._mapping)
+            body = json.loads(item.pop("body"))
+            item["expected_keywords"] = json.loads(item["expected_keywords"])
+            yield item, body
+
 
 def open_store(url: str, *, connect_timeout_s: int = 2, pool_size: int = 5) -> Store:
     """Engine + migrations to the newest version; raises NotReady while the database is unreachable."""
