@@ -158,7 +158,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("keel_feedback_spill_backlog", "Replay records in the local spill file not yet in the database.",
        owner="feedback"),
     _c("keel_replay_records_dropped_total", "Replay records the gateway could not hand to the feedback stage "
-       "(queue full or stage unreachable); reason says which.", ("reason",), "gateway"),
+       "(queue_full, unreachable, or error); reason says which.", ("reason",), "gateway"),
     _c("keel_determinism_checks_total", "Replays run by `keel verify determinism`, by result (identical, "
        "mismatch, not_comparable, failed).", ("result",), "keelctl"),
     # Supervisor.

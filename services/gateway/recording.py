@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -57,14 +58,28 @@ def _channel(targets: tuple[str, ...], max_message_bytes: int) -> grpc.aio.Chann
     return client.channel(target, max_message_bytes=max_message_bytes)
 
 
+class LazyStub:
+    """The feedback stage's stub, made on first use: a grpc.aio channel must be created inside the
+    event loop that uses it, and the stage is assembled before the loop runs."""
+
+    def __init__(self, targets: tuple[str, ...], max_message_bytes: int):
+        self._targets, self._max = targets, max_message_bytes
+        self._stub: feedback_pb2_grpc.FeedbackStub | None = None
+
+    def __call__(self) -> feedback_pb2_grpc.FeedbackStub:
+        if self._stub is None:
+            self._stub = feedback_pb2_grpc.FeedbackStub(_channel(self._targets, self._max))
+        return self._stub
+
+
 class ReplayRecorder:
-    def __init__(self, cfg: ReplayConfig, stub: feedback_pb2_grpc.FeedbackStub):
+    def __init__(self, cfg: ReplayConfig, stub: Callable[[], feedback_pb2_grpc.FeedbackStub]):
         self.cfg, self._stub = cfg, stub
         self._queue: asyncio.Queue[tuple[Served, int]] = asyncio.Queue(cfg.queue_size)
         self._pending: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task | None = None
         self._dropped = metrics.metrics_for("gateway").counter("keel_replay_records_dropped_total")
-        for reason in ("queue_full", "unreachable"):
+        for reason in ("queue_full", "unreachable", "error"):
             self._dropped.labels(reason=reason)
 
     def served(self, s: Served) -> None:
@@ -103,6 +118,9 @@ class ReplayRecorder:
                 batch.append(self._queue.get_nowait())
             try:
                 await self._send([to_record(s, t) for s, t in batch])
+            except Exception:  # noqa: BLE001 - a dead worker would silently stop all recording
+                log.exception("replay records dropped", extra={"records": len(batch)})
+                self._dropped.labels(reason="error").inc(len(batch))
             finally:
                 for s, _ in batch:
                     event = self._pending.pop(s.trace_id, None)
@@ -115,7 +133,7 @@ class ReplayRecorder:
         delay = 0.1
         for attempt in range(self.cfg.attempts):
             try:
-                await self._stub.Record(request, timeout=self.cfg.send_timeout_ms / 1000,
+                await self._stub().Record(request, timeout=self.cfg.send_timeout_ms / 1000,
                                         metadata=client.mesh_metadata())
                 return
             except grpc.aio.AioRpcError as exc:
@@ -130,7 +148,7 @@ class ReplayRecorder:
 
 
 class FeedbackForwarder:
-    def __init__(self, stub: feedback_pb2_grpc.FeedbackStub, recorder: ReplayRecorder):
+    def __init__(self, stub: Callable[[], feedback_pb2_grpc.FeedbackStub], recorder: ReplayRecorder):
         self._stub, self._recorder = stub, recorder
 
     async def submit(self, item: feedback_pb2.FeedbackItem, timeout_s: float) -> feedback_pb2.SubmitResponse:
@@ -138,7 +156,7 @@ class FeedbackForwarder:
         await self._recorder.delivered(item.trace_id,
                                        min(timeout_s, self._recorder.cfg.feedback_wait_ms / 1000))
         try:
-            return await self._stub.Submit(item, timeout=max(0.001, timeout_s - (time.monotonic() - started)),
+            return await self._stub().Submit(item, timeout=max(0.001, timeout_s - (time.monotonic() - started)),
                                            metadata=client.mesh_metadata())
         except grpc.aio.AioRpcError as exc:
             err = client.translate(exc)
@@ -160,6 +178,6 @@ def build(targets: tuple[str, ...], cfg: ReplayConfig,
     """The recorder (None when records are off) and the forwarder for the configured feedback stage."""
     if not targets:
         return None, FeedbackDisabled()
-    stub = feedback_pb2_grpc.FeedbackStub(_channel(targets, max_message_bytes))
+    stub = LazyStub(targets, max_message_bytes)
     recorder = ReplayRecorder(cfg, stub)
     return (recorder if cfg.enabled else None), FeedbackForwarder(stub, recorder)

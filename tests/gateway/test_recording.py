@@ -52,7 +52,7 @@ def served(trace_id: str) -> Served:
 @pytest.mark.asyncio
 async def test_every_answer_becomes_one_record_with_the_seed_the_gateway_picked():
     stub = FakeFeedbackStub()
-    recorder = ReplayRecorder(ReplayConfig(), stub)
+    recorder = ReplayRecorder(ReplayConfig(), lambda: stub)
     recorder.start()
     pipe = Pipeline(FakeUpstreams(), RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1)), Limits(),
                     rng=random.Random(7), on_served=recorder.served)
@@ -80,7 +80,7 @@ def test_a_record_carries_sampling_engine_and_verdicts():
 async def test_a_full_queue_drops_the_record_without_blocking_the_answer():
     release = asyncio.Event()
     stub = FakeFeedbackStub(release=release)
-    recorder = ReplayRecorder(ReplayConfig(queue_size=2, batch=1), stub)
+    recorder = ReplayRecorder(ReplayConfig(queue_size=2, batch=1), lambda: stub)
     recorder.start()
     before = dropped("queue_full")
     for i in range(5):
@@ -95,7 +95,7 @@ async def test_a_full_queue_drops_the_record_without_blocking_the_answer():
 @pytest.mark.asyncio
 async def test_an_unreachable_feedback_stage_is_retried_then_counted_as_dropped():
     stub = FakeFeedbackStub(fail=10)
-    recorder = ReplayRecorder(ReplayConfig(attempts=2), stub)
+    recorder = ReplayRecorder(ReplayConfig(attempts=2), lambda: stub)
     recorder.start()
     before = dropped("unreachable")
     recorder.served(served("a" * 32))
@@ -112,10 +112,10 @@ async def test_an_unreachable_feedback_stage_is_retried_then_counted_as_dropped(
 async def test_feedback_waits_for_its_trace_record_to_leave_the_queue():
     release = asyncio.Event()
     stub = FakeFeedbackStub(release=release)
-    recorder = ReplayRecorder(ReplayConfig(), stub)
+    recorder = ReplayRecorder(ReplayConfig(), lambda: stub)
     recorder.start()
     recorder.served(served("a" * 32))
-    submit = asyncio.create_task(FeedbackForwarder(stub, recorder).submit(
+    submit = asyncio.create_task(FeedbackForwarder(lambda: stub, recorder).submit(
         feedback_pb2.FeedbackItem(trace_id="a" * 32, feedback_id="x"), 5))
     await asyncio.sleep(0.05)
     assert not submit.done()
@@ -133,6 +133,6 @@ async def test_an_unreachable_feedback_stage_is_unavailable_with_a_retry_hint():
                                        details="connection refused")
     stub = Down()
     with pytest.raises(errors.NotReady) as exc:
-        await FeedbackForwarder(stub, ReplayRecorder(ReplayConfig(), stub)).submit(
+        await FeedbackForwarder(lambda: stub, ReplayRecorder(ReplayConfig(), lambda: stub)).submit(
             feedback_pb2.FeedbackItem(trace_id="a" * 32, feedback_id="x"), 5)
     assert exc.value.retry_after_ms > 0
