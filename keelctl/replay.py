@@ -11,7 +11,7 @@ import random
 import sys
 import time
 
-from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client import CollectorRegistry, push_to_gateway, write_to_textfile
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
@@ -74,6 +74,8 @@ def verify_main(argv: list[str]) -> int:
     p.add_argument("what", choices=["determinism"])
     p.add_argument("--sample", type=int, default=20)
     p.add_argument("--since", default="24h", help="e.g. 24h, 7d")
+    p.add_argument("--gateway", help="host:port (default: the local mesh layout's gateway)")
+    p.add_argument("--push-gateway", help="push keel_determinism_checks_total to this Prometheus Pushgateway URL")
     p.add_argument("--metrics-file", help="write keel_determinism_checks_total here (Prometheus text format, "
                                           "for node-exporter's textfile collector)")
     args = p.parse_args(argv)
@@ -81,7 +83,7 @@ def verify_main(argv: list[str]) -> int:
     since = now_ms() - int(parse_duration(args.since) * 1000)
     records = [r for r in store.list_records(since) if can_run(r) is None]
     sample = random.Random().sample(records, min(args.sample, len(records)))
-    target = load_layout().targets("gateway")[0]
+    target = args.gateway or load_layout().targets("gateway")[0]
     counts = {"identical": 0, "mismatch": 0, "not_comparable": 0, "failed": 0}
     for record in sample:
         try:
@@ -92,10 +94,13 @@ def verify_main(argv: list[str]) -> int:
             counts["failed"] += 1
             print(f"{record['trace_id']}  failed: {exc}")
     print(" ".join(f"{k}={v}" for k, v in counts.items()))
+    registry = CollectorRegistry()
+    counter = metrics.metrics_for("keelctl", registry).counter("keel_determinism_checks_total")
+    for result, n in counts.items():
+        counter.labels(result=result).inc(n)
     if args.metrics_file:
-        registry = CollectorRegistry()
-        counter = metrics.metrics_for("keelctl", registry).counter("keel_determinism_checks_total")
-        for result, n in counts.items():
-            counter.labels(result=result).inc(n)
         write_to_textfile(args.metrics_file, registry)
+    if args.push_gateway:
+        # Each run replaces the last one's values: the gauge-like reading is "the last check".
+        push_to_gateway(args.push_gateway, job="keel-verify-determinism", registry=registry)
     return 1 if counts["mismatch"] else 0
