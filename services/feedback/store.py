@@ -30,6 +30,16 @@ class Store:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        # Built once with bound parameters, so SQLAlchemy compiles each only once.
+        f, r = db.feedback.c, db.replay_records.c
+        self._trace_known = sa.select(r.trace_id).where(r.trace_id == sa.bindparam("trace_id"))
+        self._feedback_known = sa.select(f.feedback_id).where(f.feedback_id == sa.bindparam("feedback_id"))
+        insert = self._insert(db.feedback)
+        # created_ms stays as first written; an update changes everything else.
+        self._upsert_feedback = insert.on_conflict_do_update(
+            index_elements=["feedback_id"],
+            set_={c: insert.excluded[c] for c in ("trace_id", "error_type", "severity", "expected_keywords",
+                                                    "comment", "updated_ms")})
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
@@ -72,20 +82,16 @@ class Store:
         """Create or update by feedback_id; True when created. NotFound for an unknown trace_id."""
         fb.check()
         t = now_ms()
-        values = {"trace_id": fb.trace_id, "error_type": fb.error_type, "severity": fb.severity,
-                  "expected_keywords": json.dumps(list(fb.expected_keywords), ensure_ascii=False),
-                  "comment": fb.comment, "updated_ms": t}
+        row = {"feedback_id": fb.feedback_id, "trace_id": fb.trace_id, "error_type": fb.error_type,
+               "severity": fb.severity, "comment": fb.comment, "created_ms": t, "updated_ms": t,
+               "expected_keywords": json.dumps(list(fb.expected_keywords), ensure_ascii=False)}
         with self._tx() as conn:
-            known = conn.execute(sa.select(db.replay_records.c.trace_id)
-                                 .where(db.replay_records.c.trace_id == fb.trace_id)).first()
+            known = conn.execute(self._trace_known, {"trace_id": fb.trace_id}).first()
             if known is None:
                 raise errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
                                       reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]})
-            stmt = self._insert(db.feedback).values(feedback_id=fb.feedback_id, created_ms=t, **values)
-            # created_ms stays as first written; an update changes everything else.
-            existed = conn.execute(sa.select(db.feedback.c.feedback_id)
-                                   .where(db.feedback.c.feedback_id == fb.feedback_id)).first() is not None
-            conn.execute(stmt.on_conflict_do_update(index_elements=["feedback_id"], set_=values))
+            existed = conn.execute(self._feedback_known, {"feedback_id": fb.feedback_id}).first() is not None
+            conn.execute(self._upsert_feedback, row)
         return not existed
 
     def list_feedback(self, since_ms: int = 0, *, severities=None, error_types=None,
