@@ -1,6 +1,7 @@
 """The feedback loop's costs, each against a peer in the same run.
 
 Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--requests 2000]
+     [--sections record,gateway]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
    SQLite and then on a real PostgreSQL (Debian's server, started here): throughput and p50/p99 of
@@ -107,7 +108,7 @@ def gateway_section(backend: str, args, extra_env: dict) -> str:
             f"{pct(lat, 0.99):.2f} | {errors} | {statistics.median(gen):.1f} |")
 
 
-async def record_cost(requests: int, target: str) -> tuple[list[float], list[float]]:
+async def record_cost(requests: int, target: str) -> tuple[list[float], list[float], float, float]:
     recorder = ReplayRecorder(ReplayConfig(), LazyStub((target,), 4 * 1024 * 1024))
     recorder.start()
     ex = RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1))
@@ -123,8 +124,18 @@ async def record_cost(requests: int, target: str) -> tuple[list[float], list[flo
         if i >= 200:
             times[recording].append((time.perf_counter() - t0) * 1e3)
         await asyncio.sleep(0)  # let the recorder's worker run between requests, as a server's loop would
-    await recorder.close()
-    return times[False], times[True]
+    # Per-request wall time of a block of requests, the worker's building and sending included
+    # (the "on" block ends when every record of it reached the feedback stage).
+    blocks = {}
+    for recording in (False, True):
+        t0 = time.perf_counter()
+        for i in range(requests):
+            await (on if recording else off).generate(ask, time.monotonic() + 60, f"b{int(recording)}{i:030x}", {})
+            await asyncio.sleep(0)
+        if recording:
+            await recorder.close()
+        blocks[recording] = (time.perf_counter() - t0) * 1e3 / requests
+    return times[False], times[True], blocks[False], blocks[True]
 
 
 def record_section(args) -> str:
@@ -137,14 +148,17 @@ def record_section(args) -> str:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         health.wait_serving({"feedback": (f"127.0.0.1:{port}", "keel.feedback.v1.Feedback")}, 60)
-        off, on = asyncio.run(record_cost(args.requests, f"127.0.0.1:{port}"))
+        off, on, block_off, block_on = asyncio.run(record_cost(args.requests, f"127.0.0.1:{port}"))
     finally:
         proc.terminate()
         proc.wait(30)
     p_off, p_on = statistics.median(off), statistics.median(on)
     return (f"request p50: recording off {p_off:.3f} ms, on {p_on:.3f} ms, ratio {p_on / p_off:.2f}x, "
             f"added {p_on - p_off:.3f} ms p50; p99 off {pct(off, 0.99):.3f} ms, on {pct(on, 0.99):.3f} ms "
-            f"({len(off)} + {len(on)} requests, 32 prompt-side tokens out, alternating)")
+            f"({len(off)} + {len(on)} requests of 32 output tokens, alternating)\n"
+            f"block of {args.requests} requests, wall per request incl. the worker's build + send: "
+            f"off {block_off:.3f} ms, on {block_on:.3f} ms, ratio {block_on / block_off:.2f}x, "
+            f"added {block_on - block_off:.3f} ms")
 
 
 def main() -> int:
@@ -152,8 +166,13 @@ def main() -> int:
     ap.add_argument("--submits", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--sections", default="record,gateway", help="comma list: record,gateway")
     args = ap.parse_args()
-    print(record_section(args), flush=True)
+    sections = args.sections.split(",")
+    if "record" in sections:
+        print(record_section(args), flush=True)
+    if "gateway" not in sections:
+        return 0
     print("| database | submits | clients | per s | p50 ms | p99 ms | errors | peer: Generate(1 token) p50 ms |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     print(gateway_section("sqlite", args, {}), flush=True)
