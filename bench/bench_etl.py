@@ -36,7 +36,7 @@ def fill(store, n: int, duplicates: float) -> None:
         bodies, items = [], []
         for i in range(start, min(n, start + batch)):
             source = rng.randrange(max(1, i)) if i and rng.random() < duplicates else i
-            prompt = [(source * 7 + k) % 49152 for k in range(40)]
+            prompt = [source % 49152, source // 49152] + [(source * 7 + k) % 49152 for k in range(38)]
             bodies.append(stored_body(record(f"{i:032x}", created_ms=1_000_000 + i, prompt=prompt,
                                              output=[rng.randrange(49152) for _ in range(32)],
                                              content=f"question {source}"), True))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from shared import errors
 MAX_FEEDBACK_ID = 128
 MAX_COMMENT_BYTES = 8192
 MAX_KEYWORDS = 64
+TRACE_ID = re.compile(r"[0-9a-f]{32}")  # W3C trace id, as the gateway assigns it
 
 
 def ids_sha256(ids: list[int]) -> str:
@@ -23,6 +25,13 @@ def text_sha256(messages: list[dict]) -> str:
     """SHA-256 (hex) of the conversation as canonical JSON (role/content pairs in order)."""
     canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+def check_record(record: dict) -> None:
+    """INVALID_ARGUMENT for a replay record that could not be stored or replayed."""
+    if not TRACE_ID.fullmatch(record["trace_id"]):
+        raise errors.InvalidInput(f"trace_id {record['trace_id'][:64]!r} is not 32 lowercase hex characters",
+                                  reason="INVALID_REPLAY_RECORD", metadata={"field": "trace_id"})
 
 
 def stored_body(record: dict, store_prompts: bool) -> dict:

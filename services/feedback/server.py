@@ -13,7 +13,7 @@ import grpc
 
 from keel.feedback.v1 import feedback_pb2_grpc
 from services.feedback import config as fb_config
-from services.feedback.records import Feedback, stored_body
+from services.feedback.records import Feedback, check_record, stored_body
 from services.feedback.servicer import FeedbackServicer
 from services.feedback.store import now_ms, open_store
 from services.feedback.writer import RecordWriter
@@ -23,6 +23,7 @@ from shared.config import ServerConfig
 log = logging.getLogger("keel.feedback")
 DAY_MS = 86_400_000
 RETENTION_EVERY_S = 3600.0
+DRAIN_ON_CLOSE_S = 2.0
 
 
 class FeedbackCore:
@@ -44,6 +45,8 @@ class FeedbackCore:
         m.gauge("keel_feedback_spill_backlog").set_function(self.writer.backlog)
 
     def record(self, records: list[dict]) -> tuple[int, int]:
+        for r in records:
+            check_record(r)
         bodies = [stored_body(r, self.cfg.replay.store_prompts) for r in records]
         for b in bodies:
             if not b["created_ms"]:
@@ -90,6 +93,8 @@ class FeedbackStage:
     async def close(self) -> None:
         if self._retention is not None:
             self._retention.cancel()
+        # A database that is up gets the spilled records now; else they wait in the file for the next start.
+        await asyncio.to_thread(self.core.writer.wait_drained, DRAIN_ON_CLOSE_S)
         await asyncio.to_thread(self.core.writer.close)
 
 

@@ -85,6 +85,9 @@ def test_records_and_feedback_round_trip_with_clear_statuses(stage):
         assert err.code == "INVALID_ARGUMENT" and err.metadata["field"] == field, field
     err = rpc_error(lambda: stub.Submit(item("a" * 32)))
     assert err.code == "UNAUTHENTICATED"
+    err = rpc_error(lambda: stub.Record(feedback_pb2.RecordRequest(records=[replay_record("not-a-trace")]),
+                                        metadata=MD))
+    assert err.code == "INVALID_ARGUMENT" and err.reason == "INVALID_REPLAY_RECORD"
 
 
 def test_with_the_database_killed_submit_is_unavailable_and_records_arrive_once_it_is_back(stage):
