@@ -11,6 +11,7 @@ import random
 import sys
 import time
 
+import grpc
 from prometheus_client import CollectorRegistry, push_to_gateway, write_to_textfile
 
 from keel.common.v1 import common_pb2
@@ -21,7 +22,7 @@ from services.feedback import config as fb_config
 from services.feedback.replay import Outcome, can_run, compare
 from services.feedback.store import Store, now_ms, open_store
 from services.validator.quarantine_cli import parse_duration
-from shared import metrics
+from shared import errors, metrics
 
 RECORD_WAIT_S = 30.0
 
@@ -63,7 +64,11 @@ def replay_main(argv: list[str]) -> int:
     if record is None:
         print(f"error: no replay record for trace {args.trace_id}", file=sys.stderr)
         return 1
-    outcome = replay_one(store, record, load_layout().targets("gateway")[0])
+    try:
+        outcome = replay_one(store, record, load_layout().targets("gateway")[0])
+    except grpc.RpcError as err:
+        print(f"error: the replay failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
     print(outcome.describe() + (f"  (replay trace {outcome.replay_trace_id})" if outcome.replay_trace_id else ""))
     return 0 if outcome.result == "identical" else 1
 
@@ -90,7 +95,10 @@ def verify_main(argv: list[str]) -> int:
             outcome = replay_one(store, record, target)
             counts[outcome.result] += 1
             print(f"{record['trace_id']}  {outcome.describe()}")
-        except Exception as exc:  # noqa: BLE001 - one failed replay is counted, the check goes on
+        except grpc.RpcError as err:  # one failed replay is counted, the check goes on
+            counts["failed"] += 1
+            print(f"{record['trace_id']}  failed: {err.code().name}: {err.details()}")
+        except (TimeoutError, errors.KeelError) as exc:
             counts["failed"] += 1
             print(f"{record['trace_id']}  failed: {exc}")
     print(" ".join(f"{k}={v}" for k, v in counts.items()))

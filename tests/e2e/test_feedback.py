@@ -2,7 +2,9 @@
 gateway, `keel replay` of a recorded request, `keel feedback list` and `keel etl run`."""
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 
 import grpc
 import pytest
@@ -85,3 +87,33 @@ def test_keel_feedback_submit_list_and_etl(mesh, answered, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "ds" / "train.jsonl").read_text().splitlines()] + \
         [json.loads(x) for x in (tmp_path / "ds" / "val.jsonl").read_text().splitlines()]
     assert any(x["source_trace_id"] == answered.trace_id for x in lines)
+
+
+def test_keel_verify_determinism_replays_a_sample_and_pushes_its_metric(mesh, answered, tmp_path):
+    wait_until(lambda: store(mesh).get_record(answered.trace_id), 30, "the replay record")
+    pushed: list[bytes] = []
+
+    class Pushgateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            pushed.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), Pushgateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = keel(mesh, "verify", "determinism", "--sample", "2", "--since", "1h",
+                   "--metrics-file", str(tmp_path / "determinism.prom"),
+                   "--push-gateway", f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert out.returncode == 0, out.stdout + out.stderr
+    # A replay that ran out of time on a loaded machine counts as failed, never as a mismatch.
+    counts = dict(kv.split("=") for kv in out.stdout.splitlines()[-1].split())
+    assert counts["mismatch"] == "0" and int(counts["identical"]) >= 1
+    assert int(counts["identical"]) + int(counts["failed"]) == 2
+    text = (tmp_path / "determinism.prom").read_text()
+    assert f'keel_determinism_checks_total{{result="identical"}} {counts["identical"]}.0' in text
+    assert pushed and b"keel_determinism_checks_total" in pushed[0]

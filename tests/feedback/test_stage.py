@@ -103,3 +103,11 @@ def test_with_the_database_killed_submit_is_unavailable_and_records_arrive_once_
     store = open_store(pg.url)
     wait_until(lambda: len(store.list_records(0)) == 2, 30, "the spilled record in PostgreSQL")
     assert stub.Submit(item("b" * 32), metadata=MD).created is True
+
+
+def test_a_bad_config_value_stops_the_stage_naming_the_field(tmp_path):
+    env = dict(os.environ, KEEL_VAR_DIR=str(tmp_path), KEEL_FEEDBACK_REPLAY__RETENTION_DAYS="0")
+    done = subprocess.run([sys.executable, "-m", "services.feedback"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert "replay.retention_days" in done.stdout + done.stderr
