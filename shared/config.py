@@ -25,6 +25,8 @@ from referencing.jsonschema import DRAFT202012
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("KEEL_CONFIG_DIR", ROOT_DIR / "config"))
+# Everything a running mesh writes (run state, logs, traces, caches) lives under here.
+VAR_DIR = Path(os.environ.get("KEEL_VAR_DIR", ROOT_DIR / "var"))
 T = TypeVar("T")
 
 

@@ -1,15 +1,11 @@
 """The feedback stage's one typed config object (config/feedback.yaml, schema-validated)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shared import config
-from shared.config import ROOT_DIR, ServerConfig
-
-# The mesh's writable state (the supervisor and the tests point KEEL_VAR_DIR elsewhere).
-VAR_DIR = Path(os.environ.get("KEEL_VAR_DIR", ROOT_DIR / "var"))
+from shared.config import ROOT_DIR, VAR_DIR, ServerConfig
 ERROR_TYPES = ("fact_error", "logic_error", "format_error", "irrelevant")
 SEVERITIES = ("minor", "moderate", "severe")
 
