@@ -39,8 +39,9 @@ vocab: .venv/.stamp
 	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
 
 # Debian packages the mesh and the tests run for real: redis-server (quarantine), promtool (rule tests),
-# node and npm (the Node client test, tests/node).
-SYSPKGS := redis-server:redis-server prometheus:promtool nodejs:node npm:npm
+# node and npm (the Node client test, tests/node); postgresql (the feedback database's tests; Debian
+# keeps its binaries off PATH, hence the full path).
+SYSPKGS := redis-server:redis-server prometheus:promtool nodejs:node npm:npm postgresql:/usr/lib/postgresql/15/bin/pg_ctl
 syspkgs:
 	@need=""; for p in $(SYSPKGS); do command -v $${p#*:} >/dev/null || need="$$need $${p%%:*}"; done; \
 	if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$need; fi

@@ -8,6 +8,10 @@
                                   (--format chrome: a Chrome Trace Event file)
     keel tokenize | detokenize    JSON lines on stdin -> stdout, in-process
     keel quarantine list|show|replay|purge ...
+    keel replay TRACE_ID          re-run a recorded request; "identical" or the first differing token
+    keel verify determinism [--sample N] [--since 24h]   replay a sample of recent requests
+    keel feedback submit|list     report a bad answer (through the gateway); list reports
+    keel etl run --since 24h --out DIR   severe factual errors -> a reproducible JSONL chat dataset
     keel certs [--out var/certs]  TLS certificates for the mesh (then KEEL_MESH_TLS_DIR=var/certs keel up)
 """
 from __future__ import annotations
@@ -165,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
     c.add_argument("--days", type=int, default=365)
-    for name in ("trace", "tokenize", "detokenize", "quarantine"):
+    delegated = ("trace", "tokenize", "detokenize", "quarantine", "replay", "verify", "feedback", "etl")
+    for name in delegated:
         sub.add_parser(name, add_help=False)
     args, rest = ap.parse_known_args(argv)
-    if args.cmd in ("trace", "tokenize", "detokenize", "quarantine"):
+    if args.cmd in delegated:
         from keelctl import tools
         return tools.dispatch(args.cmd, rest)
     if rest:

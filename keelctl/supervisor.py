@@ -44,7 +44,7 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int) -> dict
     env = {f"KEEL_{stage.upper()}_SERVER__PORT": str(port),
            f"KEEL_{stage.upper()}_SERVER__METRICS_PORT": str(metrics_port)}
     if stage == "gateway":
-        for up in ("tokenizer", "inference", "validator"):
+        for up in ("tokenizer", "inference", "validator", "feedback"):
             env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
     if stage == "validator":
         env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = f"redis://127.0.0.1:{layout.redis.port}/0"

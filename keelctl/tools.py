@@ -17,4 +17,16 @@ def dispatch(cmd: str, argv: list[str]) -> int:
     if cmd == "quarantine":
         from keelctl import quarantine
         return quarantine.main(argv)
+    if cmd == "replay":
+        from keelctl import replay
+        return replay.replay_main(argv)
+    if cmd == "verify":
+        from keelctl import replay
+        return replay.verify_main(argv)
+    if cmd == "feedback":
+        from keelctl import feedback
+        return feedback.main(argv)
+    if cmd == "etl":
+        from services.feedback import etl
+        return etl.main(argv)
     raise ValueError(cmd)

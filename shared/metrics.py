@@ -33,7 +33,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from shared.errors import InvalidInput
 
 COMMON = "common"
-STAGES = ("gateway", "tokenizer", "inference", "validator", "supervisor")
+STAGES = ("gateway", "tokenizer", "inference", "validator", "feedback", "supervisor", "keelctl")
 KINDS = ("counter", "gauge", "histogram")
 
 
@@ -157,6 +157,18 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        owner="validator"),
     _c("keel_validator_quarantine_dropped_total", "Rejected/flagged inputs not stored by the quarantine's flood gate "
        "(why: duplicate of a stored payload, source_cap).", ("why",), "validator"),
+    # Feedback (replay records, feedback; services/feedback) and the gateway's side of it.
+    _c("keel_feedback_total", "Feedback items created (an update of the same feedback_id is not counted again).",
+       ("error_type", "severity"), "feedback"),
+    _c("keel_replay_records_total", "Replay records by path: direct (written to the database), spilled (to the "
+       "local file while the database was down), replayed (from the spill into the database).", ("path",),
+       "feedback"),
+    _g("keel_feedback_spill_backlog", "Replay records in the local spill file not yet in the database.",
+       owner="feedback"),
+    _c("keel_replay_records_dropped_total", "Replay records the gateway could not hand to the feedback stage "
+       "(queue_full, unreachable, or error); reason says which.", ("reason",), "gateway"),
+    _c("keel_determinism_checks_total", "Replays run by `keel verify determinism`, by result (identical, "
+       "mismatch, not_comparable, failed).", ("result",), "keelctl"),
     # Supervisor.
     _c("keel_supervisor_restarts_total", "Stage processes restarted by the supervisor.", ("stage",), "supervisor"),
 )

@@ -116,6 +116,18 @@ ROWS: list[tuple[str, list[dict]]] = [
             (f"sum by (why) (rate(keel_validator_quarantine_dropped_total{RATE}))", "{{why}}")], "ops",
            "Duplicates of a stored payload and records over a source's cap: a client repeating bad requests."),
     ]),
+    ("Feedback", [
+        ts("Feedback/s by error type and severity", [(
+            f"sum by (error_type, severity) (rate(keel_feedback_total{RATE}))", "{{error_type}} {{severity}}")],
+            "ops"),
+        ts("Replay records/s by path, and dropped by the gateway", [
+            (f"sum by (path) (rate(keel_replay_records_total{RATE}))", "{{path}}"),
+            (f"sum by (reason) (rate(keel_replay_records_dropped_total{RATE}))", "dropped {{reason}}")], "ops",
+           "spilled > 0: the feedback database is down; the spill is written to it once it is back."),
+        ts("Replay record spill backlog", [("sum by (instance) (keel_feedback_spill_backlog)", "{{instance}}")]),
+        stat("Last determinism check", [("sum by (result) (keel_determinism_checks_total)", "{{result}}")], "short",
+             "From `keel verify determinism` (nightly CronJob, via the Pushgateway); mismatch > 0 alerts."),
+    ]),
 ]
 
 

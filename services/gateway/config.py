@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, replace
 from services.gateway.auth import ApiKeyEntry
 from services.gateway.pipeline import Limits
 from services.gateway.ratelimit import AuthFailureLimit, RateLimit, RateLimitConfig
+from services.gateway.ratelimit import RateLimit, RateLimitConfig
+from services.gateway.recording import ReplayConfig
 from services.gateway.retry import RetryConfig
 from shared import config
 from shared.config import ServerConfig
@@ -16,6 +18,8 @@ class Upstreams:
     tokenizer: tuple[str, ...] = ()
     inference: tuple[str, ...] = ()
     validator: tuple[str, ...] = ()
+    # The feedback stage (replay records, SubmitFeedback); empty = neither.
+    feedback: tuple[str, ...] = ()
     # With no replica of a stage SERVING, wait this long (within the call's deadline) for one.
     wait_for_replica_ms: int = 5000
 
@@ -29,6 +33,7 @@ class GatewayConfig:
     api_keys: tuple[ApiKeyEntry, ...] = ()
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
     auth_failures: AuthFailureLimit = field(default_factory=AuthFailureLimit)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 def load(path=None, environ=None) -> GatewayConfig:

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -77,6 +77,18 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     seed: int
+    engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. dtype)
+
+
+@dataclass(frozen=True)
+class Served:
+    """Everything a replay record holds about one answered request (see services/gateway/recording.py)."""
+    ask: Ask
+    encoded: Encoded
+    done: Done
+    output_ids: list[int]
+    validation: common_pb2.ValidationResult
+    trace_id: str
 
 
 @dataclass
@@ -146,9 +158,11 @@ def payload_of(ask: Ask) -> dict:
 
 class Pipeline:
     def __init__(self, upstreams: Upstreams, executor: RetryExecutor, limits: Limits,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, on_served: Callable[[Served], None] | None = None):
         self.up, self.ex, self.limits = upstreams, executor, limits
         self._rng = rng or random.SystemRandom()
+        # Called once per answered request, after validation; must not block (it hands off to a queue).
+        self._on_served = on_served
 
     async def _call(self, upstream: str, method: str, fn, deadline: float, trace_id: str, inbound: dict):
         attempts = 0
@@ -233,7 +247,8 @@ class Pipeline:
         ids = [s.token_id for s in steps]
         raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
                                deadline, trace_id, inbound)
-        return await self.finish(ask, enc, flags, done, raw, [s.entropy for s in steps], deadline, trace_id, inbound)
+        return await self.finish(ask, enc, flags, done, raw, [s.entropy for s in steps], deadline, trace_id, inbound,
+                                 ids)
 
     async def stream(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> AsyncIterator[str | Answer]:
         """Text deltas as they become decodable, then the validated Answer.
@@ -286,10 +301,11 @@ class Pipeline:
         if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
         raw = streamed.text
-        yield await self.finish(ask, enc, flags, done, raw, entropies, deadline, trace_id, inbound)
+        yield await self.finish(ask, enc, flags, done, raw, entropies, deadline, trace_id, inbound,
+                                list(streamed.ids))
 
     async def finish(self, ask: Ask, enc: Encoded, flags: list[str], done: Done, raw: str, entropies: list[float],
-                     deadline: float, trace_id: str, inbound: dict) -> Answer:
+                     deadline: float, trace_id: str, inbound: dict, ids: list[int]) -> Answer:
         text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
             raw, ask, entropies, t, md), deadline, trace_id, inbound)
         if not result.passed:
@@ -297,6 +313,8 @@ class Pipeline:
             plugin, message = (first.plugin, first.message) if first else ("unknown", "")
             raise errors.PreconditionFailed(f"answer blocked by output validation: {message}",
                                             reason="OUTPUT_BLOCKED", metadata={"plugin": plugin, "trace_id": trace_id})
+        if self._on_served is not None:
+            self._on_served(Served(ask, enc, done, ids, result, trace_id))
         return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=enc.truncated,
                       input_flags=flags, validation=result, trace_id=trace_id)

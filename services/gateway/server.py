@@ -10,6 +10,8 @@ from services.gateway import config as gateway_config
 from services.gateway.auth import ApiKeyAuthenticator, Metadata
 from services.gateway.pipeline import Pipeline
 from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
+from services.gateway.ratelimit import RateLimiter
+from services.gateway import recording
 from services.gateway.retry import RetryExecutor
 from services.gateway.retry_alerts import RetryMonitor
 from shared import metrics
@@ -40,7 +42,9 @@ class GatewayStage:
                                on_alert=lambda a: alerts.labels(upstream=a.upstream, kind=a.kind).inc())
         self.executor = RetryExecutor(cfg.retry, monitor=monitor, on_decision=lambda r: retries.labels(
             upstream=r.upstream, code=r.code or "NONE", decision=r.decision, reason=r.reason or "retryable").inc())
-        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits)
+        self.recorder, self.feedback = recording.build(cfg.upstreams.feedback, cfg.replay, cfg.server.max_message_bytes)
+        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits,
+                                 on_served=self.recorder.served if self.recorder else None)
 
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
         key_id = self._auth.authenticate(metadata, peer)
@@ -48,14 +52,20 @@ class GatewayStage:
         return key_id
 
     def register(self, server: grpc.aio.Server) -> None:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.pipeline, self.cfg.limits), server)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.pipeline, self.cfg.limits, self.feedback),
+                                                       server)
 
     async def warmup(self) -> None:
         # Ready means every upstream has at least one SERVING replica: the watchers report it.
+        # The feedback stage is not waited for: answers never depend on it.
         self.upstreams.start()
+        if self.recorder is not None:
+            self.recorder.start()
         await self.upstreams.wait_any_healthy()
 
     async def close(self) -> None:
+        if self.recorder is not None:
+            await self.recorder.close()
         await self.upstreams.close()
 
 

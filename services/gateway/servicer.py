@@ -31,8 +31,9 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, pipeline: Pipeline, limits: Limits):
+    def __init__(self, pipeline: Pipeline, limits: Limits, feedback):
         self.pipeline, self.limits = pipeline, limits
+        self.feedback = feedback  # services/gateway/recording.py: forwards to the feedback stage
 
     @staticmethod
     def _inbound(context: grpc.aio.ServicerContext) -> dict:
@@ -52,3 +53,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield gateway_pb2.GenerateStreamResponse(delta=item)
             else:
                 yield gateway_pb2.GenerateStreamResponse(done=to_response(item))
+
+    async def SubmitFeedback(self, request, context):
+        remaining = context.time_remaining()
+        return await self.feedback.submit(request, remaining if remaining is not None
+                                          else self.limits.default_deadline_ms / 1000)

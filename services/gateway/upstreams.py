@@ -209,7 +209,8 @@ class MeshUpstreams:
                     yield Step(ev.token.id, ev.token.entropy)
                 else:
                     f = ev.finished
-                    yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed)
+                    yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
+                               {"dtype": f.dtype})
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:

@@ -14,6 +14,7 @@ STAGES = {  # stage: (grpc port, metrics port, health service name)
     "tokenizer": (50052, 9102, "keel.tokenizer.v1.Tokenizer"),
     "inference": (50053, 9103, "keel.inference.v1.Inference"),
     "validator": (50054, 9104, "keel.validator.v1.Validator"),
+    "feedback": (50055, 9106, "keel.feedback.v1.Feedback"),
 }
 
 

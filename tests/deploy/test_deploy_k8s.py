@@ -165,8 +165,9 @@ def test_images_carry_explicit_tags_and_releases_exact_versions(rendered, overla
 
 
 def test_dev_has_a_throwaway_mesh_token_and_releases_carry_no_credentials(rendered):
-    (secret,) = find(rendered["dev"], "Secret")
-    assert secret["metadata"]["name"].startswith("keel-mesh-") and "token" in secret["data"]
+    secrets = {s["metadata"]["name"].rsplit("-", 1)[0]: s for s in find(rendered["dev"], "Secret")}
+    assert set(secrets) == {"keel-mesh", "keel-feedback-db"}
+    assert "token" in secrets["keel-mesh"]["data"] and {"password", "url"} <= set(secrets["keel-feedback-db"]["data"])
     for overlay in ("prod", "gpu"):
         assert find(rendered[overlay], "Secret") == []
         refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in container(

@@ -22,7 +22,8 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
-            "validator": "keel.validator.v1.Validator", "gateway": "keel.gateway.v1.Gateway"}
+            "validator": "keel.validator.v1.Validator", "gateway": "keel.gateway.v1.Gateway",
+            "feedback": "keel.feedback.v1.Feedback"}
 
 
 class Mesh:
@@ -55,7 +56,8 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
              extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
     """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
     ports = {"validator": [free_port()], "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
-             "inference": [free_port() for _ in range(inference_replicas)], "gateway": [free_port()]}
+             "inference": [free_port() for _ in range(inference_replicas)], "feedback": [free_port()],
+             "gateway": [free_port()]}
     redis_port = free_port()
     layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},
               # two tokenizer workers share each tokenizer port and its mmapped vocabulary

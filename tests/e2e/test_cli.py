@@ -71,7 +71,8 @@ def test_up_detach_status_down(tmp_path):
     pids = [state["pid"]] + [p["pid"] for p in state["processes"].values()]
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert f"gateway@127.0.0.1:{ports['gateway'][0]}" in up.stdout and up.stdout.count("SERVING") == 4
+        assert f"gateway@127.0.0.1:{ports['gateway'][0]}" in up.stdout
+        assert up.stdout.count("SERVING") == sum(len(p) for p in ports.values())  # every stage replica
         assert run("status").returncode == 0
         down = run("down")
         assert down.returncode == 0 and "keel is down" in down.stdout

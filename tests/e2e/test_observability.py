@@ -22,7 +22,7 @@ def base_name(spec_name: str, kind: str) -> str:
     return spec_name[: -len("_total")] if kind == "counter" and spec_name.endswith("_total") else spec_name
 
 
-@pytest.mark.parametrize("stage", ["gateway", "tokenizer", "inference", "validator", "supervisor"])
+@pytest.mark.parametrize("stage", ["gateway", "tokenizer", "inference", "validator", "feedback", "supervisor"])
 def test_every_catalogued_metric_is_scraped(mesh, api_md, gateway_request, stage):
     with grpc.insecure_channel(mesh.gateway) as ch:  # traffic, so labelled series exist
         mesh.stub(ch).Generate(gateway_request("Say yes.", max_tokens=4), metadata=api_md, timeout=120)

@@ -1,0 +1,190 @@
+"""The feedback loop's costs, each against a peer in the same run.
+
+Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--requests 2000]
+     [--sections record,gateway]
+
+1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
+   SQLite and then on a real PostgreSQL (Debian's server, started here): throughput and p50/p99 of
+   `--submits` upserts from `--concurrency` concurrent clients. Peer: the gateway's own Generate of
+   one token, the cheapest call that crosses the same gateway, measured in the same mesh.
+2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
+   upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
+   not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
+   answer to a ReplayRecorder whose worker builds the records and sends them to a real feedback
+   stage process on the same event loop, so the off-path work is counted where it competes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from keel.feedback.v1 import feedback_pb2  # noqa: E402
+from keel.gateway.v1 import gateway_pb2_grpc  # noqa: E402
+from keelctl import health  # noqa: E402
+from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
+from services.gateway.pipeline import Ask, Limits, Pipeline  # noqa: E402
+from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
+from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+from tests.feedback.pg import PgServer  # noqa: E402
+from tests.gateway.test_pipeline import FakeUpstreams, no_sleep  # noqa: E402
+
+MD = (("x-api-key", DEV_API_KEY),)
+NO_RATE_LIMIT = "{rate_per_s: 1000000, burst: 1000000}"
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[int(q * (len(xs) - 1))]
+
+
+async def submit_load(target: str, trace_id: str, n: int, concurrency: int) -> tuple[float, list[float], int]:
+    """(wall s, per-call ms, errors) of n SubmitFeedback upserts, each a new feedback_id."""
+    lat: list[float] = []
+    errors = 0
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(n):
+        queue.put_nowait(i)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for i in range(concurrency):  # warm the connection and the database
+            await stub.SubmitFeedback(feedback_pb2.FeedbackItem(
+                trace_id=trace_id, feedback_id=f"warm-{i}", error_type="fact_error", severity="severe"), metadata=MD)
+
+        async def worker(w: int) -> None:
+            nonlocal errors
+            while not queue.empty():
+                i = queue.get_nowait()
+                item = feedback_pb2.FeedbackItem(trace_id=trace_id, feedback_id=f"b-{w}-{i}", error_type="fact_error",
+                                                 severity="severe", expected_keywords=["Paris"], comment="bench")
+                t0 = time.perf_counter()
+                try:
+                    await stub.SubmitFeedback(item, metadata=MD, timeout=30)
+                except grpc.aio.AioRpcError:
+                    errors += 1
+                lat.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return time.perf_counter() - t0, lat, errors
+
+
+def generate_ms(target: str, n: int) -> list[float]:
+    out = []
+    with grpc.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for i in range(n):
+            t0 = time.perf_counter()
+            stub.Generate(build_request("What is the capital of France?", max_tokens=1), metadata=MD, timeout=60)
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def gateway_section(backend: str, args, extra_env: dict) -> str:
+    tmp = Path(tempfile.mkdtemp(prefix=f"keel-bench-fb-{backend}-"))
+    mesh = start_mesh(tmp, extra_env={"KEEL_GATEWAY_RATE_LIMITS__DEFAULT": NO_RATE_LIMIT, **extra_env})
+    try:
+        gen = generate_ms(mesh.gateway, 5)
+        trace_id = None
+        with grpc.insecure_channel(mesh.gateway) as ch:
+            trace_id = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request("Name a colour.", max_tokens=2),
+                                                                metadata=MD, timeout=60).trace_id
+        wall, lat, errors = asyncio.run(submit_load(mesh.gateway, trace_id, args.submits, args.concurrency))
+    finally:
+        stop_mesh(mesh)
+    rate = args.submits / wall
+    return (f"| {backend} | {args.submits} | {args.concurrency} | {rate:.0f} | {statistics.median(lat):.2f} | "
+            f"{pct(lat, 0.99):.2f} | {errors} | {statistics.median(gen):.1f} |")
+
+
+async def record_cost(requests: int, target: str) -> tuple[list[float], list[float], float, float]:
+    recorder = ReplayRecorder(ReplayConfig(), LazyStub((target,), 4 * 1024 * 1024))
+    recorder.start()
+    ex = RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1))
+    off = Pipeline(FakeUpstreams(tokens=tuple(range(5, 37))), ex, Limits(), rng=random.Random(7))
+    on = Pipeline(FakeUpstreams(tokens=tuple(range(5, 37))), ex, Limits(), rng=random.Random(7),
+                  on_served=recorder.served)
+    ask = Ask(messages=(("user", "What is the capital of France? " * 8),), max_tokens=32)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(requests + 200):
+        recording = bool(i % 2)
+        t0 = time.perf_counter()
+        await (on if recording else off).generate(ask, time.monotonic() + 60, f"{i:032x}", {})
+        if i >= 200:
+            times[recording].append((time.perf_counter() - t0) * 1e3)
+        await asyncio.sleep(0)  # let the recorder's worker run between requests, as a server's loop would
+    # Per-request wall time of a block of requests, the worker's building and sending included
+    # (the "on" block ends when every record of it reached the feedback stage).
+    blocks = {}
+    for recording in (False, True):
+        t0 = time.perf_counter()
+        for i in range(requests):
+            await (on if recording else off).generate(ask, time.monotonic() + 60, f"b{int(recording)}{i:030x}", {})
+            await asyncio.sleep(0)
+        if recording:
+            await recorder.close()
+        blocks[recording] = (time.perf_counter() - t0) * 1e3 / requests
+    return times[False], times[True], blocks[False], blocks[True]
+
+
+def record_section(args) -> str:
+    tmp = Path(tempfile.mkdtemp(prefix="keel-bench-rec-"))
+    port = free_port()
+    env = dict(os.environ, KEEL_VAR_DIR=str(tmp), KEEL_FEEDBACK_SERVER__PORT=str(port),
+               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_TRACES_DIR=str(tmp / "traces"))
+    env.pop("KEEL_MESH_TOKEN", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.feedback"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        health.wait_serving({"feedback": (f"127.0.0.1:{port}", "keel.feedback.v1.Feedback")}, 60)
+        off, on, block_off, block_on = asyncio.run(record_cost(args.requests, f"127.0.0.1:{port}"))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    p_off, p_on = statistics.median(off), statistics.median(on)
+    return (f"request p50: recording off {p_off:.3f} ms, on {p_on:.3f} ms, ratio {p_on / p_off:.2f}x, "
+            f"added {p_on - p_off:.3f} ms p50; p99 off {pct(off, 0.99):.3f} ms, on {pct(on, 0.99):.3f} ms "
+            f"({len(off)} + {len(on)} requests of 32 output tokens, alternating)\n"
+            f"block of {args.requests} requests, wall per request incl. the worker's build + send: "
+            f"off {block_off:.3f} ms, on {block_on:.3f} ms, ratio {block_on / block_off:.2f}x, "
+            f"added {block_on - block_off:.3f} ms")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--submits", type=int, default=3000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--sections", default="record,gateway", help="comma list: record,gateway")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    if "record" in sections:
+        print(record_section(args), flush=True)
+    if "gateway" not in sections:
+        return 0
+    print("| database | submits | clients | per s | p50 ms | p99 ms | errors | peer: Generate(1 token) p50 ms |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print(gateway_section("sqlite", args, {}), flush=True)
+    pg = PgServer().init()
+    pg.start()
+    try:
+        print(gateway_section("postgresql", args, {"KEEL_FEEDBACK_DATABASE__URL": pg.url}), flush=True)
+    finally:
+        pg.stop()
+    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`keel replay TRACE_ID` and `keel verify determinism`: re-run recorded requests against the running mesh.
+
+A replay sends the recorded conversation with the recorded sampling parameters and seed through
+the gateway, alone (one request at a time), then reads the replay's own record from the feedback
+database and compares the two (services/feedback/replay.py).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, push_to_gateway, write_to_textfile
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2
+from keelctl import ask
+from keelctl.layout import load_layout
+from services.feedback import config as fb_config
+from services.feedback.replay import Outcome, can_run, compare
+from services.feedback.store import Store, now_ms, open_store
+from services.validator.quarantine_cli import parse_duration
+from shared import errors, metrics
+
+RECORD_WAIT_S = 30.0
+
+
+def request_of(record: dict) -> gateway_pb2.GenerateRequest:
+    s = record["sampling"]
+    sampling = common_pb2.SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                                         top_k=s["top_k"], seed=s["seed"])
+    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=record["domain"], source=record["source"])
+    req.chat.messages.extend(common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in record["messages"])
+    return req
+
+
+def replay_one(store: Store, record: dict, target: str) -> Outcome:
+    blocked = can_run(record)
+    if blocked is not None:
+        return blocked
+    resp = ask.ask(target, request_of(record))
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while (again := store.get_record(resp.trace_id)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replay's record {resp.trace_id} did not reach the feedback database "
+                               f"within {RECORD_WAIT_S:.0f}s")
+        time.sleep(0.1)
+    return compare(record, again)
+
+
+def _store() -> Store:
+    cfg = fb_config.load()
+    return open_store(cfg.database_url, connect_timeout_s=cfg.database.connect_timeout_s)
+
+
+def replay_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="keel replay", description="re-run one recorded request and compare")
+    p.add_argument("trace_id")
+    args = p.parse_args(argv)
+    store = _store()
+    record = store.get_record(args.trace_id)
+    if record is None:
+        print(f"error: no replay record for trace {args.trace_id}", file=sys.stderr)
+        return 1
+    try:
+        outcome = replay_one(store, record, load_layout().targets("gateway")[0])
+    except grpc.RpcError as err:
+        print(f"error: the replay failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(outcome.describe() + (f"  (replay trace {outcome.replay_trace_id})" if outcome.replay_trace_id else ""))
+    return 0 if outcome.result == "identical" else 1
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="keel verify determinism",
+                                description="replay a sample of recent requests; non-zero exit on any mismatch")
+    p.add_argument("what", choices=["determinism"])
+    p.add_argument("--sample", type=int, default=20)
+    p.add_argument("--since", default="24h", help="e.g. 24h, 7d")
+    p.add_argument("--gateway", help="host:port (default: the local mesh layout's gateway)")
+    p.add_argument("--push-gateway", help="push keel_determinism_checks_total to this Prometheus Pushgateway URL")
+    p.add_argument("--metrics-file", help="write keel_determinism_checks_total here (Prometheus text format, "
+                                          "for node-exporter's textfile collector)")
+    args = p.parse_args(argv)
+    store = _store()
+    since = now_ms() - int(parse_duration(args.since) * 1000)
+    records = [r for r in store.list_records(since) if can_run(r) is None]
+    sample = random.Random().sample(records, min(args.sample, len(records)))
+    target = args.gateway or load_layout().targets("gateway")[0]
+    counts = {"identical": 0, "mismatch": 0, "not_comparable": 0, "failed": 0}
+    for record in sample:
+        try:
+            outcome = replay_one(store, record, target)
+            counts[outcome.result] += 1
+            print(f"{record['trace_id']}  {outcome.describe()}")
+        except grpc.RpcError as err:  # one failed replay is counted, the check goes on
+            counts["failed"] += 1
+            print(f"{record['trace_id']}  failed: {err.code().name}: {err.details()}")
+        except (TimeoutError, errors.KeelError) as exc:
+            counts["failed"] += 1
+            print(f"{record['trace_id']}  failed: {exc}")
+    print(" ".join(f"{k}={v}" for k, v in counts.items()))
+    registry = CollectorRegistry()
+    counter = metrics.metrics_for("keelctl", registry).counter("keel_determinism_checks_total")
+    for result, n in counts.items():
+        counter.labels(result=result).inc(n)
+    if args.metrics_file:
+        write_to_textfile(args.metrics_file, registry)
+    if args.push_gateway:
+        # Each run replaces the last one's values: the gauge-like reading is "the last check".
+        push_to_gateway(args.push_gateway, job="keel-verify-determinism", registry=registry)
+    return 1 if counts["mismatch"] else 0

@@ -1,0 +1,61 @@
+"""The feedback stage's one typed config object (config/feedback.yaml, schema-validated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from shared import config
+from shared.config import ROOT_DIR, VAR_DIR, ServerConfig
+ERROR_TYPES = ("fact_error", "logic_error", "format_error", "irrelevant")
+SEVERITIES = ("minor", "moderate", "severe")
+
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    # SQLAlchemy URL; "" = embedded SQLite (WAL) at <KEEL_VAR_DIR>/feedback/feedback.db.
+    # PostgreSQL: postgresql+psycopg://user:password@host:5432/keel
+    url: str = ""
+    connect_timeout_s: int = 2
+    pool_size: int = 5
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    # False keeps only the hashes of prompts and answers; `keel replay` then cannot run.
+    store_prompts: bool = True
+    retention_days: int = 30
+    # Records the database could not take wait here (fsync'd) until it is back; "" = under KEEL_VAR_DIR.
+    spill_path: str = ""
+    probe_interval_s: float = 0.5
+    replay_batch: int = 500
+
+
+@dataclass(frozen=True)
+class EtlConfig:
+    severities: tuple[str, ...] = ("severe",)
+    error_types: tuple[str, ...] = ("fact_error",)
+    val_percent: int = 10  # share of items in the validation split, by a hash of the input fingerprint
+    seed: int = 20240601
+
+
+@dataclass(frozen=True)
+class FeedbackConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    etl: EtlConfig = field(default_factory=EtlConfig)
+
+    @property
+    def database_url(self) -> str:
+        return self.database.url or f"sqlite:///{VAR_DIR / 'feedback' / 'feedback.db'}"
+
+    @property
+    def spill_path(self) -> Path:
+        p = Path(self.replay.spill_path) if self.replay.spill_path else VAR_DIR / "feedback" / "records.spill"
+        return p if p.is_absolute() else ROOT_DIR / p
+
+
+def load(path=None, environ=None) -> FeedbackConfig:
+    cfg = config.load("feedback", FeedbackConfig, path, environ)
+    return replace(cfg, etl=replace(cfg.etl, severities=tuple(cfg.etl.severities),
+                                    error_types=tuple(cfg.etl.error_types)))

@@ -1,0 +1,57 @@
+"""Comparing a replayed request with its original replay record (pure: no database, no grpc).
+
+A replay is comparable only when the engine facts recorded for both match (same weights format,
+dtype, engine...) and the prompt encoded to the same ids (same tokenizer and chat template);
+otherwise a token mismatch would say nothing about determinism, so the outcome is
+"not comparable" with the fields that differ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: str                       # identical | mismatch | not_comparable | cannot_run
+    position: int | None = None       # first differing output position (mismatch)
+    original: int | None = None       # token there in the original (None: the original had ended)
+    replayed: int | None = None       # token there in the replay (None: the replay had ended)
+    fields: tuple[str, ...] = field(default_factory=tuple)  # what differs (not_comparable)
+    replay_trace_id: str = ""
+
+    def describe(self) -> str:
+        if self.result == "identical":
+            return "identical"
+        if self.result == "mismatch":
+            return (f"mismatch at output position {self.position}: original token {_tok(self.original)}, "
+                    f"replay token {_tok(self.replayed)}")
+        if self.result == "not_comparable":
+            return "not comparable: " + ", ".join(self.fields) + " differ"
+        return "cannot run: " + ", ".join(self.fields)
+
+
+def _tok(t: int | None) -> str:
+    return "(end)" if t is None else str(t)
+
+
+def can_run(record: dict) -> Outcome | None:
+    """None when the record holds what a replay needs, else the cannot_run outcome saying why."""
+    if not record.get("prompt_stored") or record.get("messages") is None:
+        return Outcome("cannot_run", fields=("the prompt was not stored (replay.store_prompts: false)",))
+    return None
+
+
+def compare(original: dict, replay: dict) -> Outcome:
+    engines = original.get("engine") or {}, replay.get("engine") or {}
+    differ = sorted(f"engine.{k}" for k in set(engines[0]) | set(engines[1]) if engines[0].get(k) != engines[1].get(k))
+    if original["prompt_ids"] != replay["prompt_ids"]:
+        differ.append("prompt_ids")
+    if differ:
+        return Outcome("not_comparable", fields=tuple(differ), replay_trace_id=replay["trace_id"])
+    a, b = original["output_ids"], replay["output_ids"]
+    for i in range(max(len(a), len(b))):
+        x = a[i] if i < len(a) else None
+        y = b[i] if i < len(b) else None
+        if x != y:
+            return Outcome("mismatch", position=i, original=x, replayed=y, replay_trace_id=replay["trace_id"])
+    return Outcome("identical", replay_trace_id=replay["trace_id"])

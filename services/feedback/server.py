@@ -1,0 +1,103 @@
+"""Assembles the feedback stage: the database (migrated at start), the spill writer, retention.
+
+Ready = the spill file is open and its replay thread runs. The database itself may be down at
+start or later: replay records then spill and reach it once it is back, and SubmitFeedback
+answers UNAVAILABLE with a retry hint meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from keel.feedback.v1 import feedback_pb2_grpc
+from services.feedback import config as fb_config
+from services.feedback.records import Feedback, check_record, stored_body
+from services.feedback.servicer import FeedbackServicer
+from services.feedback.store import now_ms, open_store
+from services.feedback.writer import RecordWriter
+from shared import errors, metrics
+from shared.config import ServerConfig
+
+log = logging.getLogger("keel.feedback")
+DAY_MS = 86_400_000
+RETENTION_EVERY_S = 3600.0
+DRAIN_ON_CLOSE_S = 2.0
+
+
+class FeedbackCore:
+    """The stage's work in domain terms (no grpc): record, submit, retention."""
+
+    def __init__(self, cfg: fb_config.FeedbackConfig):
+        self.cfg = cfg
+        db = cfg.database
+        m = metrics.metrics_for("feedback")
+        self._feedback = m.counter("keel_feedback_total")
+        records = m.counter("keel_replay_records_total")
+        for path in ("direct", "spilled", "replayed"):
+            records.labels(path=path)  # exported from 0 so increase() sees the first spill
+        self.writer = RecordWriter(lambda: open_store(cfg.database_url, connect_timeout_s=db.connect_timeout_s,
+                                                      pool_size=db.pool_size),
+                                   cfg.spill_path, probe_interval_s=cfg.replay.probe_interval_s,
+                                   batch=cfg.replay.replay_batch,
+                                   on_count=lambda path, n: records.labels(path=path).inc(n))
+        m.gauge("keel_feedback_spill_backlog").set_function(self.writer.backlog)
+
+    def record(self, records: list[dict]) -> tuple[int, int]:
+        for r in records:
+            check_record(r)
+        bodies = [stored_body(r, self.cfg.replay.store_prompts) for r in records]
+        for b in bodies:
+            if not b["created_ms"]:
+                b["created_ms"] = now_ms()
+        return self.writer.put(bodies)
+
+    def submit(self, fb: Feedback) -> bool:
+        fb.check()  # a malformed item is INVALID_ARGUMENT even while the database is down
+        created = self.writer.store().upsert_feedback(fb)
+        if created:
+            self._feedback.labels(error_type=fb.error_type, severity=fb.severity).inc()
+        return created
+
+    def purge_expired(self) -> int:
+        cutoff = now_ms() - self.cfg.replay.retention_days * DAY_MS
+        return self.writer.store().purge_records(cutoff)
+
+
+class FeedbackStage:
+    name = "feedback"
+    service_name = "keel.feedback.v1.Feedback"
+
+    def __init__(self, cfg: fb_config.FeedbackConfig):
+        self.cfg = cfg
+        self.core = FeedbackCore(cfg)
+        self._retention: asyncio.Task | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        feedback_pb2_grpc.add_FeedbackServicer_to_server(FeedbackServicer(self.core), server)
+
+    async def warmup(self) -> None:
+        await asyncio.to_thread(self.core.writer.start)
+        self._retention = asyncio.create_task(self._retention_loop())
+
+    async def _retention_loop(self) -> None:
+        while True:
+            try:
+                purged = await asyncio.to_thread(self.core.purge_expired)
+                log.info("retention", extra={"purged": purged, "days": self.cfg.replay.retention_days})
+            except errors.NotReady:
+                pass  # the database is down: the next round purges
+            await asyncio.sleep(RETENTION_EVERY_S)
+
+    async def close(self) -> None:
+        if self._retention is not None:
+            self._retention.cancel()
+        # A database that is up gets the spilled records now; else they wait in the file for the next start.
+        await asyncio.to_thread(self.core.writer.wait_drained, DRAIN_ON_CLOSE_S)
+        await asyncio.to_thread(self.core.writer.close)
+
+
+def build() -> tuple[FeedbackStage, ServerConfig]:
+    cfg = fb_config.load()
+    return FeedbackStage(cfg), cfg.server

@@ -1,0 +1,136 @@
+"""Reads and writes of the feedback database (synchronous; the stage calls it from threads).
+
+Every database failure that a retry may cure (server down, connection lost, SQLite file locked)
+surfaces as ``errors.NotReady`` with reason DATABASE_UNAVAILABLE and a retry hint; the callers
+decide what that means (spill a record, answer UNAVAILABLE to a client).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from services.feedback import db
+from services.feedback.records import Feedback, dumps
+from shared import errors
+
+RETRY_AFTER_MS = 1000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Store:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+        # Built once with bound parameters, so SQLAlchemy compiles each only once.
+        f, r = db.feedback.c, db.replay_records.c
+        self._trace_known = sa.select(r.trace_id).where(r.trace_id == sa.bindparam("trace_id"))
+        self._feedback_known = sa.select(f.feedback_id).where(f.feedback_id == sa.bindparam("feedback_id"))
+        insert = self._insert(db.feedback)
+        # created_ms stays as first written; an update changes everything else.
+        self._upsert_feedback = insert.on_conflict_do_update(
+            index_elements=["feedback_id"],
+            set_={c: insert.excluded[c] for c in ("trace_id", "error_type", "severity", "expected_keywords",
+                                                    "comment", "updated_ms")})
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+            raise errors.NotReady(f"the feedback database is unavailable: {exc.orig or exc}",
+                                  reason="DATABASE_UNAVAILABLE", retry_after_ms=RETRY_AFTER_MS) from exc
+
+    def put_records(self, bodies: list[dict]) -> int:
+        """Insert stored-form records; a trace_id already present is skipped. Returns rows inserted."""
+        if not bodies:
+            return 0
+        rows = [{"trace_id": b["trace_id"], "created_ms": b["created_ms"], "input_sha256": b["prompt_sha256"],
+                 "prompt_stored": b["prompt_stored"], "body": dumps(b)} for b in bodies]
+        stmt = (self._insert(db.replay_records).on_conflict_do_nothing(index_elements=["trace_id"])
+                .returning(db.replay_records.c.trace_id))  # only the rows actually inserted come back
+        with self._tx() as conn:
+            return len(conn.execute(stmt, rows).all())
+
+    def get_record(self, trace_id: str) -> dict | None:
+        with self._tx() as conn:
+            body = conn.execute(sa.select(db.replay_records.c.body)
+                                .where(db.replay_records.c.trace_id == trace_id)).scalar_one_or_none()
+        return json.loads(body) if body is not None else None
+
+    def list_records(self, since_ms: int, limit: int | None = None) -> list[dict]:
+        q = (sa.select(db.replay_records.c.body).where(db.replay_records.c.created_ms >= since_ms)
+             .order_by(db.replay_records.c.created_ms, db.replay_records.c.trace_id).limit(limit))
+        with self._tx() as conn:
+            return [json.loads(b) for b in conn.execute(q).scalars()]
+
+    def purge_records(self, older_than_ms: int) -> int:
+        with self._tx() as conn:
+            return conn.execute(sa.delete(db.replay_records)
+                                .where(db.replay_records.c.created_ms < older_than_ms)).rowcount or 0
+
+    def upsert_feedback(self, fb: Feedback) -> bool:
+        """Create or update by feedback_id; True when created. NotFound for an unknown trace_id."""
+        fb.check()
+        t = now_ms()
+        row = {"feedback_id": fb.feedback_id, "trace_id": fb.trace_id, "error_type": fb.error_type,
+               "severity": fb.severity, "comment": fb.comment, "created_ms": t, "updated_ms": t,
+               "expected_keywords": json.dumps(list(fb.expected_keywords), ensure_ascii=False)}
+        with self._tx() as conn:
+            known = conn.execute(self._trace_known, {"trace_id": fb.trace_id}).first()
+            if known is None:
+                raise errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
+                                      reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]})
+            existed = conn.execute(self._feedback_known, {"feedback_id": fb.feedback_id}).first() is not None
+            conn.execute(self._upsert_feedback, row)
+        return not existed
+
+    def list_feedback(self, since_ms: int = 0, *, severities=None, error_types=None,
+                      limit: int | None = None) -> list[dict]:
+        f = db.feedback.c
+        q = sa.select(db.feedback).where(f.created_ms >= since_ms)
+        if severities:
+            q = q.where(f.severity.in_(list(severities)))
+        if error_types:
+            q = q.where(f.error_type.in_(list(error_types)))
+        q = q.order_by(f.created_ms, f.feedback_id).limit(limit)
+        with self._tx() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(q)]
+        for r in rows:
+            r["expected_keywords"] = json.loads(r["expected_keywords"])
+        return rows
+
+    def feedback_with_records(self, since_ms: int, severities, error_types) -> Iterator[tuple[dict, dict]]:
+        """(feedback row, replay record) pairs for the selected feedback, joined on trace_id."""
+        f, r = db.feedback.c, db.replay_records.c
+        q = (sa.select(db.feedback, r.body).join(db.replay_records, r.trace_id == f.trace_id)
+             .where(f.created_ms >= since_ms, f.severity.in_(list(severities)), f.error_type.in_(list(error_types)))
+             .order_by(f.feedback_id))
+        with self._tx() as conn:
+            rows = conn.execute(q).all()
+        for row in rows:
+            item = dict(row._mapping)
+            body = json.loads(item.pop("body"))
+            item["expected_keywords"] = json.loads(item["expected_keywords"])
+            yield item, body
+
+
+def open_store(url: str, *, connect_timeout_s: int = 2, pool_size: int = 5) -> Store:
+    """Engine + migrations to the newest version; raises NotReady while the database is unreachable."""
+    engine = db.make_engine(url, connect_timeout_s=connect_timeout_s, pool_size=pool_size)
+    try:
+        db.migrate(engine)
+    except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        engine.dispose()
+        raise errors.NotReady(f"the feedback database is unavailable: {exc.orig or exc}",
+                              reason="DATABASE_UNAVAILABLE", retry_after_ms=RETRY_AFTER_MS) from exc
+    return Store(engine)

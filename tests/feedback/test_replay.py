@@ -1,0 +1,39 @@
+"""Comparing a replay with its original record: identical, first differing token, not comparable."""
+from __future__ import annotations
+
+from services.feedback.records import stored_body
+from services.feedback.replay import can_run, compare
+from tests.feedback.records import record
+
+
+def body(trace_id="a" * 32, **kw):
+    return stored_body(record(trace_id, **kw), store_prompts=True)
+
+
+def test_identical():
+    assert compare(body(), body("b" * 32)).describe() == "identical"
+
+
+def test_first_differing_position_with_both_tokens():
+    out = compare(body(output=(1, 2, 3, 4)), body("b" * 32, output=(1, 2, 9, 4)))
+    assert (out.result, out.position, out.original, out.replayed) == ("mismatch", 2, 3, 9)
+    assert "position 2" in out.describe() and "3" in out.describe() and "9" in out.describe()
+
+
+def test_a_shorter_replay_differs_where_it_ended():
+    out = compare(body(output=(1, 2, 3)), body("b" * 32, output=(1, 2)))
+    assert (out.position, out.original, out.replayed) == (2, 3, None)
+    assert "(end)" in out.describe()
+
+
+def test_a_different_engine_or_prompt_is_not_comparable_naming_the_fields():
+    other = body("b" * 32, prompt=(9, 9), output=(0,))
+    other["engine"] = {"dtype": "bfloat16"}
+    out = compare(body(), other)
+    assert out.result == "not_comparable" and out.fields == ("engine.dtype", "prompt_ids")
+    assert out.describe() == "not comparable: engine.dtype, prompt_ids differ"
+
+
+def test_hashes_only_cannot_run():
+    assert can_run(stored_body(record("a" * 32), store_prompts=False)).result == "cannot_run"
+    assert can_run(body()) is None

@@ -1,0 +1,99 @@
+"""The feedback database on SQLite and on a real PostgreSQL: migrations, records, feedback upserts."""
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from services.feedback import db
+from services.feedback.records import Feedback, ids_sha256, stored_body
+from services.feedback.store import open_store
+from shared import errors
+from tests.feedback.records import record
+
+
+def fb(trace_id="a" * 32, feedback_id="fb-1", **kw) -> Feedback:
+    values = {"error_type": "fact_error", "severity": "severe", "expected_keywords": ("Paris",), "comment": "wrong"}
+    values.update(kw)
+    return Feedback(trace_id=trace_id, feedback_id=feedback_id, **values)
+
+
+def test_migrations_create_the_schema_and_rerun_as_a_no_op(db_url):
+    store = open_store(db_url)
+    open_store(db_url)  # a second start finds the database at head
+    with store.engine.connect() as conn:
+        tables = set(sa.inspect(conn).get_table_names())
+        version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one()
+    assert {"replay_records", "feedback", "alembic_version"} <= tables
+    assert version == "0001"
+    if store.engine.dialect.name == "sqlite":
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_a_record_is_stored_once_per_trace_id(db_url):
+    store = open_store(db_url)
+    body = stored_body(record("a" * 32), store_prompts=True)
+    assert store.put_records([body]) == 1
+    assert store.put_records([body, stored_body(record("b" * 32), True)]) == 1
+    got = store.get_record("a" * 32)
+    assert got["prompt_ids"] == [1, 2, 3] and got["output_sha256"] == ids_sha256([7, 8, 9])
+    assert got["sampling"]["seed"] == 42
+    assert [r["trace_id"] for r in store.list_records(0)] == ["a" * 32, "b" * 32]
+
+
+def test_store_prompts_false_keeps_hashes_only(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32), store_prompts=False)])
+    got = store.get_record("a" * 32)
+    assert got["prompt_ids"] is None and got["messages"] is None and got["output_ids"] is None
+    assert got["prompt_sha256"] == ids_sha256([1, 2, 3]) and len(got["raw_text_sha256"]) == 64
+    assert not got["prompt_stored"]
+
+
+def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32), True)])
+    assert store.upsert_feedback(fb()) is True
+    assert store.upsert_feedback(fb(severity="minor", comment="on second thought")) is False
+    rows = store.list_feedback()
+    assert len(rows) == 1
+    assert rows[0]["severity"] == "minor" and rows[0]["comment"] == "on second thought"
+    assert rows[0]["expected_keywords"] == ["Paris"]
+    assert store.list_feedback(severities=["severe"]) == []
+
+
+def test_feedback_on_an_unknown_trace_is_not_found(db_url):
+    store = open_store(db_url)
+    with pytest.raises(errors.NotFound) as exc:
+        store.upsert_feedback(fb(trace_id="c" * 32))
+    assert exc.value.reason == "TRACE_NOT_FOUND"
+
+
+@pytest.mark.parametrize("field,kw", [("error_type", {"error_type": "typo"}), ("severity", {"severity": "fatal"}),
+                                      ("feedback_id", {"feedback_id": " "}), ("trace_id", {"trace_id": ""})])
+def test_a_bad_field_is_invalid_input_naming_it(field, kw):
+    with pytest.raises(errors.InvalidInput) as exc:
+        fb(**kw).check()
+    assert exc.value.reason == "INVALID_FEEDBACK_FIELD" and exc.value.metadata["field"] == field
+
+
+def test_retention_purges_only_old_records(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32, created_ms=1000), True),
+                       stored_body(record("b" * 32, created_ms=5000), True)])
+    assert store.purge_records(older_than_ms=2000) == 1
+    assert [r["trace_id"] for r in store.list_records(0)] == ["b" * 32]
+
+
+def test_a_locked_sqlite_file_is_database_unavailable(tmp_path):
+    url = f"sqlite:///{tmp_path / 'f.db'}"
+    store = open_store(url, connect_timeout_s=1)
+    holder = db.make_engine(url).connect()
+    holder.exec_driver_sql("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(errors.NotReady) as exc:
+            store.put_records([stored_body(record("a" * 32), True)])
+        assert exc.value.reason == "DATABASE_UNAVAILABLE" and exc.value.retry_after_ms > 0
+    finally:
+        holder.rollback()
+        holder.close()
