@@ -30,8 +30,7 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from keel.feedback.v1 import feedback_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2_grpc  # noqa: E402
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl import health  # noqa: E402
 from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
 from services.gateway.pipeline import Ask, Limits, Pipeline  # noqa: E402
@@ -60,14 +59,14 @@ async def submit_load(target: str, trace_id: str, n: int, concurrency: int) -> t
     async with grpc.aio.insecure_channel(target) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         for i in range(concurrency):  # warm the connection and the database
-            await stub.SubmitFeedback(feedback_pb2.FeedbackItem(
+            await stub.SubmitFeedback(gateway_pb2.SubmitFeedbackRequest(
                 trace_id=trace_id, feedback_id=f"warm-{i}", error_type="fact_error", severity="severe"), metadata=MD)
 
         async def worker(w: int) -> None:
             nonlocal errors
             while not queue.empty():
                 i = queue.get_nowait()
-                item = feedback_pb2.FeedbackItem(trace_id=trace_id, feedback_id=f"b-{w}-{i}", error_type="fact_error",
+                item = gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, feedback_id=f"b-{w}-{i}", error_type="fact_error",
                                                  severity="severe", expected_keywords=["Paris"], comment="bench")
                 t0 = time.perf_counter()
                 try:

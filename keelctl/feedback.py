@@ -12,8 +12,7 @@ import sys
 
 import grpc
 
-from keel.feedback.v1 import feedback_pb2
-from keel.gateway.v1 import gateway_pb2_grpc
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl.ask import DEV_API_KEY
 from keelctl.layout import load_layout
 from services.feedback import config as fb_config
@@ -23,7 +22,8 @@ from services.validator.quarantine_cli import parse_duration
 from shared import tls
 
 
-def submit(target: str, item: feedback_pb2.FeedbackItem, *, timeout_s: float = 10.0) -> feedback_pb2.SubmitResponse:
+def submit(target: str, item: gateway_pb2.SubmitFeedbackRequest, *,
+           timeout_s: float = 10.0) -> gateway_pb2.SubmitFeedbackResponse:
     key = os.environ.get("KEEL_API_KEY", DEV_API_KEY)
     with tls.sync_channel(target) as ch:
         return gateway_pb2_grpc.GatewayStub(ch).SubmitFeedback(item, timeout=timeout_s,
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     ls.add_argument("--error-type", action="append")
     args = p.parse_args(argv)
     if args.cmd == "submit":
-        item = feedback_pb2.FeedbackItem(trace_id=args.trace_id, feedback_id=args.feedback_id,
+        item = gateway_pb2.SubmitFeedbackRequest(trace_id=args.trace_id, feedback_id=args.feedback_id,
                                          error_type=args.error_type, severity=args.severity,
                                          expected_keywords=args.keyword, comment=args.comment)
         try:

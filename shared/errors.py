@@ -179,6 +179,12 @@ REASONS: dict[str, Reason] = {
     "CLAIMED_BY_OTHER": Reason(PreconditionFailed, "quarantine: another operator claimed the record"),
     "NOT_CLAIMED": Reason(PreconditionFailed, "quarantine: the record must be claimed first"),
     "SPILL_IN_USE": Reason(PreconditionFailed, "start-up: another validator owns the spill file"),
+    # Feedback stage (and the gateway's SubmitFeedback in front of it).
+    "TRACE_NOT_FOUND": Reason(NotFound, "no replay record for this trace id (unknown, expired, or not yet stored)"),
+    "INVALID_FEEDBACK_FIELD": Reason(InvalidInput, "a feedback field is empty or not one of its allowed values; `field` names it", ("field",)),
+    "INVALID_REPLAY_RECORD": Reason(InvalidInput, "a replay record without a valid trace id", ("field",)),
+    "DATABASE_UNAVAILABLE": Reason(NotReady, "the feedback database is unreachable; retry after the hint"),
+    "FEEDBACK_DISABLED": Reason(PreconditionFailed, "this gateway has no feedback stage configured"),
     # Tokenizer.
     "EMPTY_INPUT": Reason(InvalidInput, "nothing to encode"),
     "EMPTY_MESSAGES": Reason(InvalidInput, "chat input without messages"),

@@ -23,7 +23,7 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
                                                     always_print_fields_with_no_presence=True)}
 
 
-def feedback_from_proto(f: feedback_pb2.FeedbackItem) -> Feedback:
+def feedback_from_proto(f: feedback_pb2.SubmitRequest) -> Feedback:
     return Feedback(trace_id=f.trace_id, feedback_id=f.feedback_id, error_type=f.error_type, severity=f.severity,
                     expected_keywords=tuple(f.expected_keywords), comment=f.comment)
 

@@ -149,7 +149,7 @@ class FeedbackForwarder:
     def __init__(self, stub: Callable[[], feedback_pb2_grpc.FeedbackStub], recorder: ReplayRecorder):
         self._stub, self._recorder = stub, recorder
 
-    async def submit(self, item: feedback_pb2.FeedbackItem, timeout_s: float) -> feedback_pb2.SubmitResponse:
+    async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResponse:
         started = time.monotonic()
         await self._recorder.delivered(item.trace_id,
                                        min(timeout_s, self._recorder.cfg.feedback_wait_ms / 1000))
@@ -166,7 +166,7 @@ class FeedbackForwarder:
 class FeedbackDisabled:
     """Stands in for the forwarder when no feedback stage is configured."""
 
-    async def submit(self, item: feedback_pb2.FeedbackItem, timeout_s: float) -> feedback_pb2.SubmitResponse:
+    async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResponse:
         raise errors.PreconditionFailed("this gateway has no feedback stage configured (upstreams.feedback)",
                                         reason="FEEDBACK_DISABLED")
 

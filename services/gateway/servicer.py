@@ -4,6 +4,7 @@ from __future__ import annotations
 import grpc
 
 from keel.common.v1 import common_pb2
+from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.pipeline import Answer, Ask, Limits, Pipeline, deadline_from
 from shared import errors, tracing
@@ -56,5 +57,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def SubmitFeedback(self, request, context):
         remaining = context.time_remaining()
-        return await self.feedback.submit(request, remaining if remaining is not None
-                                          else self.limits.default_deadline_ms / 1000)
+        item = feedback_pb2.SubmitRequest(
+            trace_id=request.trace_id, feedback_id=request.feedback_id, error_type=request.error_type,
+            severity=request.severity, expected_keywords=request.expected_keywords, comment=request.comment)
+        stored = await self.feedback.submit(item, remaining if remaining is not None
+                                            else self.limits.default_deadline_ms / 1000)
+        return gateway_pb2.SubmitFeedbackResponse(feedback_id=stored.feedback_id, created=stored.created)

@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 
-from keel.feedback.v1 import feedback_pb2
+from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY, build_request
 from services.feedback.store import open_store
 from tests.e2e.conftest import error_info, wait_until
@@ -22,11 +22,11 @@ def store(mesh):
     return open_store(f"sqlite:///{mesh.tmp / 'var' / 'feedback' / 'feedback.db'}")
 
 
-def item(trace_id: str, **kw) -> feedback_pb2.FeedbackItem:
+def item(trace_id: str, **kw) -> gateway_pb2.SubmitFeedbackRequest:
     values = {"feedback_id": f"fb-{trace_id[:8]}", "error_type": "fact_error", "severity": "severe",
               "expected_keywords": ["Paris"], "comment": "wrong"}
     values.update(kw)
-    return feedback_pb2.FeedbackItem(trace_id=trace_id, **values)
+    return gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, **values)
 
 
 @pytest.fixture(scope="module")

@@ -55,11 +55,11 @@ def replay_record(trace_id: str) -> feedback_pb2.ReplayRecord:
         sampling=common_pb2.SamplingParams(max_tokens=8, seed=7), engine={"dtype": "float32"})
 
 
-def item(trace_id: str, **kw) -> feedback_pb2.FeedbackItem:
+def item(trace_id: str, **kw) -> feedback_pb2.SubmitRequest:
     values = {"feedback_id": "fb-1", "error_type": "fact_error", "severity": "severe",
               "expected_keywords": ["Paris"], "comment": "wrong capital"}
     values.update(kw)
-    return feedback_pb2.FeedbackItem(trace_id=trace_id, **values)
+    return feedback_pb2.SubmitRequest(trace_id=trace_id, **values)
 
 
 def rpc_error(call) -> Exception:

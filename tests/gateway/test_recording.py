@@ -118,7 +118,7 @@ async def test_feedback_waits_for_its_trace_record_to_leave_the_queue():
     recorder.start()
     recorder.served(served("a" * 32))
     submit = asyncio.create_task(FeedbackForwarder(lambda: stub, recorder).submit(
-        feedback_pb2.FeedbackItem(trace_id="a" * 32, feedback_id="x"), 5))
+        feedback_pb2.SubmitRequest(trace_id="a" * 32, feedback_id="x"), 5))
     await asyncio.sleep(0.05)
     assert not submit.done()
     release.set()
@@ -136,5 +136,5 @@ async def test_an_unreachable_feedback_stage_is_unavailable_with_a_retry_hint():
     stub = Down()
     with pytest.raises(errors.NotReady) as exc:
         await FeedbackForwarder(lambda: stub, ReplayRecorder(ReplayConfig(), lambda: stub)).submit(
-            feedback_pb2.FeedbackItem(trace_id="a" * 32, feedback_id="x"), 5)
+            feedback_pb2.SubmitRequest(trace_id="a" * 32, feedback_id="x"), 5)
     assert exc.value.retry_after_ms > 0
