@@ -45,7 +45,6 @@ class Row:
     ticket: Ticket
     runner: str
     cache: RowCache
-    generator: torch.Generator
     faults: RowFaults
     started: float
     breaker_level: int
@@ -240,8 +239,7 @@ class Scheduler:
             self._on_oom(exc, 1)
             self._fail_ticket(ticket, self._oom_error(req.request_id))
             return
-        generator = torch.Generator(device=runner.device).manual_seed(ticket.seed)
-        self.rows.append(Row(ticket, name, cache, generator, RowFaults(req.faults), time.monotonic(), policy.level))
+        self.rows.append(Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level))
 
     def _forward(self, rows: list[Row], policy: Policy) -> None:
         """Step k of each row (k = tokens generated so far; 0 is its prefill), then sample."""
@@ -285,7 +283,14 @@ class Scheduler:
                 metadata={"request_id": req.request_id, "fingerprint": req.fingerprint, "step": step}))
             return
         temperature = clamp_temperature(req.temperature, policy.temperature_cap)
-        p = pick(logits, temperature, req.top_p, req.top_k, row.generator, policy.logit_clamp)
+        try:
+            p = pick(logits, temperature, req.top_p, req.top_k, row.ticket.seed,
+                     len(req.prompt_ids) + row.generated, policy.logit_clamp)
+        except Exception as exc:  # a sampling bug fails this row only, never its batch-mates
+            log.exception("sampling failed", extra={"request_id": req.request_id, "step": step})
+            self._fail_row(row, Fatal(f"sampling failed: {type(exc).__name__}: {exc}", reason="SAMPLING_FAILED",
+                                      metadata={"request_id": req.request_id, "step": step}))
+            return
         now = time.monotonic()
         if row.generated == 0:
             row.first_token_at = now
