@@ -2,7 +2,7 @@
 
 Each request is charged its predicted peak at full length (prompt + max_tokens, see memory.py) for as
 long as it runs, so a running batch can never outgrow the budget. Not thread-safe by itself: the
-scheduler calls it under its lock.
+step loop thread is its only user.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class Ticket:
     submitted: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     holds_reservation: bool = False
-    closed: bool = False  # a terminal item (Finished or an error) was sent
+    ended: bool = False   # the step loop queued a terminal item (Finished or an error) for it
+    closed: bool = False  # a terminal item was sent
 
     @property
     def total_tokens(self) -> int:

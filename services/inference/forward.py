@@ -42,7 +42,6 @@ class Segment:
 
     cache: RowCache
     tokens: list[int]
-    poison: bool = False  # fault injection: this row's hidden state becomes NaN
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,14 +81,13 @@ class LlamaRunner:
         """Smallest calibrated batch size >= rows (rows itself when none was calibrated or fits)."""
         return next((s for s in self.invariant_sizes if s >= rows), rows)
 
-    def prefill(self, token_ids: list[int], cache: RowCache, poison: bool = False) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], cache: RowCache) -> torch.Tensor:
         """One row's whole prompt from position 0; float32 logits of its last token [V]."""
-        return self.forward([Segment(cache, token_ids, poison)])[0]
+        return self.forward([Segment(cache, token_ids)])[0]
 
-    def decode(self, token_ids: list[int], caches: list[RowCache], poison: frozenset[int] = frozenset()
-               ) -> torch.Tensor:
+    def decode(self, token_ids: list[int], caches: list[RowCache]) -> torch.Tensor:
         """One token per row at position cache.length; float32 logits [B, V]."""
-        return self.forward([Segment(c, [t], i in poison) for i, (t, c) in enumerate(zip(token_ids, caches))])
+        return self.forward([Segment(c, [t]) for t, c in zip(token_ids, caches)])
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> torch.Tensor:
@@ -111,11 +109,6 @@ class LlamaRunner:
         ids = torch.tensor([t for s in segments for t in s.tokens] + [0] * (padded - n_tok),
                            dtype=torch.long, device=self.device)
         x = core.embed_tokens(ids)  # [N', hidden]; rows >= N are padding and never read back
-        poisoned = [r for r, s in enumerate(segments) if s.poison]
-        if poisoned:
-            x = x.clone()
-            for r in poisoned:
-                x[offsets[r]:offsets[r] + lens[r]] = float("nan")
         pos = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)]).to(self.device)
         cos, sin = core.rotary_emb(x[None, :n_tok], pos[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]

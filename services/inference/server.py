@@ -18,7 +18,6 @@ from shared import metrics
 from shared.config import ServerConfig
 
 log = logging.getLogger("keel.inference")
-BREAKER_KINDS = ("numerical_instability", "oom", "timeout", "output_limit")
 
 
 class InferenceStage:
@@ -42,7 +41,7 @@ class InferenceStage:
         engine = Engine(model, e)
         await self.torch.run(engine.warmup)
         await engine.start(self.torch)
-        log.info("engine warm", extra={"memory_model": engine.stats().get("memory")})
+        log.info("engine warm", extra={"memory_model": engine.memory.as_dict()})
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 
@@ -55,16 +54,14 @@ class InferenceStage:
         seen = {"numerical_faults": 0, "oom_recoveries": 0}
         while True:
             s = self.engine.stats()
-            queue.set(s.get("queue_depth", 0))
-            batch.set(s.get("running_batch_size", 0))
-            mem = s.get("memory", {})
-            predicted.set(mem.get("predicted_bytes", 0))
-            budget.set(mem.get("budget_bytes", 0))
-            for kind in BREAKER_KINDS:
-                level.labels(error_type=kind).set(s["breaker"].get(kind, {}).get("level", 0))
-            counters = s.get("counters", {})
+            queue.set(s.queue_depth)
+            batch.set(s.running_batch_size)
+            predicted.set(s.memory.predicted_bytes)
+            budget.set(s.memory.budget_bytes)
+            for kind, state in s.breaker.items():
+                level.labels(error_type=kind).set(state.level)
             for key, counter in (("numerical_faults", faults), ("oom_recoveries", ooms)):
-                now = counters.get(key, 0)
+                now = getattr(s.counters, key)
                 counter.inc(max(0, now - seen[key]))
                 seen[key] = now
             await asyncio.sleep(1.0)

@@ -91,7 +91,16 @@ def test_poisoned_row_does_not_touch_the_others(tiny):
     clean_caches = [runner.new_cache(20) for _ in prompts]
     for p, c in zip(prompts, clean_caches):
         runner.prefill(p, c)
-    poisoned = runner.decode(first, caches, poison=frozenset({2}))
+    def nan_row_2(_module, _args, out):
+        out = out.clone()
+        out[2] = float("nan")  # one token per decode row: row 2's hidden state
+        return out
+
+    handle = tiny.model.embed_tokens.register_forward_hook(nan_row_2)
+    try:
+        poisoned = runner.decode(first, caches)
+    finally:
+        handle.remove()
     clean = runner.decode(first, clean_caches)
     assert not torch.isfinite(poisoned[2]).any()
     for i in (0, 1, 3):

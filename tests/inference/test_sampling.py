@@ -145,7 +145,7 @@ async def test_stop_lets_in_flight_work_finish_within_grace(make_engine):
     assert e.value.reason == "DRAINING"
     tokens, fin = await running
     await stopping
-    assert len(tokens) == 10 and engine.stats()["state"] == "stopped"
+    assert len(tokens) == 10 and engine.stats().state == "stopped"
 
 
 @pytest.mark.asyncio
