@@ -158,3 +158,16 @@ async def test_stop_fails_what_outlives_the_grace(make_engine):
         async for _ in stream:
             pass
     assert e.value.reason == "SHUTTING_DOWN"
+
+
+@pytest.mark.asyncio
+async def test_any_step_recomputed_alone_from_its_prefix_draws_the_same_token(make_engine):
+    """The draw depends only on (seed, position) and the logits: resuming a request from any point,
+    with its own tokens as the prompt and the same seed, continues it exactly."""
+    engine = await make_engine()
+    base = prompt(4)
+    tokens, _ = await collect(engine, request("full", base, max_tokens=12, temperature=1.0, top_p=0.95, seed=77))
+    for k in (1, 5, 11):
+        resumed, _ = await collect(engine, request(f"k{k}", base + ids(tokens[:k]), max_tokens=1, temperature=1.0,
+                                                   top_p=0.95, seed=77))
+        assert ids(resumed) == [tokens[k].token_id]
