@@ -56,7 +56,7 @@ class EngineConfig:
     device: str = "cpu"
     warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
     warmup_max_tokens: int = 256                            # one probe with a long reserved completion
-    prefill_tokens_per_iteration: int = 2048  # newcomers' prompt tokens per iteration (first always runs)
+    prefill_tokens_per_iteration: int = 2048  # prefill chunk size; also newcomers' first-chunk tokens per step
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
     memory_audit: bool = False                # measure every iteration's peak (slow; for tests/bench)
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)

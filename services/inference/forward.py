@@ -101,8 +101,6 @@ class LlamaRunner:
         core = self.model.model
         lens = [len(s.tokens) for s in segments]
         starts = [s.cache.length for s in segments]
-        if any(n > 1 and st for n, st in zip(lens, starts)):
-            raise ValueError("a multi-token segment must start at position 0 (no chunked prefill)")
         offsets = [sum(lens[:r]) for r in range(len(segments))]
         n_tok = sum(lens)
         padded = self.padded_size(n_tok)
@@ -130,9 +128,11 @@ class LlamaRunner:
                         keys[None, :, :st + 1], values[None, :, :st + 1], scale=self.scale)
                     attn_out[o] = out.reshape(-1)
                 else:
+                    # A prompt chunk at positions st..st+n-1 attends causally to everything cached so far.
+                    mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
                     out = F.scaled_dot_product_attention(
-                        q[o:o + n].transpose(0, 1)[None], keys[None, :, :n], values[None, :, :n],
-                        is_causal=True, scale=self.scale, enable_gqa=True)  # [1, H, P, D]
+                        q[o:o + n].transpose(0, 1)[None], keys[None, :, :st + n], values[None, :, :st + n],
+                        attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                     attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
             x = x + attn.o_proj(attn_out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -179,6 +179,11 @@ class LlamaRunner:
         if small in sizes and all(invariant(lin, m, 1100) for lin in dense for m in large):
             self.invariant_sizes = tuple(sizes)
         return self.invariant_sizes
+
+
+def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n, start + n] bool: query i (at position start + i) sees keys 0..start + i."""
+    return torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
 
 
 def _in_features(lin: torch.nn.Module) -> int:

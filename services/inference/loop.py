@@ -192,7 +192,8 @@ class StepLoop:
             self.scheduler.admission.release(ticket)
             self._emit(ticket, self._oom_error(req.request_id))
             return
-        self.scheduler.add(Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level))
+        self.scheduler.add(Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
+                               chunk_tokens=self.scheduler.prefill_tokens))
 
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""

@@ -44,8 +44,12 @@ class OutputProcessor:
         for row, lg, ok in zip(batch.rows, logits, finite):
             if not ok:
                 self._non_finite(row, len(batch.rows), out)
-            else:
-                self._advance(row, lg, policy, out)
+                continue
+            if row.prefilling:
+                row.prefilled += len(row.tokens)  # this step's chunk is in the cache now
+                if row.prefilling:
+                    continue                      # more chunks to go: nothing to sample yet
+            self._advance(row, lg, policy, out)
         return out
 
     def _non_finite(self, row: Row, batch_size: int, out: Update) -> None:

@@ -1,8 +1,8 @@
 """Scheduling: pure bookkeeping of which requests wait, which are admitted, and what the next step runs.
 
 `Scheduler.schedule(policy, cap)` returns a `StepPlan`: the newcomers whose prefill joins this step
-(strict FIFO, at most `prefill_tokens_per_iteration` prompt tokens of newcomers, the first always goes)
-and the running rows, grouped by runner and split into batches no larger than the cap. It runs no model
+(strict FIFO, at most `prefill_tokens_per_iteration` prompt tokens of newcomers' first chunks, the first
+always goes) and the running rows, grouped by runner and split into batches no larger than the cap. It runs no model
 and touches no tensor; the loop thread is its only caller.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Row:
     faults: RowFaults
     started: float
     breaker_level: int
+    chunk_tokens: int              # prompt tokens prefilled per step at most (chunked prefill)
+    prefilled: int = 0             # prompt tokens already in the cache
     generated: int = 0
     last_token: int = -1
     first_token_at: float = 0.0
@@ -38,9 +40,19 @@ class Row:
         return self.generated
 
     @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.ticket.req.prompt_ids)
+
+    @property
     def tokens(self) -> list[int]:
-        """What this row feeds to its next step: the whole prompt, then its last sampled token."""
-        return [self.last_token] if self.generated else self.ticket.req.prompt_ids
+        """What this row feeds to its next step: its next prompt chunk, then its last sampled token.
+
+        Chunks start at multiples of chunk_tokens from position 0, whatever the batch, so a request's
+        computation never depends on its batch-mates.
+        """
+        if self.prefilling:
+            return self.ticket.req.prompt_ids[self.prefilled:self.prefilled + self.chunk_tokens]
+        return [self.last_token]
 
 
 @dataclass(frozen=True)
@@ -110,11 +122,14 @@ class Scheduler:
         free = cap - len(self.rows) - len(self.pending)
         self.pending += self.admission.pop_ready(max(0, free))
         taken, tokens = [], 0
-        while self.pending and (not taken or tokens + len(self.pending[0].req.prompt_ids) <= self.prefill_tokens):
+        while self.pending and (not taken or tokens + self._first_chunk(self.pending[0]) <= self.prefill_tokens):
             ticket = self.pending.pop(0)
-            tokens += len(ticket.req.prompt_ids)
+            tokens += self._first_chunk(ticket)
             taken.append(ticket)
         return StepPlan(tuple(taken), policy, cap)
+
+    def _first_chunk(self, ticket: Ticket) -> int:
+        return min(len(ticket.req.prompt_ids), self.prefill_tokens)
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
