@@ -130,6 +130,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        owner="inference"),
     _g("keel_inference_breaker_level", "Circuit breaker level per error type: 0 closed, 1 parameters capped, "
        "2 smaller batch / fallback dtype, 3 open (rejecting).", ("error_type",), "inference"),
+    _g("keel_inference_prefix_cache_hit_rate", "Prompt tokens whose keys/values came from the prefix cache, "
+       "over prompt tokens, since the stage started.", owner="inference"),
     _c("keel_inference_numerical_faults_total", "Rows failed with NaN/inf logits.", owner="inference"),
     _c("keel_inference_oom_recoveries_total", "Out-of-memory errors recovered from without a restart.",
        owner="inference"),

@@ -31,6 +31,7 @@ from .memory import MemoryModel
 from .model import check_dtype, model_dtype
 from .oom import OomPolicy
 from .output import OutputProcessor
+from .prefix import PrefixCache
 from .runner import ModelRunner
 from .schedule import Scheduler, batch_cap
 from .stats import Counters, EngineStats
@@ -61,6 +62,7 @@ class EngineConfig:
     memory_audit: bool = False                # measure every iteration's peak (slow; for tests/bench)
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
+    prefix_cache_bytes: int = 0               # budget share kept for the prefix cache (0: no prefix cache)
 
     def __post_init__(self):
         check_dtype(self.dtype, self.device)
@@ -72,6 +74,9 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
                                    metadata={"field": name})
+        if not 0 <= self.prefix_cache_bytes < self.memory_budget_bytes:
+            raise InvalidInput("EngineConfig.prefix_cache_bytes must be >= 0 and below memory_budget_bytes",
+                               reason="INVALID_CONFIG", metadata={"field": "prefix_cache_bytes"})
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise InvalidInput("EngineConfig.intra_op_threads must be >= 1", reason="INVALID_CONFIG",
                                metadata={"field": "intra_op_threads"})
@@ -104,24 +109,25 @@ class Engine:
         lengths = tuple(min(p, cfg.max_context_tokens - 1) for p in cfg.warmup_prompt_tokens)
         long_m = min(cfg.warmup_max_tokens, cfg.max_context_tokens - min(lengths))
         self.memory, tokens_per_s = measure_memory(runners, lengths, max(1, long_m), cfg.device)
-        if self.memory.max_total_tokens(cfg.memory_budget_bytes) < 2:
+        if self.memory.max_total_tokens(cfg.memory_budget_bytes - cfg.prefix_cache_bytes) < 2:
             raise InvalidInput(
                 f"memory budget {cfg.memory_budget_bytes} B leaves no room beyond the model "
                 f"({self.memory.static_bytes} B static)", reason="BUDGET_TOO_SMALL",
                 metadata={"static_bytes": self.memory.static_bytes})
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
-        self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits)
+        self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, cfg.prefix_cache_bytes)
         self._vocab_size = runners["primary"].vocab_size
         runner = ModelRunner(runners)
         if cfg.fault_injection_enabled:
             runner = FaultInjectingRunner(runner)
         counters = Counters()
+        prefix = PrefixCache(cfg.prefill_tokens_per_iteration, cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None
         output = OutputProcessor(cfg.eos_token_ids, counters, self.board,
                                  {name: r.dtype_name for name, r in runners.items()})
         self._loop = StepLoop(runner, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
                               self.board, OomPolicy(cfg.max_batch_size, cfg.oom_backoff_steps), counters,
                               self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device),
-                              tokens_per_s)
+                              tokens_per_s, prefix)
         self._state = "warm"
 
     async def start(self, thread: TorchThread | None = None) -> None:

@@ -25,6 +25,7 @@ from .faults import RowFaults, is_oom
 from .memory import MemoryModel, PeakMeter
 from .oom import OomPolicy
 from .output import OutputProcessor
+from .prefix import PrefixCache, PrefixStats
 from .runner import ModelRunner
 from .schedule import Batch, Row, Scheduler, StepPlan, batch_cap
 from .stats import Counters, EngineStats, MemoryStats
@@ -43,7 +44,7 @@ class LoopSettings:
 class StepLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, output: OutputProcessor, board: BreakerBoard,
                  oom: OomPolicy, counters: Counters, memory: MemoryModel, settings: LoopSettings,
-                 tokens_per_s: float):
+                 tokens_per_s: float, prefix: PrefixCache | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.output = output
@@ -53,6 +54,7 @@ class StepLoop:
         self.memory = memory
         self.settings = settings
         self.tokens_per_s = tokens_per_s
+        self.prefix = prefix
         self.observed_peak_bytes = 0
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[tuple[Ticket, object]] = []
@@ -162,6 +164,7 @@ class StepLoop:
             self._step(plan)
             return
         live = sum(r.cache.nbytes for r in self.scheduler.rows) + self.memory.static_bytes
+        live += self.prefix.bytes if self.prefix is not None else 0
         with PeakMeter(self.settings.device) as meter:
             self._step(plan)
         self.observed_peak_bytes = max(self.observed_peak_bytes, live + meter.peak)
@@ -192,8 +195,27 @@ class StepLoop:
             self.scheduler.admission.release(ticket)
             self._emit(ticket, self._oom_error(req.request_id))
             return
-        self.scheduler.add(Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
-                               chunk_tokens=self.scheduler.prefill_tokens))
+        row = Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
+                  chunk_tokens=self.scheduler.prefill_tokens)
+        if self.prefix is not None:
+            self._reuse_prefix(row)
+        self.scheduler.add(row)
+
+    def _reuse_prefix(self, row: Row) -> None:
+        """Copy the cached blocks the prompt starts with into the row's cache; its prefill resumes after them."""
+        b = self.prefix.block_tokens
+        for i, (keys, values) in enumerate(self.prefix.lookup(row.runner, row.ticket.req.prompt_ids)):
+            row.cache.keys[:, :, i * b:(i + 1) * b] = keys
+            row.cache.values[:, :, i * b:(i + 1) * b] = values
+            row.cache.length = row.prefilled = (i + 1) * b
+
+    def _keep_prefix_blocks(self, chunks: list[tuple[Row, int, int]]) -> None:
+        """Store each full prompt block this step computed (rows whose chunk was committed)."""
+        b = self.prefix.block_tokens
+        for row, start, n in chunks:
+            if n == b and row.prefilled == start + n:
+                self.prefix.store(row.runner, row.ticket.req.prompt_ids, start // b,
+                                  row.cache.keys[:, :, start:start + n], row.cache.values[:, :, start:start + n])
 
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""
@@ -212,7 +234,10 @@ class StepLoop:
             self._execute(Batch(batch.runner, rows[:half]), policy)
             self._execute(Batch(batch.runner, rows[half:]), policy)
             return
+        chunks = [(r, r.prefilled, len(r.tokens)) for r in batch.rows if r.prefilling]
         update = self.output.update(batch, logits, policy)
+        if self.prefix is not None and chunks:
+            self._keep_prefix_blocks(chunks)
         for row in update.ended:
             self.scheduler.remove(row)  # before the consumer hears of it: an ended row has left the batch
         for ticket, item in update.events:
@@ -275,4 +300,5 @@ class StepLoop:
             oom_cap=self.oom.cap,
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
             invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.runner.runners.items()}),
-            tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot())
+            tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
+            prefix_cache=self.prefix.stats() if self.prefix is not None else PrefixStats())

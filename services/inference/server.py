@@ -49,7 +49,7 @@ class InferenceStage:
         m = self.m
         queue, batch = m.gauge("keel_inference_queue_depth"), m.gauge("keel_inference_running_batch_size")
         predicted, budget = m.gauge("keel_inference_predicted_memory_bytes"), m.gauge("keel_inference_memory_budget_bytes")
-        level = m.gauge("keel_inference_breaker_level")
+        level, hit_rate = m.gauge("keel_inference_breaker_level"), m.gauge("keel_inference_prefix_cache_hit_rate")
         faults, ooms = m.counter("keel_inference_numerical_faults_total"), m.counter("keel_inference_oom_recoveries_total")
         seen = {"numerical_faults": 0, "oom_recoveries": 0}
         while True:
@@ -58,6 +58,7 @@ class InferenceStage:
             batch.set(s.running_batch_size)
             predicted.set(s.memory.predicted_bytes)
             budget.set(s.memory.budget_bytes)
+            hit_rate.set(s.prefix_cache.hit_rate)
             for kind, state in s.breaker.items():
                 level.labels(error_type=kind).set(state.level)
             for key, counter in (("numerical_faults", faults), ("oom_recoveries", ooms)):

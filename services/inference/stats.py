@@ -12,6 +12,7 @@ from types import MappingProxyType
 
 from .breaker import BreakerState
 from .memory import MemoryModel
+from .prefix import PrefixStats
 
 
 def _empty() -> Mapping:
@@ -53,7 +54,7 @@ class CounterStats:
 class MemoryStats:
     model: MemoryModel | None = None  # the fitted memory model (coefficients)
     budget_bytes: int = 0
-    predicted_bytes: int = 0          # static + reservations of admitted requests
+    predicted_bytes: int = 0          # static + reservations of admitted requests + prefix cache room
     observed_peak_bytes: int | None = None  # when EngineConfig.memory_audit is on
 
     @property
@@ -76,3 +77,4 @@ class EngineStats:
     breaker: Mapping[str, BreakerState] = field(default_factory=_empty)  # by kind
     breaker_level: int = 0
     counters: CounterStats = CounterStats()
+    prefix_cache: PrefixStats = PrefixStats()
