@@ -121,7 +121,9 @@ class Engine:
         if cfg.fault_injection_enabled:
             runner = FaultInjectingRunner(runner)
         counters = Counters()
-        prefix = PrefixCache(cfg.prefill_tokens_per_iteration, cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None
+        prefix = None
+        if cfg.prefix_cache_bytes:  # blocks are prefill chunks: see prefix.py
+            prefix = PrefixCache(cfg.prefill_tokens_per_iteration, cfg.prefix_cache_bytes)
         output = OutputProcessor(cfg.eos_token_ids, counters, self.board,
                                  {name: r.dtype_name for name, r in runners.items()})
         self._loop = StepLoop(runner, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,

@@ -93,9 +93,9 @@ class LlamaRunner:
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """One step over a ragged batch: every segment appends its tokens to its row's cache.
 
-        A segment is a prompt chunk (prefill, from the row's cache length on) or one token (decode). Their
-        tokens are stacked into one [N, hidden] matrix for the dense layers; attention runs per row. Returns float32
-        logits of each segment's last token [R, V]. Cache lengths advance only after the whole step
+        A segment is a prompt chunk (prefill, from the row's cache length on) or one token (decode).
+        Their tokens are stacked into one [N, hidden] matrix for the dense layers; attention runs per
+        row. Returns float32 logits of each segment's last token [R, V]. Cache lengths advance only after the whole step
         succeeded, so a step that fails midway (out of memory) can be retried as is.
         """
         core = self.model.model

@@ -104,7 +104,8 @@ class Scheduler:
             self.pending.remove(ticket)
             self.admission.release(ticket)
 
-    def expire(self, now: float, retry_after_ms: int) -> tuple[list[tuple[Ticket, Exception]], list[tuple[Row, Exception | None]]]:
+    def expire(self, now: float, retry_after_ms: int
+               ) -> tuple[list[tuple[Ticket, Exception]], list[tuple[Row, Exception | None]]]:
         """Queued tickets and running rows to end now: (ticket, error) and (row, error or None = cancelled)."""
         tickets = [(t, e) for t, e in self.admission.expire(now, retry_after_ms) if e is not None]
         rows = []
