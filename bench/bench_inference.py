@@ -239,7 +239,7 @@ async def memory(model, device: str, lines: list[str]) -> None:
         ids = [3 + (i * 7919) % 49000 for i in range(n)]
         async for _ in engine.generate(GenerationRequest(f"m{n}", ids, 8, temperature=1.0, top_p=0.9)):
             pass
-        seen = engine.stats()["memory"]["observed_peak_bytes"]
+        seen = engine.stats().memory.observed_peak_bytes
         pred = mem.static_bytes + mem.request_bytes(n, 8)
         own_err = mem.request_bytes(n, 8) / (seen - mem.static_bytes) - 1
         lines.append(f"| {n} | {pred / 2**20:.1f} | {seen / 2**20:.1f} | {100 * (pred / seen - 1):+.1f}% | "
@@ -269,7 +269,7 @@ async def flood(model, device: str, lines: list[str]) -> None:
         t0 = time.perf_counter()
         outs, _ = await keel_run(engine, ids, 64, 16, seed=int(audit))
         results[audit] = (time.perf_counter() - t0, sum(len(o) == 64 for o in outs),
-                          engine.stats()["memory"]["observed_peak_bytes"], rss_peak_bytes() - rss0)
+                          engine.stats().memory.observed_peak_bytes, rss_peak_bytes() - rss0)
         await engine.stop(0)
     static = probe.memory.static_bytes
     seen, rss_growth = results[True][2], results[False][3]

@@ -136,6 +136,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "instead of the served one.", owner="inference"),
     _c("keel_inference_fallback_format_tokens_total", "Tokens generated in the breaker's fallback weight format; "
        "over keel_inference_generated_tokens_total, the share of decode steps run in it.", owner="inference"),
+    _g("keel_inference_prefix_cache_hit_rate", "Prompt tokens whose keys/values came from the prefix cache, "
+       "over prompt tokens, since the stage started.", owner="inference"),
     _c("keel_inference_numerical_faults_total", "Rows failed with NaN/inf logits.", owner="inference"),
     _c("keel_inference_oom_recoveries_total", "Out-of-memory errors recovered from without a restart.",
        owner="inference"),

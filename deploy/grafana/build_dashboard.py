@@ -89,6 +89,8 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("keel_inference_memory_budget_bytes", "budget {{instance}}")], "bytes"),
         ts("Breaker level by error type", [("max by (error_type) (keel_inference_breaker_level)", "{{error_type}}")],
            "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
+        ts("Prefix cache hit rate by replica", [("keel_inference_prefix_cache_hit_rate", "{{instance}}")],
+           "percentunit", "Prompt tokens served from the prefix cache over prompt tokens, since start."),
         ts("Numerical faults and OOM recoveries (1h)", [
             ("sum(increase(keel_inference_numerical_faults_total[1h]))", "numerical faults"),
             ("sum(increase(keel_inference_oom_recoveries_total[1h]))", "OOM recoveries")]),

@@ -2,7 +2,7 @@
 
 Each request is charged its predicted peak at full length (prompt + max_tokens, see memory.py) for as
 long as it runs, so a running batch can never outgrow the budget. Not thread-safe by itself: the
-scheduler calls it under its lock.
+step loop thread is its only user.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class Ticket:
     submitted: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     holds_reservation: bool = False
-    closed: bool = False  # a terminal item (Finished or an error) was sent
+    ended: bool = False   # the step loop queued a terminal item (Finished or an error) for it
+    closed: bool = False  # a terminal item was sent
 
     @property
     def total_tokens(self) -> int:
@@ -55,9 +56,10 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, memory: MemoryModel, budget_bytes: int, limits: QueueLimits):
+    def __init__(self, memory: MemoryModel, budget_bytes: int, limits: QueueLimits, kept_bytes: int = 0):
         self.memory = memory
         self.budget = budget_bytes
+        self.kept = kept_bytes  # room kept aside for the prefix cache, never lent to requests
         self.limits = limits
         self.queue: deque[Ticket] = deque()
         self.queued_tokens = 0
@@ -65,14 +67,14 @@ class Admission:
 
     @property
     def predicted_bytes(self) -> int:
-        return self.memory.static_bytes + self.reserved
+        return self.memory.static_bytes + self.kept + self.reserved
 
     def cost(self, req: GenerationRequest) -> int:
         return self.memory.request_bytes(len(req.prompt_ids), req.max_tokens)
 
     def check_fits_ever(self, req: GenerationRequest) -> None:
-        if self.memory.static_bytes + self.cost(req) > self.budget:
-            max_total = self.memory.max_total_tokens(self.budget)
+        if self.memory.static_bytes + self.kept + self.cost(req) > self.budget:
+            max_total = self.memory.max_total_tokens(self.budget - self.kept)
             raise PreconditionFailed(
                 f"request needs ~{self.cost(req)} bytes beyond the model; the budget leaves room for "
                 f"about {max_total} tokens (prompt + max_tokens)",
@@ -80,7 +82,7 @@ class Admission:
                 metadata={"max_total_tokens": max_total, "request_id": req.request_id})
 
     def fits_now(self, ticket: Ticket) -> bool:
-        return self.memory.static_bytes + self.reserved + ticket.cost_bytes <= self.budget
+        return self.predicted_bytes + ticket.cost_bytes <= self.budget
 
     def enqueue(self, ticket: Ticket, retry_after_ms: int) -> None:
         """Queue the ticket or raise Overloaded when the queue is at its limits."""

@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,16 @@ class Policy:
     retry_after_ms: int
 
 
+@dataclass(frozen=True)
+class BreakerState:
+    level: int
+    state: str                  # closed | open | half_open
+    recent_failures: int        # in the current window
+    total_failures: int
+    last_cause: str
+    seconds_to_step_down: float
+
+
 class _Breaker:
     def __init__(self, kind: str, rule: TripRule, quiet_s: float, now: float):
         self.kind, self.rule, self.quiet_s = kind, rule, quiet_s
@@ -105,10 +116,9 @@ class _Breaker:
                     extra={"breaker": self.kind, "from_level": old_level, "to_level": self.level,
                            "from_state": old_state, "to_state": self.state, "cause": cause})
 
-    def as_dict(self, now: float) -> dict:
-        return {"level": self.level, "state": self.state, "recent_failures": len(self.failures),
-                "total_failures": self.total, "last_cause": self.cause,
-                "seconds_to_step_down": round(self.seconds_to_step_down(now), 3) if self.level else 0.0}
+    def snapshot(self, now: float) -> BreakerState:
+        return BreakerState(self.level, self.state, len(self.failures), self.total, self.cause,
+                            round(self.seconds_to_step_down(now), 3) if self.level else 0.0)
 
 
 class BreakerBoard:
@@ -150,9 +160,10 @@ class BreakerBoard:
             retry_after_ms=round(retry_s * 1000),
         )
 
-    def as_dict(self) -> dict:
+    def snapshot(self) -> Mapping[str, BreakerState]:
+        """Every breaker's state by kind (an immutable view)."""
         with self._lock:
             now = self.clock()
             for b in self._breakers.values():
                 b.tick(now)
-            return {k: b.as_dict(now) for k, b in self._breakers.items()}
+            return MappingProxyType({k: b.snapshot(now) for k, b in self._breakers.items()})

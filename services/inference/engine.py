@@ -12,6 +12,7 @@ Usage (the servicer owns the process; this module never imports grpc):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,9 +25,16 @@ from shared.errors import Cancelled, DeadlineExpired, InvalidInput, NotReady
 from .admission import Admission, QueueLimits, Ticket
 from .api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
 from .breaker import BreakerBoard, BreakerConfig
+from .faults import FaultInjectingRunner
+from .loop import LoopSettings, StepLoop
 from .memory import MemoryModel
 from .model import check_dtype, model_dtype
-from .scheduler import Scheduler, SchedulerSettings
+from .oom import OomPolicy
+from .output import OutputProcessor
+from .prefix import PrefixCache
+from .runner import ModelRunner
+from .schedule import Scheduler, batch_cap
+from .stats import Counters, EngineStats
 from .torchthread import TorchThread
 from .warmup import Calibration, build_runners, measure_memory, set_deterministic
 
@@ -52,11 +60,12 @@ class EngineConfig:
     device: str = "cpu"
     warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
     warmup_max_tokens: int = 256                            # one probe with a long reserved completion
-    prefill_tokens_per_iteration: int = 2048  # newcomers' prompt tokens per iteration (first always runs)
+    prefill_tokens_per_iteration: int = 2048  # prefill chunk size; also newcomers' first-chunk tokens per step
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
     memory_audit: bool = False                # measure every iteration's peak (slow; for tests/bench)
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
+    prefix_cache_bytes: int = 0               # budget share kept for the prefix cache (0: no prefix cache)
 
     def __post_init__(self):
         check_dtype(self.dtype, self.device, allow_auto=True)  # the stage resolves "auto" (formats.py)
@@ -68,6 +77,9 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
                                    metadata={"field": name})
+        if not 0 <= self.prefix_cache_bytes < self.memory_budget_bytes:
+            raise InvalidInput("EngineConfig.prefix_cache_bytes must be >= 0 and below memory_budget_bytes",
+                               reason="INVALID_CONFIG", metadata={"field": "prefix_cache_bytes"})
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise InvalidInput("EngineConfig.intra_op_threads must be >= 1", reason="INVALID_CONFIG",
                                metadata={"field": "intra_op_threads"})
@@ -87,7 +99,7 @@ class Engine:
         self.board = BreakerBoard(config.breaker, config.max_batch_size, clock)
         self.memory: MemoryModel | None = None
         self.calibration: Calibration | None = None
-        self._scheduler: Scheduler | None = None
+        self._loop: StepLoop | None = None
         self._tickets: dict[str, Ticket] = {}
         self._state = "created"  # created -> warm -> serving -> draining -> stopped
 
@@ -109,16 +121,27 @@ class Engine:
             runner.invariant_sizes = calibration.invariant_sizes.get(name, ())
         self.calibration = calibration
         self.memory, tokens_per_s = calibration.memory, calibration.tokens_per_s
-        if self.memory.max_total_tokens(cfg.memory_budget_bytes) < 2:
+        if self.memory.max_total_tokens(cfg.memory_budget_bytes - cfg.prefix_cache_bytes) < 2:
             raise InvalidInput(
                 f"memory budget {cfg.memory_budget_bytes} B leaves no room beyond the model "
                 f"({self.memory.static_bytes} B static)", reason="BUDGET_TOO_SMALL",
                 metadata={"static_bytes": self.memory.static_bytes})
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
-        settings = SchedulerSettings(cfg.max_batch_size, cfg.eos_token_ids, cfg.prefill_tokens_per_iteration,
-                                     cfg.oom_backoff_steps, cfg.memory_audit, cfg.device)
-        self._scheduler = Scheduler(runners, Admission(self.memory, cfg.memory_budget_bytes, limits),
-                                    self.board, settings, tokens_per_s)
+        self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, cfg.prefix_cache_bytes)
+        self._vocab_size = runners["primary"].vocab_size
+        runner = ModelRunner(runners)
+        if cfg.fault_injection_enabled:
+            runner = FaultInjectingRunner(runner)
+        counters = Counters()
+        prefix = None
+        if cfg.prefix_cache_bytes:  # blocks are prefill chunks: see prefix.py
+            prefix = PrefixCache(cfg.prefill_tokens_per_iteration, cfg.prefix_cache_bytes)
+        output = OutputProcessor(cfg.eos_token_ids, counters, self.board,
+                                 {name: r.dtype_name for name, r in runners.items()})
+        self._loop = StepLoop(runner, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
+                              self.board, OomPolicy(cfg.max_batch_size, cfg.oom_backoff_steps), counters,
+                              self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device),
+                              tokens_per_s, prefix)
         self._state = "warm"
 
     async def start(self, thread: TorchThread | None = None) -> None:
@@ -126,7 +149,7 @@ class Engine:
         if self._state != "warm":
             raise NotReady(f"engine cannot start from state {self._state} (call warmup() first)",
                            reason="WARMING_UP", retry_after_ms=1000)
-        self._scheduler.start(thread)
+        self._loop.start(thread)
         self._state = "serving"
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
@@ -146,14 +169,14 @@ class Engine:
         finally:
             self._tickets.pop(req.request_id, None)
             if not done:
-                self._scheduler.cancel(ticket)
+                self._loop.cancel(ticket)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request from outside its consumer; its generator raises Cancelled."""
         ticket = self._tickets.get(request_id)
         if ticket is None:
             return False
-        self._scheduler.cancel(ticket)
+        self._loop.cancel(ticket)
         ticket.send(Cancelled("request cancelled", reason="CANCELLED", metadata={"request_id": request_id}))
         return True
 
@@ -161,26 +184,13 @@ class Engine:
         """Count a failure observed outside the engine (e.g. 'output_limit' from the validator)."""
         self.board.record(kind, cause)
 
-    def stats(self) -> dict:
-        out = {"state": self._state, "breaker": self.board.as_dict(), "breaker_level": self.board.policy().level}
-        if self._scheduler is None:
-            return out
-        s = self._scheduler
-        with s.lock:
-            adm = s.admission
-            out.update({
-                "queue_depth": len(adm.queue), "queued_tokens": adm.queued_tokens,
-                "running_batch_size": len(s.rows), "pending_prefill": len(s.pending),
-                "batch_cap": s.batch_cap(self.board.policy()),
-                "memory": {**self.memory.as_dict(), "budget_bytes": adm.budget,
-                           "predicted_bytes": adm.predicted_bytes,
-                           "observed_peak_bytes": s.observed_peak_bytes or None},
-                "invariant_batch_sizes": {k: list(r.invariant_sizes) for k, r in s.runners.items()},
-                "tokens_per_s": round(s.tokens_per_s, 2),
-                "counters": {**{k: v for k, v in s.counters.__dict__.items() if k != "failed"},
-                             "failed": dict(s.counters.failed)},
-            })
-        return out
+    def stats(self) -> EngineStats:
+        """The step loop's latest snapshot, with the engine's state and the breakers as of now."""
+        base = self._loop.stats() if self._loop is not None else EngineStats()
+        policy = self.board.policy()
+        cap = batch_cap(self.config.max_batch_size, policy, base.oom_cap) if self._loop is not None else 0
+        return dataclasses.replace(base, state=self._state, breaker=self.board.snapshot(),
+                                   breaker_level=policy.level, batch_cap=cap)
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new work, let in-flight requests finish for up to grace_s, then fail the rest."""
@@ -189,11 +199,11 @@ class Engine:
             return
         self._state = "draining"
         end = time.monotonic() + max(0.0, grace_s)
-        while self._scheduler.busy() and time.monotonic() < end:
+        while self._tickets and time.monotonic() < end:  # requests whose consumer has not seen their end
             await asyncio.sleep(0.02)
         err = NotReady("inference engine shut down before the request finished", reason="SHUTTING_DOWN",
                        retry_after_ms=1000)
-        await asyncio.get_running_loop().run_in_executor(None, self._scheduler.shutdown, err)
+        await asyncio.get_running_loop().run_in_executor(None, self._loop.shutdown, err)
         self._state = "stopped"
 
     def _submit(self, req: GenerationRequest) -> Ticket:
@@ -201,8 +211,7 @@ class Engine:
             reason = {"draining": "DRAINING", "stopped": "SHUTTING_DOWN"}.get(self._state, "WARMING_UP")
             raise NotReady(f"inference engine is {self._state}", reason=reason, retry_after_ms=1000)
         cfg = self.config
-        validate(req, self._scheduler.runners["primary"].vocab_size, cfg.max_context_tokens,
-                 cfg.fault_injection_enabled)
+        validate(req, self._vocab_size, cfg.max_context_tokens, cfg.fault_injection_enabled)
         if req.request_id in self._tickets:
             raise InvalidInput(f"request {req.request_id} is already in flight", reason="DUPLICATE_REQUEST_ID",
                                metadata={"request_id": req.request_id})
@@ -214,9 +223,9 @@ class Engine:
             raise NotReady("circuit breaker open", reason="CIRCUIT_OPEN", retry_after_ms=policy.retry_after_ms,
                            metadata={"level": policy.level})
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        ticket = Ticket(req, seed, self._scheduler.admission.cost(req), asyncio.get_running_loop(),
-                        asyncio.Queue())
-        self._scheduler.submit(ticket, policy)
+        self._admission.check_fits_ever(req)  # the memory model is fixed after warmup: safe on any thread
+        ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue())
+        self._loop.submit(ticket)
         self._tickets[req.request_id] = ticket
         return ticket
 

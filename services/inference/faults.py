@@ -1,5 +1,11 @@
-"""Out-of-memory detection and the test-only fault hooks applied by the scheduler."""
+"""Out-of-memory detection, and fault injection as a wrapper around the model runner.
+
+`FaultInjectingRunner` is installed in place of the plain runner only when
+EngineConfig.fault_injection_enabled; the step loop and the forward pass know nothing of faults.
+"""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -43,3 +49,45 @@ class RowFaults:
 
 def injected_oom(request_id: str, step: int) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(f"injected out of memory (request {request_id}, step {step})")
+
+
+class FaultInjectingRunner:
+    """Applies each row's FaultSpec around `ModelRunner.execute` (slow steps, OOM, NaN hidden state)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.runners = inner.runners
+
+    def new_cache(self, runner: str, positions: int):
+        return self.inner.new_cache(runner, positions)
+
+    def execute(self, batch) -> torch.Tensor:
+        rows = batch.rows
+        delay = max(r.faults.slow_s for r in rows)
+        if delay:
+            time.sleep(delay)
+        for r in rows:
+            if r.faults.take_oom(r.step):
+                raise injected_oom(r.ticket.req.request_id, r.step)
+        spans, offset = [], 0
+        for r in rows:
+            n = len(r.tokens)
+            if r.faults.nan_at(r.step):
+                spans.append((offset, offset + n))
+            offset += n
+        if not spans:
+            return self.inner.execute(batch)
+
+        def poison(_module, _args, out: torch.Tensor) -> torch.Tensor:
+            # The embeddings of the poisoned rows' tokens become NaN: their whole hidden state follows.
+            out = out.clone()
+            for a, b in spans:
+                out[a:b] = float("nan")
+            return out
+
+        embed = self.runners[batch.runner].model.model.embed_tokens
+        handle = embed.register_forward_hook(poison)
+        try:
+            return self.inner.execute(batch)
+        finally:
+            handle.remove()

@@ -42,7 +42,6 @@ class Segment:
 
     cache: RowCache
     tokens: list[int]
-    poison: bool = False  # fault injection: this row's hidden state becomes NaN
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,40 +81,32 @@ class LlamaRunner:
         """Smallest calibrated batch size >= rows (rows itself when none was calibrated or fits)."""
         return next((s for s in self.invariant_sizes if s >= rows), rows)
 
-    def prefill(self, token_ids: list[int], cache: RowCache, poison: bool = False) -> torch.Tensor:
+    def prefill(self, token_ids: list[int], cache: RowCache) -> torch.Tensor:
         """One row's whole prompt from position 0; float32 logits of its last token [V]."""
-        return self.forward([Segment(cache, token_ids, poison)])[0]
+        return self.forward([Segment(cache, token_ids)])[0]
 
-    def decode(self, token_ids: list[int], caches: list[RowCache], poison: frozenset[int] = frozenset()
-               ) -> torch.Tensor:
+    def decode(self, token_ids: list[int], caches: list[RowCache]) -> torch.Tensor:
         """One token per row at position cache.length; float32 logits [B, V]."""
-        return self.forward([Segment(c, [t], i in poison) for i, (t, c) in enumerate(zip(token_ids, caches))])
+        return self.forward([Segment(c, [t]) for t, c in zip(token_ids, caches)])
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """One step over a ragged batch: every segment appends its tokens to its row's cache.
 
-        A segment is a whole prompt (prefill, its cache empty) or one token (decode). Their tokens are
-        stacked into one [N, hidden] matrix for the dense layers; attention runs per row. Returns float32
-        logits of each segment's last token [R, V]. Cache lengths advance only after the whole step
+        A segment is a prompt chunk (prefill, from the row's cache length on) or one token (decode).
+        Their tokens are stacked into one [N, hidden] matrix for the dense layers; attention runs per
+        row. Returns float32 logits of each segment's last token [R, V]. Cache lengths advance only after the whole step
         succeeded, so a step that fails midway (out of memory) can be retried as is.
         """
         core = self.model.model
         lens = [len(s.tokens) for s in segments]
         starts = [s.cache.length for s in segments]
-        if any(n > 1 and st for n, st in zip(lens, starts)):
-            raise ValueError("a multi-token segment must start at position 0 (no chunked prefill)")
         offsets = [sum(lens[:r]) for r in range(len(segments))]
         n_tok = sum(lens)
         padded = self.padded_size(n_tok)
         ids = torch.tensor([t for s in segments for t in s.tokens] + [0] * (padded - n_tok),
                            dtype=torch.long, device=self.device)
         x = core.embed_tokens(ids)  # [N', hidden]; rows >= N are padding and never read back
-        poisoned = [r for r, s in enumerate(segments) if s.poison]
-        if poisoned:
-            x = x.clone()
-            for r in poisoned:
-                x[offsets[r]:offsets[r] + lens[r]] = float("nan")
         pos = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)]).to(self.device)
         cos, sin = core.rotary_emb(x[None, :n_tok], pos[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]
@@ -137,9 +128,11 @@ class LlamaRunner:
                         keys[None, :, :st + 1], values[None, :, :st + 1], scale=self.scale)
                     attn_out[o] = out.reshape(-1)
                 else:
+                    # A prompt chunk at positions st..st+n-1 attends causally to everything cached so far.
+                    mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
                     out = F.scaled_dot_product_attention(
-                        q[o:o + n].transpose(0, 1)[None], keys[None, :, :n], values[None, :, :n],
-                        is_causal=True, scale=self.scale, enable_gqa=True)  # [1, H, P, D]
+                        q[o:o + n].transpose(0, 1)[None], keys[None, :, :st + n], values[None, :, :st + n],
+                        attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                     attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
             x = x + attn.o_proj(attn_out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -186,6 +179,11 @@ class LlamaRunner:
         if small in sizes and all(invariant(lin, m, 1100) for lin in dense for m in large):
             self.invariant_sizes = tuple(sizes)
         return self.invariant_sizes
+
+
+def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n, start + n] bool: query i (at position start + i) sees keys 0..start + i."""
+    return torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
 
 
 def _in_features(lin: torch.nn.Module) -> int:

@@ -1,14 +1,28 @@
 """Pick the next token of one row: greedy or seeded sampling, with logprob and predictive entropy.
 
-All maths is float32 on the row's logits [V]. The logprob and entropy describe the model's distribution
-(softmax of the logits after any breaker clamp, before temperature/top-k/top-p), so they stay comparable
-across sampling settings.
+Sampling carries no random state between steps: the draw for the token at absolute position `position`
+of a request seeded `seed` is a pure function of (seed, position) and the logits. A counter-based hash
+(splitmix64 of the seed, the position and the vocabulary index) gives each candidate token a uniform
+number, turned into Gumbel noise; the token is the argmax of scaled logits + noise (the Gumbel-max
+trick, which draws exactly from softmax(logits / temperature)). Any step can therefore be recomputed
+alone, in any batch, in any order, and gives the same token.
+
+The maths of the draw is float64 and starts from logits minus their maximum, so the scaled logits are
+<= 0 and finite or -inf for every positive temperature, however small (a temperature of 1e-45 is
+greedy, not a NaN). logprob and entropy describe the model's distribution (float32 softmax of the
+logits after any breaker clamp, before temperature/top-k/top-p), so they stay comparable across
+sampling settings.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL2 = np.uint64(0x94D049BB133111EB)
 
 
 @dataclass(frozen=True)
@@ -23,9 +37,12 @@ def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits).all(dim=-1)
 
 
-def pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-         generator: torch.Generator | None, clamp: float | None = None) -> Pick:
-    """Choose a token from finite float32 logits [V]; temperature 0 means greedy (lowest id on ties)."""
+def pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int,
+         clamp: float | None = None) -> Pick:
+    """Choose a token from finite float32 logits [V]; temperature 0 means greedy (lowest id on ties).
+
+    `position` is the absolute position of the token being drawn (prompt length + its completion index).
+    """
     if clamp is not None:
         logits = logits.clamp(-clamp, clamp)
     logp = torch.log_softmax(logits, dim=-1)
@@ -33,23 +50,48 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
     if temperature <= 0.0:
         token = int(torch.argmax(logits))
     else:
-        token = _sample(logits / temperature, top_p, top_k, generator)
+        token = _sample(logits, temperature, top_p, top_k, seed, position)
     return Pick(token, float(logp[token]), max(0.0, entropy))
 
 
-def _sample(scaled: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator | None) -> int:
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int) -> int:
+    wide = logits.double()
+    scaled = (wide - wide.max()) / temperature  # <= 0; the top token is exactly 0
+    candidates = _candidates(scaled, top_p, top_k)
+    noise = torch.from_numpy(gumbel(seed, position, candidates.cpu().numpy())).to(scaled.device)
+    return int(candidates[int(torch.argmax(scaled[candidates] + noise))])
+
+
+def _candidates(scaled: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Vocabulary indices kept by top-k then top-p (always at least the top token), as int64 [C]."""
+    if top_p >= 1.0 and not 0 < top_k < scaled.numel():
+        return torch.arange(scaled.numel(), device=scaled.device)
     values, order = torch.sort(scaled, descending=True, stable=True)
     if 0 < top_k < values.numel():
         values, order = values[:top_k], order[:top_k]
-    probs = torch.softmax(values, dim=-1)
     if top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        cumulative = torch.cumsum(probs, dim=-1)
-        keep = int(torch.searchsorted(cumulative, torch.tensor(top_p, device=cumulative.device))) + 1
-        probs = probs[:keep] / probs[:keep].sum()
-        order = order[:keep]
-    choice = int(torch.multinomial(probs, 1, generator=generator))
-    return int(order[choice])
+        # Keep the smallest prefix whose mass reaches top_p.
+        cumulative = torch.cumsum(torch.softmax(values, dim=-1), dim=-1)
+        keep = int(torch.searchsorted(cumulative, torch.tensor(top_p, dtype=cumulative.dtype,
+                                                               device=cumulative.device))) + 1
+        order = order[:min(keep, order.numel())]
+    return order
+
+
+def gumbel(seed: int, position: int, indices: np.ndarray) -> np.ndarray:
+    """Standard Gumbel noise [len(indices)] float64 for (seed, position, vocabulary index): pure, stateless."""
+    with np.errstate(over="ignore"):
+        stream = _splitmix(np.array([seed], dtype=np.uint64) + _GOLDEN * np.array([position + 1], dtype=np.uint64))
+        bits = _splitmix(stream + _GOLDEN * (indices.astype(np.uint64) + np.uint64(1)))
+    uniform = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # strictly inside (0, 1)
+    return -np.log(-np.log(uniform))
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * _MUL1
+    x = (x ^ (x >> np.uint64(27))) * _MUL2
+    return x ^ (x >> np.uint64(31))
 
 
 def clamp_temperature(temperature: float, cap: float | None) -> float:

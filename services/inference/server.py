@@ -21,7 +21,6 @@ from services.inference.warmcache import model_sha256
 from shared.config import ConfigError, ServerConfig
 
 log = logging.getLogger("keel.inference")
-BREAKER_KINDS = ("numerical_instability", "oom", "timeout", "output_limit")
 
 
 class InferenceStage:
@@ -44,7 +43,7 @@ class InferenceStage:
         started = await self.torch.run(start_engine, self.cfg, self.model_sha)
         engine = started.engine
         await engine.start(self.torch)
-        log.info("engine warm", extra={"memory_model": engine.stats().get("memory"), "format": started.record.format,
+        log.info("engine warm", extra={"memory_model": engine.memory.as_dict(), "format": started.record.format,
                                        "format_reason": started.record.reason, "warm_start": started.warm,
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
@@ -55,21 +54,20 @@ class InferenceStage:
         m = self.m
         queue, batch = m.gauge("keel_inference_queue_depth"), m.gauge("keel_inference_running_batch_size")
         predicted, budget = m.gauge("keel_inference_predicted_memory_bytes"), m.gauge("keel_inference_memory_budget_bytes")
-        level = m.gauge("keel_inference_breaker_level")
+        level, hit_rate = m.gauge("keel_inference_breaker_level"), m.gauge("keel_inference_prefix_cache_hit_rate")
         faults, ooms = m.counter("keel_inference_numerical_faults_total"), m.counter("keel_inference_oom_recoveries_total")
         seen = {"numerical_faults": 0, "oom_recoveries": 0}
         while True:
             s = self.engine.stats()
-            queue.set(s.get("queue_depth", 0))
-            batch.set(s.get("running_batch_size", 0))
-            mem = s.get("memory", {})
-            predicted.set(mem.get("predicted_bytes", 0))
-            budget.set(mem.get("budget_bytes", 0))
-            for kind in BREAKER_KINDS:
-                level.labels(error_type=kind).set(s["breaker"].get(kind, {}).get("level", 0))
-            counters = s.get("counters", {})
+            queue.set(s.queue_depth)
+            batch.set(s.running_batch_size)
+            predicted.set(s.memory.predicted_bytes)
+            budget.set(s.memory.budget_bytes)
+            hit_rate.set(s.prefix_cache.hit_rate)
+            for kind, state in s.breaker.items():
+                level.labels(error_type=kind).set(state.level)
             for key, counter in (("numerical_faults", faults), ("oom_recoveries", ooms)):
-                now = counters.get(key, 0)
+                now = getattr(s.counters, key)
                 counter.inc(max(0, now - seen[key]))
                 seen[key] = now
             await asyncio.sleep(1.0)

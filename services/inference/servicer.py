@@ -58,7 +58,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                   ("inference.decode", first_ns, end_ns, {
                       "generated_tokens": ev.completion_tokens,
                       "kv_cache_bytes": kv * (ev.prompt_tokens + ev.completion_tokens),
-                      "batch_rows_running_at_finish": self.engine.stats().get("running_batch_size", 0)})]
+                      "batch_rows_running_at_finish": self.engine.stats().running_batch_size})]
         for name, t0, t1, attrs in phases:
             span = tracer.start_span(name, start_time=t0, attributes={**common, **attrs,
                                                                       "latency_ms": round((t1 - t0) / 1e6, 3)})

@@ -55,17 +55,16 @@ def build_runners(model: torch.nn.Module, device: str, fallback_dtype: str | Non
 def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str) -> tuple[Probe, float]:
     """Measure one request alone, phase by phase; also returns the decode step's wall time."""
     ids = [3 + (i * 7919) % (runner.vocab_size - 3) for i in range(prompt_tokens)]
-    gen = torch.Generator(device=runner.device).manual_seed(0)
     with PeakMeter(device) as alloc:
         cache = runner.new_cache(prompt_tokens + max_tokens)
     with PeakMeter(device) as forward:
         logits = runner.prefill(ids, cache)
     with PeakMeter(device) as sample:
-        first = pick(logits, 1.0, 0.9, 0, gen)
+        first = pick(logits, 1.0, 0.9, 0, 0, prompt_tokens)
     del logits
     t0 = time.perf_counter()
     with PeakMeter(device) as decode:
-        pick(runner.decode([first.token_id], [cache])[0], 1.0, 0.9, 0, gen)
+        pick(runner.decode([first.token_id], [cache])[0], 1.0, 0.9, 0, 0, prompt_tokens + 1)
     step_s = time.perf_counter() - t0
     del cache
     return Probe(prompt_tokens, max_tokens, cache_bytes=alloc.final, prefill_peak=forward.peak,

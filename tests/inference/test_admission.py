@@ -45,8 +45,8 @@ async def test_second_request_waits_in_queue_then_runs(budget_engine):
     second = asyncio.create_task(collect(engine, request("b", prompt(2, 20), max_tokens=5)))
     await asyncio.sleep(0.05)
     stats = engine.stats()
-    assert stats["queue_depth"] == 1 and stats["running_batch_size"] == 1
-    assert stats["memory"]["predicted_bytes"] <= stats["memory"]["budget_bytes"]
+    assert stats.queue_depth == 1 and stats.running_batch_size == 1
+    assert stats.memory.predicted_bytes <= stats.memory.budget_bytes
     async for _ in first:
         pass
     tokens, fin = await second
@@ -86,7 +86,7 @@ async def test_queue_timeout_is_overloaded(budget_engine):
     with pytest.raises(Overloaded) as e:
         await collect(engine, request("b", prompt(2, 20), max_tokens=5))
     assert e.value.reason == "QUEUE_TIMEOUT" and e.value.retry_after_ms > 0
-    assert engine.stats()["queue_depth"] == 0
+    assert engine.stats().queue_depth == 0
     await first.aclose()
 
 
@@ -99,7 +99,7 @@ async def test_flood_never_exceeds_the_budget(budget_engine):
 
     async def sample():
         while True:
-            seen.append(engine.stats()["memory"]["predicted_bytes"])
+            seen.append(engine.stats().memory.predicted_bytes)
             await asyncio.sleep(0.002)
 
     sampler = asyncio.create_task(sample())
@@ -109,7 +109,7 @@ async def test_flood_never_exceeds_the_budget(budget_engine):
     assert all(len(tokens) == 60 for tokens, _ in results)
     assert max(seen) <= budget
     assert max(seen) > engine.memory.static_bytes + engine.memory.request_bytes(600, 60)  # 2 ran at once
-    observed = engine.stats()["memory"]["observed_peak_bytes"]
+    observed = engine.stats().memory.observed_peak_bytes
     assert engine.memory.static_bytes < observed <= budget
 
 
@@ -144,7 +144,7 @@ async def test_bad_requests_are_invalid_input(shared_engine, fields, reason):
     with pytest.raises(InvalidInput) as e:
         await collect(engine, request(base.pop("request_id"), base.pop("prompt_ids"), **base))
     assert e.value.reason == reason
-    assert engine.stats()["running_batch_size"] == 0 and engine.stats()["queue_depth"] == 0
+    assert engine.stats().running_batch_size == 0 and engine.stats().queue_depth == 0
 
 
 @pytest.mark.asyncio

@@ -72,26 +72,26 @@ async def test_newcomer_joins_between_steps_and_finished_rows_leave(make_engine)
         if getattr(item, "index", None) == 3:
             async for b_item in engine.generate(request("b", prompt(5), max_tokens=5)):
                 b_tokens.append(b_item)
-                b_batch_sizes.append(engine.stats()["running_batch_size"])
-            after = engine.stats()["running_batch_size"]
+                b_batch_sizes.append(engine.stats().running_batch_size)
+            after = engine.stats().running_batch_size
     assert ids(b_tokens[:-1]) == ids(ref_b)   # joining mid-way changes nothing for b
     assert 2 in b_batch_sizes                  # b decoded alongside "long"
     assert after == 1                          # and left the batch as soon as it finished
     assert long_tokens == 121                  # while "long" went on to the end
-    assert engine.stats()["counters"]["completed"] == 3
+    assert engine.stats().counters.completed == 3
 
 
 @pytest.mark.asyncio
 async def test_aclose_removes_the_row_and_frees_its_reservation(make_engine):
     engine = await make_engine()
-    static = engine.stats()["memory"]["static_bytes"]
+    static = engine.stats().memory.static_bytes
     stream = engine.generate(request("a", prompt(6), max_tokens=3000))
     await stream.__anext__()
-    assert engine.stats()["memory"]["predicted_bytes"] > static
+    assert engine.stats().memory.predicted_bytes > static
     await stream.aclose()
-    assert await wait_until(lambda: engine.stats()["running_batch_size"] == 0)
-    assert engine.stats()["memory"]["predicted_bytes"] == static
-    assert engine.stats()["counters"]["completed"] == 0
+    assert await wait_until(lambda: engine.stats().running_batch_size == 0)
+    assert engine.stats().memory.predicted_bytes == static
+    assert engine.stats().counters.completed == 0
 
 
 @pytest.mark.asyncio
@@ -108,8 +108,8 @@ async def test_cancelled_task_frees_its_row(make_engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await wait_until(lambda: engine.stats()["running_batch_size"] == 0)
-    assert engine.stats()["memory"]["predicted_bytes"] == engine.stats()["memory"]["static_bytes"]
+    assert await wait_until(lambda: engine.stats().running_batch_size == 0)
+    assert engine.stats().memory.predicted_bytes == engine.stats().memory.static_bytes
 
 
 @pytest.mark.asyncio
@@ -122,7 +122,7 @@ async def test_engine_cancel_raises_cancelled_in_the_stream(make_engine):
             if len(seen) == 2:
                 assert engine.cancel("x") is True
     assert engine.cancel("x") is False  # no longer in flight
-    assert await wait_until(lambda: engine.stats()["running_batch_size"] == 0)
+    assert await wait_until(lambda: engine.stats().running_batch_size == 0)
 
 
 @pytest.mark.asyncio
@@ -135,7 +135,7 @@ async def test_deadline_expires_mid_stream_and_counts_as_timeout(make_engine):
         async for item in engine.generate(req):
             got.append(item)
     assert 0 < len(got) < 50 and e.value.reason == "DEADLINE_EXPIRED"
-    assert engine.stats()["breaker"]["timeout"]["total_failures"] == 1
+    assert engine.stats().breaker["timeout"].total_failures == 1
 
 
 @pytest.mark.asyncio
@@ -162,7 +162,7 @@ async def test_duplicate_request_id_in_flight_is_rejected(make_engine):
 async def test_invariance_padding_can_be_switched_off(make_engine):
     on = await make_engine()
     off = await make_engine(batch_invariant=False)
-    assert 16 in on.stats()["invariant_batch_sizes"]["primary"]
-    assert off.stats()["invariant_batch_sizes"]["primary"] == []
+    assert 16 in on.stats().invariant_batch_sizes["primary"]
+    assert off.stats().invariant_batch_sizes["primary"] == ()
     tokens, _ = await collect(off, request("a", prompt(1), max_tokens=5))
     assert len(tokens) == 5

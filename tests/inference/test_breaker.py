@@ -31,7 +31,7 @@ def test_failures_spread_beyond_the_window_do_not_trip():
     for _ in range(5):
         b.record("timeout")
         clock.now += 11
-    assert b.policy().level == 0 and b.as_dict()["timeout"]["total_failures"] == 5
+    assert b.policy().level == 0 and b.snapshot()["timeout"].total_failures == 5
 
 
 def test_levels_climb_one_per_threshold_and_grade_the_policy():
@@ -50,7 +50,7 @@ def test_levels_climb_one_per_threshold_and_grade_the_policy():
         assert (p.level, p.temperature_cap, p.logit_clamp, p.max_batch_size, p.reject) == \
             (level, temp, clamp, batch, reject)
     assert b.policy().retry_after_ms == 60_000
-    assert b.as_dict()["timeout"]["state"] == "open"
+    assert b.snapshot()["timeout"].state == "open"
 
 
 def test_quiet_period_steps_down_one_level_at_a_time():
@@ -62,11 +62,11 @@ def test_quiet_period_steps_down_one_level_at_a_time():
     clock.now += 59.9
     assert b.policy().level == 3 and b.policy().retry_after_ms == 100
     clock.now += 0.1
-    assert b.policy().level == 2 and b.as_dict()["timeout"]["state"] == "half_open"
+    assert b.policy().level == 2 and b.snapshot()["timeout"].state == "half_open"
     clock.now += 60
     assert b.policy().level == 1
     clock.now += 60
-    assert b.policy().level == 0 and b.as_dict()["timeout"]["state"] == "closed"
+    assert b.policy().level == 0 and b.snapshot()["timeout"].state == "closed"
 
 
 def test_a_failure_while_half_open_climbs_straight_back():
@@ -75,9 +75,9 @@ def test_a_failure_while_half_open_climbs_straight_back():
     for _ in range(4):
         b.record("timeout")
     clock.now += 60
-    assert b.policy().level == 1 and b.as_dict()["timeout"]["state"] == "half_open"
+    assert b.policy().level == 1 and b.snapshot()["timeout"].state == "half_open"
     b.record("timeout")  # one failure, below the threshold of 2
-    assert b.policy().level == 2 and b.as_dict()["timeout"]["state"] == "open"
+    assert b.policy().level == 2 and b.snapshot()["timeout"].state == "open"
 
 
 def test_a_failure_restarts_the_quiet_period():
@@ -96,7 +96,7 @@ def test_breakers_are_independent_and_the_highest_level_applies():
     b = board(clock, oom=TripRule(10.0, 1))
     b.record("oom")
     b.record("oom")
-    assert b.as_dict()["oom"]["level"] == 2 and b.as_dict()["timeout"]["level"] == 0
+    assert b.snapshot()["oom"].level == 2 and b.snapshot()["timeout"].level == 0
     assert b.policy().level == 2
 
 
@@ -159,7 +159,7 @@ async def test_level_one_clamps_logits(make_engine):
 async def test_level_two_shrinks_the_batch_and_uses_the_fallback_dtype(make_engine):
     engine = await make_engine(breaker=FAST_TRIP)
     trip(engine, 2)
-    assert engine.stats()["breaker_level"] == 2 and engine.stats()["batch_cap"] == 2
+    assert engine.stats().breaker_level == 2 and engine.stats().batch_cap == 2
     _, fin = await collect(engine, request("a", prompt(3), max_tokens=3))
     assert fin.dtype == "bfloat16" and fin.breaker_level == 2
 
@@ -173,7 +173,7 @@ async def test_level_three_rejects_then_half_opens(make_engine):
         await collect(engine, request("a", prompt(4), max_tokens=3))
     assert e.value.reason == "CIRCUIT_OPEN" and e.value.retry_after_ms == 300_000
     clock.now += 300
-    assert engine.stats()["breaker"]["output_limit"]["state"] == "half_open"
+    assert engine.stats().breaker["output_limit"].state == "half_open"
     tokens, fin = await collect(engine, request("b", prompt(4), max_tokens=3))
     assert len(tokens) == 3 and fin.breaker_level == 2
 
@@ -184,4 +184,4 @@ async def test_repeated_numerical_faults_trip_the_breaker(make_engine):
     for i in range(3):
         with pytest.raises(NumericalInstability):
             await collect(engine, request(f"n{i}", prompt(i), faults=FaultSpec(nan_at_step=1)))
-    assert engine.stats()["breaker"]["numerical_instability"]["level"] == 1
+    assert engine.stats().breaker["numerical_instability"].level == 1

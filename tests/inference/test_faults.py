@@ -37,7 +37,7 @@ async def run_all(engine, reqs):
 async def test_nan_in_one_row_fails_it_alone(make_engine, caplog):
     engine = await make_engine(fault_injection_enabled=True)
     clean = await run_all(engine, batch())
-    caplog.set_level(logging.WARNING, logger="services.inference.scheduler")
+    caplog.set_level(logging.WARNING, logger="services.inference.output")
     faulty = await run_all(engine, batch(3, FaultSpec(nan_at_step=4)))
     for i, ((ref, _), (got, err)) in enumerate(zip(clean, faulty)):
         if i == 3:
@@ -49,9 +49,9 @@ async def test_nan_in_one_row_fails_it_alone(make_engine, caplog):
     record = next(r for r in caplog.records if getattr(r, "fingerprint", None) == "fp-3")
     assert record.batch_size == 8 and record.step == 4       # it really was inside the batch of 8
     stats = engine.stats()
-    assert stats["counters"]["numerical_faults"] == 1
-    assert stats["breaker"]["numerical_instability"]["total_failures"] == 1
-    assert stats["running_batch_size"] == 0 and stats["memory"]["predicted_bytes"] == stats["memory"]["static_bytes"]
+    assert stats.counters.numerical_faults == 1
+    assert stats.breaker["numerical_instability"].total_failures == 1
+    assert stats.running_batch_size == 0 and stats.memory.predicted_bytes == stats.memory.static_bytes
 
 
 @pytest.mark.asyncio
@@ -66,7 +66,7 @@ async def test_negative_fault_steps_mean_never(make_engine):
     engine = await make_engine(fault_injection_enabled=True)
     spec = FaultSpec(nan_at_step=-1, oom_at_step=-1)
     tokens, fin = await collect(engine, request("x", prompt(1), max_tokens=4, faults=spec))
-    assert len(tokens) == 4 and engine.stats()["counters"]["oom_events"] == 0
+    assert len(tokens) == 4 and engine.stats().counters.oom_events == 0
 
 
 @pytest.mark.asyncio
@@ -77,16 +77,16 @@ async def test_one_oom_halves_the_batch_and_everyone_finishes(make_engine):
     for (ref, _), (got, err) in zip(clean, faulty):
         assert err is None and ids(got[:-1]) == ids(ref[:-1])
     stats = engine.stats()
-    assert stats["counters"]["oom_events"] == 1 and stats["counters"]["oom_recoveries"] == 1
-    assert stats["batch_cap"] == 4                       # the cap stays halved until the backoff passes
-    assert stats["breaker"]["oom"]["total_failures"] == 1
+    assert stats.counters.oom_events == 1 and stats.counters.oom_recoveries == 1
+    assert stats.batch_cap == 4                       # the cap stays halved until the backoff passes
+    assert stats.breaker["oom"].total_failures == 1
 
 
 @pytest.mark.asyncio
 async def test_batch_cap_recovers_after_backoff(make_engine):
     engine = await make_engine(fault_injection_enabled=True, oom_backoff_steps=3)
     await run_all(engine, batch(2, FaultSpec(oom_at_step=1)))
-    assert engine.stats()["batch_cap"] == 16
+    assert engine.stats().batch_cap == 16
 
 
 @pytest.mark.asyncio
@@ -103,8 +103,8 @@ async def test_persistent_oom_fails_only_that_row_with_overloaded(make_engine):
         else:
             assert err is None and ids(got[:-1]) == ids(ref[:-1])
     stats = engine.stats()
-    assert stats["counters"]["oom_events"] == 4               # batches of 8, 4, 2, then 1
-    assert stats["breaker"]["oom"]["total_failures"] == 4 and stats["breaker"]["oom"]["level"] == 0
+    assert stats.counters.oom_events == 4               # batches of 8, 4, 2, then 1
+    assert stats.breaker["oom"].total_failures == 4 and stats.breaker["oom"].level == 0
     tokens, _ = await collect(engine, request("after", prompt(9), max_tokens=3))
     assert len(tokens) == 3                                   # the engine is still serving
 
@@ -114,7 +114,7 @@ async def test_oom_in_prefill_fails_the_newcomer(make_engine):
     engine = await make_engine(fault_injection_enabled=True)
     got, err = (await run_all(engine, [request("o", prompt(1), faults=FaultSpec(oom_at_step=0))]))[0]
     assert got == [] and isinstance(err, Overloaded) and err.reason == "OUT_OF_MEMORY"
-    assert engine.stats()["memory"]["predicted_bytes"] == engine.stats()["memory"]["static_bytes"]
+    assert engine.stats().memory.predicted_bytes == engine.stats().memory.static_bytes
 
 
 @pytest.mark.parametrize("exc,expected", [

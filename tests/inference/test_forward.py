@@ -73,13 +73,29 @@ def test_prefill_mixed_with_decode_rows_is_bitwise_the_same(tiny):
     assert (c_old.length, c_new.length) == (10, 23)
 
 
-def test_prompt_continuation_is_refused(tiny):
+def chunked_prefill(runner: LlamaRunner, ids: list[int], chunk: int):
+    cache = runner.new_cache(len(ids) + 4)
+    for i in range(0, len(ids), chunk):
+        logits = runner.forward([Segment(cache, ids[i:i + chunk])])[0]
+    return logits, cache
+
+
+def test_chunked_prefill_is_reproducible_and_close_to_a_whole_one_but_not_bitwise(tiny):
+    """What holds: the first layer's keys and values are bitwise those of a whole prefill (row-wise
+    projections); later layers differ in the last bits (the chunk's attention is a masked SDPA over the
+    cached prefix, a different summation order from one causal SDPA), so the logits differ by ~1e-5,
+    the greedy token is the same, and the same chunking always gives the same bits."""
     runner = LlamaRunner(tiny)
-    cache = runner.new_cache(20)
-    runner.prefill(prompt(1, 5), cache)
-    with pytest.raises(ValueError):
-        runner.forward([Segment(cache, prompt(2, 3))])
-    assert cache.length == 5
+    runner.calibrate_invariant_sizes(16)
+    ids = prompt(3, 300)
+    whole_cache = runner.new_cache(304)
+    whole = runner.prefill(ids, whole_cache)
+    chunked, cache = chunked_prefill(runner, ids, 64)
+    again, _ = chunked_prefill(runner, ids, 64)
+    assert cache.length == 300 and torch.equal(chunked, again)
+    assert torch.equal(cache.keys[0, :, :300], whole_cache.keys[0, :, :300])
+    assert int(chunked.argmax()) == int(whole.argmax())
+    assert 0 < (chunked - whole).abs().max() < 1e-4
 
 
 def test_poisoned_row_does_not_touch_the_others(tiny):
@@ -91,7 +107,16 @@ def test_poisoned_row_does_not_touch_the_others(tiny):
     clean_caches = [runner.new_cache(20) for _ in prompts]
     for p, c in zip(prompts, clean_caches):
         runner.prefill(p, c)
-    poisoned = runner.decode(first, caches, poison=frozenset({2}))
+    def nan_row_2(_module, _args, out):
+        out = out.clone()
+        out[2] = float("nan")  # one token per decode row: row 2's hidden state
+        return out
+
+    handle = tiny.model.embed_tokens.register_forward_hook(nan_row_2)
+    try:
+        poisoned = runner.decode(first, caches)
+    finally:
+        handle.remove()
     clean = runner.decode(first, clean_caches)
     assert not torch.isfinite(poisoned[2]).any()
     for i in (0, 1, 3):

@@ -25,7 +25,7 @@ async def test_prediction_within_15_percent_of_measured_peak(make_engine):
     assert mem.prefill_bytes_per_token > mem.decode_bytes_per_token > 0
     for n in (16, 64, 256, 1024, 2048):
         await collect(engine, request(f"p{n}", prompt(n, n), max_tokens=8, temperature=1.0, top_p=0.9))
-        observed = engine.stats()["memory"]["observed_peak_bytes"]
+        observed = engine.stats().memory.observed_peak_bytes
         predicted = mem.static_bytes + mem.request_bytes(n, 8)
         assert abs(predicted / observed - 1) <= 0.15, (n, predicted, observed)
         own = observed - mem.static_bytes
@@ -38,7 +38,7 @@ async def test_greedy_requests_stay_under_the_prediction(make_engine):
     mem = engine.memory
     for n in (16, 300, 1500):
         await collect(engine, request(f"g{n}", prompt(n, n), max_tokens=8))
-        assert engine.stats()["memory"]["observed_peak_bytes"] <= mem.static_bytes + mem.request_bytes(n, 8)
+        assert engine.stats().memory.observed_peak_bytes <= mem.static_bytes + mem.request_bytes(n, 8)
 
 
 @pytest.mark.asyncio

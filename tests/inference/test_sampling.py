@@ -4,11 +4,12 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from services.inference.api import FaultSpec
-from services.inference.sampling import pick, row_is_finite
+from services.inference.sampling import gumbel, pick, row_is_finite
 from shared.errors import NotReady
 from tests.inference.helpers import collect, ids, prompt, request
 
@@ -19,7 +20,7 @@ def logits_fixture() -> torch.Tensor:
 
 def test_greedy_takes_the_lowest_id_among_ties_and_reports_logprob_and_entropy():
     logits = logits_fixture()
-    p = pick(logits, 0.0, 1.0, 0, None)
+    p = pick(logits, 0.0, 1.0, 0, 0, 0)
     logp = torch.log_softmax(logits, -1)
     assert p.token_id == 1
     assert p.logprob == pytest.approx(float(logp[1]))
@@ -27,37 +28,70 @@ def test_greedy_takes_the_lowest_id_among_ties_and_reports_logprob_and_entropy()
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        assert pick(logits_fixture(), 1.0, 1.0, 1, gen).token_id == 1
-        assert pick(logits_fixture(), 1.0, 1e-6, 0, gen).token_id == 1
+    for pos in range(20):
+        assert pick(logits_fixture(), 1.0, 1.0, 1, 0, pos).token_id == 1
+        assert pick(logits_fixture(), 1.0, 1e-6, 0, 0, pos).token_id == 1
 
 
 def test_top_k_restricts_the_support():
-    gen = torch.Generator().manual_seed(1)
-    seen = {pick(logits_fixture(), 10.0, 1.0, 3, gen).token_id for _ in range(300)}
+    seen = {pick(logits_fixture(), 10.0, 1.0, 3, 1, pos).token_id for pos in range(300)}
     assert seen == {1, 2, 3}
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # probabilities ~ [0.5, 0.3, 0.2]: top_p 0.75 keeps the first two only.
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
-    gen = torch.Generator().manual_seed(2)
-    seen = {pick(logits, 1.0, 0.75, 0, gen).token_id for _ in range(300)}
+    seen = {pick(logits, 1.0, 0.75, 0, 2, pos).token_id for pos in range(300)}
     assert seen == {0, 1}
 
 
-def test_sampling_follows_the_distribution():
+def test_sampling_follows_the_distribution_across_positions_and_across_seeds():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
-    gen = torch.Generator().manual_seed(3)
-    counts = torch.bincount(torch.tensor([pick(logits, 1.0, 1.0, 0, gen).token_id for _ in range(3000)]),
-                            minlength=3)
-    assert (counts.float() / 3000 - torch.tensor([0.7, 0.2, 0.1])).abs().max() < 0.04
+    target = torch.tensor([0.7, 0.2, 0.1])
+    by_position = torch.tensor([pick(logits, 1.0, 1.0, 0, 3, pos).token_id for pos in range(3000)])
+    by_seed = torch.tensor([pick(logits, 1.0, 1.0, 0, seed, 7).token_id for seed in range(3000)])
+    for draws in (by_position, by_seed):
+        assert (torch.bincount(draws, minlength=3).float() / 3000 - target).abs().max() < 0.04
+
+
+def test_temperature_scales_the_distribution():
+    logits = torch.log(torch.tensor([0.6, 0.4]))
+    hot = sum(pick(logits, 50.0, 1.0, 0, 4, pos).token_id for pos in range(2000)) / 2000
+    cold = sum(pick(logits, 0.05, 1.0, 0, 4, pos).token_id for pos in range(2000)) / 2000
+    assert abs(hot - 0.5) < 0.04 and cold < 0.01
+
+
+def test_a_draw_is_a_pure_function_of_seed_position_and_logits():
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(0))
+    forward = [pick(logits, 1.0, 0.95, 50, 99, pos).token_id for pos in range(64)]
+    backward = [pick(logits, 1.0, 0.95, 50, 99, pos).token_id for pos in reversed(range(64))][::-1]
+    assert forward == backward                                     # no state carried from one draw to the next
+    assert pick(logits, 1.0, 0.95, 50, 99, 40).token_id == forward[40]  # one step recomputed alone
+    assert len(set(forward)) > 5                                    # and the draws do vary with the position
+    assert forward != [pick(logits, 1.0, 0.95, 50, 100, pos).token_id for pos in range(64)]
+
+
+def test_gumbel_noise_is_pure_and_distinct_per_index():
+    idx = np.arange(1000)
+    a = gumbel(5, 11, idx)
+    assert np.array_equal(a, gumbel(5, 11, idx)) and np.array_equal(a[[7, 3]], gumbel(5, 11, np.array([7, 3])))
+    assert np.isfinite(a).all() and len(set(a.tolist())) == 1000
+    assert abs(a.mean() - 0.5772) < 0.1                            # the Gumbel mean (Euler's constant)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-300, 1e300, 1.7e308])
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (5e-324, 0), (0.9, 2**31), (1.0, 1)])
+def test_extreme_valid_parameters_always_give_a_token(temperature, top_p, top_k):
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0, -80.0])
+    p = pick(logits, temperature, top_p, top_k, 2**63 - 1, 2**31)
+    assert 0 <= p.token_id < 6 and math.isfinite(p.logprob)
+    if temperature < 1e-40 or top_k == 1 or top_p < 1e-300:
+        assert p.token_id in (1, 3)                                # a vanishing temperature is greedy
 
 
 def test_clamp_applies_to_reported_logprob():
     logits = torch.tensor([100.0, 0.0])
-    assert pick(logits, 0.0, 1.0, 0, None, clamp=1.0).logprob == pytest.approx(-math.log1p(math.exp(-1)))
+    assert pick(logits, 0.0, 1.0, 0, 0, 0, clamp=1.0).logprob == pytest.approx(-math.log1p(math.exp(-1)))
 
 
 def test_row_is_finite_flags_only_the_bad_rows():
@@ -111,7 +145,7 @@ async def test_stop_lets_in_flight_work_finish_within_grace(make_engine):
     assert e.value.reason == "DRAINING"
     tokens, fin = await running
     await stopping
-    assert len(tokens) == 10 and engine.stats()["state"] == "stopped"
+    assert len(tokens) == 10 and engine.stats().state == "stopped"
 
 
 @pytest.mark.asyncio
@@ -124,3 +158,16 @@ async def test_stop_fails_what_outlives_the_grace(make_engine):
         async for _ in stream:
             pass
     assert e.value.reason == "SHUTTING_DOWN"
+
+
+@pytest.mark.asyncio
+async def test_any_step_recomputed_alone_from_its_prefix_draws_the_same_token(make_engine):
+    """The draw depends only on (seed, position) and the logits: resuming a request from any point,
+    with its own tokens as the prompt and the same seed, continues it exactly."""
+    engine = await make_engine()
+    base = prompt(4)
+    tokens, _ = await collect(engine, request("full", base, max_tokens=12, temperature=1.0, top_p=0.95, seed=77))
+    for k in (1, 5, 11):
+        resumed, _ = await collect(engine, request(f"k{k}", base + ids(tokens[:k]), max_tokens=1, temperature=1.0,
+                                                   top_p=0.95, seed=77))
+        assert ids(resumed) == [tokens[k].token_id]

@@ -1,0 +1,304 @@
+"""The step loop: one thread owns the rows, the queue, the counters and the OOM cap, and runs every step.
+
+Each iteration: drain the inbox (submit, cancel, stop sent by other threads), end cancelled and expired
+requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a cache, then for each batch of the plan
+`runner.execute(batch)` -> logits and `OutputProcessor.update(batch, logits)` -> events. It then
+publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
+consumers' asyncio loops. Nothing here is shared with the asyncio side but the inbox (a thread-safe
+queue), the tickets' `cancelled` flags and the published snapshot.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
+
+from .admission import Ticket
+from .api import TokenEvent
+from .breaker import BreakerBoard, Policy
+from .faults import RowFaults, is_oom
+from .memory import MemoryModel, PeakMeter
+from .oom import OomPolicy
+from .output import OutputProcessor
+from .prefix import PrefixCache, PrefixStats
+from .runner import ModelRunner
+from .schedule import Batch, Row, Scheduler, StepPlan, batch_cap
+from .stats import Counters, EngineStats, MemoryStats
+from .torchthread import TorchThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    max_batch_size: int
+    memory_audit: bool  # measure every iteration's allocator peak (slow; tests and bench)
+    device: str
+
+
+class StepLoop:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, output: OutputProcessor, board: BreakerBoard,
+                 oom: OomPolicy, counters: Counters, memory: MemoryModel, settings: LoopSettings,
+                 tokens_per_s: float, prefix: PrefixCache | None = None):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.output = output
+        self.board = board
+        self.oom = oom
+        self.counters = counters
+        self.memory = memory
+        self.settings = settings
+        self.tokens_per_s = tokens_per_s
+        self.prefix = prefix
+        self.observed_peak_bytes = 0
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: list[tuple[Ticket, object]] = []
+        self._stats = EngineStats()
+        self._owned_thread: TorchThread | None = None  # made by start() when given none; closed at shutdown
+        self._done: Future | None = None
+        self._publish()
+
+    # ---- any thread ----
+    def start(self, thread: TorchThread | None = None) -> None:
+        """Run the loop on the process's torch thread, or on a thread of its own."""
+        if thread is None:
+            thread = self._owned_thread = TorchThread("keel-inference")
+        self._done = thread.submit(self._run)
+
+    def submit(self, ticket: Ticket) -> None:
+        self.inbox.put(("submit", ticket))
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Queued: removed at the next iteration. Running: removed (cache freed) before its next step."""
+        ticket.cancelled = True
+        self.inbox.put(("cancel", ticket))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self, error: Exception) -> None:
+        """Stop the loop; every request still queued or running gets `error`. Blocks until it has."""
+        self.inbox.put(("stop", error))
+        if self._done is not None:
+            self._done.result()
+        if self._owned_thread is not None:
+            self._owned_thread.close()
+
+    # ---- the loop thread ----
+    def _run(self) -> None:
+        wait_s = 0.0
+        while True:
+            stop = self._drain_inbox(wait_s)
+            if stop is not None:
+                self._stop(stop)
+                return
+            policy = self.board.policy()
+            self._expire()
+            plan = self.scheduler.schedule(policy, self._cap(policy))
+            if not plan.admitted and not self.scheduler.rows:
+                self._publish()
+                self._flush()
+                wait_s = self.scheduler.idle_wait()
+                continue
+            wait_s = 0.0
+            self._publish()
+            try:
+                self._audited_step(plan)
+            except Exception as exc:  # a bug must fail the requests involved, not kill the loop
+                log.exception("inference step failed", extra={"batch_size": len(self.scheduler.rows)})
+                err = Fatal(f"inference step failed: {type(exc).__name__}: {exc}", reason="STEP_FAILED")
+                for ticket in plan.admitted:
+                    self.scheduler.admission.release(ticket)
+                    self._emit(ticket, err)
+                for row in list(self.scheduler.rows):
+                    self._fail_row(row, err)
+            self._publish()
+            self._flush()
+
+    def _drain_inbox(self, wait_s: float) -> Exception | None:
+        """Apply every message waiting (blocking up to wait_s for the first); returns a stop error if any."""
+        try:
+            item = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        while True:
+            kind, arg = item
+            if kind == "stop":
+                return arg
+            if kind == "submit":
+                self._admit_or_queue(arg)
+            else:
+                self.scheduler.cancel(arg)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return None
+
+    def _admit_or_queue(self, ticket: Ticket) -> None:
+        if ticket.cancelled:
+            return
+        try:
+            self.scheduler.submit(ticket, self._cap(self.board.policy()), self._retry_after_ms())
+        except KeelError as err:
+            self._emit(ticket, err)
+            return
+        self.counters.admitted += 1
+
+    def _expire(self) -> None:
+        tickets, rows = self.scheduler.expire(time.monotonic(), self._retry_after_ms())
+        for ticket, err in tickets:
+            self._emit(ticket, err)
+        for row, err in rows:
+            if err is None:
+                self.scheduler.remove(row)  # cancelled: its consumer is gone or was told already
+            else:
+                self._fail_row(row, err)
+
+    def _audited_step(self, plan: StepPlan) -> None:
+        if not self.settings.memory_audit:
+            self._step(plan)
+            return
+        live = sum(r.cache.nbytes for r in self.scheduler.rows) + self.memory.static_bytes
+        live += self.prefix.bytes if self.prefix is not None else 0
+        with PeakMeter(self.settings.device) as meter:
+            self._step(plan)
+        self.observed_peak_bytes = max(self.observed_peak_bytes, live + meter.peak)
+
+    def _step(self, plan: StepPlan) -> None:
+        for ticket in plan.admitted:
+            self._new_row(ticket, plan.policy)
+        rows = [r for r in self.scheduler.rows if not r.ticket.cancelled]
+        decoding = sum(1 for r in rows if r.generated)
+        t0 = time.monotonic()
+        for batch in plan.batches(rows):
+            self._execute(batch, plan.policy)
+        if decoding:
+            rate = decoding / max(time.monotonic() - t0, 1e-6)
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate
+        self.oom.on_step()
+
+    def _new_row(self, ticket: Ticket, policy: Policy) -> None:
+        """Give an admitted request its cache (for prompt + max_tokens) and a place in the batch."""
+        req = ticket.req
+        name = "fallback" if policy.use_fallback and "fallback" in self.runner.runners else "primary"
+        try:
+            cache = self.runner.new_cache(name, len(req.prompt_ids) + req.max_tokens)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self._on_oom(exc, 1)
+            self.scheduler.admission.release(ticket)
+            self._emit(ticket, self._oom_error(req.request_id))
+            return
+        row = Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
+                  chunk_tokens=self.scheduler.prefill_tokens)
+        if self.prefix is not None:
+            self._reuse_prefix(row)
+        self.scheduler.add(row)
+
+    def _reuse_prefix(self, row: Row) -> None:
+        """Copy the cached blocks the prompt starts with into the row's cache; its prefill resumes after them."""
+        b = self.prefix.block_tokens
+        for i, (keys, values) in enumerate(self.prefix.lookup(row.runner, row.ticket.req.prompt_ids)):
+            row.cache.keys[:, :, i * b:(i + 1) * b] = keys
+            row.cache.values[:, :, i * b:(i + 1) * b] = values
+            row.cache.length = row.prefilled = (i + 1) * b
+
+    def _keep_prefix_blocks(self, chunks: list[tuple[Row, int, int]]) -> None:
+        """Store each full prompt block this step computed (rows whose chunk was committed)."""
+        b = self.prefix.block_tokens
+        for row, start, n in chunks:
+            if n == b and row.prefilled == start + n:
+                self.prefix.store(row.runner, row.ticket.req.prompt_ids, start // b,
+                                  row.cache.keys[:, :, start:start + n], row.cache.values[:, :, start:start + n])
+
+    def _execute(self, batch: Batch, policy: Policy) -> None:
+        """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""
+        try:
+            logits = self.runner.execute(batch)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            rows = batch.rows
+            self._on_oom(exc, len(rows))
+            if len(rows) == 1:
+                self._fail_row(rows[0], self._oom_error(rows[0].ticket.req.request_id))
+                return
+            self.counters.oom_recoveries += 1
+            half = len(rows) // 2
+            self._execute(Batch(batch.runner, rows[:half]), policy)
+            self._execute(Batch(batch.runner, rows[half:]), policy)
+            return
+        chunks = [(r, r.prefilled, len(r.tokens)) for r in batch.rows if r.prefilling]
+        update = self.output.update(batch, logits, policy)
+        if self.prefix is not None and chunks:
+            self._keep_prefix_blocks(chunks)
+        for row in update.ended:
+            self.scheduler.remove(row)  # before the consumer hears of it: an ended row has left the batch
+        for ticket, item in update.events:
+            self._emit(ticket, item)
+
+    def _emit(self, ticket: Ticket, item: object) -> None:
+        """Queue an event for delivery after this iteration's stats are published; count failures once."""
+        if ticket.ended:
+            return
+        if not isinstance(item, TokenEvent):
+            ticket.ended = True
+        if isinstance(item, Exception):
+            self.counters.fail(getattr(item, "reason", type(item).__name__))
+            if isinstance(item, DeadlineExpired):
+                self.board.record("timeout", item.reason)
+        self._outbox.append((ticket, item))
+
+    def _flush(self) -> None:
+        for ticket, item in self._outbox:
+            ticket.send(item)
+        self._outbox.clear()
+
+    def _fail_row(self, row: Row, err: Exception) -> None:
+        self.scheduler.remove(row)
+        self._emit(row.ticket, err)
+
+    def _on_oom(self, exc: BaseException, batch: int) -> None:
+        self.counters.oom_events += 1
+        self.board.record("oom", f"{type(exc).__name__} at batch {batch}")
+        self.oom.on_oom(exc, batch)
+
+    def _oom_error(self, request_id: str) -> Overloaded:
+        return Overloaded("out of memory even at batch size 1", reason="OUT_OF_MEMORY",
+                          retry_after_ms=self._retry_after_ms(), metadata={"request_id": request_id})
+
+    def _cap(self, policy: Policy) -> int:
+        return batch_cap(self.settings.max_batch_size, policy, self.oom.cap)
+
+    def _retry_after_ms(self) -> int:
+        return self.scheduler.retry_after_ms(self.tokens_per_s)
+
+    def _stop(self, err: Exception) -> None:
+        for ticket in self.scheduler.drain_all():
+            self._emit(ticket, err)
+        while True:  # submissions that raced the stop
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._emit(arg, err)
+        self._publish()
+        self._flush()
+
+    def _publish(self) -> None:
+        adm = self.scheduler.admission
+        self._stats = EngineStats(
+            queue_depth=len(adm.queue), queued_tokens=adm.queued_tokens,
+            running_batch_size=len(self.scheduler.rows), pending_prefill=len(self.scheduler.pending),
+            oom_cap=self.oom.cap,
+            memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
+            invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.runner.runners.items()}),
+            tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
+            prefix_cache=self.prefix.stats() if self.prefix is not None else PrefixStats())

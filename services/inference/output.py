@@ -1,0 +1,99 @@
+"""Output processing: from one batch's logits to each row's next token and the events it emits.
+
+`OutputProcessor.update(batch, logits, policy)` runs the numerical guard, samples, checks stop and
+length, and advances each row. It returns the events to deliver and the rows that ended (finished or
+failed) for the loop to remove; it never touches the queue or the model.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.errors import Fatal, NumericalInstability
+
+from .admission import Ticket
+from .api import Finished, TokenEvent
+from .breaker import BreakerBoard, Policy
+from .sampling import clamp_temperature, pick, row_is_finite
+from .schedule import Batch, Row
+from .stats import Counters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    events: list[tuple[Ticket, object]] = field(default_factory=list)  # TokenEvent, Finished or an error
+    ended: list[Row] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: tuple[int, ...], counters: Counters, board: BreakerBoard,
+                 dtype_names: dict[str, str]):
+        self.eos = eos_token_ids
+        self.counters = counters
+        self.board = board
+        self.dtype_names = dtype_names  # runner name -> dtype served
+
+    def update(self, batch: Batch, logits: torch.Tensor, policy: Policy) -> Update:
+        out = Update()
+        finite = row_is_finite(logits).tolist()
+        for row, lg, ok in zip(batch.rows, logits, finite):
+            if not ok:
+                self._non_finite(row, len(batch.rows), out)
+                continue
+            if row.prefilling:
+                row.prefilled += len(row.tokens)  # this step's chunk is in the cache now
+                if row.prefilling:
+                    continue                      # more chunks to go: nothing to sample yet
+            self._advance(row, lg, policy, out)
+        return out
+
+    def _non_finite(self, row: Row, batch_size: int, out: Update) -> None:
+        req = row.ticket.req
+        self.counters.numerical_faults += 1
+        self.board.record("numerical_instability", f"non-finite logits, request {req.request_id}")
+        log.warning("non-finite logits; failing the row", extra={
+            "request_id": req.request_id, "trace_id": req.trace_id, "fingerprint": req.fingerprint,
+            "step": row.step, "batch_size": batch_size})
+        self._fail(row, NumericalInstability(
+            "the model produced non-finite logits for this input", reason="NON_FINITE_LOGITS",
+            metadata={"request_id": req.request_id, "fingerprint": req.fingerprint, "step": row.step}), out)
+
+    def _advance(self, row: Row, logits: torch.Tensor, policy: Policy, out: Update) -> None:
+        req = row.ticket.req
+        try:
+            p = pick(logits, clamp_temperature(req.temperature, policy.temperature_cap), req.top_p, req.top_k,
+                     row.ticket.seed, len(req.prompt_ids) + row.generated, policy.logit_clamp)
+        except Exception as exc:  # a sampling bug fails this row only, never its batch-mates
+            log.exception("sampling failed", extra={"request_id": req.request_id, "step": row.step})
+            self._fail(row, Fatal(f"sampling failed: {type(exc).__name__}: {exc}", reason="SAMPLING_FAILED",
+                                  metadata={"request_id": req.request_id, "step": row.step}), out)
+            return
+        if row.generated == 0:
+            row.first_token_at = time.monotonic()
+        row.generated += 1
+        row.last_token = p.token_id
+        if p.token_id in self.eos or p.token_id in req.stop_token_ids:
+            self._finish(row, "stop", out)
+            return
+        self.counters.tokens += 1
+        out.events.append((row.ticket, TokenEvent(p.token_id, p.logprob, p.entropy, row.generated - 1)))
+        if row.generated >= req.max_tokens:
+            self._finish(row, "length", out)
+
+    def _finish(self, row: Row, reason: str, out: Update) -> None:
+        t = row.ticket
+        self.counters.completed += 1
+        out.ended.append(row)
+        out.events.append((t, Finished(
+            reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" else 0), t.seed,
+            queue_ms=(row.started - t.submitted) * 1000, ttft_ms=(row.first_token_at - t.submitted) * 1000,
+            dtype=self.dtype_names[row.runner], breaker_level=row.breaker_level)))
+
+    def _fail(self, row: Row, err: Exception, out: Update) -> None:
+        out.ended.append(row)
+        out.events.append((row.ticket, err))

@@ -1,0 +1,24 @@
+"""Execution: runs one batch of a StepPlan on the model and returns its logits (no bookkeeping, no sampling)."""
+from __future__ import annotations
+
+import torch
+
+from .forward import LlamaRunner, RowCache, Segment
+from .schedule import Batch
+
+
+class ModelRunner:
+    """The engine's model runners by name ("primary", and "fallback" when breaker level 2 has one)."""
+
+    def __init__(self, runners: dict[str, LlamaRunner]):
+        self.runners = runners
+
+    def new_cache(self, runner: str, positions: int) -> RowCache:
+        return self.runners[runner].new_cache(positions)
+
+    def execute(self, batch: Batch) -> torch.Tensor:
+        """Each row appends its tokens (prompt or last token) to its cache; float32 logits [rows, V].
+
+        Cache lengths advance only when the whole batch succeeded, so a failed batch can be retried as is.
+        """
+        return self.runners[batch.runner].forward([Segment(r.cache, r.tokens) for r in batch.rows])

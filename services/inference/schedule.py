@@ -1,0 +1,164 @@
+"""Scheduling: pure bookkeeping of which requests wait, which are admitted, and what the next step runs.
+
+`Scheduler.schedule(policy, cap)` returns a `StepPlan`: the newcomers whose prefill joins this step
+(strict FIFO, at most `prefill_tokens_per_iteration` prompt tokens of newcomers' first chunks, the first
+always goes) and the running rows, grouped by runner and split into batches no larger than the cap. It runs no model
+and touches no tensor; the loop thread is its only caller.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared.errors import DeadlineExpired
+
+from .admission import Admission, Ticket
+from .breaker import Policy
+from .faults import RowFaults
+from .forward import RowCache
+
+
+@dataclass(eq=False)
+class Row:
+    """A request in the running batch: its cache and progress. Owned by the loop thread."""
+
+    ticket: Ticket
+    runner: str
+    cache: RowCache
+    faults: RowFaults
+    started: float
+    breaker_level: int
+    chunk_tokens: int              # prompt tokens prefilled per step at most (chunked prefill)
+    prefilled: int = 0             # prompt tokens already in the cache
+    generated: int = 0
+    last_token: int = -1
+    first_token_at: float = 0.0
+
+    @property
+    def step(self) -> int:
+        """The step this row runs next: the completion index it produces (0 = its prefill)."""
+        return self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.ticket.req.prompt_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """What this row feeds to its next step: its next prompt chunk, then its last sampled token.
+
+        Chunks start at multiples of chunk_tokens from position 0, whatever the batch, so a request's
+        computation never depends on its batch-mates.
+        """
+        if self.prefilling:
+            return self.ticket.req.prompt_ids[self.prefilled:self.prefilled + self.chunk_tokens]
+        return [self.last_token]
+
+
+@dataclass(frozen=True)
+class Batch:
+    runner: str
+    rows: tuple[Row, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    admitted: tuple[Ticket, ...]   # newcomers that get a row (and a cache) before this step
+    policy: Policy                 # breaker policy in force for the step
+    cap: int                       # largest batch of the step
+
+    def batches(self, rows: list[Row]) -> list[Batch]:
+        """The running rows (newcomers included), per runner, in batches of at most `cap`."""
+        out = []
+        for name in dict.fromkeys(r.runner for r in rows):
+            group = tuple(r for r in rows if r.runner == name)
+            out += [Batch(name, group[i:i + self.cap]) for i in range(0, len(group), self.cap)]
+        return out
+
+
+def batch_cap(max_batch_size: int, policy: Policy, oom_cap: int) -> int:
+    """The largest batch of a step: the configured maximum, lowered by breaker level 2 and by OOM halving."""
+    return min(max_batch_size, policy.max_batch_size or max_batch_size, oom_cap)
+
+
+class Scheduler:
+    def __init__(self, admission: Admission, prefill_tokens_per_iteration: int):
+        self.admission = admission
+        self.prefill_tokens = prefill_tokens_per_iteration
+        self.rows: list[Row] = []
+        self.pending: list[Ticket] = []  # admitted (memory reserved), waiting for their prefill
+
+    def submit(self, ticket: Ticket, cap: int, retry_after_ms: int) -> None:
+        """Admit now when nothing waits and it fits, else queue it (raises Overloaded when full)."""
+        if not self.admission.queue and len(self.rows) + len(self.pending) < cap \
+                and self.admission.fits_now(ticket):
+            self.admission.reserve(ticket)
+            self.pending.append(ticket)
+        else:
+            self.admission.enqueue(ticket, retry_after_ms)
+
+    def cancel(self, ticket: Ticket) -> None:
+        ticket.cancelled = True
+        self.admission.remove(ticket)
+        if ticket in self.pending:
+            self.pending.remove(ticket)
+            self.admission.release(ticket)
+
+    def expire(self, now: float, retry_after_ms: int
+               ) -> tuple[list[tuple[Ticket, Exception]], list[tuple[Row, Exception | None]]]:
+        """Queued tickets and running rows to end now: (ticket, error) and (row, error or None = cancelled)."""
+        tickets = [(t, e) for t, e in self.admission.expire(now, retry_after_ms) if e is not None]
+        rows = []
+        for row in self.rows:
+            deadline = row.ticket.req.deadline
+            if row.ticket.cancelled:
+                rows.append((row, None))
+            elif deadline is not None and now >= deadline:
+                rows.append((row, DeadlineExpired(
+                    f"deadline passed after {row.generated} tokens", reason="DEADLINE_EXPIRED",
+                    metadata={"request_id": row.ticket.req.request_id, "completion_tokens": row.generated})))
+        return tickets, rows
+
+    def schedule(self, policy: Policy, cap: int) -> StepPlan:
+        free = cap - len(self.rows) - len(self.pending)
+        self.pending += self.admission.pop_ready(max(0, free))
+        taken, tokens = [], 0
+        while self.pending and (not taken or tokens + self._first_chunk(self.pending[0]) <= self.prefill_tokens):
+            ticket = self.pending.pop(0)
+            tokens += self._first_chunk(ticket)
+            taken.append(ticket)
+        return StepPlan(tuple(taken), policy, cap)
+
+    def _first_chunk(self, ticket: Ticket) -> int:
+        return min(len(ticket.req.prompt_ids), self.prefill_tokens)
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+
+    def remove(self, row: Row) -> None:
+        if row in self.rows:
+            self.rows.remove(row)
+            self.admission.release(row.ticket)
+
+    def drain_all(self) -> list[Ticket]:
+        """Take every queued, pending and running request out (shutdown); returns their tickets."""
+        tickets = list(self.admission.queue) + self.pending + [r.ticket for r in self.rows]
+        for t in list(self.admission.queue):
+            self.admission.remove(t)
+        for t in self.pending:
+            self.admission.release(t)
+        for r in list(self.rows):
+            self.remove(r)
+        self.pending = []
+        return tickets
+
+    def retry_after_ms(self, tokens_per_s: float) -> int:
+        """Rough time to drain what is ahead at the measured throughput (never below 50 ms)."""
+        ahead = sum(t.req.max_tokens for t in self.admission.queue)
+        ahead += min((r.ticket.req.max_tokens - r.generated for r in self.rows), default=0)
+        return int(min(60_000, max(50, 1000 * ahead / max(tokens_per_s, 1e-3))))
+
+    def idle_wait(self) -> float:
+        expiry = self.admission.next_expiry()
+        return 0.5 if expiry is None else min(0.5, max(0.001, expiry - time.monotonic()))
+

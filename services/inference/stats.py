@@ -1,0 +1,80 @@
+"""Typed, immutable snapshots of the engine's state, published by the step loop for gauges, spans and tests.
+
+The loop thread owns every mutable counter; after each iteration it publishes a fresh `EngineStats`
+(before it delivers that iteration's events, so a consumer that has seen a request finish also sees
+the stats that count it). Readers on other threads only ever swap in a reference to a frozen object.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .breaker import BreakerState
+from .memory import MemoryModel
+from .prefix import PrefixStats
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass
+class Counters:
+    """Loop-owned running totals (mutable; never read outside the loop thread)."""
+
+    admitted: int = 0
+    completed: int = 0
+    tokens: int = 0
+    numerical_faults: int = 0
+    oom_events: int = 0
+    oom_recoveries: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        self.failed[reason] = self.failed.get(reason, 0) + 1
+
+    def snapshot(self) -> CounterStats:
+        return CounterStats(self.admitted, self.completed, self.tokens, self.numerical_faults, self.oom_events,
+                            self.oom_recoveries, MappingProxyType(dict(self.failed)))
+
+
+@dataclass(frozen=True)
+class CounterStats:
+    admitted: int = 0
+    completed: int = 0
+    tokens: int = 0              # tokens streamed
+    numerical_faults: int = 0
+    oom_events: int = 0
+    oom_recoveries: int = 0      # OOM steps retried in halves
+    failed: Mapping[str, int] = field(default_factory=_empty)  # by error reason
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    model: MemoryModel | None = None  # the fitted memory model (coefficients)
+    budget_bytes: int = 0
+    predicted_bytes: int = 0          # static + reservations of admitted requests + prefix cache room
+    observed_peak_bytes: int | None = None  # when EngineConfig.memory_audit is on
+
+    @property
+    def static_bytes(self) -> int:
+        return self.model.static_bytes if self.model is not None else 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    state: str = "created"            # created | warm | serving | draining | stopped
+    queue_depth: int = 0
+    queued_tokens: int = 0
+    running_batch_size: int = 0
+    pending_prefill: int = 0          # admitted, waiting for their prefill
+    batch_cap: int = 0                # current cap (config, breaker level 2, OOM halving)
+    oom_cap: int = 0                  # the OOM policy's share of it
+    memory: MemoryStats = MemoryStats()
+    invariant_batch_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=_empty)  # by runner
+    tokens_per_s: float = 0.0
+    breaker: Mapping[str, BreakerState] = field(default_factory=_empty)  # by kind
+    breaker_level: int = 0
+    counters: CounterStats = CounterStats()
+    prefix_cache: PrefixStats = PrefixStats()

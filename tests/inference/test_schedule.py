@@ -1,0 +1,60 @@
+"""The scheduler's plans: pure bookkeeping over queued, pending and running requests (no model)."""
+from __future__ import annotations
+
+from services.inference.admission import Admission, QueueLimits, Ticket
+from services.inference.breaker import Policy
+from services.inference.faults import RowFaults
+from services.inference.memory import MemoryModel
+from services.inference.schedule import Row, Scheduler, batch_cap
+from tests.inference.helpers import prompt, request
+
+POLICY = Policy(level=0, temperature_cap=None, logit_clamp=None, max_batch_size=None, use_fallback=False,
+                reject=False, retry_after_ms=0)
+
+
+def scheduler(prefill_tokens: int = 100, budget: int = 10**9) -> Scheduler:
+    memory = MemoryModel(static_bytes=0, fixed_bytes=0, activation_bytes_per_token=0, decode_bytes_per_token=1,
+                         kv_bytes_per_token=1)
+    return Scheduler(Admission(memory, budget, QueueLimits(64, 10**6, 30_000)), prefill_tokens)
+
+
+def ticket(rid: str, prompt_len: int, max_tokens: int = 10) -> Ticket:
+    req = request(rid, prompt(0, prompt_len), max_tokens=max_tokens)
+    return Ticket(req, 0, prompt_len + max_tokens, loop=None, events=None)  # never delivered to here
+
+
+def test_newcomers_prefill_in_fifo_order_within_the_token_budget_and_the_first_always_goes():
+    s = scheduler(prefill_tokens=100)
+    big, a, b, c = ticket("big", 150), ticket("a", 40), ticket("b", 40), ticket("c", 40)
+    for t in (big, a, b, c):
+        s.submit(t, cap=16, retry_after_ms=50)
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["big"]  # over budget, but first
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["a", "b"]
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["c"]
+
+
+def test_requests_beyond_the_cap_or_the_budget_wait_in_the_queue():
+    s = scheduler(budget=100)
+    first, second, third = ticket("1", 30, 20), ticket("2", 30, 20), ticket("3", 10, 5)
+    for t in (first, second, third):
+        s.submit(t, cap=16, retry_after_ms=50)
+    assert len(s.admission.queue) == 1  # 50 + 50 bytes fill the budget; strict FIFO keeps "3" behind
+    s.cancel(first)
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["2", "3"]
+
+
+def test_a_plan_splits_running_rows_by_runner_into_batches_within_the_cap():
+    s = scheduler()
+    rows = [Row(ticket(f"r{i}", 4), "primary" if i % 3 else "fallback", None, RowFaults(None), 0.0, 0, chunk_tokens=4)
+            for i in range(9)]
+    plan = s.schedule(POLICY, 4)
+    batches = plan.batches(rows)
+    assert [(b.runner, len(b.rows)) for b in batches] == [("fallback", 3), ("primary", 4), ("primary", 2)]
+    assert sorted(r.ticket.req.request_id for b in batches for r in b.rows) == sorted(f"r{i}" for i in range(9))
+
+
+def test_batch_cap_is_the_lowest_of_config_breaker_and_oom():
+    assert batch_cap(16, POLICY, 16) == 16
+    assert batch_cap(16, POLICY, 4) == 4
+    degraded = Policy(2, None, None, 2, False, False, 0)
+    assert batch_cap(16, degraded, 8) == 2
