@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from . import formats, warmcache
+from . import formats, gate, warmcache
 from .config import InferenceConfig
 from .engine import ENGINE_VERSION, Engine
 from .model import AUTO, load_model
@@ -52,6 +52,9 @@ def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:
     settings["fallback_dtype"] = e.breaker.fallback_dtype
     f = cfg.formats
     settings["formats"] = {"gate": f.gate.__dict__, "force": f.force, "auto_candidates": f.auto_candidates}
+    # A new gate run can change what auto may pick, so the stored results are part of the key.
+    stored = gate.load(formats.gate_path(model_sha), model_sha)
+    settings["gate_results"] = {name: asdict(r) for name, r in sorted(stored.items())}
     return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
 
 

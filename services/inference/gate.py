@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,11 +71,13 @@ def _log_probs(model: torch.nn.Module, seq: Sequence) -> torch.Tensor:
 
 
 def evaluate(reference: torch.nn.Module, candidates: dict[str, torch.nn.Module],
-             sequences: list[Sequence]) -> list[GateResult]:
+             sequences: list[Sequence], progress: Callable[[int], None] | None = None) -> list[GateResult]:
     """Compare each candidate (by format name) with `reference` (float32) over `sequences`."""
     kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in candidates}
     agree = dict.fromkeys(candidates, 0)
-    for seq in sequences:
+    for i, seq in enumerate(sequences):
+        if progress is not None:
+            progress(i)
         ref = _log_probs(reference, seq)
         for fmt, model in candidates.items():
             cand = _log_probs(model, seq)

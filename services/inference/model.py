@@ -8,6 +8,8 @@ input/post_attention_layernorm, norm, rotary_emb, lm_head) and calls the modules
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 from pathlib import Path
 
 import torch
@@ -66,8 +68,27 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
 
 def _to_format(model: torch.nn.Module, dtype: str, device: str) -> torch.nn.Module:
     if dtype in QUANTIZED:
-        return quantize_linears(model.to(dtype=torch.float32), dtype).eval()
-    return model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
+        model = quantize_linears(model.to(dtype=torch.float32), dtype).eval()
+        # The float tensors left (embedding, norms) may still be views of the mmapped weight file;
+        # copies let the whole mapping go, so the process keeps only what the format needs.
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.data = t.data.clone()
+    else:
+        model = model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
+    _return_freed_memory()
+    return model
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap pages the conversion freed (the float weights) back to the OS.
+
+    glibc keeps freed heap memory for reuse, so without this a quantized model's process stays as
+    large as the float32 one it was made from."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:

@@ -90,12 +90,13 @@ def quantize_linears(model: torch.nn.Module, fmt: str, group_size: int = INT4_GR
     """
     if fmt not in QUANTIZED:
         raise ValueError(f"unknown weight-only format {fmt!r}; expected one of {QUANTIZED}")
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
-    for name, linear in targets:
+    names = [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    for name in names:  # one layer at a time, so the float weight is freed before the next is quantized
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        swapped = Int8Linear(linear) if fmt == "int8" else Int4Linear(linear, group_size)
-        setattr(parent, child, swapped)
+        linear = getattr(parent, child)
+        setattr(parent, child, Int8Linear(linear) if fmt == "int8" else Int4Linear(linear, group_size))
+        del linear
     if hasattr(model, "config"):
         model.config.tie_word_embeddings = False  # lm_head is no longer the embedding matrix
     return model

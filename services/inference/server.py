@@ -1,5 +1,6 @@
-"""Assembles the inference stage: load the model, warm the engine up (which measures the memory
-model and calibrates batch sizes), then serve. Ready = the engine's batching loop is running.
+"""Assembles the inference stage: pick the weight format, load the model, warm the engine up (which
+measures the memory model and calibrates batch sizes, or reuses what an identical engine measured;
+bootstrap.py), then serve. Ready = the engine's batching loop is running.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from services.inference.engine import Engine
 from services.inference.model import AUTO
 from services.inference.servicer import InferenceServicer
 from services.inference.torchthread import TorchThread
-from shared import metrics
 from services.inference.warmcache import model_sha256
+from shared import metrics
 from shared.config import ConfigError, ServerConfig
 
 log = logging.getLogger("keel.inference")

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from services.inference import bootstrap, engine as engine_module, warmcache
+from services.inference import bootstrap, formats, gate, warmcache
+from services.inference import engine as engine_module
 from services.inference.config import InferenceConfig
 from services.inference.formats import FormatsConfig
 from tests.inference.helpers import tiny_config
@@ -117,3 +118,13 @@ def test_model_hash_is_cached_by_size_and_mtime(var_dir, tmp_path):
     assert warmcache.model_sha256(d) == first
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new mtime: hashed again
     assert warmcache.model_sha256(d) != first
+
+
+def test_new_gate_results_measure_again(var_dir, model_dir):
+    cfg = _cfg(model_dir, dtype="auto")
+    _start(cfg)
+    sha = warmcache.model_sha256(cfg.model_dir)
+    gate.store(formats.gate_path(sha), sha, [gate.GateResult("bfloat16", 0.0, 0.0, 1.0, 10, 2)], "test")
+    again = _start(cfg)
+    assert not again.warm and "bfloat16 has no gate result" not in again.record.reason
+    assert "bfloat16: decode pass" in again.record.reason  # now eligible, so timed
