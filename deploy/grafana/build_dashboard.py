@@ -91,6 +91,14 @@ ROWS: list[tuple[str, list[dict]]] = [
            "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
         ts("Prefix cache hit rate by replica", [("keel_inference_prefix_cache_hit_rate", "{{instance}}")],
            "percentunit", "Prompt tokens served from the prefix cache over prompt tokens, since start."),
+        stat("Weight format served", [("max by (instance, format) (keel_inference_weight_format)",
+                                       "{{instance}} {{format}}")], "none",
+             "engine.dtype as resolved at start (auto picks the fastest gated, batch-invariant format)."),
+        ts("Share of tokens in the fallback format, and fallbacks (1h)", [
+            (f"sum(rate(keel_inference_fallback_format_tokens_total{RATE})) "
+             f"/ sum(rate(keel_inference_generated_tokens_total{RATE}))", "fallback token share"),
+            ("sum(increase(keel_inference_precision_fallbacks_total[1h]))", "requests in fallback (1h)")], "short",
+           "The breaker's fallback weight format: > 0 means the served format is failing."),
         ts("Numerical faults and OOM recoveries (1h)", [
             ("sum(increase(keel_inference_numerical_faults_total[1h]))", "numerical faults"),
             ("sum(increase(keel_inference_oom_recoveries_total[1h]))", "OOM recoveries")]),
