@@ -238,6 +238,7 @@ REASONS: dict[str, Reason] = {
     "DEADLINE_EXPIRED_IN_QUEUE": Reason(DeadlineExpired, "the request's deadline ran out while queued"),
     "NON_FINITE_LOGITS": Reason(NumericalInstability, "NaN/inf logits for this request; the same input fails again"),
     "STEP_FAILED": Reason(Fatal, "a model step failed (a bug or a dead device)"),
+    "SAMPLING_FAILED": Reason(Fatal, "sampling one row failed (a bug); only that row fails, its batch-mates go on"),
     "DTYPE_MISMATCH": Reason(InvalidInput, "start-up: model weights and configured dtype disagree"),
     "UNKNOWN_DTYPE": Reason(InvalidInput, "start-up: the configured dtype is unknown"),
     "UNSUPPORTED_DTYPE": Reason(InvalidInput, "start-up: the dtype is not supported on this device"),
