@@ -4,6 +4,11 @@ A dead child (any exit, kill -9 included) is restarted after a backoff that star
 ``restart.initial_backoff_s`` (0.2 s) and doubles on each crash within ``stable_after_s`` of its
 start, capped at ``max_backoff_s``: a crash loop slows down, a one-off death is back at once.
 Every restart is one JSON log line (var/log/supervisor.log) and a Prometheus counter.
+
+Children die with the supervisor, even with kill -9: each starts through ``keelctl.lifeline``
+(Linux parent-death signal) and carries ``KEEL_RUN_DIR`` so that ``keel down``/``keel up`` find any
+that are left (keelctl/procs.py). The kernel ties the parent-death signal to the forking thread, so
+``start`` and ``poll_once`` must run on the supervisor's main thread.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import metrics
-from keelctl.layout import LOG_DIR, ROOT, STAGE_ORDER, Layout, write_state
+from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, STAGE_ORDER, Layout, write_state
+from keelctl.procs import RUN_DIR_ENV
 
 log = logging.getLogger("keel.supervisor")
 
@@ -51,6 +57,26 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int) -> dict
     return env
 
 
+def _worker_metrics_port(replica_port: int, worker: int) -> int:
+    """Workers sharing a replica's gRPC port each export metrics on their own port, 10 apart."""
+    return replica_port + 10 * worker if replica_port else 0
+
+
+def layout_ports(layout: Layout) -> dict[int, str]:
+    """Every port the mesh of ``layout`` listens on -> the process that needs it."""
+    needed = {layout.redis.port: "redis"}
+    for stage in STAGE_ORDER:
+        sl = layout.stage(stage)
+        for r, port in enumerate(sl.ports):
+            needed[port] = f"{stage}-{r}"
+            mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
+            for w in range(sl.workers if mport else 0):
+                needed[_worker_metrics_port(mport, w)] = f"{stage}-{r}.{w} metrics"
+    if layout.metrics_port:
+        needed[layout.metrics_port] = "supervisor metrics"
+    return needed
+
+
 class Supervisor:
     def __init__(self, layout: Layout, *, mesh_token: str | None = None, redis: bool = True):
         self.layout = layout
@@ -59,7 +85,8 @@ class Supervisor:
         self._lock = threading.Lock()
         self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        base_env = dict(os.environ, KEEL_MESH_TOKEN=self.mesh_token, PYTHONUNBUFFERED="1")
+        base_env = dict(os.environ, KEEL_MESH_TOKEN=self.mesh_token, PYTHONUNBUFFERED="1",
+                        **{RUN_DIR_ENV: str(RUN_DIR.resolve())})
         if redis:
             redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT
             redis_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +100,7 @@ class Supervisor:
             for r, port in enumerate(sl.ports):
                 mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
                 for w in range(sl.workers):
-                    env = dict(base_env, **_stage_env(layout, stage, port, mport + 10 * w if mport else 0))
+                    env = dict(base_env, **_stage_env(layout, stage, port, _worker_metrics_port(mport, w)))
                     argv = [sys.executable, "-m", f"services.{stage}"]
                     self.children.append(Child(f"{stage}-{r}.{w}", argv, env, port, stage))
         for c in self.children:
@@ -82,7 +109,8 @@ class Supervisor:
 
     def _spawn(self, c: Child) -> None:
         out = open(c.log_path, "ab")
-        c.popen = subprocess.Popen(c.argv, env=c.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        argv = [sys.executable, "-m", "keelctl.lifeline", str(os.getpid()), *c.argv]
+        c.popen = subprocess.Popen(argv, env=c.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
         out.close()
         c.started_at = time.monotonic()
