@@ -24,6 +24,10 @@ from __future__ import annotations
 
 DOMAIN = "keel.dev"
 
+# Reasons the mesh itself sets when a process stops (not the stages' own refusals):
+SHUTTING_DOWN = "SHUTTING_DOWN"      # a draining stage cut a call it could not finish, or refused a new one
+CONNECTION_LOST = "CONNECTION_LOST"  # no server answered: the upstream process died or its port is closed
+
 
 class KeelError(Exception):
     """Base of every error Keel raises on purpose."""
