@@ -2,8 +2,10 @@
 
 Order matters for honest health: bind the port and report NOT_SERVING first (probes get a real
 answer, requests get UNAVAILABLE with a retry hint), warm up (model/vocabulary loaded and
-exercised), then report SERVING. On SIGTERM/SIGINT: NOT_SERVING, stop admitting, let in-flight
-calls finish within ``drain_grace_s``, then exit.
+exercised), then report SERVING. On SIGTERM/SIGINT: NOT_SERVING, new calls get UNAVAILABLE
+SHUTTING_DOWN with a retry hint, in-flight calls finish (each by its own deadline at the latest)
+within ``drain_grace_s``; any still running then end with UNAVAILABLE SHUTTING_DOWN and a retry
+hint; then exit.
 """
 from __future__ import annotations
 
@@ -98,12 +100,14 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
         await stop.wait()
     log.info("draining", extra={"grace_s": cfg.drain_grace_s})
     ready = False
+    interceptor.begin_drain()
     serving_gauge.set(0)
     await health_servicer.enter_graceful_shutdown()
-    # New calls now get UNAVAILABLE (not ready); in-flight ones finish within the grace period.
+    # New calls now get UNAVAILABLE SHUTTING_DOWN; in-flight ones finish within the grace period.
     # Health watches are long-lived streams, not work: they are cut once the real calls are done.
     if not await interceptor.drained(cfg.drain_grace_s):
-        log.warning("grace period over; cancelling the calls still in flight", extra={"inflight": interceptor.inflight})
+        log.warning("grace period over; cutting the calls still in flight", extra={"inflight": interceptor.inflight})
+        await interceptor.cut()
     await server.stop(0.5)
     await stage.close()
     log.info("stopped")
