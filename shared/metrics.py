@@ -230,7 +230,7 @@ def metrics_for(stage: str, registry: CollectorRegistry = REGISTRY) -> StageMetr
         return StageMetrics(stage, {s.name: built[s.name] for s in specs}, registry)
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY, addr: str = "0.0.0.0"):
+def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY, addr: str = "127.0.0.1"):
     """Serve ``registry`` on http://addr:port/metrics from a daemon thread; returns the server.
 
     ``port=0`` picks a free port (read it from ``server.server_address[1]``). Call ``shutdown()``

@@ -65,6 +65,11 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
         # default (one ping per 5 min without data) would answer GOAWAY too_many_pings.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A connection with no call for this long is closed (GOAWAY; a client reconnects when it
+        # needs to): idle clients cannot pile up connections. Server pings find dead peers.
+        ("grpc.max_connection_idle_ms", round(cfg.max_connection_idle_s * 1000)),
+        ("grpc.keepalive_time_ms", round(cfg.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
     ])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -77,7 +82,7 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     creds = _credentials(cfg) or tls.server_credentials(mutual=authenticate is None)
     port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if cfg.metrics_port:
-        metrics.start_metrics_server(cfg.metrics_port)
+        metrics.start_metrics_server(cfg.metrics_port, addr=cfg.host)  # never wider than the gRPC port
     await server.start()
     log.info("listening; warming up", extra={"address": f"{cfg.host}:{port}", "pid": os.getpid()})
 

@@ -10,44 +10,13 @@ import signal
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from shared import client, errors
 from shared.config import ServerConfig
 from shared.server import serve
 from tests.conftest import free_port
-from tests.gateway.tokenizer_stub import Tokenizer
-
-SERVICE = "keel.tokenizer.v1.Tokenizer"
-
-
-class HangingStage:
-    """A stage whose Encode never finishes by itself."""
-
-    name = "tokenizer"
-    service_name = SERVICE
-
-    def __init__(self):
-        self.servicer = Tokenizer("hang")
-
-    def register(self, server) -> None:
-        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(self.servicer, server)
-
-    async def warmup(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
-async def serving(port: int) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE), wait_for_ready=True):
-            if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-
+from tests.shared.stage_stub import HangingStage, serving
 
 @pytest.mark.asyncio
 async def test_drain_cuts_the_call_it_cannot_finish_with_shutting_down_and_refuses_new_ones():
