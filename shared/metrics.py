@@ -149,6 +149,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("keel_validator_quarantine_size", "Records in the Redis quarantine stream, as last seen.", owner="validator"),
     _g("keel_validator_spill_backlog", "Quarantine records in the local spill file not yet replayed into Redis.",
        owner="validator"),
+    _g("keel_validator_redis_memory_used_bytes", "Redis used_memory, as last seen (the quarantine's store).",
+       owner="validator"),
+    _g("keel_validator_redis_maxmemory_bytes", "Redis maxmemory, as last seen (0: no cap; the policy is noeviction, "
+       "so at the cap quarantine writes fail and spill).", owner="validator"),
     # Supervisor.
     _c("keel_supervisor_restarts_total", "Stage processes restarted by the supervisor.", ("stage",), "supervisor"),
 )

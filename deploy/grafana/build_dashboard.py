@@ -111,6 +111,10 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("sum(keel_validator_quarantine_size)", "quarantine stream"),
             ("sum by (instance) (keel_validator_spill_backlog)", "spill backlog {{instance}}")], "short",
            "A growing spill backlog means Redis is down or slow."),
+        ts("Redis memory", [
+            ("max by (instance) (keel_validator_redis_memory_used_bytes)", "used {{instance}}"),
+            ("max by (instance) (keel_validator_redis_maxmemory_bytes)", "cap {{instance}}")], "bytes",
+           "Redis never evicts (noeviction): at the cap quarantine writes fail and spill."),
     ]),
 ]
 

@@ -31,6 +31,8 @@ class ValidatorMetrics:
         self.low = m.counter("keel_validator_low_confidence_total")
         self.quarantine_size = m.gauge("keel_validator_quarantine_size")
         self.backlog = m.gauge("keel_validator_spill_backlog")
+        self.redis_used = m.gauge("keel_validator_redis_memory_used_bytes")
+        self.redis_max = m.gauge("keel_validator_redis_maxmemory_bytes")
         self.empty_rate = metrics.SlidingWindowGauge(m.gauge("keel_validator_empty_response_rate"), window_s)
         self.entropy = metrics.SlidingWindowGauge(m.gauge("keel_validator_output_entropy_mean"), window_s)
 
@@ -76,6 +78,10 @@ class ValidatorStage:
             size = await asyncio.to_thread(self.core.quarantine.size)
             if size is not None:
                 self.metrics.quarantine_size.set(size)
+            memory = await asyncio.to_thread(self.core.quarantine.memory)
+            if memory is not None:
+                self.metrics.redis_used.set(memory[0])
+                self.metrics.redis_max.set(memory[1])
             await asyncio.sleep(5)
 
     async def close(self) -> None:
