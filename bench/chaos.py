@@ -90,8 +90,9 @@ class Outcome:
 
     @property
     def hinted(self) -> bool:
-        """OK, or a failure that tells the client when to retry."""
-        return self.code == "OK" or self.retry_hint_ms is not None
+        """OK, or a failure that tells the client when to retry. DEADLINE_EXCEEDED is exempt: the
+        request used up its own deadline, and whether to try again with more is the client's call."""
+        return self.code in ("OK", "DEADLINE_EXCEEDED") or self.retry_hint_ms is not None
 
 
 def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:

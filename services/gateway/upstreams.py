@@ -25,8 +25,9 @@ from services.gateway.pipeline import Ask, Done, Encoded, Step
 from shared import client, errors
 
 log = logging.getLogger("keel.gateway.upstreams")
-# The hint on NO_HEALTHY_UPSTREAM once a request's deadline ran out waiting for a replica.
-HOLD_EXPIRED_RETRY_MS = 1000
+# The retry hint when a replica is gone: NO_HEALTHY_UPSTREAM once a request's deadline ran out
+# waiting for one, CONNECTION_LOST when a call's process died (the supervisor restarts it).
+UPSTREAM_DOWN_RETRY_MS = 1000
 SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
             "validator": "keel.validator.v1.Validator"}
 STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
@@ -126,7 +127,7 @@ class Pool:
                 if left <= 0:
                     raise errors.NotReady(f"no {self.stage} replica became SERVING within the deadline",
                                           reason="NO_HEALTHY_UPSTREAM", metadata={"upstream": self.stage},
-                                          retry_after_ms=HOLD_EXPIRED_RETRY_MS) from None
+                                          retry_after_ms=UPSTREAM_DOWN_RETRY_MS) from None
                 readmit_s = none.retry_after_ms / 1000 if none.retry_after_ms is not None else left
                 try:
                     await asyncio.wait_for(self._came_up.wait(), min(left, max(readmit_s, 0.001)))
@@ -139,7 +140,7 @@ class Pool:
         is gone): reason CONNECTION_LOST, which the retry executor re-dispatches once for free."""
         err = client.translate(exc)
         if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE":
-            err.reason = errors.CONNECTION_LOST
+            err.reason, err.retry_after_ms = errors.CONNECTION_LOST, UPSTREAM_DOWN_RETRY_MS
         self.balancer.observe_error(target, err)
         return err
 
