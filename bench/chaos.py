@@ -69,6 +69,7 @@ class ChaosConfig:
     replicas: int = 2
     seed: int = 17
     max_kills: int | None = None  # None: kill until the phase ends
+    stages: tuple[str, ...] = KILLED_STAGES
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,10 @@ def one_request(stub, i: int, cfg: ChaosConfig) -> Outcome:
 class Killer(threading.Thread):
     """Every ``every_s``: kill -9 a random stage replica (seeded), unless it is not SERVING yet."""
 
-    def __init__(self, mesh: Mesh, every_s: float, seed: int, max_kills: int | None = None):
+    def __init__(self, mesh: Mesh, every_s: float, seed: int, max_kills: int | None = None,
+                 stages: tuple[str, ...] = KILLED_STAGES):
         super().__init__(daemon=True)
-        self.mesh, self.every_s, self.max_kills = mesh, every_s, max_kills
+        self.mesh, self.every_s, self.max_kills, self.stages = mesh, every_s, max_kills, stages
         self.rng = random.Random(seed)
         self.stop = threading.Event()
         self.kills: list[dict] = []
@@ -140,7 +142,7 @@ class Killer(threading.Thread):
         while not self.stop.wait(self.every_s):
             if self.max_kills is not None and len(self.kills) >= self.max_kills:
                 return
-            stage = self.rng.choice(KILLED_STAGES)
+            stage = self.rng.choice(self.stages)
             replica = self.rng.randrange(len(self.mesh.ports[stage]))
             name = f"{stage}-{replica}.0"
             if health.status(f"127.0.0.1:{self.mesh.ports[stage][replica]}", SERVICES[stage]) != "SERVING":
@@ -152,7 +154,7 @@ class Killer(threading.Thread):
 
 
 def run_phase(mesh: Mesh, cfg: ChaosConfig, chaos: bool) -> tuple[list[Outcome], Killer | None, float]:
-    killer = Killer(mesh, cfg.kill_every_s, cfg.seed, cfg.max_kills) if chaos else None
+    killer = Killer(mesh, cfg.kill_every_s, cfg.seed, cfg.max_kills, cfg.stages) if chaos else None
     started = time.monotonic()
     with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(cfg.clients) as pool:
         stub = gateway_pb2_grpc.GatewayStub(ch)
