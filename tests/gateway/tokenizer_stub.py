@@ -1,7 +1,8 @@
 """A stand-in tokenizer replica for the gateway's transport tests, as its own process so a test can
 kill -9 it: ``python -m tests.gateway.tokenizer_stub PORT {hang|pid|fail}``.
 
-hang: Encode never answers (a call in flight when the process dies); pid: Encode answers with this
+hang: Encode never answers (a call in flight when the process dies); slow: Encode answers after
+1 s; pid: Encode answers with this
 process's pid as its only id; fail: Encode answers UNAVAILABLE through the Keel interceptor (a live
 but failing upstream). Health says SERVING in every mode.
 """
@@ -28,8 +29,8 @@ class Tokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def Encode(self, request, context):
         self.calls += 1
-        if self.mode == "hang":
-            await asyncio.sleep(3600)
+        if self.mode in ("hang", "slow"):
+            await asyncio.sleep(3600 if self.mode == "hang" else 1.0)
         if self.mode == "fail":
             raise errors.NotReady("this replica is failing", reason="TEST_FAILING")
         return tokenizer_pb2.EncodeResponse(input_ids=[os.getpid()])

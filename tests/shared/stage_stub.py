@@ -1,4 +1,5 @@
-"""A stage for the shared server bootstrap's tests: tokenizer-shaped, its Encode never finishes."""
+"""A stage for the shared server bootstrap's tests: tokenizer-shaped, its Encode never finishes
+(or, mode "slow", finishes after 1 s)."""
 from __future__ import annotations
 
 import grpc
@@ -14,8 +15,8 @@ class HangingStage:
     name = "tokenizer"
     service_name = SERVICE
 
-    def __init__(self):
-        self.servicer = Tokenizer("hang")
+    def __init__(self, mode: str = "hang"):
+        self.servicer = Tokenizer(mode)
 
     def register(self, server) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(self.servicer, server)

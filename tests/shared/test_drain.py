@@ -40,3 +40,18 @@ async def test_drain_cuts_the_call_it_cannot_finish_with_shutting_down_and_refus
         err = client.translate(exc)
         assert (err.code, err.reason) == ("UNAVAILABLE", errors.SHUTTING_DOWN), exc.details()
         assert err.retry_after_ms and err.retry_after_ms > 0
+
+
+@pytest.mark.asyncio
+async def test_drain_lets_a_call_that_finishes_within_the_grace_period_finish():
+    port = free_port()
+    stage = HangingStage("slow")
+    server = asyncio.create_task(serve(stage, ServerConfig(port=port, drain_grace_s=30.0)))
+    await asyncio.wait_for(serving(port), 30)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = tokenizer_pb2_grpc.TokenizerStub(ch).Encode(tokenizer_pb2.EncodeRequest(text=b"hi"), timeout=30)
+        while not stage.servicer.calls:
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert list((await call).input_ids) == [os.getpid()]
+    await asyncio.wait_for(server, 30)
