@@ -8,8 +8,9 @@ Run: .venv/bin/python bench/chaos.py [--replicas 1|2] [--requests 200] [--client
 ``--throttle-tokens`` overrides the gateway's gRFC A6 retry bucket (config: 10 tokens) for the
 whole run, to see how many losses the throttle accounts for.
 
-Mesh: ``--replicas`` (1 or 2) replicas of the tokenizer (one worker each), inference and
-validator, and one gateway (never killed: a client connected to a killed gateway loses its call,
+Mesh: ``--replicas`` (1 or 2) replicas of the tokenizer (one worker each) and inference, one
+validator (replicas of it on one host would share its quarantine spill file, which it locks), and
+one gateway (never killed: a client connected to a killed gateway loses its call,
 which no server can answer for). Every ``--kill-every`` s a random stage replica (seeded) is killed;
 a replica is skipped while it is not SERVING yet (it is already down, so the run measures
 recovery, not a permanent outage). The supervisor restarts every killed process.
@@ -234,7 +235,7 @@ def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, 
            failures: list[str]) -> str:
     rows = sorted(set(calm["by_status"]) | set(chaos["by_status"]))
     out = ["# Chaos check", "", f"Command: `{command}`", f"Machine: {machine()}",
-           f"Mesh: {cfg.replicas} tokenizer (1 worker each), {cfg.replicas} inference, {cfg.replicas} validator "
+           f"Mesh: {cfg.replicas} tokenizer (1 worker each), {cfg.replicas} inference, 1 validator "
            f"replica(s), 1 gateway; {cfg.requests} requests per phase, "
            f"{cfg.clients} concurrent clients, max_tokens {cfg.max_tokens}, deadline {cfg.deadline_s:g} s each; "
            f"gateway retry throttle: {cfg.throttle_tokens or 'configured (10)'} tokens.",
@@ -285,7 +286,7 @@ def main() -> int:
     command = ".venv/bin/python bench/chaos.py " + " ".join(sys.argv[1:])
     env = {} if cfg.throttle_tokens is None else {"KEEL_GATEWAY_RETRY__THROTTLE__MAX_TOKENS": str(cfg.throttle_tokens)}
     mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-chaos-")), tokenizer_replicas=cfg.replicas,
-                      inference_replicas=cfg.replicas, validator_replicas=cfg.replicas, tokenizer_workers=1,
+                      inference_replicas=cfg.replicas, tokenizer_workers=1,
                       extra_env=env)
     try:
         calm, _, calm_wall = run_phase(mesh, cfg, chaos=False)

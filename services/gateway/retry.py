@@ -19,7 +19,8 @@ Policy per gRPC status of a failed attempt (``KeelError.code``):
   a draining stage cut the call) is not an overloaded upstream: the call is re-dispatched once, at
   once, to the next SERVING replica (or the restarted one, held for within the deadline), like
   gRPC's transparent retry. That re-dispatch costs no retry token and no attempt of the caps
-  below (``replica_lost``); a second such failure goes through the policy like any UNAVAILABLE.
+  below (``replica_lost``); a second such failure goes through the policy like any UNAVAILABLE
+  (backoff, attempt caps) except the throttle: a dead replica neither spends nor needs a token.
 
 Then, in order: the per-code and per-request attempt caps (``max_attempts``), the upstream's
 A6 token bucket (``budget``) and the deadline: a retry whose delay plus the upstream's
@@ -242,11 +243,12 @@ class RetryExecutor:
                         upstream_latency_ms=latency * 1000.0, tokens_before=tokens_before,
                         tokens_after=tokens_before))
                     continue
-                if err.code in RETRYABLE_CODES and err.reason not in LOCAL_NO_UPSTREAM_REASONS:
+                lost = err.reason in REPLICA_LOST_REASONS  # a dead replica, not an overloaded one
+                if err.code in RETRYABLE_CODES and err.reason not in LOCAL_NO_UPSTREAM_REASONS and not lost:
                     throttle.on_failure()
                 decision = decide(
                     err, attempt=attempt - redispatched, max_attempts=max_attempts, idempotent=idempotent,
-                    attempt_timed_out_early=timeout < remaining, budget_ok=throttle.allows_retry(),
+                    attempt_timed_out_early=timeout < remaining, budget_ok=lost or throttle.allows_retry(),
                     remaining_s=deadline - self._clock() - cfg.deadline_margin_s,
                     expected_latency_s=self.latency.expected(upstream, method), cfg=cfg, rng=self._rng)
                 self._log(DecisionRecord(
