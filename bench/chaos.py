@@ -1,16 +1,18 @@
 """Chaos check: requests from concurrent clients through the gateway of a real mesh (Redis, the
 real model, loopback only) while a stage replica is killed -9 every few seconds.
 
-Run: .venv/bin/python bench/chaos.py [--requests 200] [--clients 16] [--kill-every 3]
-                                     [--max-tokens 8] [--deadline 60] [--throttle-tokens N]
+Run: .venv/bin/python bench/chaos.py [--replicas 1|2] [--requests 200] [--clients 16] [--kill-every 3]
+                                     [--max-tokens 8] [--deadline 60] [--throttle-tokens N] [--seed S]
                                      [--write docs/bench/chaos.md]
 
 ``--throttle-tokens`` overrides the gateway's gRFC A6 retry bucket (config: 10 tokens) for the
 whole run, to see how many losses the throttle accounts for.
 
-Mesh: 2 tokenizer, 2 inference, 1 validator replica and one gateway (never killed). Kills rotate
-tokenizer -> inference -> validator, alternating replicas; a stage is skipped on its turn while
-any of its replicas is not SERVING yet (one fault per stage at a time, so the run measures
+Mesh: ``--replicas`` (1 or 2) replicas of the tokenizer (one worker each) and inference, one
+validator (replicas of it on one host would share its quarantine spill file, which it locks), and
+one gateway (never killed: a client connected to a killed gateway loses its call,
+which no server can answer for). Every ``--kill-every`` s a random stage replica (seeded) is killed;
+a replica is skipped while it is not SERVING yet (it is already down, so the run measures
 recovery, not a permanent outage). The supervisor restarts every killed process.
 
 Peer, in the same run on the same mesh: the same requests with no kills ("calm").
@@ -18,8 +20,9 @@ Peer, in the same run on the same mesh: the same requests with no kills ("calm")
 Checked (exit status 1 if any fails): every request ends in OK or a clear status (a gRPC code
 other than INTERNAL/UNKNOWN, with a google.rpc.ErrorInfo reason) before its deadline, none
 hangs (a client-side DEADLINE_EXCEEDED with no ErrorInfo means the gateway never answered);
-every retry the gateway made (attempt n+1 in its trace spans) has a ``retry_decision`` record
-for attempt n, and every failed attempt has one (retry or stop).
+every failure carries a retry hint (RetryInfo / grpc-retry-pushback-ms); every retry the
+gateway made (attempt n+1 in its trace spans) has a ``retry_decision`` record for attempt n, and
+every failed attempt has one (retry or stop).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import signal
 import subprocess
 import sys
@@ -50,7 +54,7 @@ from keelctl import health  # noqa: E402
 from keelctl.ask import DEV_API_KEY  # noqa: E402
 from tests.e2e.conftest import SERVICES, Mesh, start_mesh, stop_mesh  # noqa: E402
 
-ROTATION = ("tokenizer", "inference", "validator")
+KILLED_STAGES = ("tokenizer", "inference", "validator")
 PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "What is the capital of France?")
 BAD_CODES = {"INTERNAL", "UNKNOWN"}
 
@@ -63,6 +67,10 @@ class ChaosConfig:
     max_tokens: int = 8
     deadline_s: float = 60.0
     throttle_tokens: float | None = None  # None: the gateway's configured retry bucket
+    replicas: int = 2
+    seed: int = 17
+    max_kills: int | None = None  # None: kill until the phase ends
+    stages: tuple[str, ...] = KILLED_STAGES
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class Outcome:
     retry_stop: str      # ErrorInfo metadata the gateway's executor sets ("" if none)
     trace_id: str
     seconds: float
+    retry_hint_ms: int | None = None
 
     @property
     def hung(self) -> bool:
@@ -80,6 +89,12 @@ class Outcome:
     @property
     def clear(self) -> bool:
         return self.code == "OK" or (self.code not in BAD_CODES and self.reason != "NO_ERROR_INFO")
+
+    @property
+    def hinted(self) -> bool:
+        """OK, or a failure that tells the client when to retry. DEADLINE_EXCEEDED is exempt: the
+        request used up its own deadline, and whether to try again with more is the client's call."""
+        return self.code in ("OK", "DEADLINE_EXCEEDED") or self.retry_hint_ms is not None
 
 
 def error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
@@ -102,44 +117,45 @@ def one_request(stub, i: int, cfg: ChaosConfig) -> Outcome:
     except grpc.RpcError as err:
         took = time.monotonic() - start
         info = error_info(err)
-        trace_id = dict(err.trailing_metadata() or ()).get("x-keel-trace-id", "")
+        trailers = dict(err.trailing_metadata() or ())
+        trace_id = trailers.get("x-keel-trace-id", "")
+        hint = trailers.get("grpc-retry-pushback-ms")
+        hint_ms = int(hint) if hint is not None and hint.lstrip("-").isdigit() else None
         if info is None:
-            return Outcome(err.code().name, "NO_ERROR_INFO", "", trace_id, took)
-        return Outcome(err.code().name, info.reason, info.metadata.get("retry_stop", ""), trace_id, took)
+            return Outcome(err.code().name, "NO_ERROR_INFO", "", trace_id, took, hint_ms)
+        return Outcome(err.code().name, info.reason, info.metadata.get("retry_stop", ""), trace_id, took, hint_ms)
 
 
 class Killer(threading.Thread):
-    """Every ``every_s``: kill -9 the next replica in the rotation, if its stage is whole."""
+    """Every ``every_s``: kill -9 a random stage replica (seeded), unless it is not SERVING yet."""
 
-    def __init__(self, mesh: Mesh, every_s: float):
+    def __init__(self, mesh: Mesh, every_s: float, seed: int, max_kills: int | None = None,
+                 stages: tuple[str, ...] = KILLED_STAGES):
         super().__init__(daemon=True)
-        self.mesh, self.every_s = mesh, every_s
+        self.mesh, self.every_s, self.max_kills, self.stages = mesh, every_s, max_kills, stages
+        self.rng = random.Random(seed)
         self.stop = threading.Event()
         self.kills: list[dict] = []
         self.skips = Counter()
 
-    def _stage_serving(self, stage: str) -> bool:
-        return all(health.status(f"127.0.0.1:{p}", SERVICES[stage]) == "SERVING" for p in self.mesh.ports[stage])
-
     def run(self) -> None:
-        turn = 0
-        nth = Counter()
         started = time.monotonic()
         while not self.stop.wait(self.every_s):
-            stage = ROTATION[turn % len(ROTATION)]
-            turn += 1
-            if not self._stage_serving(stage):
-                self.skips[stage] += 1
+            if self.max_kills is not None and len(self.kills) >= self.max_kills:
+                return
+            stage = self.rng.choice(self.stages)
+            replica = self.rng.randrange(len(self.mesh.ports[stage]))
+            name = f"{stage}-{replica}.0"
+            if health.status(f"127.0.0.1:{self.mesh.ports[stage][replica]}", SERVICES[stage]) != "SERVING":
+                self.skips[name] += 1
                 continue
-            name = f"{stage}-{nth[stage] % len(self.mesh.ports[stage])}.0"
-            nth[stage] += 1
             pid = self.mesh.state()["processes"][name]["pid"]
             os.kill(pid, signal.SIGKILL)
             self.kills.append({"at_s": round(time.monotonic() - started, 1), "process": name, "pid": pid})
 
 
 def run_phase(mesh: Mesh, cfg: ChaosConfig, chaos: bool) -> tuple[list[Outcome], Killer | None, float]:
-    killer = Killer(mesh, cfg.kill_every_s) if chaos else None
+    killer = Killer(mesh, cfg.kill_every_s, cfg.seed, cfg.max_kills, cfg.stages) if chaos else None
     started = time.monotonic()
     with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(cfg.clients) as pool:
         stub = gateway_pb2_grpc.GatewayStub(ch)
@@ -204,7 +220,8 @@ def summary(outcomes: list[Outcome]) -> dict:
     return {"n": len(outcomes), "ok": len(ok), "p50_s": percentile(ok, 0.5), "p99_s": percentile(ok, 0.99),
             "max_s": max(o.seconds for o in outcomes),
             "by_status": Counter(f"{o.code} {o.reason} {o.retry_stop}".strip() for o in outcomes),
-            "hung": sum(o.hung for o in outcomes), "unclear": sum(not o.clear for o in outcomes)}
+            "hung": sum(o.hung for o in outcomes), "unclear": sum(not o.clear for o in outcomes),
+            "unhinted": sum(not o.hinted for o in outcomes)}
 
 
 def machine() -> str:
@@ -218,11 +235,13 @@ def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, 
            failures: list[str]) -> str:
     rows = sorted(set(calm["by_status"]) | set(chaos["by_status"]))
     out = ["# Chaos check", "", f"Command: `{command}`", f"Machine: {machine()}",
-           f"Mesh: 2 tokenizer, 2 inference, 1 validator replica, 1 gateway; {cfg.requests} requests per phase, "
+           f"Mesh: {cfg.replicas} tokenizer (1 worker each), {cfg.replicas} inference, 1 validator "
+           f"replica(s), 1 gateway; {cfg.requests} requests per phase, "
            f"{cfg.clients} concurrent clients, max_tokens {cfg.max_tokens}, deadline {cfg.deadline_s:g} s each; "
            f"gateway retry throttle: {cfg.throttle_tokens or 'configured (10)'} tokens.",
-           f"Kills (chaos phase): one every {cfg.kill_every_s:g} s, rotating {' -> '.join(ROTATION)}; "
-           f"{len(killer.kills)} made, skipped turns (stage still recovering): {dict(killer.skips) or 'none'}.", "",
+           f"Kills (chaos phase): one every {cfg.kill_every_s:g} s, a random replica of {', '.join(KILLED_STAGES)} "
+           f"(seed {cfg.seed}); {len(killer.kills)} made, skipped turns (replica still recovering): "
+           f"{dict(killer.skips) or 'none'}.", "",
            "| outcome (code reason retry_stop) | calm (peer) | chaos |", "|---|---|---|"]
     out += [f"| {r} | {calm['by_status'].get(r, 0)} | {chaos['by_status'].get(r, 0)} |" for r in rows]
     ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a"  # noqa: E731
@@ -235,6 +254,7 @@ def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, 
             f"| phase wall time, s | {wall['calm']:.1f} | {wall['chaos']:.1f} | {ratio(wall['chaos'], wall['calm'])} |",
             f"| hung (no answer by the deadline) | {calm['hung']} | {chaos['hung']} | |",
             f"| unclear (INTERNAL/UNKNOWN or no ErrorInfo) | {calm['unclear']} | {chaos['unclear']} | |",
+            f"| failures without a retry hint | {calm['unhinted']} | {chaos['unhinted']} | |",
             "", "Kills: " + ", ".join(f"{k['process']} at {k['at_s']} s" for k in killer.kills), "",
             "Retry cross-check (chaos phase, gateway trace spans vs `retry_decision` log records):",
             f"{check['attempts']} attempts, {check['failed_attempts']} failed, {check['retries']} retries made; "
@@ -257,14 +277,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--deadline", type=float, default=60.0)
     ap.add_argument("--throttle-tokens", type=float)
+    ap.add_argument("--replicas", type=int, choices=(1, 2), default=2)
+    ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--write", type=Path, help="markdown report (e.g. docs/bench/chaos.md)")
     args = ap.parse_args()
     cfg = ChaosConfig(args.requests, args.clients, args.kill_every, args.max_tokens, args.deadline,
-                      args.throttle_tokens)
+                      args.throttle_tokens, args.replicas, args.seed)
     command = ".venv/bin/python bench/chaos.py " + " ".join(sys.argv[1:])
     env = {} if cfg.throttle_tokens is None else {"KEEL_GATEWAY_RETRY__THROTTLE__MAX_TOKENS": str(cfg.throttle_tokens)}
-    mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-chaos-")), tokenizer_replicas=2, inference_replicas=2,
-                      tokenizer_workers=1,
+    mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-chaos-")), tokenizer_replicas=cfg.replicas,
+                      inference_replicas=cfg.replicas, tokenizer_workers=1,
                       extra_env=env)
     try:
         calm, _, calm_wall = run_phase(mesh, cfg, chaos=False)
@@ -275,7 +297,7 @@ def main() -> int:
         stop_mesh(mesh)
     calm_s, chaos_s = summary(calm), summary(chaotic)
     failures = [f"{s[k]} {k} in {name}" for name, s in (("calm", calm_s), ("chaos", chaos_s))
-                for k in ("hung", "unclear") if s[k]]
+                for k in ("hung", "unclear", "unhinted") if s[k]]
     failures += [f"{len(check[k])} {k.replace('_', ' ')}" for k in
                  ("retries_without_record", "failures_without_record", "retry_records_without_attempt",
                   "traces_without_spans") if check[k]]

@@ -27,6 +27,9 @@ SERVICE_NAMES = {
 class RedisLayout:
     port: int = 6390
     dir: str = "var/redis"
+    # Redis's memory cap. Its policy is always noeviction: the quarantine must never be evicted, so
+    # at the cap writes fail (the validator spills to its local file) and an alert fires before.
+    maxmemory_mb: int = 256
 
 
 @dataclass(frozen=True)

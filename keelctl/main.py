@@ -1,7 +1,7 @@
 """The `keel` command: run the mesh and talk to it.
 
     keel up [--detach] [--demo]   start Redis + every stage, wait for SERVING, print where each listens
-    keel down                     stop a detached mesh (drains in-flight calls)
+    keel down                     stop the mesh (drains in-flight calls), and any process it left
     keel status                   health of every process of the running mesh
     keel ask "PROMPT" [--max-tokens N] [--temperature T] [--seed S] [--json]
     keel trace TRACE_ID           the whole chain of one request, across every stage's trace files
@@ -25,11 +25,13 @@ import threading
 import time
 from pathlib import Path
 
-from keelctl import health
+from keelctl import health, procs
 from shared.config import ConfigError
-from keelctl.layout import LOG_DIR, ROOT, SERVICE_NAMES, STAGE_ORDER, VAR_DIR, load_layout, read_state
+from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, SERVICE_NAMES, STAGE_ORDER, VAR_DIR, load_layout, read_state
 
 DEMO_PROMPT = "What is the capital of France?"
+# Leftover processes get SIGTERM (a stage drains its in-flight calls), then SIGKILL after this long.
+STOP_GRACE_S = 60.0
 
 
 def _targets(layout) -> dict[str, tuple[str, str]]:
@@ -46,6 +48,28 @@ def _gateway(layout) -> str:
     return layout.targets("gateway")[0]
 
 
+def _preflight(layout) -> str | None:
+    """Make room for a new mesh, or say why there is none: a live supervisor of this run directory
+    refuses; processes left by a dead one are stopped; a port held by anything else refuses,
+    naming the pid that holds it."""
+    from keelctl.supervisor import layout_ports
+
+    pid = read_state().get("pid")
+    if pid != os.getpid() and procs.is_supervisor(pid):
+        return f"keel is already running (supervisor pid {pid}); `keel down` stops it"
+    left = procs.run_dir_processes(RUN_DIR)
+    if left:
+        print(f"stopping {len(left)} process(es) a previous keel left in {RUN_DIR}: "
+              + ", ".join(f"pid {p.pid}" for p in left), flush=True)
+        procs.stop(left, STOP_GRACE_S)
+    held = procs.held_ports(layout_ports(layout))
+    if held:
+        return "ports in use:\n" + "\n".join(
+            f"  port {h.port} ({h.what}) is held by " + (f"pid {h.pid}: {h.command}" if h.pid else "an unknown process")
+            for h in held)
+    return None
+
+
 def cmd_up(args) -> int:
     import logging
 
@@ -54,6 +78,10 @@ def cmd_up(args) -> int:
     from shared.logging import JsonFormatter, setup_logging
 
     layout = load_layout()
+    problem = _preflight(layout)
+    if problem:
+        print(f"keel up refused: {problem}", flush=True)
+        return 1
     if args.detach:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         with open(LOG_DIR / "supervisor.out", "ab") as out:
@@ -77,15 +105,20 @@ def cmd_up(args) -> int:
     logging.getLogger().addHandler(fh)
     sup = Supervisor(layout)
     if layout.metrics_port:
-        metrics.start_metrics_server(layout.metrics_port)
+        metrics.start_metrics_server(layout.metrics_port, addr="127.0.0.1")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    sup.start()
-    loop = threading.Thread(target=sup.run, args=(stop,), daemon=True)
-    loop.start()
-    try:
-        statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: not stop.is_set())
+    failed = threading.Event()
+
+    def announce() -> None:
+        try:
+            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: not stop.is_set())
+        except TimeoutError as exc:
+            print(f"keel up failed: {exc}; see {LOG_DIR}", flush=True)
+            failed.set()
+            stop.set()
+            return
         print(f"keel is up; gateway at {_gateway(layout)}", flush=True)
         _print_table(layout, statuses)
         if args.demo:
@@ -93,48 +126,53 @@ def cmd_up(args) -> int:
             print(f"\ndemo> {DEMO_PROMPT}", flush=True)
             ask.main(_gateway(layout), prompt=DEMO_PROMPT, max_tokens=48, temperature=0.0, seed=None, as_json=False)
             print("\nserving until Ctrl-C ...", flush=True)
-        stop.wait()
-    except TimeoutError as exc:
-        print(f"keel up failed: {exc}; see {LOG_DIR}", flush=True)
-        stop.set()
-        return_code = 1
-    else:
-        return_code = 0
-    loop.join()
+
+    # Children are forked from this (main) thread only: their parent-death signal is tied to it.
+    sup.start()
+    threading.Thread(target=announce, daemon=True).start()
+    sup.run(stop)
     sup.stop()
-    return return_code
+    return 1 if failed.is_set() else 0
 
 
 def cmd_down(args) -> int:
     pid = read_state().get("pid")
-    if not pid:
-        print("keel is not running")
-        return 0
-    try:
+    running = procs.is_supervisor(pid)
+    if running:
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        print("keel is not running")
-        return 0
-    deadline = time.monotonic() + 240  # each stage drains its in-flight calls first
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            print("keel is down")
-            return 0
-        time.sleep(0.2)
-    print(f"supervisor {pid} did not stop within 240 s")
-    return 1
+        deadline = time.monotonic() + 240  # each stage drains its in-flight calls first
+        while procs.alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if procs.alive(pid):
+            print(f"supervisor {pid} did not stop within 240 s")
+            return 1
+    left = procs.run_dir_processes(RUN_DIR)
+    if left:
+        print(f"stopping {len(left)} process(es) of {RUN_DIR} that have no supervisor: "
+              + ", ".join(f"pid {p.pid}" for p in left))
+        procs.stop(left, STOP_GRACE_S)
+    print("keel is down" if running or left else "keel is not running")
+    return 0
 
 
 def cmd_status(args) -> int:
+    from keelctl.supervisor import layout_ports
+
     layout = load_layout()
     state = read_state()
+    if not procs.is_supervisor(state.get("pid")):
+        # Whatever answers on the layout's ports now is not this run directory's mesh: never "healthy".
+        print(f"keel is not running (no supervisor for {RUN_DIR})")
+        for p in procs.run_dir_processes(RUN_DIR):
+            print(f"  left without a supervisor: pid {p.pid}  {procs.describe(p.pid)}")
+        for h in procs.held_ports(layout_ports(layout)):
+            print(f"  port {h.port} ({h.what}) is held by pid {h.pid}, not managed by a supervisor")
+        return 1
     statuses = {name: health.status(t, s) for name, (t, s) in _targets(layout).items()}
-    procs = state.get("processes", {})
+    procs_state = state.get("processes", {})
     for name, st in statuses.items():
         print(f"  {name:<28} {st}")
-    for name, p in procs.items():
+    for name, p in procs_state.items():
         print(f"  {name:<28} pid {p.get('pid')}  restarts {p.get('restarts')}")
     return 0 if all(v == "SERVING" for v in statuses.values()) else 1
 

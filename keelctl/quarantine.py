@@ -1,12 +1,14 @@
 """`keel quarantine ...`: the validator's operator CLI, with `replay` wired to the gateway."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from google.protobuf import json_format
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from keelctl import ask
-from keelctl.layout import load_layout
+from keelctl.layout import load_layout, read_state
 
 
 def payload_to_request(payload: dict) -> gateway_pb2.GenerateRequest:
@@ -33,4 +35,8 @@ def replay_through_gateway(payload: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     from services.validator import config as validator_config, quarantine_cli
-    return quarantine_cli.main(argv, replay_fn=replay_through_gateway, cfg=validator_config.load().quarantine)
+    cfg = validator_config.load().quarantine
+    running = read_state().get("redis_url")  # the running mesh's Redis, with its per-`keel up` password
+    if running:
+        cfg = replace(cfg, redis_url=running)
+    return quarantine_cli.main(argv, replay_fn=replay_through_gateway, cfg=cfg)

@@ -4,6 +4,11 @@ A dead child (any exit, kill -9 included) is restarted after a backoff that star
 ``restart.initial_backoff_s`` (0.2 s) and doubles on each crash within ``stable_after_s`` of its
 start, capped at ``max_backoff_s``: a crash loop slows down, a one-off death is back at once.
 Every restart is one JSON log line (var/log/supervisor.log) and a Prometheus counter.
+
+Children die with the supervisor, even with kill -9: each starts through ``keelctl.lifeline``
+(Linux parent-death signal) and carries ``KEEL_RUN_DIR`` so that ``keel down``/``keel up`` find any
+that are left (keelctl/procs.py). The kernel ties the parent-death signal to the forking thread, so
+``start`` and ``poll_once`` must run on the supervisor's main thread.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import metrics
-from keelctl.layout import LOG_DIR, ROOT, STAGE_ORDER, Layout, write_state
+from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, STAGE_ORDER, Layout, write_state
+from keelctl.procs import RUN_DIR_ENV
 
 log = logging.getLogger("keel.supervisor")
 
@@ -40,32 +46,56 @@ class Child:
     log_path: Path = field(default_factory=Path)
 
 
-def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int) -> dict[str, str]:
+def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_url: str) -> dict[str, str]:
     env = {f"KEEL_{stage.upper()}_SERVER__PORT": str(port),
            f"KEEL_{stage.upper()}_SERVER__METRICS_PORT": str(metrics_port)}
     if stage == "gateway":
         for up in ("tokenizer", "inference", "validator", "feedback"):
             env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
     if stage == "validator":
-        env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = f"redis://127.0.0.1:{layout.redis.port}/0"
+        env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = redis_url
     return env
+
+
+def _worker_metrics_port(replica_port: int, worker: int) -> int:
+    """Workers sharing a replica's gRPC port each export metrics on their own port, 10 apart."""
+    return replica_port + 10 * worker if replica_port else 0
+
+
+def layout_ports(layout: Layout) -> dict[int, str]:
+    """Every port the mesh of ``layout`` listens on -> the process that needs it."""
+    needed = {layout.redis.port: "redis"}
+    for stage in STAGE_ORDER:
+        sl = layout.stage(stage)
+        for r, port in enumerate(sl.ports):
+            needed[port] = f"{stage}-{r}"
+            mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
+            for w in range(sl.workers if mport else 0):
+                needed[_worker_metrics_port(mport, w)] = f"{stage}-{r}.{w} metrics"
+    if layout.metrics_port:
+        needed[layout.metrics_port] = "supervisor metrics"
+    return needed
 
 
 class Supervisor:
     def __init__(self, layout: Layout, *, mesh_token: str | None = None, redis: bool = True):
         self.layout = layout
         self.mesh_token = mesh_token or os.environ.get("KEEL_MESH_TOKEN") or secrets.token_hex(16)
+        # Redis's password, random per `keel up` like the mesh token; only the validator gets it.
+        self.redis_password = os.environ.get("KEEL_REDIS_PASSWORD") or secrets.token_hex(16)
+        self.redis_url = f"redis://:{self.redis_password}@127.0.0.1:{layout.redis.port}/0"
         self.children: list[Child] = []
         self._lock = threading.Lock()
         self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        base_env = dict(os.environ, KEEL_MESH_TOKEN=self.mesh_token, PYTHONUNBUFFERED="1")
+        base_env = dict(os.environ, KEEL_MESH_TOKEN=self.mesh_token, PYTHONUNBUFFERED="1",
+                        **{RUN_DIR_ENV: str(RUN_DIR.resolve())})
         if redis:
             redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT
             redis_dir.mkdir(parents=True, exist_ok=True)
             server = shutil.which("redis-server") or "/usr/bin/redis-server"
             # appendonly + fsync every second: quarantine records survive a redis restart
-            argv = [server, "--port", str(layout.redis.port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
+            argv = [server, str(self._redis_conf()), "--port", str(layout.redis.port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
                     "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes"]
             self.children.append(Child("redis", argv, base_env, layout.redis.port, "redis"))
         for stage in STAGE_ORDER:
@@ -73,16 +103,28 @@ class Supervisor:
             for r, port in enumerate(sl.ports):
                 mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
                 for w in range(sl.workers):
-                    env = dict(base_env, **_stage_env(layout, stage, port, mport + 10 * w if mport else 0))
+                    env = dict(base_env, **_stage_env(layout, stage, port, _worker_metrics_port(mport, w),
+                                                      self.redis_url))
                     argv = [sys.executable, "-m", f"services.{stage}"]
                     self.children.append(Child(f"{stage}-{r}.{w}", argv, env, port, stage))
         for c in self.children:
             c.log_path = LOG_DIR / f"{c.name}.log"
             self._restarts.labels(stage=c.stage)  # exported from 0 so increase() sees the first restart
 
+    def _redis_conf(self) -> Path:
+        """Redis settings that stay off the command line (ps shows it): the password, the cap."""
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        path = RUN_DIR / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.redis_password}\nmaxmemory {self.layout.redis.maxmemory_mb}mb\n"
+                    "maxmemory-policy noeviction\n")
+        return path
+
     def _spawn(self, c: Child) -> None:
         out = open(c.log_path, "ab")
-        c.popen = subprocess.Popen(c.argv, env=c.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        argv = [sys.executable, "-m", "keelctl.lifeline", str(os.getpid()), *c.argv]
+        c.popen = subprocess.Popen(argv, env=c.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
         out.close()
         c.started_at = time.monotonic()
@@ -96,7 +138,7 @@ class Supervisor:
 
     def _write_state(self) -> None:
         write_state({
-            "pid": os.getpid(), "mesh_token": self.mesh_token,
+            "pid": os.getpid(), "mesh_token": self.mesh_token, "redis_url": self.redis_url,
             "processes": {c.name: {"pid": c.popen.pid if c.popen else None, "port": c.port, "stage": c.stage,
                                    "restarts": c.restarts, "log": str(c.log_path)} for c in self.children},
         })

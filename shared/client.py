@@ -31,9 +31,13 @@ _BY_CODE: dict[str, type[errors.KeelError]] = {
 }
 
 
-def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024) -> grpc.aio.Channel:
+def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024, connection: int = 0) -> grpc.aio.Channel:
     """A channel with grpcio's own retries off (Keel's gateway makes and logs every retry); mTLS
-    with the mesh's client certificate when KEEL_MESH_TLS_DIR is set (shared/tls.py)."""
+    with the mesh's client certificate when KEEL_MESH_TLS_DIR is set (shared/tls.py).
+
+    Channels to one target with different ``connection`` numbers never share a connection (grpc
+    would otherwise reuse one subchannel for equal arguments): several of them reach every worker
+    process behind a port shared with SO_REUSEPORT."""
     options = [
         ("grpc.enable_retries", 0),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -44,6 +48,8 @@ def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024) -> grpc.ai
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.use_local_subchannel_pool", 1),
+        ("keel.connection", connection),
     ]
     creds = tls.channel_credentials()
     if creds is not None:

@@ -44,6 +44,9 @@ class ServerConfig:
     port: int = 0
     metrics_port: int = 0
     drain_grace_s: float = 10.0
+    max_connection_idle_s: float = 120.0  # close a client connection with no call for this long
+    keepalive_time_s: float = 60.0        # ping each client connection this often ...
+    keepalive_timeout_s: float = 20.0     # ... and close it when a ping is not answered within this
     max_message_bytes: int = 4 * 1024 * 1024
     log_level: str = "INFO"
     tls_cert: str = ""

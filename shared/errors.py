@@ -24,6 +24,10 @@ from __future__ import annotations
 
 DOMAIN = "keel.dev"
 
+# Reasons the mesh itself sets when a process stops (not the stages' own refusals):
+SHUTTING_DOWN = "SHUTTING_DOWN"      # a draining stage cut a call it could not finish, or refused a new one
+CONNECTION_LOST = "CONNECTION_LOST"  # no server answered: the upstream process died or its port is closed
+
 
 class KeelError(Exception):
     """Base of every error Keel raises on purpose."""
@@ -162,6 +166,7 @@ REASONS: dict[str, Reason] = {
     "OUTPUT_BLOCKED": Reason(PreconditionFailed, "a blocking output check failed; `plugin` names it"),
     "STREAM_TRUNCATED": Reason(NotReady, "the inference stream ended without a result; retry"),
     "NO_HEALTHY_UPSTREAM": Reason(NotReady, "no replica of a stage is serving; retry after the hint"),
+    "CONNECTION_LOST": Reason(NotReady, "the connection to a stage replica was lost (its process died); re-dispatched once, then retry after the hint"),
     "MESSAGE_TOO_LARGE": Reason(Overloaded, "a message exceeds the gRPC size limit; not retried"),
     # Mesh credentials (stages behind the gateway).
     "MISSING_MESH_CREDENTIAL": Reason(Unauthenticated, "a stage was called without the mesh token"),
@@ -233,7 +238,7 @@ REASONS: dict[str, Reason] = {
     "CIRCUIT_OPEN": Reason(NotReady, "inference's breaker is open after repeated faults; retry after the hint"),
     "WARMING_UP": Reason(NotReady, "the inference engine is loading; retry after the hint"),
     "DRAINING": Reason(NotReady, "the inference engine is draining; retry after the hint"),
-    "SHUTTING_DOWN": Reason(NotReady, "the inference engine stopped before the request finished; retry"),
+    "SHUTTING_DOWN": Reason(NotReady, "a draining stage refused a new call or cut one it could not finish; retry after the hint"),
     "DEADLINE_EXPIRED": Reason(DeadlineExpired, "the request's deadline ran out during generation"),
     "DEADLINE_EXPIRED_IN_QUEUE": Reason(DeadlineExpired, "the request's deadline ran out while queued"),
     "NON_FINITE_LOGITS": Reason(NumericalInstability, "NaN/inf logits for this request; the same input fails again"),

@@ -27,6 +27,8 @@ log = logging.getLogger("keel.rpc")
 MESH_TOKEN_KEY = "x-keel-mesh-token"
 TRACE_ID_KEY = "x-keel-trace-id"
 _EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+NOT_SERVING_RETRY_MS = 1000  # the hint on UNAVAILABLE from a stage warming up or shutting down
+CUT_WAIT_S = 1.0  # how long the drain waits for cut calls to send their status
 
 
 class MalformedRequest:
@@ -90,11 +92,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every non-health RPC of a stage.
 
     mesh_token: stages accept only calls carrying it (the gateway passes ``authenticate`` instead).
-    is_ready: False while warming up or draining -> UNAVAILABLE with a retry hint.
+    is_ready: False while warming up -> UNAVAILABLE NOT_SERVING with a retry hint.
     A stage that authenticates its callers itself (``authenticate``: the gateway) is the public
     one: a caller's invalid ``traceparent`` is logged and a new trace started, and error details
     leave out errors.INTERNAL_METADATA_KEYS. Every stage sends the trace id in its initial
     metadata (so a cancelled stream still has it) and again in the trailers.
+
+    Drain (``begin_drain``, ``drained``, ``cut``): new calls get UNAVAILABLE SHUTTING_DOWN with a
+    retry hint; calls in flight run on (each ends by its own deadline at the latest) until the
+    stage's grace period is over; those still running then are ended with the same status, never
+    a bare "Cancelling all calls".
     """
 
     def __init__(self, service: str, *, mesh_token: str | None = None,
@@ -106,6 +113,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         self.is_ready = is_ready
         self.public = authenticate is not None
         self.inflight = 0  # application calls being served (health watches excluded)
+        self.draining = False
+        self._calls: set[asyncio.Task] = set()  # the tasks serving those calls
+        self._cut: set[asyncio.Task] = set()    # the ones the drain is ending
+        self._idle = asyncio.Event()
         m = metrics.metrics_for(service)
         self._requests = m.counter("keel_requests_total")
         self._duration = m.histogram("keel_request_duration_seconds")
@@ -157,9 +168,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         elif self.authenticate is not None:
             # Every metadata pair (a repeated header must stay visible) and the caller's address.
             self.authenticate(context.invocation_metadata() or (), context.peer())
+        if self.draining:
+            raise self._shutting_down("is shutting down; send the call to another replica")
         if not self.is_ready():
-            raise errors.NotReady(f"{self.service} is not serving (warming up or draining)",
-                                  reason="NOT_SERVING", retry_after_ms=1000)
+            raise errors.NotReady(f"{self.service} is not serving yet (warming up)",
+                                  reason="NOT_SERVING", retry_after_ms=NOT_SERVING_RETRY_MS)
         _check_parsed(request)
 
     def _parent(self, md: Mapping[str, str]):
@@ -171,16 +184,36 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             return None
         return parent
 
+    def _shutting_down(self, what: str) -> errors.NotReady:
+        return errors.NotReady(f"{self.service} {what}", reason=errors.SHUTTING_DOWN,
+                               retry_after_ms=NOT_SERVING_RETRY_MS)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
     async def drained(self, grace_s: float) -> bool:
         """Wait until no application call is in flight (True) or ``grace_s`` passes (False)."""
-        deadline = time.monotonic() + grace_s
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if self.inflight:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            except TimeoutError:
+                pass
         return not self.inflight
+
+    async def cut(self) -> None:
+        """End every call still in flight with UNAVAILABLE SHUTTING_DOWN and a retry hint."""
+        self._cut = set(self._calls)
+        for task in self._cut:
+            task.cancel()
+        if self._cut:
+            await asyncio.wait(self._cut, timeout=CUT_WAIT_S)
 
     @contextlib.asynccontextmanager
     async def _scope(self, method: str, request, context):
         self.inflight += 1
+        task = asyncio.current_task()
+        self._calls.add(task)
         md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         parent = self._parent(md)
         name = method.rsplit("/", 1)[-1]
@@ -202,7 +235,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 log.log(logging.ERROR if code == "INTERNAL" else logging.INFO, "rpc failed",
                         extra={"code": code, "reason": err.reason, "detail": err.message, "metadata": err.metadata})
                 await context.abort(*to_status(err, trace_id, public=self.public))
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+            except asyncio.CancelledError:
+                if task not in self._cut:
+                    code = "CANCELLED"
+                    raise
+                err = self._shutting_down("is shutting down; the call was cut at the end of its drain")
+                code = err.code
+                _record_error(span, err)
+                log.warning("rpc cut by the drain", extra={"code": code, "reason": err.reason})
+                await context.abort(*to_status(err, trace_id, public=self.public))
+            except grpc.aio.AbortError:
                 code = "CANCELLED"
                 raise
             except Exception as exc:
@@ -213,6 +255,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(*to_status(err, trace_id, public=self.public))
             finally:
                 self.inflight -= 1
+                self._calls.discard(task)
+                if not self.inflight:
+                    self._idle.set()
                 self._requests.labels(service=self.service, method=name, code=code).inc()
                 self._duration.labels(service=self.service, method=name).observe(time.perf_counter() - start)
                 trace_id_var.reset(tokens[0])

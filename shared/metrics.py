@@ -171,6 +171,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "(queue_full, unreachable, or error); reason says which.", ("reason",), "gateway"),
     _c("keel_determinism_checks_total", "Replays run by `keel verify determinism`, by result (identical, "
        "mismatch, not_comparable, failed).", ("result",), "keelctl"),
+    _g("keel_validator_redis_memory_used_bytes", "Redis used_memory, as last seen (the quarantine's store).",
+       owner="validator"),
+    _g("keel_validator_redis_maxmemory_bytes", "Redis maxmemory, as last seen (0: no cap; the policy is noeviction, "
+       "so at the cap quarantine writes fail and spill).", owner="validator"),
     # Supervisor.
     _c("keel_supervisor_restarts_total", "Stage processes restarted by the supervisor.", ("stage",), "supervisor"),
 )
@@ -252,8 +256,7 @@ def metrics_for(stage: str, registry: CollectorRegistry = REGISTRY) -> StageMetr
         return StageMetrics(stage, {s.name: built[s.name] for s in specs}, registry)
 
 
-# Every interface by default: Prometheus scrapes each stage from outside its container/pod.
-def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY, addr: str = "0.0.0.0"):  # nosec B104
+def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY, addr: str = "127.0.0.1"):
     """Serve ``registry`` on http://addr:port/metrics from a daemon thread; returns the server.
 
     ``port=0`` picks a free port (read it from ``server.server_address[1]``). Call ``shutdown()``

@@ -2,8 +2,10 @@
 
 Order matters for honest health: bind the port and report NOT_SERVING first (probes get a real
 answer, requests get UNAVAILABLE with a retry hint), warm up (model/vocabulary loaded and
-exercised), then report SERVING. On SIGTERM/SIGINT: NOT_SERVING, stop admitting, let in-flight
-calls finish within ``drain_grace_s``, then exit.
+exercised), then report SERVING. On SIGTERM/SIGINT: NOT_SERVING, new calls get UNAVAILABLE
+SHUTTING_DOWN with a retry hint, in-flight calls finish (each by its own deadline at the latest)
+within ``drain_grace_s``; any still running then end with UNAVAILABLE SHUTTING_DOWN and a retry
+hint; then exit.
 """
 from __future__ import annotations
 
@@ -62,6 +64,11 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
         # default (one ping per 5 min without data) would answer GOAWAY too_many_pings.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A connection with no call for this long is closed (GOAWAY; a client reconnects when it
+        # needs to): idle clients cannot pile up connections. Server pings find dead peers.
+        ("grpc.max_connection_idle_ms", round(cfg.max_connection_idle_s * 1000)),
+        ("grpc.keepalive_time_ms", round(cfg.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
     ])
     health_servicer = discovery.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -75,7 +82,7 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     creds = _credentials(cfg) or tls.server_credentials(mutual=authenticate is None)
     port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if cfg.metrics_port:
-        metrics.start_metrics_server(cfg.metrics_port)
+        metrics.start_metrics_server(cfg.metrics_port, addr=cfg.host)  # never wider than the gRPC port
     await server.start()
     log.info("listening; warming up", extra={"address": f"{cfg.host}:{port}", "pid": os.getpid()})
 
@@ -98,12 +105,14 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
         await stop.wait()
     log.info("draining", extra={"grace_s": cfg.drain_grace_s})
     ready = False
+    interceptor.begin_drain()
     serving_gauge.set(0)
     await health_servicer.enter_graceful_shutdown()
-    # New calls now get UNAVAILABLE (not ready); in-flight ones finish within the grace period.
+    # New calls now get UNAVAILABLE SHUTTING_DOWN; in-flight ones finish within the grace period.
     # Health watches are long-lived streams, not work: they are cut once the real calls are done.
     if not await interceptor.drained(cfg.drain_grace_s):
-        log.warning("grace period over; cancelling the calls still in flight", extra={"inflight": interceptor.inflight})
+        log.warning("grace period over; cutting the calls still in flight", extra={"inflight": interceptor.inflight})
+        await interceptor.cut()
     await server.stop(0.5)
     await stage.close()
     log.info("stopped")

@@ -125,6 +125,10 @@ ROWS: list[tuple[str, list[dict]]] = [
         ts("Refused inputs not stored (flood gate)", [
             (f"sum by (why) (rate(keel_validator_quarantine_dropped_total{RATE}))", "{{why}}")], "ops",
            "Duplicates of a stored payload and records over a source's cap: a client repeating bad requests."),
+        ts("Redis memory", [
+            ("max by (instance) (keel_validator_redis_memory_used_bytes)", "used {{instance}}"),
+            ("max by (instance) (keel_validator_redis_maxmemory_bytes)", "cap {{instance}}")], "bytes",
+           "Redis never evicts (noeviction): at the cap quarantine writes fail and spill."),
     ]),
     ("Feedback", [
         ts("Feedback/s by error type and severity", [(

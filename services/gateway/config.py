@@ -20,8 +20,8 @@ class Upstreams:
     validator: tuple[str, ...] = ()
     # The feedback stage (replay records, SubmitFeedback); empty = neither.
     feedback: tuple[str, ...] = ()
-    # With no replica of a stage SERVING, wait this long (within the call's deadline) for one.
-    wait_for_replica_ms: int = 5000
+    # HTTP/2 connections per replica; calls rotate over them (so every worker behind a shared port gets some).
+    channels_per_replica: int = 8
 
 
 @dataclass(frozen=True)

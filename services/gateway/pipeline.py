@@ -41,6 +41,10 @@ class Limits:
     default_deadline_ms: int = 60000
     # A rejected request whose JSON is larger goes to the quarantine clipped (shared/clip.py).
     max_quarantine_payload_bytes: int = 65536
+    # The gateway gives up this long before the client's deadline, so that its status (with a
+    # reason, e.g. NO_HEALTHY_UPSTREAM after holding for a replica) reaches the client before the
+    # client's own library ends the call with a bare DEADLINE_EXCEEDED.
+    answer_margin_ms: int = 250
 
 
 @dataclass(frozen=True)
@@ -331,9 +335,10 @@ def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> e
 
 
 def deadline_from(time_remaining: float | None, limits: Limits) -> float:
-    """Absolute monotonic deadline: the client's, else the configured default."""
-    budget = time_remaining if time_remaining is not None else limits.default_deadline_ms / 1000
-    return time.monotonic() + max(0.0, budget)
+    """Absolute monotonic deadline: the client's less the answer margin, else the configured default."""
+    if time_remaining is None:
+        return time.monotonic() + limits.default_deadline_ms / 1000
+    return time.monotonic() + max(0.0, time_remaining - limits.answer_margin_ms / 1000)
 
 
 def dumps(payload: dict) -> str:

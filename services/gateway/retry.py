@@ -15,6 +15,12 @@ Policy per gRPC status of a failed attempt (``KeelError.code``):
   OUT_OF_RANGE, INTERNAL, CANCELLED, NOT_FOUND, ...): never retried.
 - A local "no upstream to send to" (reason NO_HEALTHY_UPSTREAM) stops at once
   (``circuit_open``) and costs no retry token, since no upstream answered.
+- A replica that went away mid-call (reason CONNECTION_LOST: no server answered; or SHUTTING_DOWN:
+  a draining stage cut the call) is not an overloaded upstream: the call is re-dispatched once, at
+  once, to the next SERVING replica (or the restarted one, held for within the deadline), like
+  gRPC's transparent retry. That re-dispatch costs no retry token and no attempt of the caps
+  below (``replica_lost``); a second such failure goes through the policy like any UNAVAILABLE
+  (backoff, attempt caps) except the throttle: a dead replica neither spends nor needs a token.
 
 Then, in order: the per-code and per-request attempt caps (``max_attempts``), the upstream's
 A6 token bucket (``budget``) and the deadline: a retry whose delay plus the upstream's
@@ -38,6 +44,7 @@ from services.gateway.auth import Metadata
 from services.gateway.budget import (LatencyEstimate, ThrottleConfig, ThrottleRegistry,
                                      attempt_metadata, is_retry)
 from services.gateway.retry_alerts import AlertConfig, RetryInterval, RetryMonitor
+from shared import errors
 from shared.errors import DeadlineExpired, KeelError
 
 log = logging.getLogger("keel.gateway.retry")
@@ -45,6 +52,7 @@ T = TypeVar("T")
 
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
 LOCAL_NO_UPSTREAM_REASONS = frozenset({"NO_HEALTHY_UPSTREAM"})
+REPLICA_LOST_REASONS = frozenset({errors.CONNECTION_LOST, errors.SHUTTING_DOWN})
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,7 @@ class RetryExecutor:
         max_attempts = 1 if is_retry(inbound_metadata) else cfg.max_attempts_per_request
         self.monitor.record_request(upstream)
         attempt = 0
+        redispatched = 0  # attempts that re-sent a call whose replica went away (at most 1)
         while True:
             attempt += 1
             remaining = deadline - self._clock() - cfg.deadline_margin_s
@@ -230,11 +239,21 @@ class RetryExecutor:
             except KeelError as err:
                 latency = self._clock() - started
                 tokens_before = throttle.tokens
-                if err.code in RETRYABLE_CODES and err.reason not in LOCAL_NO_UPSTREAM_REASONS:
+                if err.reason in REPLICA_LOST_REASONS and not redispatched:
+                    redispatched = 1
+                    self._log(DecisionRecord(
+                        trace_id=trace_id, method=method, upstream=upstream, attempt=attempt, code=err.code,
+                        decision="retry", reason="replica_lost", delay_ms=0.0, delay_source="none",
+                        retry_after_ms=err.retry_after_ms, current_backoff_ms=None,
+                        upstream_latency_ms=latency * 1000.0, tokens_before=tokens_before,
+                        tokens_after=tokens_before))
+                    continue
+                lost = err.reason in REPLICA_LOST_REASONS  # a dead replica, not an overloaded one
+                if err.code in RETRYABLE_CODES and err.reason not in LOCAL_NO_UPSTREAM_REASONS and not lost:
                     throttle.on_failure()
                 decision = decide(
-                    err, attempt=attempt, max_attempts=max_attempts, idempotent=idempotent,
-                    attempt_timed_out_early=timeout < remaining, budget_ok=throttle.allows_retry(),
+                    err, attempt=attempt - redispatched, max_attempts=max_attempts, idempotent=idempotent,
+                    attempt_timed_out_early=timeout < remaining, budget_ok=lost or throttle.allows_retry(),
                     remaining_s=deadline - self._clock() - cfg.deadline_margin_s,
                     expected_latency_s=self.latency.expected(upstream, method), cfg=cfg, rng=self._rng)
                 self._log(DecisionRecord(

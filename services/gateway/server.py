@@ -30,7 +30,7 @@ class GatewayStage:
         self._limiter = RateLimiter(cfg.rate_limits)
         self.upstreams = MeshUpstreams({"tokenizer": cfg.upstreams.tokenizer, "inference": cfg.upstreams.inference,
                                         "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes,
-                                       cfg.upstreams.wait_for_replica_ms / 1000)
+                                       cfg.upstreams.channels_per_replica)
         m = metrics.metrics_for("gateway")
         retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
                                       m.counter("keel_retry_alerts_total"))
@@ -56,12 +56,12 @@ class GatewayStage:
                                                        server)
 
     async def warmup(self) -> None:
-        # Ready means every upstream has at least one SERVING replica: the watchers report it.
-        # The feedback stage is not waited for: answers never depend on it.
+        # Ready means the gateway can take requests: one that finds no SERVING replica of a stage
+        # is held until its deadline, so an upstream being down (restarting) never makes the
+        # gateway itself NOT_SERVING. An outage shows as NO_HEALTHY_UPSTREAM answers and metrics.
         self.upstreams.start()
         if self.recorder is not None:
             self.recorder.start()
-        await self.upstreams.wait_any_healthy()
 
     async def close(self) -> None:
         if self.recorder is not None:

@@ -2,7 +2,8 @@
 round-robin picking, and proto <-> domain conversion. The pipeline sees only domain types.
 
 A replica that answers UNAVAILABLE or cannot be reached is marked down in its balancer; a
-grpc.health.v1 Watch stream per replica marks it up again when it reports SERVING.
+grpc.health.v1 Watch stream per replica marks it up again when it reports SERVING. With no replica
+of a stage SERVING, a request is held (up to its deadline) until the watch reports one.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from services.gateway.pipeline import Ask, Done, Encoded, Step
 from shared import client, errors
 
 log = logging.getLogger("keel.gateway.upstreams")
+# The retry hint when a replica is gone: NO_HEALTHY_UPSTREAM once a request's deadline ran out
+# waiting for one, CONNECTION_LOST when a call's process died (the supervisor restarts it).
+UPSTREAM_DOWN_RETRY_MS = 1000
 SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
             "validator": "keel.validator.v1.Validator"}
 STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
@@ -37,36 +41,55 @@ def _note_endpoint(target: str) -> None:
 
 
 class Pool:
-    """The replicas of one stage."""
+    """The replicas of one stage.
 
-    def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int):
+    Each replica gets ``channels_per_replica`` channels, each its own HTTP/2 connection, and calls
+    rotate over them: the worker processes that share a replica's port (SO_REUSEPORT) each accept
+    some of the connections, so every worker gets calls (one connection would pin them all to one).
+    """
+
+    def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int, channels_per_replica: int = 1):
         self.stage, self.targets, self.max_message_bytes = stage, targets, max_message_bytes
+        self.channels_per_replica = channels_per_replica
         self.balancer = RoundRobinBalancer(stage, targets)
-        self.channels: dict[str, grpc.aio.Channel] = {}
-        self.stubs: dict = {}
+        self.channels: dict[str, list[grpc.aio.Channel]] = {}
+        self.stubs: dict[str, list] = {}
+        self._turn: dict[str, int] = {}
         self._watchers: list[asyncio.Task] = []
-        # Replicas whose health (watch stream or check) last said anything but SERVING, or did not answer.
+        # Replicas whose health watch last said anything but SERVING, or ended.
         self._not_serving: set[str] = set(targets)
+        # Set (and replaced) whenever a replica reports SERVING: requests held for a replica wait on it.
+        self._came_up = asyncio.Event()
 
     def start(self) -> None:
         """Open channels and health watchers; must run inside the serving event loop."""
-        self.channels = {t: client.channel(t, max_message_bytes=self.max_message_bytes) for t in self.targets}
-        self.stubs = {t: STUBS[self.stage](ch) for t, ch in self.channels.items()}
+        self.channels = {t: [client.channel(t, max_message_bytes=self.max_message_bytes, connection=i)
+                             for i in range(self.channels_per_replica)] for t in self.targets}
+        self.stubs = {t: [STUBS[self.stage](ch) for ch in chs] for t, chs in self.channels.items()}
+        self._turn = {t: 0 for t in self.targets}
         self._watchers = [asyncio.create_task(self._watch(t)) for t in self.channels]
 
+    def stub(self, target: str):
+        """The next of ``target``'s channels, in rotation."""
+        i = self._turn[target]
+        self._turn[target] = (i + 1) % len(self.stubs[target])
+        return self.stubs[target][i]
+
     def _note_health(self, target: str, serving: bool, how: str) -> None:
-        """Record what a replica's health said; log each transition once."""
+        """Record what a replica's health said; log each transition once; wake held requests."""
         if serving:
             self._not_serving.discard(target)
             if self.balancer.mark_up(target):
                 log.info("replica up", extra={"upstream": self.stage, "endpoint": target, "via": how})
+            self._came_up.set()
+            self._came_up = asyncio.Event()
         else:
             self._not_serving.add(target)
             if self.balancer.mark_down(target):
                 log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target, "via": how})
 
     async def _watch(self, target: str) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channels[target])
+        stub = health_pb2_grpc.HealthStub(self.channels[target][0])
         while True:
             try:
                 watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), wait_for_ready=True)
@@ -78,26 +101,12 @@ class Pool:
             self._note_health(target, False, "watch_ended")
             await asyncio.sleep(0.1)
 
-    async def any_serving(self) -> bool:
-        """Check every replica once (marking each up or down); True if one is SERVING."""
-        up = False
-        for target, ch in self.channels.items():
-            try:
-                resp = await health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), timeout=1.0, wait_for_ready=True)
-                serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                serving = False
-            self._note_health(target, serving, "check")
-            up = up or serving
-        return up
-
     def _pick_serving(self) -> str:
         """balancer.pick(), passing over replicas whose health says they are not SERVING. The
         balancer re-admits a down replica after a while for one probe, meant for a replica that
         failed while its health said SERVING; probing one that is still restarting or loading its
-        model only fails the attempt and spends a retry token. Each replica passed over is marked
-        down again, so once every replica is, pick() raises NotReady."""
+        model only fails the attempt. Each replica passed over is marked down again, so once every
+        replica is, pick() raises NotReady."""
         while True:
             target = self.balancer.pick()
             if target not in self._not_serving:
@@ -105,50 +114,60 @@ class Pool:
             self.balancer.mark_down(target)
 
     async def pick(self, wait_s: float) -> str:
-        """Next healthy replica. With none marked healthy, keep asking the replicas' health for up
-        to ``wait_s`` (the watch streams lag a restart by up to a reconnect backoff, and a stage
-        the supervisor restarts is back within seconds) before answering NO_HEALTHY_UPSTREAM."""
+        """Next healthy replica. With none, hold the request up to ``wait_s`` (what its deadline
+        leaves): it wakes when a health watch reports a replica SERVING, or when the balancer
+        re-admits one for a probe; then NO_HEALTHY_UPSTREAM with a retry hint."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait_s
         while True:
             try:
                 return self._pick_serving()
-            except errors.NotReady:
-                if await self.any_serving():
-                    continue
-                if loop.time() >= give_up:
-                    raise
-                await asyncio.sleep(0.1)
+            except errors.NotReady as none:
+                left = give_up - loop.time()
+                if left <= 0:
+                    raise errors.NotReady(f"no {self.stage} replica became SERVING within the deadline",
+                                          reason="NO_HEALTHY_UPSTREAM", metadata={"upstream": self.stage},
+                                          retry_after_ms=UPSTREAM_DOWN_RETRY_MS) from None
+                readmit_s = none.retry_after_ms / 1000 if none.retry_after_ms is not None else left
+                try:
+                    await asyncio.wait_for(self._came_up.wait(), min(left, max(readmit_s, 0.001)))
+                except TimeoutError:
+                    pass
 
-    async def call(self, wait_s: float, timeout: float, fn: Callable):
+    def failed(self, target: str, exc: grpc.aio.AioRpcError) -> errors.KeelError:
+        """A failed call to ``target`` as a KeelError, noted by the balancer. UNAVAILABLE without
+        a Keel status means no server answered (connection refused, reset or closed: the process
+        is gone): reason CONNECTION_LOST, which the retry executor re-dispatches once for free."""
+        err = client.translate(exc)
+        if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE":
+            err.reason, err.retry_after_ms = errors.CONNECTION_LOST, UPSTREAM_DOWN_RETRY_MS
+        self.balancer.observe_error(target, err)
+        return err
+
+    async def call(self, timeout: float, fn: Callable):
         """One unary attempt on the next healthy replica, ``fn(stub, timeout_left)``; errors
         translated, health noted. Time spent waiting for a replica comes off the timeout."""
-        target, timeout = await self.pick_for(wait_s, timeout)
+        target, timeout = await self.pick_for(timeout)
         try:
-            result = await fn(self.stubs[target], timeout)
+            result = await fn(self.stub(target), timeout)
         except grpc.aio.AioRpcError as exc:
             raise self.failed(target, exc) from None
         self.balancer.observe_success(target)
         return result
 
-    def failed(self, target: str, exc: grpc.aio.AioRpcError) -> errors.KeelError:
-        """The KeelError for a failed call on ``target``, noted by the balancer."""
-        err = client.translate(exc)
-        self.balancer.observe_error(target, err)
-        return err
-
-    async def pick_for(self, wait_s: float, timeout: float) -> tuple[str, float]:
-        """pick(), and what ``timeout`` leaves after waiting for the replica."""
+    async def pick_for(self, timeout: float) -> tuple[str, float]:
+        """pick(), holding the call up to its whole ``timeout``; and what the timeout leaves."""
         started = asyncio.get_running_loop().time()
-        target = await self.pick(wait_s)
+        target = await self.pick(timeout)
         _note_endpoint(target)
         return target, timeout - (asyncio.get_running_loop().time() - started)
 
     async def close(self) -> None:
         for w in self._watchers:
             w.cancel()
-        for ch in self.channels.values():
-            await ch.close()
+        for chs in self.channels.values():
+            for ch in chs:
+                await ch.close()
 
 
 def _md(extra: dict) -> tuple:
@@ -158,12 +177,9 @@ def _md(extra: dict) -> tuple:
 class MeshUpstreams:
     """Implements pipeline.Upstreams over gRPC."""
 
-    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, wait_for_replica_s: float):
-        self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes) for stage in SERVICES}
-        self.wait_s = wait_for_replica_s
-
-    def _wait(self, timeout: float) -> float:
-        return max(0.0, min(self.wait_s, timeout - 0.05))
+    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, channels_per_replica: int):
+        self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes, channels_per_replica)
+                      for stage in SERVICES}
 
     def start(self) -> None:
         for p in self.pools.values():
@@ -173,11 +189,6 @@ class MeshUpstreams:
         for p in self.pools.values():
             await p.close()
 
-    async def wait_any_healthy(self) -> None:
-        """Block until every stage has a SERVING replica (the gateway's own readiness)."""
-        while not all([await p.any_serving() for p in self.pools.values()]):
-            await asyncio.sleep(0.5)
-
     async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict,
                              rejected: errors.InvalidInput | None = None) -> list[str]:
         req = validator_pb2.ValidateInputRequest(payload_json=json.dumps(payload, ensure_ascii=False),
@@ -185,7 +196,7 @@ class MeshUpstreams:
         if rejected is not None:
             req.rejected_reason, req.rejected_message = rejected.reason, rejected.message
         resp = await self.pools["validator"].call(
-            self._wait(timeout), timeout, lambda stub, t: stub.ValidateInput(req, timeout=t, metadata=_md(md)))
+            timeout, lambda stub, t: stub.ValidateInput(req, timeout=t, metadata=_md(md)))
         return list(resp.flags)
 
     async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded:
@@ -193,7 +204,7 @@ class MeshUpstreams:
                                        add_generation_prompt=True)
         req = tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length)
         resp = await self.pools["tokenizer"].call(
-            self._wait(timeout), timeout, lambda stub, t: stub.Encode(req, timeout=t, metadata=_md(md)))
+            timeout, lambda stub, t: stub.Encode(req, timeout=t, metadata=_md(md)))
         return Encoded(list(resp.input_ids), resp.truncated, resp.original_length, resp.fingerprint)
 
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
@@ -201,8 +212,8 @@ class MeshUpstreams:
                                              top_p=ask.top_p, top_k=ask.top_k, seed=seed)
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
         pool = self.pools["inference"]
-        target, timeout = await pool.pick_for(self._wait(timeout), timeout)
-        call = pool.stubs[target].Generate(req, timeout=timeout, metadata=_md(md))
+        target, timeout = await pool.pick_for(timeout)
+        call = pool.stub(target).Generate(req, timeout=timeout, metadata=_md(md))
         try:
             async for ev in call:
                 if ev.HasField("token"):
@@ -220,13 +231,13 @@ class MeshUpstreams:
     async def decode(self, ids: list[int], timeout: float, md: dict) -> str:
         req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)
         resp = await self.pools["tokenizer"].call(
-            self._wait(timeout), timeout, lambda stub, t: stub.Decode(req, timeout=t, metadata=_md(md)))
+            timeout, lambda stub, t: stub.Decode(req, timeout=t, metadata=_md(md)))
         return resp.text
 
     async def decode_stream(self, timeout: float, md: dict) -> TokenizerDecodeStream:
         pool = self.pools["tokenizer"]
-        target, timeout = await pool.pick_for(self._wait(timeout), timeout)
-        return TokenizerDecodeStream(pool, target, pool.stubs[target].DecodeStream(timeout=timeout, metadata=_md(md)))
+        target, timeout = await pool.pick_for(timeout)
+        return TokenizerDecodeStream(pool, target, pool.stub(target).DecodeStream(timeout=timeout, metadata=_md(md)))
 
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]:
@@ -234,7 +245,7 @@ class MeshUpstreams:
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
                                                   token_entropies=entropies, prompt=prompt)
         resp = await self.pools["validator"].call(
-            self._wait(timeout), timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))
+            timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))
         return resp.text, resp.result
 
 

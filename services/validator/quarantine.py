@@ -171,6 +171,14 @@ class Quarantine:
         except redis.RedisError:
             return None
 
+    def memory(self) -> tuple[int, int] | None:
+        """Redis (used_memory, maxmemory) in bytes (None while Redis is unreachable)."""
+        try:
+            info = self._redis.info("memory")
+        except redis.RedisError:
+            return None
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
     def ping(self) -> bool:
         try:
             return bool(self._redis.ping())

@@ -35,6 +35,8 @@ class ValidatorMetrics:
         self.dropped = m.counter("keel_validator_quarantine_dropped_total")
         for why in (DUPLICATE, SOURCE_CAP):   # export from 0 so increase() sees the first drop
             self.dropped.labels(why=why)
+        self.redis_used = m.gauge("keel_validator_redis_memory_used_bytes")
+        self.redis_max = m.gauge("keel_validator_redis_maxmemory_bytes")
         self.empty_rate = metrics.SlidingWindowGauge(m.gauge("keel_validator_empty_response_rate"), window_s)
         self.entropy = metrics.SlidingWindowGauge(m.gauge("keel_validator_output_entropy_mean"), window_s)
 
@@ -82,6 +84,10 @@ class ValidatorStage:
             size = await asyncio.to_thread(self.core.quarantine.size)
             if size is not None:
                 self.metrics.quarantine_size.set(size)
+            memory = await asyncio.to_thread(self.core.quarantine.memory)
+            if memory is not None:
+                self.metrics.redis_used.set(memory[0])
+                self.metrics.redis_max.set(memory[1])
             await asyncio.sleep(5)
 
     async def close(self) -> None:

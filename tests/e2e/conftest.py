@@ -53,9 +53,10 @@ class Mesh:
 
 
 def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
-             extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
+             validator_replicas: int = 1, extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
     """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
-    ports = {"validator": [free_port()], "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
+    ports = {"validator": [free_port() for _ in range(validator_replicas)],
+             "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
              "inference": [free_port() for _ in range(inference_replicas)], "feedback": [free_port()],
              "gateway": [free_port()]}
     redis_port = free_port()

@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def keel(mesh, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, KEEL_KEEL_CONFIG=str(mesh.tmp / "keel.json"), KEEL_VAR_DIR=str(mesh.tmp / "var"),
-               KEEL_TRACES_DIR=str(mesh.tmp / "traces"),
-               KEEL_VALIDATOR_QUARANTINE__REDIS_URL=f"redis://127.0.0.1:{mesh.redis_port}/0")
+               KEEL_TRACES_DIR=str(mesh.tmp / "traces"))
     return subprocess.run([sys.executable, "-m", "keelctl", *args], cwd=ROOT, env=env, input=stdin,
                           capture_output=True, text=True, timeout=180)
 

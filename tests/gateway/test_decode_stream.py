@@ -51,7 +51,7 @@ async def test_a_replica_dying_mid_answer_costs_no_text_and_repeats_none(tok, mo
     ports = [free_port(), free_port()]
     servers = {f"127.0.0.1:{p}": await replica(tok, p) for p in ports}
     targets = tuple(servers)
-    up = MeshUpstreams({"tokenizer": targets, "inference": targets, "validator": targets}, 1 << 22, 5.0)
+    up = MeshUpstreams({"tokenizer": targets, "inference": targets, "validator": targets}, 1 << 22, 1)
     pool = up.pools["tokenizer"]
     pool.start()
     ex = RetryExecutor()

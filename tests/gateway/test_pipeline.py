@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from array import array
 
 import pytest
 
 from keel.common.v1 import common_pb2
-from services.gateway.pipeline import Ask, Done, Encoded, Limits, Pipeline, Step, check_ask
+from services.gateway.pipeline import Ask, Done, Encoded, Limits, Pipeline, Step, check_ask, deadline_from
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from shared import errors
@@ -256,3 +257,11 @@ async def test_input_rejected_by_gateway_limits_is_still_quarantined():
     assert [r for r, _ in up.quarantined] == ["PROMPT_TOO_LARGE"]
     assert up.quarantined[0][1]["messages"][0]["content"] == "x" * 40000  # the full payload
     assert up.calls == ["validate_input"]  # nothing else was spent on it
+
+
+def test_the_gateway_answers_before_the_clients_deadline():
+    """A status with a reason must reach the client before its own library's bare DEADLINE_EXCEEDED."""
+    before = time.monotonic()
+    deadline = deadline_from(10.0, Limits(answer_margin_ms=250))
+    assert before + 9.75 - 0.05 <= deadline <= time.monotonic() + 9.75
+    assert deadline_from(None, Limits(default_deadline_ms=60000)) >= before + 60.0

@@ -294,3 +294,17 @@ def test_invariants_over_random_scripts(fake_types, script, timeout, latency, at
     # Every attempt starts before the deadline minus the margin.
     assert all(t < start + timeout - cfg.deadline_margin_s for t in up.starts)
     assert len(clock.sleeps) == max(len(up.calls) - 1, 0)
+
+
+@pytest.mark.asyncio
+async def test_replicas_lost_one_after_another_spend_no_retry_token(clock, scripted):
+    """Two replicas killed in turn under one call: re-dispatched, then retried, with a throttle
+    that has no retry to give; an overloaded upstream's UNAVAILABLE would stop at `budget`."""
+    lost = lambda: NotReady("process gone", reason="CONNECTION_LOST")  # noqa: E731
+    ex = executor(clock, RetryConfig(throttle=ThrottleConfig(max_tokens=1)))
+    up = scripted([lost(), lost(), "ok"])
+    assert await call(ex, clock, up) == "ok"
+    assert ex.throttles.get("tokenizer").tokens == 1.0
+    with pytest.raises(NotReady) as info:
+        await call(ex, clock, scripted([NotReady("busy"), "ok"]))
+    assert info.value.metadata["retry_stop"] == "budget"

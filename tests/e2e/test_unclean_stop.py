@@ -1,0 +1,34 @@
+"""kill -9 of the supervisor: every stage and Redis die with it (parent-death signal), nothing keeps
+listening, and `keel status` does not report the dead mesh as healthy."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from keelctl import procs
+from keelctl.layout import load_layout
+from keelctl.supervisor import layout_ports
+from tests.e2e.conftest import ROOT, start_mesh, stop_mesh, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_children_die_with_a_killed_supervisor(tmp_path):
+    mesh = start_mesh(tmp_path, tokenizer_workers=1)
+    try:
+        pids = [p["pid"] for p in mesh.state()["processes"].values()]
+        assert len(pids) == 5 and all(procs.alive(p) for p in pids)
+        os.kill(mesh.proc.pid, signal.SIGKILL)
+        mesh.proc.wait()
+        wait_until(lambda: not any(procs.alive(p) for p in pids), 60, "every child of the killed supervisor to exit")
+        env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp_path / "keel.json"), KEEL_VAR_DIR=str(tmp_path / "var"))
+        assert not procs.held_ports(layout_ports(load_layout(tmp_path / "keel.json")))
+        out = subprocess.run([sys.executable, "-m", "keelctl", "status"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "keel is not running" in out.stdout, out.stdout
+    finally:
+        stop_mesh(mesh)
