@@ -344,7 +344,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 48, 96, 160])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
-    ap.add_argument("--peers", type=lambda s: s.split(","), default=list(PEER_CLIENTS))
+    ap.add_argument("--peers", type=lambda s: [p for p in s.split(",") if p], default=list(PEER_CLIENTS))
     ap.add_argument("--write", type=Path)
     ap.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
