@@ -26,6 +26,7 @@ import asyncio
 import json
 import statistics
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -47,6 +48,7 @@ from keelctl.ask import DEV_API_KEY  # noqa: E402
 from shared.modelfile import gguf_path  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 from shared.interceptor import MESH_TOKEN_KEY  # noqa: E402
+from services.inference.warmcache import var_dir  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
 
 STATIC_BATCH = 16
@@ -186,7 +188,10 @@ async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concu
 def keel(dtype: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[str, int], Result]:
     # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
     # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
-    mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-serving-")), extra_env={
+    tmp = Path(tempfile.mkdtemp(prefix="keel-serving-"))
+    if (var_dir() / "gate").exists():  # the mesh's scratch var/ gets the gate results a format needs
+        shutil.copytree(var_dir() / "gate", tmp / "var" / "gate")
+    mesh = start_mesh(tmp, extra_env={
         "KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))})
     try:
         stage = f"127.0.0.1:{mesh.ports['inference'][0]}"
@@ -341,7 +346,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 48, 96, 160])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
-    ap.add_argument("--peers", type=lambda s: s.split(","), default=list(PEER_CLIENTS))
+    ap.add_argument("--peers", type=lambda s: [p for p in s.split(",") if p], default=list(PEER_CLIENTS))
     ap.add_argument("--write", type=Path)
     ap.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
