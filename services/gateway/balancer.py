@@ -1,14 +1,14 @@
 """Client-side round robin over one upstream's replicas, skipping the ones that are down.
 
 An endpoint goes down on an UNAVAILABLE answer or a connection failure (the transport calls
-:meth:`RoundRobinBalancer.observe_error` or :meth:`mark_down`) and up again when the lead's
-gRPC health watcher reports SERVING (:meth:`mark_up`). Because a watch stream only reports
+:meth:`RoundRobinBalancer.observe_error` or :meth:`mark_down`) and up again when the
+gRPC health watcher (upstreams.Pool) reports SERVING (:meth:`mark_up`). Because a watch stream only reports
 changes, an endpoint that failed while its health stayed SERVING would never hear a new
 SERVING; so a down endpoint is also re-admitted after ``readmit_after_s`` for the next request
 to probe it: it goes down again if that fails and up if it succeeds
 (:meth:`observe_success`). With every endpoint down, ``pick``
 raises NotReady(reason="NO_HEALTHY_UPSTREAM") with a hint of when the first one is re-admitted.
-Endpoints are opaque strings ("host:port"); the lead maps them to channels.
+Endpoints are opaque strings ("host:port"); upstreams.Pool maps them to channels.
 """
 from __future__ import annotations
 

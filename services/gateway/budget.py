@@ -6,7 +6,7 @@
   repeated +0.1 steps do not drift.
 - The previous-attempts helpers mark a retried request, so a stage that receives one never
   retries it again (retries would otherwise multiply down the chain). The marker is sent under
-  two names: ``grpc-previous-rpc-attempts`` (the gRPC name the issue asks for) and
+  two names: ``grpc-previous-rpc-attempts`` (the name gRFC A6 gives it) and
   ``x-keel-previous-rpc-attempts``, because grpcio treats ``grpc-*`` keys as reserved and does
   not deliver an application-set ``grpc-previous-rpc-attempts`` to the server handler
   (grpcio 1.85, checked with an in-process server); :func:`is_retry` reads either.
@@ -17,7 +17,6 @@ Single event loop: nothing here takes a lock.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.gateway.auth import Metadata, header_value
@@ -75,9 +74,6 @@ class ThrottleRegistry:
             throttle = self._throttles[upstream] = RetryThrottle(self._config)
         return throttle
 
-    def tokens(self) -> Mapping[str, float]:
-        """Current tokens per upstream (a gauge for the lead's metrics)."""
-        return {name: t.tokens for name, t in self._throttles.items()}
 
 
 def _count(value: str | None) -> int:

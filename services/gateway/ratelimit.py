@@ -17,7 +17,7 @@ longest is forgotten first), so many addresses cannot exhaust memory.
 
 Size limits reject what could never be served as sent: InvalidInput with reasons
 PROMPT_TOO_LARGE, MAX_TOKENS_TOO_LARGE or MAX_TOKENS_INVALID and ``limit``/``actual`` in the
-metadata. (The gRPC message-size limit itself is the server option the lead sets.)
+metadata. (The gRPC message-size limit itself is a server option: server.max_message_bytes.)
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ expected latency does not fit in the time left (minus a margin) is not made (``d
 A request that arrived as a retry (``grpc-previous-rpc-attempts`` > 0) gets one attempt.
 
 Every decision is one log record on ``keel.gateway.retry`` with ``event="retry_decision"``
-and the fields of :class:`DecisionRecord`; the lead's JSON formatter renders the extras.
+and the fields of :class:`DecisionRecord`; the JSON log formatter (shared/logging.py) renders the extras.
 """
 from __future__ import annotations
 

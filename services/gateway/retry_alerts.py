@@ -5,7 +5,7 @@ its policy drew the delay from (``low``..``high``; equal for the unjittered line
 
 - Histogram of actual intervals per (upstream, code), log-spaced buckets 1 ms .. 60 s, kept
   here as plain counts (:meth:`RetryMonitor.histogram_snapshot`) and/or pushed to an injected
-  ``on_interval`` callback, so the lead can export either way to Prometheus.
+  ``on_interval`` callback, so a caller can export either way to Prometheus.
 - Clustering alert, per (upstream, code), over the last ``window`` jittered intervals, when
   either (a) >= 95% of them fall inside one +-5 s band although the policy's own ranges would
   put at most 75% there (a band test is blind when the whole range is narrower than the band,

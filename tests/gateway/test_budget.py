@@ -43,7 +43,7 @@ def test_registry_keeps_one_bucket_per_upstream():
     reg = ThrottleRegistry(ThrottleConfig(max_tokens=4, token_ratio=0.5))
     reg.get("tokenizer").on_failure()
     assert reg.get("tokenizer") is reg.get("tokenizer")
-    assert reg.tokens() == {"tokenizer": 3.0}
+    assert reg.get("tokenizer").tokens == 3.0
     assert reg.get("inference").tokens == 4.0
 
 
