@@ -8,7 +8,6 @@ gateway fixes a seed when the client gave none: a retried generation is then ide
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -339,10 +338,6 @@ def deadline_from(time_remaining: float | None, limits: Limits) -> float:
     if time_remaining is None:
         return time.monotonic() + limits.default_deadline_ms / 1000
     return time.monotonic() + max(0.0, time_remaining - limits.answer_margin_ms / 1000)
-
-
-def dumps(payload: dict) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 async def _pump(first, events, out: asyncio.Queue) -> None:
