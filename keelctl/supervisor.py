@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import metrics
+from shared import meshauth, metrics
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, STAGE_ORDER, Layout, write_state
 from keelctl.procs import RUN_DIR_ENV
 
@@ -80,7 +80,7 @@ def layout_ports(layout: Layout) -> dict[int, str]:
 class Supervisor:
     def __init__(self, layout: Layout, *, mesh_token: str | None = None, redis: bool = True):
         self.layout = layout
-        self.mesh_token = mesh_token or os.environ.get("KEEL_MESH_TOKEN") or secrets.token_hex(16)
+        self.mesh_token = mesh_token or meshauth.token() or secrets.token_hex(16)
         # Redis's password, random per `keel up` like the mesh token; only the validator gets it.
         self.redis_password = os.environ.get("KEEL_REDIS_PASSWORD") or secrets.token_hex(16)
         self.redis_url = f"redis://:{self.redis_password}@127.0.0.1:{layout.redis.port}/0"
@@ -88,7 +88,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        base_env = dict(os.environ, KEEL_MESH_TOKEN=self.mesh_token, PYTHONUNBUFFERED="1",
+        base_env = dict(os.environ, **{meshauth.ENV: self.mesh_token}, PYTHONUNBUFFERED="1",
                         **{RUN_DIR_ENV: str(RUN_DIR.resolve())})
         if redis:
             redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT

@@ -8,14 +8,13 @@ unparseable: the caller must not retry); ``metadata["message_size"] == "1"`` mar
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from shared import errors, tls, tracing
-from shared.interceptor import MESH_TOKEN_KEY, TRACE_ID_KEY
+from shared import errors, meshauth, tls, tracing
+from shared.interceptor import TRACE_ID_KEY
 
 _BY_CODE: dict[str, type[errors.KeelError]] = {
     "INVALID_ARGUMENT": errors.InvalidInput,
@@ -59,9 +58,7 @@ def channel(target: str, *, max_message_bytes: int = 4 * 1024 * 1024, connection
 
 def mesh_metadata(extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
     """Metadata for a call inside the mesh: credential, current trace context, extras."""
-    token = os.environ.get("KEEL_MESH_TOKEN", "")
-    base = [(MESH_TOKEN_KEY, token)] if token else []
-    return tuple(base + tracing.inject() + list(extra))
+    return tuple(meshauth.outgoing() + tracing.inject() + list(extra))
 
 
 def _retry_hint(trailers: dict[str, str], status: status_pb2.Status | None) -> tuple[str, int | None]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Callable, Mapping, Sequence
@@ -20,11 +19,10 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from opentelemetry import trace
 
-from shared import errors, metrics, tracing
+from shared import errors, meshauth, metrics, tracing
 from shared.logging import rpc_var, trace_id_var
 
 log = logging.getLogger("keel.rpc")
-MESH_TOKEN_KEY = "x-keel-mesh-token"
 TRACE_ID_KEY = "x-keel-trace-id"
 _EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 NOT_SERVING_RETRY_MS = 1000  # the hint on UNAVAILABLE from a stage warming up or shutting down
@@ -159,12 +157,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
     def _admit(self, md: Mapping[str, str], request, context) -> None:
         if self.mesh_token is not None:
-            given = md.get(MESH_TOKEN_KEY, "")
-            if not given:
-                raise errors.Unauthenticated("this stage accepts only calls from the Keel mesh",
-                                             reason="MISSING_MESH_CREDENTIAL")
-            if not hmac.compare_digest(given.encode(), self.mesh_token.encode()):
-                raise errors.Unauthenticated("wrong mesh credential", reason="INVALID_MESH_CREDENTIAL")
+            meshauth.check(self.mesh_token, md)
         elif self.authenticate is not None:
             # Every metadata pair (a repeated header must stay visible) and the caller's address.
             self.authenticate(context.invocation_metadata() or (), context.peer())

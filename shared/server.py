@@ -19,7 +19,7 @@ from typing import Callable, Protocol, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared import discovery, metrics, tls
+from shared import discovery, meshauth, metrics, tls
 from shared.config import ConfigError, ServerConfig
 from shared.interceptor import ServerInterceptor
 from shared.logging import setup_logging
@@ -53,7 +53,7 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
     serving_gauge = metrics.metrics_for(stage.name).gauge("keel_stage_serving").labels(service=stage.name)
     # Only the public gateway authenticates clients itself; every other stage demands the mesh token.
     authenticate: Callable[[Sequence[tuple[str, str | bytes]], str], str] | None = getattr(stage, "authenticate", None)
-    mesh_token = None if authenticate else os.environ.get("KEEL_MESH_TOKEN") or None
+    mesh_token = None if authenticate else meshauth.token()
     interceptor = ServerInterceptor(stage.name, mesh_token=mesh_token, authenticate=authenticate,
                                     is_ready=lambda: ready)
     server = grpc.aio.server(interceptors=[interceptor], options=[

@@ -1,4 +1,4 @@
-"""Access checks: client API keys at the gateway, the shared mesh credential at the stages.
+"""Access checks for clients at the gateway: API keys (the mesh credential between stages is shared/meshauth.py).
 
 API keys are stored hashed in config, never in clear. A stored hash is
 ``sha256$<salt hex>$<hex of sha256(salt || key)>`` (what :func:`hash_key` writes); a bare
@@ -32,7 +32,6 @@ from shared.errors import AMBIGUOUS_API_KEY, Unauthenticated
 
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
-MESH_HEADER = "x-keel-mesh-token"  # the name shared/interceptor.py reads
 _SALT_BYTES = 16
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -160,30 +159,6 @@ class ApiKeyAuthenticator:
         if matched is None:
             raise Unauthenticated("API key not recognised", reason="INVALID_API_KEY")
         return matched
-
-
-class MeshCredential:
-    """The shared secret a stage requires from its mesh callers (gateway and other stages)."""
-
-    def __init__(self, secret: str):
-        if len(secret) < 16:
-            raise ValueError("the mesh secret must be at least 16 characters")
-        self._secret = secret
-        self._digest = hashlib.sha256(secret.encode("utf-8")).digest()
-
-    def outgoing_metadata(self) -> tuple[tuple[str, str], ...]:
-        """Metadata a mesh caller attaches to every call to a stage."""
-        return ((MESH_HEADER, self._secret),)
-
-    def check(self, metadata: Metadata) -> None:
-        """Unauthenticated MISSING_MESH_CREDENTIAL / INVALID_MESH_CREDENTIAL unless the secret matches."""
-        presented = header_value(metadata, MESH_HEADER)
-        if not presented:
-            raise Unauthenticated("stages accept calls only from the Keel mesh",
-                                  reason="MISSING_MESH_CREDENTIAL")
-        # Comparing fixed-length digests keeps the comparison constant-time in the secret's length.
-        if not hmac.compare_digest(hashlib.sha256(presented.encode("utf-8")).digest(), self._digest):
-            raise Unauthenticated("mesh credential not recognised", reason="INVALID_MESH_CREDENTIAL")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.auth import (ApiKeyAuthenticator, ApiKeyEntry, MeshCredential, hash_key,
+from services.gateway.auth import (ApiKeyAuthenticator, ApiKeyEntry, hash_key,
                                    header_value, main)
 from shared.errors import Unauthenticated
 
@@ -86,19 +86,6 @@ def test_header_value_first_match_case_insensitive():
     md = (("X-Api-Key", "one"), ("x-api-key", "two"))
     assert header_value(md, "x-api-key") == "one"
     assert header_value(md, "missing") is None
-
-
-def test_mesh_credential():
-    mesh = MeshCredential("s3cret-mesh-token-0001")
-    mesh.check(mesh.outgoing_metadata())
-    for md, reason in [(None, "MISSING_MESH_CREDENTIAL"), ({"x-keel-mesh-token": ""}, "MISSING_MESH_CREDENTIAL"),
-                       ({"x-keel-mesh-token": "s3cret-mesh-token-0002"}, "INVALID_MESH_CREDENTIAL"),
-                       ({"x-keel-mesh-token": "s3cret"}, "INVALID_MESH_CREDENTIAL")]:
-        with pytest.raises(Unauthenticated) as info:
-            mesh.check(md)
-        assert info.value.reason == reason
-    with pytest.raises(ValueError):
-        MeshCredential("short")
 
 
 def test_cli_hash_output_verifies(capsys):

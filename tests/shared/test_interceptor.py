@@ -7,7 +7,8 @@ import pytest_asyncio
 
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from shared import client, errors
-from shared.interceptor import MESH_TOKEN_KEY, ServerInterceptor
+from shared.interceptor import ServerInterceptor
+from shared.meshauth import HEADER as MESH_TOKEN_KEY
 
 
 class Scripted(tokenizer_pb2_grpc.TokenizerServicer):
