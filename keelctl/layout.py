@@ -13,14 +13,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = VAR_DIR / "run"
 LOG_DIR = VAR_DIR / "log"
 STATE_FILE = RUN_DIR / "keel.json"
-STAGE_ORDER = ("validator", "tokenizer", "inference", "feedback", "gateway")  # dependencies first
-SERVICE_NAMES = {
-    "tokenizer": "keel.tokenizer.v1.Tokenizer",
-    "inference": "keel.inference.v1.Inference",
-    "validator": "keel.validator.v1.Validator",
-    "feedback": "keel.feedback.v1.Feedback",
-    "gateway": "keel.gateway.v1.Gateway",
-}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from keelctl import health, procs
 from shared.config import ConfigError
-from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, SERVICE_NAMES, STAGE_ORDER, VAR_DIR, load_layout, read_state
+from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, VAR_DIR, load_layout, read_state
+from shared.stages import SERVICE_NAMES, STAGE_ORDER
 
 DEMO_PROMPT = "What is the capital of France?"
 # Leftover processes get SIGTERM (a stage drains its in-flight calls), then SIGKILL after this long.

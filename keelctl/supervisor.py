@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import meshauth, metrics
-from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, STAGE_ORDER, Layout, write_state
+from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, write_state
+from shared.stages import STAGE_ORDER
 from keelctl.procs import RUN_DIR_ENV
 
 log = logging.getLogger("keel.supervisor")

@@ -19,6 +19,7 @@ from services.feedback.store import now_ms, open_store
 from services.feedback.writer import RecordWriter
 from shared import errors, metrics
 from shared.config import ServerConfig
+from shared.stages import SERVICE_NAMES
 
 log = logging.getLogger("keel.feedback")
 DAY_MS = 86_400_000
@@ -67,7 +68,7 @@ class FeedbackCore:
 
 class FeedbackStage:
     name = "feedback"
-    service_name = "keel.feedback.v1.Feedback"
+    service_name = SERVICE_NAMES["feedback"]
 
     def __init__(self, cfg: fb_config.FeedbackConfig):
         self.cfg = cfg

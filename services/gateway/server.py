@@ -18,11 +18,12 @@ from shared import metrics
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
 from shared.config import ServerConfig
+from shared.stages import SERVICE_NAMES
 
 
 class GatewayStage:
     name = "gateway"
-    service_name = "keel.gateway.v1.Gateway"
+    service_name = SERVICE_NAMES["gateway"]
 
     def __init__(self, cfg: gateway_config.GatewayConfig):
         self.cfg = cfg

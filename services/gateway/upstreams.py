@@ -23,13 +23,12 @@ from keel.validator.v1 import validator_pb2, validator_pb2_grpc
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.pipeline import Ask, Done, Encoded, Step
 from shared import client, errors
+from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 
 log = logging.getLogger("keel.gateway.upstreams")
 # The retry hint when a replica is gone: NO_HEALTHY_UPSTREAM once a request's deadline ran out
 # waiting for one, CONNECTION_LOST when a call's process died (the supervisor restarts it).
 UPSTREAM_DOWN_RETRY_MS = 1000
-SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
-            "validator": "keel.validator.v1.Validator"}
 STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
          "validator": validator_pb2_grpc.ValidatorStub}
 
@@ -92,7 +91,7 @@ class Pool:
         stub = health_pb2_grpc.HealthStub(self.channels[target][0])
         while True:
             try:
-                watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICES[self.stage]), wait_for_ready=True)
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAMES[self.stage]), wait_for_ready=True)
                 async for resp in watch:
                     self._note_health(target, resp.status == health_pb2.HealthCheckResponse.SERVING, "watch")
             except grpc.aio.AioRpcError:
@@ -179,7 +178,7 @@ class MeshUpstreams:
 
     def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, channels_per_replica: int):
         self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes, channels_per_replica)
-                      for stage in SERVICES}
+                      for stage in GATEWAY_UPSTREAMS}
 
     def start(self) -> None:
         for p in self.pools.values():

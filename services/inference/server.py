@@ -20,13 +20,14 @@ from services.inference.torchthread import TorchThread
 from services.inference.warmcache import model_sha256
 from shared import metrics
 from shared.config import ConfigError, ServerConfig
+from shared.stages import SERVICE_NAMES
 
 log = logging.getLogger("keel.inference")
 
 
 class InferenceStage:
     name = "inference"
-    service_name = "keel.inference.v1.Inference"
+    service_name = SERVICE_NAMES["inference"]
 
     def __init__(self, cfg: inf_config.InferenceConfig, model_sha: str):
         self.cfg = cfg

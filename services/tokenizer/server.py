@@ -16,11 +16,12 @@ from services.tokenizer.core import Tokenizer
 from services.tokenizer.servicer import TokenizerServicer
 from shared import metrics
 from shared.config import ROOT_DIR, ServerConfig
+from shared.stages import SERVICE_NAMES
 
 
 class TokenizerStage:
     name = "tokenizer"
-    service_name = "keel.tokenizer.v1.Tokenizer"
+    service_name = SERVICE_NAMES["tokenizer"]
 
     def __init__(self, cfg: tok_config.TokenizerConfig):
         self.cfg = cfg

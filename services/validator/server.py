@@ -18,6 +18,7 @@ from services.validator.pipeline import OutputResult, PipelineConfig
 from services.validator.servicer import ValidatorServicer
 from shared import metrics
 from shared.config import ServerConfig
+from shared.stages import SERVICE_NAMES
 
 
 class ValidatorMetrics:
@@ -56,7 +57,7 @@ class ValidatorMetrics:
 
 class ValidatorStage:
     name = "validator"
-    service_name = "keel.validator.v1.Validator"
+    service_name = SERVICE_NAMES["validator"]
 
     def __init__(self, cfg: val_config.ValidatorConfig):
         self.cfg = cfg

@@ -18,12 +18,11 @@ from keel.gateway.v1 import gateway_pb2_grpc
 from keelctl import health
 from keelctl.trace import load_spans
 from keelctl.ask import DEV_API_KEY
+from shared.stages import SERVICE_NAMES
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"tokenizer": "keel.tokenizer.v1.Tokenizer", "inference": "keel.inference.v1.Inference",
-            "validator": "keel.validator.v1.Validator", "gateway": "keel.gateway.v1.Gateway",
-            "feedback": "keel.feedback.v1.Feedback"}
+SERVICES = SERVICE_NAMES
 
 
 class Mesh:

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from keel.tokenizer.v1 import tokenizer_pb2_grpc
 from services.gateway.retry import RetryExecutor
 from services.gateway.streamtext import StreamedText
-from services.gateway.upstreams import SERVICES, MeshUpstreams
+from services.gateway.upstreams import MeshUpstreams
+from shared.stages import SERVICE_NAMES as SERVICES
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import Tokenizer
 from services.tokenizer.servicer import TokenizerServicer

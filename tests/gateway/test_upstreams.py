@@ -13,7 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from keel.tokenizer.v1 import tokenizer_pb2
 from services.gateway import config as gateway_config
 from services.gateway.server import GatewayStage
-from services.gateway.upstreams import SERVICES, Pool
+from services.gateway.upstreams import Pool
+from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES as SERVICES
 from shared import errors
 from tests.conftest import free_port
 from tests.gateway.tokenizer_stub import serve
@@ -103,7 +104,7 @@ async def test_gateway_is_ready_while_its_upstreams_are_down():
     """Requests are held for a replica within their deadlines, so no upstream being up yet does not
     keep the gateway from reporting SERVING (its warm-up returns)."""
     cfg = gateway_config.load()
-    down = gateway_config.Upstreams(**{s: (f"127.0.0.1:{free_port()}",) for s in SERVICES})
+    down = gateway_config.Upstreams(**{s: (f"127.0.0.1:{free_port()}",) for s in GATEWAY_UPSTREAMS})
     stage = GatewayStage(replace(cfg, upstreams=down))
     try:
         await asyncio.wait_for(stage.warmup(), 30)
