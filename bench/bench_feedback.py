@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl import health  # noqa: E402
 from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
-from services.gateway.pipeline import Ask, Limits, Pipeline  # noqa: E402
+from services.gateway.pipeline import Ask, Call, Limits, Pipeline  # noqa: E402
 from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
 from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -119,7 +119,7 @@ async def record_cost(requests: int, target: str) -> tuple[list[float], list[flo
     for i in range(requests + 200):
         recording = bool(i % 2)
         t0 = time.perf_counter()
-        await (on if recording else off).generate(ask, time.monotonic() + 60, f"{i:032x}", {})
+        await (on if recording else off).generate(ask, Call(time.monotonic() + 60, f"{i:032x}"))
         if i >= 200:
             times[recording].append((time.perf_counter() - t0) * 1e3)
         await asyncio.sleep(0)  # let the recorder's worker run between requests, as a server's loop would
@@ -129,7 +129,7 @@ async def record_cost(requests: int, target: str) -> tuple[list[float], list[flo
     for recording in (False, True):
         t0 = time.perf_counter()
         for i in range(requests):
-            await (on if recording else off).generate(ask, time.monotonic() + 60, f"b{int(recording)}{i:030x}", {})
+            await (on if recording else off).generate(ask, Call(time.monotonic() + 60, f"b{int(recording)}{i:030x}"))
             await asyncio.sleep(0)
         if recording:
             await recorder.close()

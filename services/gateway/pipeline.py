@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable, Mapping, Protocol
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -159,6 +159,32 @@ def payload_of(ask: Ask) -> dict:
     return body
 
 
+@dataclass(frozen=True)
+class Call:
+    """What the gateway knows about the client's call, made once by the servicer and carried by
+    every step: the absolute monotonic deadline, the trace id, and the inbound metadata (the
+    retry policy reads whether the call is itself a retry)."""
+    deadline: float
+    trace_id: str
+    inbound: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` made of an accepted Ask: the encoded prompt, the input flags, the seed."""
+    enc: Encoded
+    flags: list[str]
+    seed: int
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The model's answer before output validation: its text, token ids and their entropies."""
+    raw: str
+    ids: list[int]
+    entropies: list[float]
+
+
 class Pipeline:
     def __init__(self, upstreams: Upstreams, executor: RetryExecutor, limits: Limits,
                  rng: random.Random | None = None, on_served: Callable[[Served], None] | None = None):
@@ -167,7 +193,7 @@ class Pipeline:
         # Called once per answered request, after validation; must not block (it hands off to a queue).
         self._on_served = on_served
 
-    async def _call(self, upstream: str, method: str, fn, deadline: float, trace_id: str, inbound: dict):
+    async def _call(self, upstream: str, method: str, fn, call: Call):
         attempts = 0
 
         async def traced(timeout: float, md: dict):
@@ -184,16 +210,16 @@ class Pipeline:
                     raise
         try:
             return await self.ex.call_with_retries(traced, method=method, upstream=upstream, idempotent=True,
-                                                   deadline=deadline, trace_id=trace_id, inbound_metadata=inbound)
+                                                   deadline=call.deadline, trace_id=call.trace_id,
+                                                   inbound_metadata=call.inbound)
         except errors.DeadlineExpired as err:
             raise plain_deadline(err, upstream, method) from err
 
-    async def prepare(self, ask: Ask, deadline: float, trace_id: str,
-                      inbound: dict) -> tuple[Ask, Encoded, list[str], int]:
+    async def prepare(self, ask: Ask, call: Call) -> Prepared:
         try:
             check_ask(ask, self.limits)
         except errors.InvalidInput as rejected:
-            await self._quarantine(ask, rejected, deadline, trace_id, inbound)
+            await self._quarantine(ask, rejected, call)
             raise
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
         max_length = self.limits.max_context_tokens - ask.max_tokens
@@ -204,19 +230,17 @@ class Pipeline:
         try:
             async with asyncio.TaskGroup() as tg:
                 checked = tg.create_task(self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
-                    payload_of(ask), ask.source or "default", ask.domain or "default", t, md),
-                    deadline, trace_id, inbound))
+                    payload_of(ask), ask.source or "default", ask.domain or "default", t, md), call))
                 encoded = tg.create_task(self._call("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
-                    ask.messages, max_length, t, md), deadline, trace_id, inbound))
+                    ask.messages, max_length, t, md), call))
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as a plain KeelError
         flags, enc = checked.result(), encoded.result()
         log.info("encoded", extra={"prompt_tokens": len(enc.ids), "truncated": enc.truncated,
                                    "fingerprint": enc.fingerprint})
-        return ask, enc, flags, seed
+        return Prepared(enc, flags, seed)
 
-    async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, deadline: float, trace_id: str,
-                          inbound: dict) -> None:
+    async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, call: Call) -> None:
         """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
         when larger than ``max_quarantine_payload_bytes`` (a message must stay far below the
         channel limit). The validator answers with the same rejection; if it cannot be reached,
@@ -224,20 +248,19 @@ class Pipeline:
         try:
             payload = clip_payload(payload_of(ask), self.limits.max_quarantine_payload_bytes)
             await self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
-                payload, ask.source or "default", ask.domain or "default", t, md, rejected=rejected),
-                deadline, trace_id, inbound)
+                payload, ask.source or "default", ask.domain or "default", t, md, rejected=rejected), call)
         except errors.InvalidInput as echoed:
             rejected.metadata.update({k: v for k, v in echoed.metadata.items() if k in ("rule", "quarantine_id")})
         except errors.KeelError as err:
             log.error("could not quarantine a rejected input", extra={"reason": rejected.reason, "error": str(err)})
 
-    async def generate(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> Answer:
-        ask, enc, flags, seed = await self.prepare(ask, deadline, trace_id, inbound)
+    async def generate(self, ask: Ask, call: Call) -> Answer:
+        prep = await self.prepare(ask, call)
 
         async def run_generation(timeout: float, md: dict) -> tuple[list[Step], Done]:
             steps: list[Step] = []
             done = None
-            async for ev in self.up.generate(enc, ask, seed, timeout, md):
+            async for ev in self.up.generate(prep.enc, ask, prep.seed, timeout, md):
                 if isinstance(ev, Step):
                     steps.append(ev)
                 else:
@@ -246,27 +269,25 @@ class Pipeline:
                 raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
             return steps, done
 
-        steps, done = await self._call("inference", "Generate", run_generation, deadline, trace_id, inbound)
+        steps, done = await self._call("inference", "Generate", run_generation, call)
         ids = [s.token_id for s in steps]
-        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md),
-                               deadline, trace_id, inbound)
-        return await self.finish(ask, enc, flags, done, raw, [s.entropy for s in steps], deadline, trace_id, inbound,
-                                 ids)
+        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
+        return await self.finish(ask, prep, done, Generated(raw, ids, [s.entropy for s in steps]), call)
 
-    async def stream(self, ask: Ask, deadline: float, trace_id: str, inbound: dict) -> AsyncIterator[str | Answer]:
+    async def stream(self, ask: Ask, call: Call) -> AsyncIterator[str | Answer]:
         """Text deltas as they become decodable, then the validated Answer.
 
         Retries cover opening the stream (until the first event); after tokens reached the
         client a failure ends the call with its status, since a retry would repeat text.
         Deltas are the raw model text; output validation runs on the whole answer at the end.
         """
-        ask, enc, flags, seed = await self.prepare(ask, deadline, trace_id, inbound)
+        prep = await self.prepare(ask, call)
 
         async def open_stream(timeout: float, md: dict):
-            events = self.up.generate(enc, ask, seed, timeout, md).__aiter__()
+            events = self.up.generate(prep.enc, ask, prep.seed, timeout, md).__aiter__()
             return await events.__anext__(), events
 
-        ev, events = await self._call("inference", "Generate", open_stream, deadline, trace_id, inbound)
+        ev, events = await self._call("inference", "Generate", open_stream, call)
         # Tokens arrive on their own task. One DecodeStream batch is in flight at a time and takes
         # every token that arrived while the previous one ran (a loaded tokenizer means fewer,
         # larger batches); each returns exactly the new text (services/gateway/streamtext.py).
@@ -292,8 +313,7 @@ class Pipeline:
                         done = item if isinstance(item, Done) else False
                 finish = isinstance(done, Done)
                 if new or (finish and streamed.ids):
-                    text = await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish),
-                                            deadline, trace_id, inbound)
+                    text = await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish), call)
                     if text:
                         yield text
         finally:
@@ -303,24 +323,22 @@ class Pipeline:
             raise failure
         if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
-        raw = streamed.text
-        yield await self.finish(ask, enc, flags, done, raw, entropies, deadline, trace_id, inbound,
-                                list(streamed.ids))
+        yield await self.finish(ask, prep, done, Generated(streamed.text, list(streamed.ids), entropies), call)
 
-    async def finish(self, ask: Ask, enc: Encoded, flags: list[str], done: Done, raw: str, entropies: list[float],
-                     deadline: float, trace_id: str, inbound: dict, ids: list[int]) -> Answer:
+    async def finish(self, ask: Ask, prep: Prepared, done: Done, out: Generated, call: Call) -> Answer:
         text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
-            raw, ask, entropies, t, md), deadline, trace_id, inbound)
+            out.raw, ask, out.entropies, t, md), call)
         if not result.passed:
             first = next((v for v in result.verdicts if not v.passed and v.blocking), None)
             plugin, message = (first.plugin, first.message) if first else ("unknown", "")
             raise errors.PreconditionFailed(f"answer blocked by output validation: {message}",
-                                            reason="OUTPUT_BLOCKED", metadata={"plugin": plugin, "trace_id": trace_id})
+                                            reason="OUTPUT_BLOCKED",
+                                            metadata={"plugin": plugin, "trace_id": call.trace_id})
         if self._on_served is not None:
-            self._on_served(Served(ask, enc, done, ids, result, trace_id))
+            self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
         return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
-                      completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=enc.truncated,
-                      input_flags=flags, validation=result, trace_id=trace_id)
+                      completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=prep.enc.truncated,
+                      input_flags=prep.flags, validation=result, trace_id=call.trace_id)
 
 
 def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:

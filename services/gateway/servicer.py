@@ -6,7 +6,7 @@ import grpc
 from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.pipeline import Answer, Ask, Limits, Pipeline, deadline_from
+from services.gateway.pipeline import Answer, Ask, Call, Limits, Pipeline, deadline_from
 from shared import errors, tracing
 
 
@@ -36,20 +36,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.pipeline, self.limits = pipeline, limits
         self.feedback = feedback  # services/gateway/recording.py: forwards to the feedback stage
 
-    @staticmethod
-    def _inbound(context: grpc.aio.ServicerContext) -> dict:
-        return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+    def _call(self, context: grpc.aio.ServicerContext) -> Call:
+        """The call's context, once: deadline (less the answer margin), trace id, inbound metadata."""
+        return Call(deadline_from(context.time_remaining(), self.limits), tracing.current_trace_id(),
+                    {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)})
 
     async def Generate(self, request, context):
-        ask = to_ask(request, self.limits)
-        deadline = deadline_from(context.time_remaining(), self.limits)
-        answer = await self.pipeline.generate(ask, deadline, tracing.current_trace_id(), self._inbound(context))
+        answer = await self.pipeline.generate(to_ask(request, self.limits), self._call(context))
         return to_response(answer)
 
     async def GenerateStream(self, request, context):
-        ask = to_ask(request, self.limits)
-        deadline = deadline_from(context.time_remaining(), self.limits)
-        async for item in self.pipeline.stream(ask, deadline, tracing.current_trace_id(), self._inbound(context)):
+        async for item in self.pipeline.stream(to_ask(request, self.limits), self._call(context)):
             if isinstance(item, str):
                 yield gateway_pb2.GenerateStreamResponse(delta=item)
             else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.gateway.pipeline import Call
 from shared import errors
 from tests.gateway.test_pipeline import FakeUpstreams, ask, pipeline
 
@@ -16,7 +17,7 @@ class SlowTokenizer(FakeUpstreams):
 @pytest.mark.asyncio
 async def test_an_upstream_deadline_names_the_step_and_drops_retry_fields():
     with pytest.raises(errors.DeadlineExpired) as exc:
-        await pipeline(SlowTokenizer()).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+        await pipeline(SlowTokenizer()).generate(ask(), Call(1e12, "t" * 32))
     err = exc.value
     assert err.code == "DEADLINE_EXCEEDED" and err.reason == "DEADLINE_EXCEEDED"
     assert "deadline ran out while the gateway waited for tokenizer (Encode)" in err.message

@@ -10,7 +10,7 @@ from array import array
 import pytest
 
 from keel.common.v1 import common_pb2
-from services.gateway.pipeline import Ask, Done, Encoded, Limits, Pipeline, Step, check_ask, deadline_from
+from services.gateway.pipeline import Ask, Call, Done, Encoded, Limits, Pipeline, Step, check_ask, deadline_from
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from shared import errors
@@ -115,7 +115,7 @@ def ask(**kw) -> Ask:
 @pytest.mark.asyncio
 async def test_hops_in_order_and_processed_text_returned():
     up = FakeUpstreams()
-    ans = await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+    ans = await pipeline(up).generate(ask(), Call(1e12, "t" * 32))
     assert up.calls == ["validate_input", "encode", "generate", "decode", "validate_output"]
     assert ans.text == "EFG" and ans.completion_tokens == 3 and ans.finish_reason == "stop"
     assert dict(ans.validation.probes) == {"entropy_mean": 0.5} and ans.validation.verdicts[0].passed
@@ -124,7 +124,7 @@ async def test_hops_in_order_and_processed_text_returned():
 @pytest.mark.asyncio
 async def test_seed_fixed_by_gateway_and_reused_on_retry():
     up = FakeUpstreams(fail_generate=1)
-    ans = await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+    ans = await pipeline(up).generate(ask(), Call(1e12, "t" * 32))
     assert up.calls.count("generate") == 2
     assert up.seeds[0] == up.seeds[1] == ans.seed  # the retried generation is the same request
 
@@ -132,7 +132,7 @@ async def test_seed_fixed_by_gateway_and_reused_on_retry():
 @pytest.mark.asyncio
 async def test_client_seed_is_echoed():
     up = FakeUpstreams()
-    ans = await pipeline(up).generate(ask(seed=42), deadline=1e12, trace_id="t" * 32, inbound={})
+    ans = await pipeline(up).generate(ask(seed=42), Call(1e12, "t" * 32))
     assert up.seeds == [42] and ans.seed == 42
 
 
@@ -140,12 +140,12 @@ async def test_client_seed_is_echoed():
 async def test_blocked_output_is_failed_precondition_naming_the_plugin():
     up = FakeUpstreams(verdict_pass=False)
     with pytest.raises(errors.PreconditionFailed) as exc:
-        await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+        await pipeline(up).generate(ask(), Call(1e12, "t" * 32))
     assert exc.value.reason == "OUTPUT_BLOCKED" and exc.value.metadata["plugin"] == "forbidden"
 
 
 async def stream(up) -> tuple[list[str], object]:
-    items = [x async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={})]
+    items = [x async for x in pipeline(up).stream(ask(), Call(1e12, "t" * 32))]
     return [x for x in items if isinstance(x, str)], items[-1]
 
 
@@ -203,7 +203,7 @@ async def test_stream_failure_after_tokens_ends_the_call_with_its_status():
     up = Dies()
     got = []
     with pytest.raises(errors.NotReady) as exc:
-        async for x in pipeline(up).stream(ask(), deadline=1e12, trace_id="t" * 32, inbound={}):
+        async for x in pipeline(up).stream(ask(), Call(1e12, "t" * 32)):
             got.append(x)
     assert exc.value.reason == "NOT_SERVING"
     assert up.calls.count("generate") == 1  # tokens were out: no retry that would repeat text
@@ -214,7 +214,7 @@ async def test_stream_failure_after_tokens_ends_the_call_with_its_status():
 @pytest.mark.asyncio
 async def test_input_flags_are_carried():
     up = FakeUpstreams()
-    ans = await pipeline(up).generate(ask(text="meh"), deadline=1e12, trace_id="t" * 32, inbound={})
+    ans = await pipeline(up).generate(ask(text="meh"), Call(1e12, "t" * 32))
     assert ans.input_flags == ["low_quality"]
 
 
@@ -243,7 +243,7 @@ async def test_rejected_input_never_reaches_inference_even_though_encoding_runs_
 
     up = Rejecting()
     with pytest.raises(errors.InvalidInput) as exc:
-        await pipeline(up).generate(ask(), deadline=1e12, trace_id="t" * 32, inbound={})
+        await pipeline(up).generate(ask(), Call(1e12, "t" * 32))
     assert exc.value.reason == "PROMPT_INJECTION" and exc.value.metadata["rule"] == "role_marker"
     assert "generate" not in up.calls and "decode" not in up.calls
 
@@ -252,7 +252,7 @@ async def test_rejected_input_never_reaches_inference_even_though_encoding_runs_
 async def test_input_rejected_by_gateway_limits_is_still_quarantined():
     up = FakeUpstreams()
     with pytest.raises(errors.InvalidInput) as exc:
-        await pipeline(up).generate(ask(text="x" * 40000), deadline=1e12, trace_id="t" * 32, inbound={})
+        await pipeline(up).generate(ask(text="x" * 40000), Call(1e12, "t" * 32))
     assert exc.value.reason == "PROMPT_TOO_LARGE" and exc.value.metadata["quarantine_id"] == "q-1"
     assert [r for r, _ in up.quarantined] == ["PROMPT_TOO_LARGE"]
     assert up.quarantined[0][1]["messages"][0]["content"] == "x" * 40000  # the full payload

@@ -11,7 +11,7 @@ import pytest
 from keel.common.v1 import common_pb2
 
 from keel.feedback.v1 import feedback_pb2
-from services.gateway.pipeline import Ask, Done, Encoded, Limits, Pipeline, Served
+from services.gateway.pipeline import Ask, Call, Done, Encoded, Limits, Pipeline, Served
 from services.gateway.recording import FeedbackForwarder, ReplayConfig, ReplayRecorder, to_record
 from services.gateway.retry import RetryConfig, RetryExecutor
 from shared import errors, metrics
@@ -58,7 +58,7 @@ async def test_every_answer_becomes_one_record_with_the_seed_the_gateway_picked(
     recorder.start()
     pipe = Pipeline(FakeUpstreams(), RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1)), Limits(),
                     rng=random.Random(7), on_served=recorder.served)
-    answer = await pipe.generate(Ask(messages=(("user", "hello"),), max_tokens=8), 1e12, "t" * 32, {})
+    answer = await pipe.generate(Ask(messages=(("user", "hello"),), max_tokens=8), Call(1e12, "t" * 32))
     await recorder.delivered("t" * 32, 5)
     await recorder.close()
     (rec,) = [r for b in stub.batches for r in b]

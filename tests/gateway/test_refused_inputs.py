@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from keel.gateway.v1 import gateway_pb2
-from services.gateway.pipeline import SEED_MAX, Ask, Limits, payload_of
+from services.gateway.pipeline import SEED_MAX, Ask, Call, Limits, payload_of
 from services.gateway.servicer import to_ask
 from shared import errors
 from shared.clip import HEAD, TRUNCATED, canonical_json
@@ -21,7 +21,7 @@ CHANNEL_LIMIT = 4 * 1024 * 1024
 
 async def refused(up, a: Ask) -> errors.InvalidInput:
     with pytest.raises(errors.InvalidInput) as exc:
-        await pipeline(up).generate(a, deadline=1e12, trace_id="t" * 32, inbound={})
+        await pipeline(up).generate(a, Call(1e12, "t" * 32))
     return exc.value
 
 
@@ -49,7 +49,7 @@ async def test_a_seed_above_the_mesh_range_is_refused_early_and_quarantined(seed
 async def test_the_largest_seed_of_the_range_is_served():
     up = FakeUpstreams()
     await pipeline(up).generate(Ask(messages=(("user", "hi"),), max_tokens=8, seed=SEED_MAX),
-                                deadline=1e12, trace_id="t" * 32, inbound={})
+                                Call(1e12, "t" * 32))
     assert up.seeds == [SEED_MAX]
 
 

@@ -58,8 +58,8 @@ class ScriptedPipeline:
     def __init__(self, items):
         self.items, self.asks = items, []
 
-    async def stream(self, ask, deadline, trace_id, inbound):
-        self.asks.append((ask, inbound))
+    async def stream(self, ask, call):
+        self.asks.append((ask, call))
         for item in self.items:
             yield item
 
@@ -79,5 +79,6 @@ async def test_stream_sends_deltas_then_the_summary():
     events = [e async for e in servicer.GenerateStream(gateway_pb2.GenerateRequest(prompt="capital?"), Context())]
     assert [e.WhichOneof("event") for e in events] == ["delta", "delta", "done"]
     assert [e.delta for e in events[:2]] == ["Par", "is"] and events[2].done.text == "Paris"
-    ask, inbound = pipeline.asks[0]
-    assert ask.messages == (("user", "capital?"),) and inbound == {"x-api-key": "k"}  # text metadata only
+    ask, call = pipeline.asks[0]
+    assert ask.messages == (("user", "capital?"),) and call.inbound == {"x-api-key": "k"}  # text metadata only
+    assert call.deadline > 0
