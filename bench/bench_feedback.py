@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl import health  # noqa: E402
 from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
-from services.gateway.pipeline import Ask, Call, Limits, Pipeline  # noqa: E402
+from services.gateway.contract import Ask, Limits  # noqa: E402
+from services.gateway.pipeline import Call, Pipeline  # noqa: E402
 from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
 from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
 from tests.conftest import free_port  # noqa: E402

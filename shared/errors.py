@@ -111,7 +111,7 @@ class NumericalInstability(KeelError):
 # Reasons (ErrorInfo.reason) of refused inputs and callers, named once for every stage.
 INPUT_CHECK_BUDGET_EXCEEDED = "INPUT_CHECK_BUDGET_EXCEEDED"  # the input check ran out of CPU time
 INVISIBLE_INPUT = "INVISIBLE_INPUT"            # the text has no visible character
-SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (pipeline.SEED_MAX)
+SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (services/gateway/contract.py SEED_MAX)
 AMBIGUOUS_API_KEY = "AMBIGUOUS_API_KEY"        # several API keys presented in one request
 AUTH_FAILURES_LIMITED = "AUTH_FAILURES_LIMITED"  # too many failed authentications from a peer
 # ErrorInfo metadata keys that describe the gateway's own retry handling. They stay in logs and
@@ -154,7 +154,6 @@ REASONS: dict[str, Reason] = {
     "EMPTY_PROMPT": Reason(InvalidInput, "neither prompt nor chat, or only blank text"),
     "TOO_MANY_MESSAGES": Reason(InvalidInput, "more chat turns than the gateway's max_messages"),
     "UNKNOWN_ROLE": Reason(InvalidInput, "a chat role other than system, user, assistant"),
-    "PROMPT_NOT_TEXT": Reason(InvalidInput, "the prompt is not text"),
     "PROMPT_TOO_LARGE": Reason(InvalidInput, "the prompt is larger than max_prompt_bytes", _VERDICT_KEYS[:1] + ("quarantine_id",)),
     "MAX_TOKENS_INVALID": Reason(InvalidInput, "max_tokens is not a positive integer"),
     "MAX_TOKENS_TOO_LARGE": Reason(InvalidInput, "max_tokens above the gateway's max_tokens_limit"),

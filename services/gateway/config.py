@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from services.gateway.auth import ApiKeyEntry
-from services.gateway.pipeline import Limits
+from services.gateway.contract import Limits
 from services.gateway.ratelimit import AuthFailureLimit, RateLimit, RateLimitConfig
 from services.gateway.ratelimit import RateLimit, RateLimitConfig
 from services.gateway.recording import ReplayConfig

@@ -19,46 +19,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from keel.common.v1 import common_pb2
 from shared import errors, tracing
 from shared.clip import clip_payload
-from services.gateway.ratelimit import RequestLimits, check_request_size
+from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask
 from services.gateway.retry import RetryExecutor
 from services.gateway.streamtext import DecodeStream, StreamedText
 
 log = logging.getLogger("keel.gateway")
-ROLES = ("system", "user", "assistant")
-# The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
-# so larger seeds are refused here (and by the validator's contract) with SEED_OUT_OF_RANGE.
-SEED_MAX = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_prompt_bytes: int = 32768
-    max_messages: int = 64
-    max_tokens_limit: int = 1024
-    default_max_tokens: int = 128
-    max_context_tokens: int = 2048
-    default_deadline_ms: int = 60000
-    # A rejected request whose JSON is larger goes to the quarantine clipped (shared/clip.py).
-    max_quarantine_payload_bytes: int = 65536
-    # The gateway gives up this long before the client's deadline, so that its status (with a
-    # reason, e.g. NO_HEALTHY_UPSTREAM after holding for a replica) reaches the client before the
-    # client's own library ends the call with a bare DEADLINE_EXCEEDED.
-    answer_margin_ms: int = 250
-
-
-@dataclass(frozen=True)
-class Ask:
-    messages: tuple[tuple[str, str], ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    domain: str = ""
-    source: str = ""
-    raw_prompt: str | None = None  # set when the client sent a bare prompt
-
-
 @dataclass(frozen=True)
 class Encoded:
     ids: list[int]
@@ -119,31 +84,6 @@ class Upstreams(Protocol):
     async def decode_stream(self, timeout: float, md: dict) -> DecodeStream: ...
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]: ...
-
-
-def check_ask(ask: Ask, limits: Limits) -> None:
-    """Request-size and shape rules the gateway enforces before spending anything downstream."""
-    if not ask.messages:
-        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
-    if len(ask.messages) > limits.max_messages:
-        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
-    for role, _ in ask.messages:
-        if role not in ROLES:
-            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
-                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
-    if not any(content.strip() for _, content in ask.messages):
-        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
-    check_request_size(RequestLimits(limits.max_prompt_bytes, limits.max_tokens_limit),
-                       prompt=[c for _, c in ask.messages], max_tokens=ask.max_tokens)
-    if not 0.0 <= ask.temperature <= 2.0:
-        raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
-    if not 0.0 <= ask.top_p <= 1.0:
-        raise errors.InvalidInput("top_p must be in 0..1", reason="TOP_P_OUT_OF_RANGE")
-    if ask.top_k < 0:
-        raise errors.InvalidInput("top_k must be >= 0", reason="TOP_K_OUT_OF_RANGE")
-    if ask.seed is not None and not 0 <= ask.seed <= SEED_MAX:
-        raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
-                                  metadata={"limit": SEED_MAX, "actual": ask.seed})
 
 
 def payload_of(ask: Ask) -> dict:
@@ -222,9 +162,7 @@ class Pipeline:
             await self._quarantine(ask, rejected, call)
             raise
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
-        max_length = self.limits.max_context_tokens - ask.max_tokens
-        if max_length < 1:
-            raise errors.InvalidInput("max_tokens leaves no room for the prompt", reason="MAX_TOKENS_OUT_OF_RANGE")
+        max_length = self.limits.max_context_tokens - ask.max_tokens  # >= 1: check_ask saw to it
         # The input check and the encoding are independent: run them side by side (one hop less of
         # latency). Nothing reaches inference until both are done; a rejection cancels the encoding.
         try:

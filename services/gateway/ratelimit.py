@@ -1,5 +1,5 @@
-"""Per-API-key rate limits, failed-authentication limits per peer, and request size limits,
-checked by the gateway before any work.
+"""Per-API-key rate limits and failed-authentication limits per peer, checked by the gateway
+before any work (request sizes and ranges: services/gateway/contract.py).
 
 Rate limits are token buckets per key id: ``burst`` requests at once, refilled at
 ``rate_per_s``. A request that finds no whole token gets Overloaded(reason="RATE_LIMITED")
@@ -14,20 +14,16 @@ is checked, so guesses are not even tried. ``window_s`` without a failure after 
 ended forgets the failures (a success does not: interleaving a valid key would otherwise reset
 the count). At most ``max_peers`` peers are tracked (the one idle
 longest is forgotten first), so many addresses cannot exhaust memory.
-
-Size limits reject what could never be served as sent: InvalidInput with reasons
-PROMPT_TOO_LARGE, MAX_TOKENS_TOO_LARGE or MAX_TOKENS_INVALID and ``limit``/``actual`` in the
-metadata. (The gRPC message-size limit itself is a server option: server.max_message_bytes.)
 """
 from __future__ import annotations
 
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from shared.errors import AUTH_FAILURES_LIMITED, InvalidInput, Overloaded
+from shared.errors import AUTH_FAILURES_LIMITED, Overloaded
 
 
 @dataclass(frozen=True)
@@ -126,36 +122,3 @@ class AuthFailureLimiter:
         self._peers[peer] = state
         while len(self._peers) > limit.max_peers:
             self._peers.popitem(last=False)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_prompt_bytes: int = 32_768
-    max_tokens: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.max_prompt_bytes < 1 or self.max_tokens < 1:
-            raise ValueError(f"request limits must be >= 1: {self}")
-
-
-def check_request_size(limits: RequestLimits, *, prompt: str | Sequence[str], max_tokens: int) -> None:
-    """InvalidInput unless the prompt's UTF-8 size and ``max_tokens`` are within ``limits``.
-
-    ``prompt`` is the text, or the texts of a chat's messages (their sizes add up);
-    ``max_tokens`` is the value after the servicer applied its default to an unset field.
-    """
-    texts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if not all(isinstance(t, str) for t in texts):
-        raise InvalidInput("prompt must be text", reason="PROMPT_NOT_TEXT")
-    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-    if size > limits.max_prompt_bytes:
-        raise InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
-                           reason="PROMPT_TOO_LARGE",
-                           metadata={"limit": limits.max_prompt_bytes, "actual": size})
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise InvalidInput(f"max_tokens must be a positive integer, got {max_tokens!r}",
-                           reason="MAX_TOKENS_INVALID", metadata={"actual": max_tokens})
-    if max_tokens > limits.max_tokens:
-        raise InvalidInput(f"max_tokens is {max_tokens}, the limit is {limits.max_tokens}",
-                           reason="MAX_TOKENS_TOO_LARGE",
-                           metadata={"limit": limits.max_tokens, "actual": max_tokens})

@@ -6,7 +6,8 @@ import grpc
 from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.pipeline import Answer, Ask, Call, Limits, Pipeline, deadline_from
+from services.gateway.contract import Ask, Limits
+from services.gateway.pipeline import Answer, Call, Pipeline, deadline_from
 from shared import errors, tracing
 
 

@@ -21,7 +21,8 @@ from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from keel.validator.v1 import validator_pb2, validator_pb2_grpc
 from services.gateway.balancer import RoundRobinBalancer
-from services.gateway.pipeline import Ask, Done, Encoded, Step
+from services.gateway.contract import Ask
+from services.gateway.pipeline import Done, Encoded, Step
 from shared import client, errors
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 

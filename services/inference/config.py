@@ -14,7 +14,6 @@ from shared.config import ROOT_DIR, ServerConfig
 class InferenceConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model_path: str = "var/model"
-    max_tokens_limit: int = 1024
     engine: EngineConfig
     formats: FormatsConfig = field(default_factory=FormatsConfig)
     warm_restart: bool = True  # reuse the calibration stored under var/warm by an identical engine

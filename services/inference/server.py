@@ -38,7 +38,7 @@ class InferenceStage:
         self.torch = TorchThread()  # every torch call of this process runs here (torchthread.py says why)
 
     def register(self, server: grpc.aio.Server) -> None:
-        self.servicer = InferenceServicer(None, self.cfg.max_tokens_limit, self.m)
+        self.servicer = InferenceServicer(None, self.m)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, server)
 
     async def warmup(self) -> None:

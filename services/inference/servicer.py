@@ -17,13 +17,12 @@ from services.inference.engine import Engine, FaultSpec, Finished, GenerationReq
 from shared import errors, tracing
 
 
-def to_request(req: inference_pb2.GenerateRequest, deadline: float | None, max_tokens_limit: int) -> GenerationRequest:
+def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> GenerationRequest:
+    """The engine checks what it alone knows (token ids against its vocabulary, the context window,
+    memory); the client contract's ranges (max_tokens, temperature, ...) are the gateway's."""
     s = req.sampling
     if not req.prompt_ids:
         raise errors.InvalidInput("prompt_ids is empty", reason="EMPTY_PROMPT")
-    if not 1 <= s.max_tokens <= max_tokens_limit:
-        raise errors.InvalidInput(f"max_tokens must be in 1..{max_tokens_limit}", reason="MAX_TOKENS_OUT_OF_RANGE",
-                                  metadata={"max": str(max_tokens_limit)})
     faults = None
     if req.HasField("faults"):
         f = req.faults
@@ -38,8 +37,8 @@ def to_request(req: inference_pb2.GenerateRequest, deadline: float | None, max_t
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, max_tokens_limit: int, metrics):
-        self.engine, self.max_tokens_limit = engine, max_tokens_limit
+    def __init__(self, engine: Engine, metrics):
+        self.engine = engine
         self._ttft = metrics.histogram("keel_inference_ttft_seconds")
         self._itl = metrics.histogram("keel_inference_itl_seconds")
         self._tokens = metrics.counter("keel_inference_generated_tokens_total")
@@ -68,7 +67,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         start = time.monotonic()
         start_ns = first_ns = time.time_ns()
-        req = to_request(request, start + remaining if remaining is not None else None, self.max_tokens_limit)
+        req = to_request(request, start + remaining if remaining is not None else None)
         last = start
         span = trace.get_current_span()
         async for ev in self.engine.generate(req):

@@ -10,7 +10,8 @@ from array import array
 import pytest
 
 from keel.common.v1 import common_pb2
-from services.gateway.pipeline import Ask, Call, Done, Encoded, Limits, Pipeline, Step, check_ask, deadline_from
+from services.gateway.contract import Ask, Limits, check_ask
+from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Step, deadline_from
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from shared import errors

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.ratelimit import (RateLimit, RateLimitConfig, RateLimiter, RequestLimits,
-                                        check_request_size)
+from services.gateway.ratelimit import RateLimit, RateLimitConfig, RateLimiter
 from shared.errors import InvalidInput, Overloaded
 
 
@@ -67,43 +66,3 @@ def test_rejected_requests_do_not_consume_tokens(clock):
 def test_rate_limit_config_validation(rate, burst):
     with pytest.raises(ValueError):
         RateLimit(rate, burst)
-
-
-LIMITS = RequestLimits(max_prompt_bytes=10, max_tokens=100)
-
-
-@pytest.mark.parametrize("prompt,max_tokens", [
-    ("", 1), ("0123456789", 100), (["hello", "world"], 50), ("ééééé", 1),
-])
-def test_size_within_limits_passes(prompt, max_tokens):
-    assert check_request_size(LIMITS, prompt=prompt, max_tokens=max_tokens) is None
-
-
-@pytest.mark.parametrize("prompt,max_tokens,reason", [
-    ("01234567890", 1, "PROMPT_TOO_LARGE"),
-    ("éééééé", 1, "PROMPT_TOO_LARGE"),  # 6 characters, 12 bytes
-    (["hello", "world!"], 1, "PROMPT_TOO_LARGE"),
-    ("hi", 101, "MAX_TOKENS_TOO_LARGE"),
-    ("hi", 0, "MAX_TOKENS_INVALID"),
-    ("hi", -5, "MAX_TOKENS_INVALID"),
-    ("hi", True, "MAX_TOKENS_INVALID"),
-    ("hi", 5.0, "MAX_TOKENS_INVALID"),
-    (b"bytes", 1, "PROMPT_NOT_TEXT"),
-    (["ok", None], 1, "PROMPT_NOT_TEXT"),
-])
-def test_size_violations_are_invalid_input(prompt, max_tokens, reason):
-    with pytest.raises(InvalidInput) as info:
-        check_request_size(LIMITS, prompt=prompt, max_tokens=max_tokens)
-    assert info.value.reason == reason and info.value.code == "INVALID_ARGUMENT"
-
-
-def test_size_error_metadata_names_limit_and_actual():
-    with pytest.raises(InvalidInput) as info:
-        check_request_size(LIMITS, prompt="x" * 11, max_tokens=1)
-    assert info.value.metadata == {"limit": "10", "actual": "11"}
-
-
-@pytest.mark.parametrize("kwargs", [{"max_prompt_bytes": 0}, {"max_tokens": 0}])
-def test_request_limits_validation(kwargs):
-    with pytest.raises(ValueError):
-        RequestLimits(**kwargs)

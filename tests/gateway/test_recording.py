@@ -11,7 +11,8 @@ import pytest
 from keel.common.v1 import common_pb2
 
 from keel.feedback.v1 import feedback_pb2
-from services.gateway.pipeline import Ask, Call, Done, Encoded, Limits, Pipeline, Served
+from services.gateway.contract import Ask, Limits
+from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Served
 from services.gateway.recording import FeedbackForwarder, ReplayConfig, ReplayRecorder, to_record
 from services.gateway.retry import RetryConfig, RetryExecutor
 from shared import errors, metrics

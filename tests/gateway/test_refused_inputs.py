@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from keel.gateway.v1 import gateway_pb2
-from services.gateway.pipeline import SEED_MAX, Ask, Call, Limits, payload_of
+from services.gateway.contract import SEED_MAX, Ask, Limits
+from services.gateway.pipeline import Call, payload_of
 from services.gateway.servicer import to_ask
 from shared import errors
 from shared.clip import HEAD, TRUNCATED, canonical_json

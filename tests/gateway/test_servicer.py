@@ -5,7 +5,8 @@ import pytest
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.gateway.pipeline import Answer, Limits, check_ask
+from services.gateway.contract import Limits, check_ask
+from services.gateway.pipeline import Answer
 from services.gateway.recording import FeedbackDisabled
 from services.gateway.servicer import GatewayServicer, to_ask, to_response
 from shared import errors

@@ -29,7 +29,7 @@ async def _generate(servicer: InferenceServicer, max_tokens: int) -> None:
 async def test_requests_run_in_the_fallback_format_are_counted_with_their_tokens(make_engine):
     engine = await make_engine(breaker=FAST_TRIP)  # serves float32; fallback bfloat16 at level 2
     registry = CollectorRegistry()
-    servicer = InferenceServicer(engine, 64, metrics_for("inference", registry))
+    servicer = InferenceServicer(engine, metrics_for("inference", registry))
 
     def value(name: str) -> float:
         return registry.get_sample_value(name) or 0.0

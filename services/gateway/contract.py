@@ -1,0 +1,81 @@
+"""The gateway's client contract, in one place: the request's domain shape (Ask), every limit a
+client is held to (Limits, from config/gateway.yaml), and the one check of shapes, sizes and ranges
+with its reasons (docs/errors.md). The other stages check only what they alone know: the engine its
+vocabulary, context window and memory; the validator its contracts and rules."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared import errors
+
+ROLES = ("system", "user", "assistant")
+# The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
+# so larger seeds are refused here (and by the validator's contract) with SEED_OUT_OF_RANGE.
+SEED_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_bytes: int = 32768
+    max_messages: int = 64
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_context_tokens: int = 2048
+    default_deadline_ms: int = 60000
+    # A rejected request whose JSON is larger goes to the quarantine clipped (shared/clip.py).
+    max_quarantine_payload_bytes: int = 65536
+    # The gateway gives up this long before the client's deadline, so that its status (with a
+    # reason, e.g. NO_HEALTHY_UPSTREAM after holding for a replica) reaches the client before the
+    # client's own library ends the call with a bare DEADLINE_EXCEEDED.
+    answer_margin_ms: int = 250
+
+
+@dataclass(frozen=True)
+class Ask:
+    messages: tuple[tuple[str, str], ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    domain: str = ""
+    source: str = ""
+    raw_prompt: str | None = None  # set when the client sent a bare prompt
+
+
+def check_ask(ask: Ask, limits: Limits) -> None:
+    """Request-size and shape rules the gateway enforces before spending anything downstream."""
+    if not ask.messages:
+        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
+    if len(ask.messages) > limits.max_messages:
+        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
+    for role, _ in ask.messages:
+        if role not in ROLES:
+            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
+                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
+    if not any(content.strip() for _, content in ask.messages):
+        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
+    size = sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages)
+    if size > limits.max_prompt_bytes:
+        raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
+                                  reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
+    if ask.max_tokens < 1:
+        raise errors.InvalidInput(f"max_tokens must be >= 1, got {ask.max_tokens}", reason="MAX_TOKENS_INVALID",
+                                  metadata={"actual": ask.max_tokens})
+    if ask.max_tokens > limits.max_tokens_limit:
+        raise errors.InvalidInput(f"max_tokens is {ask.max_tokens}, the limit is {limits.max_tokens_limit}",
+                                  reason="MAX_TOKENS_TOO_LARGE",
+                                  metadata={"limit": limits.max_tokens_limit, "actual": ask.max_tokens})
+    if ask.max_tokens >= limits.max_context_tokens:
+        raise errors.InvalidInput(f"max_tokens {ask.max_tokens} leaves no room for the prompt in a context of "
+                                  f"{limits.max_context_tokens} tokens", reason="MAX_TOKENS_OUT_OF_RANGE",
+                                  metadata={"limit": limits.max_context_tokens - 1, "actual": ask.max_tokens})
+    if not 0.0 <= ask.temperature <= 2.0:
+        raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
+    if not 0.0 <= ask.top_p <= 1.0:
+        raise errors.InvalidInput("top_p must be in 0..1", reason="TOP_P_OUT_OF_RANGE")
+    if ask.top_k < 0:
+        raise errors.InvalidInput("top_k must be >= 0", reason="TOP_K_OUT_OF_RANGE")
+    if ask.seed is not None and not 0 <= ask.seed <= SEED_MAX:
+        raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
+                                  metadata={"limit": SEED_MAX, "actual": ask.seed})
