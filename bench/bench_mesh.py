@@ -34,7 +34,7 @@ from services.inference.model import load_model  # noqa: E402
 from services.inference.torchthread import TorchThread  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 from services.validator.core import ValidatorCore  # noqa: E402
-from services.validator.pipeline import PipelineConfig  # noqa: E402
+from services.validator.output_pipeline import PipelineConfig  # noqa: E402
 from services.validator import config as validator_config  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
 

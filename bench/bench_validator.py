@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.validator.contracts import InputChecker  # noqa: E402
-from services.validator.pipeline import OutputPipeline, PipelineConfig  # noqa: E402
+from services.validator.output_pipeline import OutputPipeline, PipelineConfig  # noqa: E402
 from services.validator.plugins import OutputContext  # noqa: E402
 from services.validator.quarantine import Quarantine, QuarantineConfig  # noqa: E402
 from services.validator.records import QuarantineRecord  # noqa: E402

@@ -38,6 +38,8 @@ class InferenceStage:
         self.torch = TorchThread()  # every torch call of this process runs here (torchthread.py says why)
 
     def register(self, server: grpc.aio.Server) -> None:
+        # No engine/core yet: the port listens during warm-up so health answers NOT_SERVING, and the
+        # interceptor's is_ready gate refuses every call before it reaches the servicer (one place).
         self.servicer = InferenceServicer(None, self.m)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, server)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services.validator.contracts import InputChecker, InputVerdict
 from services.validator.flood import FloodGate
-from services.validator.pipeline import OutputPipeline, OutputResult, PipelineConfig
+from services.validator.output_pipeline import OutputPipeline, OutputResult, PipelineConfig
 from services.validator.plugins import OutputContext
 from services.validator.quarantine import Quarantine, QuarantineConfig
 from services.validator.records import QuarantineRecord

@@ -14,7 +14,7 @@ from keel.validator.v1 import validator_pb2_grpc
 from services.validator import config as val_config
 from services.validator.core import ValidatorCore
 from services.validator.flood import DUPLICATE, SOURCE_CAP
-from services.validator.pipeline import OutputResult, PipelineConfig
+from services.validator.output_pipeline import OutputResult, PipelineConfig
 from services.validator.servicer import ValidatorServicer
 from shared import metrics
 from shared.config import ServerConfig
@@ -66,6 +66,8 @@ class ValidatorStage:
         self._gauges: asyncio.Task | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
+        # No engine/core yet: the port listens during warm-up so health answers NOT_SERVING, and the
+        # interceptor's is_ready gate refuses every call before it reaches the servicer (one place).
         self.servicer = ValidatorServicer(None, self.metrics)
         validator_pb2_grpc.add_ValidatorServicer_to_server(self.servicer, server)
 

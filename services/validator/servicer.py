@@ -12,7 +12,7 @@ from opentelemetry import trace
 from keel.common.v1 import common_pb2
 from keel.validator.v1 import validator_pb2, validator_pb2_grpc
 from services.validator.core import ValidatorCore
-from services.validator.pipeline import OutputResult
+from services.validator.output_pipeline import OutputResult
 from shared import tracing
 
 

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from services.validator.core import ValidatorCore
-from services.validator.pipeline import PipelineConfig
+from services.validator.output_pipeline import PipelineConfig
 from services.validator.quarantine import QuarantineConfig
 from services.validator.records import QuarantineRecord, fingerprint
 from shared.errors import InvalidInput

@@ -11,7 +11,7 @@ import pytest
 
 from services.validator.core import ValidatorCore
 from services.validator.flood import DUPLICATE, SOURCE_CAP, FloodGate
-from services.validator.pipeline import PipelineConfig
+from services.validator.output_pipeline import PipelineConfig
 from services.validator.quarantine import QuarantineConfig
 from services.validator.records import QuarantineRecord
 from shared.clip import HEAD, TRUNCATED, canonical_json, clip_payload

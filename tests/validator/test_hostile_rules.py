@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from services.validator.contracts import InputChecker
 from services.validator.builtins import ForbiddenPatterns
 from services.validator.domains import DomainConfig, InputRule
-from services.validator.pipeline import PipelineConfig
+from services.validator.output_pipeline import PipelineConfig
 from services.validator.plugins import OutputContext
 from services.validator.rules import CompiledRules, RequestText
 from shared.errors import INPUT_CHECK_BUDGET_EXCEEDED, INVISIBLE_INPUT

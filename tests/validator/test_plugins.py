@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from services.validator import builtins
-from services.validator.pipeline import OutputPipeline, PipelineConfig
+from services.validator.output_pipeline import OutputPipeline, PipelineConfig
 from services.validator.plugins import (OutputContext, OutputValidator, PluginSpec, TextProcessor,
                                         Verdict, build_plugin, import_object)
 

@@ -7,7 +7,7 @@ import pytest
 
 from services.validator.contracts import InputChecker
 from services.validator.domains import DomainConfig, InputRule
-from services.validator.pipeline import PipelineConfig
+from services.validator.output_pipeline import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from keel.validator.v1 import validator_pb2
-from services.validator.pipeline import OutputResult
+from services.validator.output_pipeline import OutputResult
 from services.validator.plugins import Verdict
 from services.validator.servicer import ValidatorServicer, to_result
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services.validator.pipeline import OutputPipeline, PipelineConfig
+from services.validator.output_pipeline import OutputPipeline, PipelineConfig
 from services.validator.plugins import OutputContext, Verdict
 from shared.errors import Fatal, InvalidInput
 
