@@ -8,6 +8,8 @@ gateway fixes a seed when the client gave none: a retried generation is then ide
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import random
 import time
@@ -47,6 +49,13 @@ class Done:
     seed: int
     engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. dtype)
 
+    @property
+    def system_fingerprint(self) -> str:
+        """The engine facts as one short id for clients (GenerateResponse.system_fingerprint)."""
+        if not self.engine:
+            return ""
+        return hashlib.sha256(json.dumps(self.engine, sort_keys=True).encode()).hexdigest()[:16]
+
 
 @dataclass(frozen=True)
 class Served:
@@ -71,6 +80,7 @@ class Answer:
     # The validator's result as the shared type of keel.common.v1, passed through unchanged.
     validation: common_pb2.ValidationResult = field(default_factory=common_pb2.ValidationResult)
     trace_id: str = ""
+    system_fingerprint: str = ""
 
 
 class Upstreams(Protocol):
@@ -276,7 +286,8 @@ class Pipeline:
             self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
         return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=prep.enc.truncated,
-                      input_flags=prep.flags, validation=result, trace_id=call.trace_id)
+                      input_flags=prep.flags, validation=result, trace_id=call.trace_id,
+                      system_fingerprint=done.system_fingerprint)
 
 
 def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:

@@ -29,7 +29,8 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
     return gateway_pb2.GenerateResponse(
         text=a.text, trace_id=a.trace_id, finish_reason=a.finish_reason, seed=a.seed,
         usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
-        validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags)
+        validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags,
+        system_fingerprint=a.system_fingerprint)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

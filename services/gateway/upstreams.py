@@ -221,7 +221,7 @@ class MeshUpstreams:
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
-                               {"dtype": f.dtype})
+                               {**f.engine, "dtype": f.dtype})
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:

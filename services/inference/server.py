@@ -13,10 +13,11 @@ from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
 from services.inference import formats
 from services.inference.bootstrap import start_engine
-from services.inference.engine import Engine
+from services.inference.engine import ENGINE_VERSION, Engine
 from services.inference.model import AUTO
 from services.inference.servicer import InferenceServicer
 from services.inference.torchthread import TorchThread
+from services.inference import warmcache
 from services.inference.warmcache import model_sha256
 from shared import metrics
 from shared.config import ConfigError, ServerConfig
@@ -51,6 +52,8 @@ class InferenceStage:
                                        "format_reason": started.record.reason, "warm_start": started.warm,
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
+        self.servicer.facts = await self.torch.run(warmcache.serving_facts, self.model_sha, started.record.format,
+                                                   ENGINE_VERSION)
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 

@@ -75,6 +75,15 @@ def fingerprint(model_sha: str, requested_format: str, engine_version: int, sett
             "engine_version": engine_version, "settings": settings}))
 
 
+def serving_facts(model_sha: str, served_format: str, engine_version: int) -> dict[str, str]:
+    """What decides a served answer besides the request (every reply's ``Finished.engine``): the
+    same facts as the warm-start fingerprint, for the format actually served, as strings."""
+    return {"weights_sha256": model_sha, "format": served_format, "torch": torch.__version__,
+            "blas_build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
+            "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+            "threads": str(torch.get_num_threads()), "engine_version": str(engine_version)}
+
+
 def fingerprint_key(fp: dict) -> str:
     return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:32]
 

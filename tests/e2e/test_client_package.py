@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent('''
     out = {}
     with Client(target, api_key=key, timeout=120) as keel:
         a = keel.generate("What is the capital of France?", max_tokens=8, seed=3)
-        out["answer"] = [a.text, a.trace_id, a.finish_reason, a.completion_tokens]
+        out["answer"] = [a.text, a.trace_id, a.finish_reason, a.completion_tokens, a.system_fingerprint]
         s = keel.stream(messages=[("user", "Say hello.")], max_tokens=6, seed=3)
         events = list(s)
         out["stream"] = [s.trace_id, [type(e).__name__ for e in events], events[-1].trace_id,
@@ -82,8 +82,9 @@ def test_the_wheel_alone_talks_to_the_real_gateway(wheel, mesh, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    text, trace_id, finish, tokens = out["answer"]
+    text, trace_id, finish, tokens, fingerprint = out["answer"]
     assert text and len(trace_id) == 32 and finish in ("stop", "length") and 0 < tokens <= 8
+    assert len(fingerprint) == 16
     stream_trace, kinds, final_trace, joined = out["stream"]
     assert kinds[-1] == "Answer" and set(kinds[:-1]) <= {"Delta"} and stream_trace == final_trace
     assert out["error"] == ["InvalidRequest", "INVALID_ARGUMENT", "EMPTY_PROMPT", 32]

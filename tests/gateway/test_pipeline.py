@@ -266,3 +266,12 @@ def test_the_gateway_answers_before_the_clients_deadline():
     deadline = deadline_from(10.0, Limits(answer_margin_ms=250))
     assert before + 9.75 - 0.05 <= deadline <= time.monotonic() + 9.75
     assert deadline_from(None, Limits(default_deadline_ms=60000)) >= before + 60.0
+
+
+def test_the_system_fingerprint_names_the_engine_facts_and_changes_with_any_of_them():
+    facts = {"weights_sha256": "ab" * 32, "format": "int8", "torch": "2.13.0", "threads": "1"}
+    one = Done("stop", 3, 2, 7, facts).system_fingerprint
+    assert len(one) == 16 and int(one, 16) >= 0
+    assert Done("length", 9, 9, 1, dict(reversed(list(facts.items())))).system_fingerprint == one  # facts only
+    assert Done("stop", 3, 2, 7, {**facts, "format": "bfloat16"}).system_fingerprint != one
+    assert Done("stop", 3, 2, 7, {}).system_fingerprint == ""

@@ -46,9 +46,11 @@ def test_response_carries_every_field_and_the_validation_result_unchanged():
         verdicts=[common_pb2.Verdict(plugin="pii", passed=False, message="an email", blocking=False),
                   common_pb2.Verdict(plugin="forbidden", passed=True, blocking=True)])
     answer = Answer(text="ok", finish_reason="length", prompt_tokens=12, completion_tokens=3, seed=9,
-                    prompt_truncated=True, input_flags=["low_quality"], validation=validation, trace_id="t" * 32)
+                    prompt_truncated=True, input_flags=["low_quality"], validation=validation, trace_id="t" * 32,
+                    system_fingerprint="0123456789abcdef")
     resp = to_response(answer)
     assert (resp.text, resp.finish_reason, resp.seed, resp.trace_id) == ("ok", "length", 9, "t" * 32)
+    assert resp.system_fingerprint == "0123456789abcdef"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (12, 3)
     assert resp.prompt_truncated and list(resp.input_flags) == ["low_quality"]
     assert resp.validation == validation

@@ -31,6 +31,7 @@ class Answer:
     low_confidence: bool
     verdicts: tuple[Verdict, ...] = ()
     probes: dict[str, float] = field(default_factory=dict)
+    system_fingerprint: str = ""  # the engine that answered; same seed + prompt + fingerprint = same tokens
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ def answer(resp: gateway_pb2.GenerateResponse) -> Answer:
         prompt_tokens=resp.usage.prompt_tokens, completion_tokens=resp.usage.completion_tokens, seed=resp.seed,
         prompt_truncated=resp.prompt_truncated, input_flags=tuple(resp.input_flags), validation_passed=v.passed,
         low_confidence=v.low_confidence, probes=dict(v.probes),
-        verdicts=tuple(Verdict(x.plugin, x.passed, x.message, x.blocking) for x in v.verdicts))
+        verdicts=tuple(Verdict(x.plugin, x.passed, x.message, x.blocking) for x in v.verdicts),
+        system_fingerprint=resp.system_fingerprint)
 
 
 def event(msg: gateway_pb2.GenerateStreamResponse) -> Delta | Answer:
