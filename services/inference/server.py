@@ -47,13 +47,14 @@ class InferenceStage:
     async def warmup(self) -> None:
         started = await self.torch.run(start_engine, self.cfg, self.model_sha)
         engine = started.engine
+        # read on the torch thread (its thread count) before the batching loop takes it over
+        self.servicer.facts = await self.torch.run(warmcache.serving_facts, self.model_sha, started.record.format,
+                                                   ENGINE_VERSION)
         await engine.start(self.torch)
         log.info("engine warm", extra={"memory_model": engine.memory.as_dict(), "format": started.record.format,
                                        "format_reason": started.record.reason, "warm_start": started.warm,
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
-        self.servicer.facts = await self.torch.run(warmcache.serving_facts, self.model_sha, started.record.format,
-                                                   ENGINE_VERSION)
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 
