@@ -10,7 +10,7 @@ from keelctl import certs
 from keelctl.ask import ask
 from shared import tls
 from shared.config import ConfigError
-from shared.interceptor import MESH_TOKEN_KEY
+from shared.meshauth import HEADER as MESH_TOKEN_KEY
 from tests.e2e.conftest import start_mesh, stop_mesh
 
 

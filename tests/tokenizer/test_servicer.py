@@ -13,7 +13,8 @@ from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import EncodeOptions
 from services.tokenizer.servicer import TokenizerServicer
 from shared import client, metrics
-from shared.interceptor import MESH_TOKEN_KEY, ServerInterceptor
+from shared.interceptor import ServerInterceptor
+from shared.meshauth import HEADER as MESH_TOKEN_KEY
 
 MESH = ((MESH_TOKEN_KEY, "s3cret"),)
 EMOJI = "\U0001F600"
