@@ -48,6 +48,7 @@ class Done:
     completion_tokens: int
     seed: int
     engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. dtype)
+    replica: str = ""  # the inference replica that generated it (failures seen later are reported there)
 
     @property
     def system_fingerprint(self) -> str:
@@ -94,6 +95,7 @@ class Upstreams(Protocol):
     async def decode_stream(self, timeout: float, md: dict) -> DecodeStream: ...
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]: ...
+    async def report_failure(self, replica: str, kind: str, cause: str, md: dict) -> None: ...
 
 
 def payload_of(ask: Ask) -> dict:
@@ -142,6 +144,18 @@ class Pipeline:
         self._rng = rng or random.SystemRandom()
         # Called once per answered request, after validation; must not block (it hands off to a queue).
         self._on_served = on_served
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget reports, kept until done
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` beside the request; a failure is logged, never raised to the client."""
+        async def guarded():
+            try:
+                await coro
+            except errors.KeelError as err:
+                log.warning("breaker report failed", extra={"reason": err.reason, "error": err.message})
+        task = asyncio.get_running_loop().create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _call(self, upstream: str, method: str, fn, call: Call):
         attempts = 0
@@ -279,6 +293,9 @@ class Pipeline:
         if not result.passed:
             first = next((v for v in result.verdicts if not v.passed and v.blocking), None)
             plugin, message = (first.plugin, first.message) if first else ("unknown", "")
+            # The business-error breaker of the replica that generated it: enough blocked answers
+            # in a window degrade it (docs/inference.md, Circuit breakers). Never delays the answer.
+            self._background(self.up.report_failure(done.replica, "output_limit", plugin, {}))
             raise errors.PreconditionFailed(f"answer blocked by output validation: {message}",
                                             reason="OUTPUT_BLOCKED",
                                             metadata={"plugin": plugin, "trace_id": call.trace_id})

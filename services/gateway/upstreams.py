@@ -30,6 +30,7 @@ log = logging.getLogger("keel.gateway.upstreams")
 # The retry hint when a replica is gone: NO_HEALTHY_UPSTREAM once a request's deadline ran out
 # waiting for one, CONNECTION_LOST when a call's process died (the supervisor restarts it).
 UPSTREAM_DOWN_RETRY_MS = 1000
+REPORT_TIMEOUT_S = 2.0  # a breaker report is best effort, off the request path
 STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
          "validator": validator_pb2_grpc.ValidatorStub}
 
@@ -221,12 +222,23 @@ class MeshUpstreams:
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
-                               {**f.engine, "dtype": f.dtype})
+                               {**f.engine, "dtype": f.dtype}, target)
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:
             call.cancel()  # the consumer stopped early: free the row in the inference batch
         pool.balancer.observe_success(target)
+
+    async def report_failure(self, replica: str, kind: str, cause: str, md: dict) -> None:
+        """One ReportFailure to ``replica`` (the one that generated the answer), if it is still known."""
+        pool = self.pools["inference"]
+        if replica not in pool.targets:
+            return
+        req = inference_pb2.ReportFailureRequest(kind=kind, cause=cause)
+        try:
+            await pool.stub(replica).ReportFailure(req, timeout=REPORT_TIMEOUT_S, metadata=_md(md))
+        except grpc.aio.AioRpcError as exc:
+            raise client.translate(exc) from None
 
     async def decode(self, ids: list[int], timeout: float, md: dict) -> str:
         req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)

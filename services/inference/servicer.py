@@ -16,6 +16,9 @@ from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine import Engine, FaultSpec, Finished, GenerationRequest, TokenEvent
 from shared import errors, tracing
 
+# Breaker kinds a caller may report (the others the engine sees itself: numerical, oom, timeout).
+REPORTABLE_KINDS = ("output_limit",)
+
 
 def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> GenerationRequest:
     """The engine checks what it alone knows (token ids against its vocabulary, the context window,
@@ -92,3 +95,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
                     breaker_level=ev.breaker_level, dtype=ev.dtype, engine={**self.facts, "format": ev.dtype},
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
+
+    async def ReportFailure(self, request, context):
+        if request.kind not in REPORTABLE_KINDS:
+            raise errors.InvalidInput(f"failure kind must be one of {', '.join(REPORTABLE_KINDS)}",
+                                      reason="UNKNOWN_FAILURE_KIND", metadata={"kind": request.kind[:64]})
+        self.engine.report_failure(request.kind, request.cause[:200])
+        return inference_pb2.ReportFailureResponse()

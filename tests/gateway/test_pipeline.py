@@ -55,6 +55,7 @@ class FakeUpstreams:
         self.texts = texts or {}
         self.seeds: list[int] = []
         self.quarantined: list[tuple[str, dict]] = []
+        self.reports: list[tuple[str, str, str]] = []
 
     async def validate_input(self, payload, source, domain, timeout, md, rejected=None):
         self.calls.append("validate_input")
@@ -79,7 +80,7 @@ class FakeUpstreams:
                 await self.decode_called.wait()
                 self.decode_called.clear()
             yield Step(t, 0.5)
-        yield Done("stop", 3, len(self.tokens), seed)
+        yield Done("stop", 3, len(self.tokens), seed, {"dtype": "float32"}, "inference-a")
 
     async def decode(self, ids, timeout, md):
         self.calls.append("decode")
@@ -90,6 +91,9 @@ class FakeUpstreams:
     async def decode_stream(self, timeout, md):
         self.calls.append("decode_stream")
         return FakeDecodeStream(self)
+
+    async def report_failure(self, replica, kind, cause, md):
+        self.reports.append((replica, kind, cause))
 
     async def validate_output(self, text, ask, entropies, timeout, md):
         self.calls.append("validate_output")
@@ -143,6 +147,23 @@ async def test_blocked_output_is_failed_precondition_naming_the_plugin():
     with pytest.raises(errors.PreconditionFailed) as exc:
         await pipeline(up).generate(ask(), Call(1e12, "t" * 32))
     assert exc.value.reason == "OUTPUT_BLOCKED" and exc.value.metadata["plugin"] == "forbidden"
+    await asyncio.sleep(0)  # the report runs beside the answer
+    assert up.reports == [("inference-a", "output_limit", "forbidden")]
+
+
+@pytest.mark.asyncio
+async def test_a_passed_output_reports_nothing_and_a_failed_report_never_reaches_the_client():
+    up = FakeUpstreams()
+    await pipeline(up).generate(ask(), Call(1e12, "t" * 32))
+    await asyncio.sleep(0)
+    assert up.reports == []
+
+    class Unreachable(FakeUpstreams):
+        async def report_failure(self, replica, kind, cause, md):
+            raise errors.NotReady("gone", reason="CONNECTION_LOST")
+    with pytest.raises(errors.PreconditionFailed):  # the answer's own status, not the report's
+        await pipeline(Unreachable(verdict_pass=False)).generate(ask(), Call(1e12, "t" * 32))
+    await asyncio.sleep(0)
 
 
 async def stream(up) -> tuple[list[str], object]:
