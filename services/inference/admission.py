@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
 
-from .api import GenerationRequest, TokenEvent
-from .memory import MemoryModel
+from services.inference.api import GenerationRequest, TokenEvent
+from services.inference.memory import MemoryModel
 
 
 @dataclass(frozen=True)

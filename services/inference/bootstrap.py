@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from . import formats, gate, warmcache
-from .config import InferenceConfig
-from .engine import ENGINE_VERSION, Engine
-from .model import AUTO, load_model
-from .warmcache import WarmRecord
-from .warmup import set_deterministic
+from services.inference import formats, gate, warmcache
+from services.inference.config import InferenceConfig
+from services.inference.engine import ENGINE_VERSION, Engine
+from services.inference.model import AUTO, load_model
+from services.inference.warmcache import WarmRecord
+from services.inference.warmup import set_deterministic
 
 log = logging.getLogger(__name__)
 

@@ -22,21 +22,21 @@ import torch
 
 from shared.errors import Cancelled, DeadlineExpired, InvalidInput, NotReady
 
-from .admission import Admission, QueueLimits, Ticket
-from .api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
-from .breaker import BreakerBoard, BreakerConfig
-from .faults import FaultInjectingRunner
-from .loop import LoopSettings, StepLoop
-from .memory import MemoryModel
-from .model import check_dtype, model_dtype
-from .oom import OomPolicy
-from .output import OutputProcessor
-from .prefix import PrefixCache
-from .runner import ModelRunner
-from .schedule import Scheduler, batch_cap
-from .stats import Counters, EngineStats
-from .torchthread import TorchThread
-from .warmup import Calibration, build_runners, measure_memory, set_deterministic
+from services.inference.admission import Admission, QueueLimits, Ticket
+from services.inference.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
+from services.inference.breaker import BreakerBoard, BreakerConfig
+from services.inference.faults import FaultInjectingRunner
+from services.inference.loop import LoopSettings, StepLoop
+from services.inference.memory import MemoryModel
+from services.inference.model import check_dtype, model_dtype
+from services.inference.oom import OomPolicy
+from services.inference.output import OutputProcessor
+from services.inference.prefix import PrefixCache
+from services.inference.runner import ModelRunner
+from services.inference.schedule import Scheduler, batch_cap
+from services.inference.stats import Counters, EngineStats
+from services.inference.torchthread import TorchThread
+from services.inference.warmup import Calibration, build_runners, measure_memory, set_deterministic
 
 # Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
 ENGINE_VERSION = 1

@@ -23,10 +23,10 @@ import torch
 from shared.config import ConfigError
 from shared.errors import InvalidInput
 
-from . import gate
-from .gate import GateResult, GateThresholds
-from .model import DTYPES, check_dtype, convert_model
-from .warmcache import var_dir
+from services.inference import gate
+from services.inference.gate import GateResult, GateThresholds
+from services.inference.model import DTYPES, check_dtype, convert_model
+from services.inference.warmcache import var_dir
 
 log = logging.getLogger(__name__)
 

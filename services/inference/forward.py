@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .model import model_dtype
+from services.inference.model import model_dtype
 
 
 @dataclass

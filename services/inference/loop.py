@@ -18,18 +18,18 @@ from types import MappingProxyType
 
 from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
 
-from .admission import Ticket
-from .api import TokenEvent
-from .breaker import BreakerBoard, Policy
-from .faults import RowFaults, is_oom
-from .memory import MemoryModel, PeakMeter
-from .oom import OomPolicy
-from .output import OutputProcessor
-from .prefix import PrefixCache, PrefixStats
-from .runner import ModelRunner
-from .schedule import Batch, Row, Scheduler, StepPlan, batch_cap
-from .stats import Counters, EngineStats, MemoryStats
-from .torchthread import TorchThread
+from services.inference.admission import Ticket
+from services.inference.api import TokenEvent
+from services.inference.breaker import BreakerBoard, Policy
+from services.inference.faults import RowFaults, is_oom
+from services.inference.memory import MemoryModel, PeakMeter
+from services.inference.oom import OomPolicy
+from services.inference.output import OutputProcessor
+from services.inference.prefix import PrefixCache, PrefixStats
+from services.inference.runner import ModelRunner
+from services.inference.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
+from services.inference.stats import Counters, EngineStats, MemoryStats
+from services.inference.torchthread import TorchThread
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from shared.errors import InvalidInput
 
-from .quant import QUANTIZED, quantize_linears, weight_format
+from services.inference.quant import QUANTIZED, quantize_linears, weight_format
 
 DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED
 AUTO = "auto"  # the stage picks a format at start (formats.py); a model is never "auto"

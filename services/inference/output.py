@@ -14,12 +14,12 @@ import torch
 
 from shared.errors import Fatal, NumericalInstability
 
-from .admission import Ticket
-from .api import Finished, TokenEvent
-from .breaker import BreakerBoard, Policy
-from .sampling import clamp_temperature, pick, row_is_finite
-from .schedule import Batch, Row
-from .stats import Counters
+from services.inference.admission import Ticket
+from services.inference.api import Finished, TokenEvent
+from services.inference.breaker import BreakerBoard, Policy
+from services.inference.sampling import clamp_temperature, pick, row_is_finite
+from services.inference.schedule import Batch, Row
+from services.inference.stats import Counters
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward import LlamaRunner, RowCache, Segment
-from .schedule import Batch
+from services.inference.forward import LlamaRunner, RowCache, Segment
+from services.inference.schedule import Batch
 
 
 class ModelRunner:

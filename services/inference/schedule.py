@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from shared.errors import DeadlineExpired
 
-from .admission import Admission, Ticket
-from .breaker import Policy
-from .faults import RowFaults
-from .forward import RowCache
+from services.inference.admission import Admission, Ticket
+from services.inference.breaker import Policy
+from services.inference.faults import RowFaults
+from services.inference.forward import RowCache
 
 
 @dataclass(eq=False)

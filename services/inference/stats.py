@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .breaker import BreakerState
-from .memory import MemoryModel
-from .prefix import PrefixStats
+from services.inference.breaker import BreakerState
+from services.inference.memory import MemoryModel
+from services.inference.prefix import PrefixStats
 
 
 def _empty() -> Mapping:

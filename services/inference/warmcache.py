@@ -24,9 +24,9 @@ import torch
 
 from shared.config import ROOT_DIR
 
-from .gate import GateResult
-from .memory import MemoryModel
-from .warmup import Calibration
+from services.inference.gate import GateResult
+from services.inference.memory import MemoryModel
+from services.inference.warmup import Calibration
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import LlamaRunner
-from .memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
-from .model import convert_model
-from .sampling import pick
+from services.inference.forward import LlamaRunner
+from services.inference.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
+from services.inference.model import convert_model
+from services.inference.sampling import pick
 
 log = logging.getLogger(__name__)
 
