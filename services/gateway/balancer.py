@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from shared.errors import KeelError, NotReady
 
@@ -23,44 +22,32 @@ from shared.errors import KeelError, NotReady
 _LOCAL_REASONS = frozenset({"NO_HEALTHY_UPSTREAM"})
 
 
-@dataclass(frozen=True)
-class BalancerConfig:
-    readmit_after_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.readmit_after_s <= 0:
-            raise ValueError("readmit_after_s must be > 0")
-
-
 class RoundRobinBalancer:
     """Round robin for one upstream (e.g. "tokenizer"); clock injectable for tests."""
 
-    def __init__(self, upstream: str, endpoints: Sequence[str],
-                 config: BalancerConfig = BalancerConfig(), *,
+    def __init__(self, upstream: str, endpoints: Sequence[str], *, readmit_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
-        self.upstream = upstream
-        self._config = config
-        self._clock = clock
-        self._endpoints: list[str] = []
-        self._down_since: dict[str, float] = {}
-        self._next = 0
-        self.set_endpoints(endpoints)
-
-    def set_endpoints(self, endpoints: Sequence[str]) -> None:
-        """Replace the list (e.g. after DNS re-resolution); known endpoints keep their health."""
         endpoints = list(dict.fromkeys(endpoints))
         if not endpoints or any(not e for e in endpoints):
-            raise ValueError(f"upstream {self.upstream!r} needs at least one non-empty endpoint")
+            raise ValueError(f"upstream {upstream!r} needs at least one non-empty endpoint")
+        if readmit_after_s <= 0:
+            raise ValueError("readmit_after_s must be > 0")
+        self.upstream = upstream
+        self._readmit_after_s = readmit_after_s
+        self._clock = clock
         self._endpoints = endpoints
-        self._down_since = {e: t for e, t in self._down_since.items() if e in endpoints}
-        self._next %= len(endpoints)
+        self._down_since: dict[str, float] = {}
+        self._next = 0
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         return tuple(self._endpoints)
 
     def healthy(self) -> tuple[str, ...]:
-        """Endpoints ``pick`` may return now (up, or down long enough to be re-admitted)."""
+        """Endpoints ``pick`` may return now (up, or down long enough to be re-admitted).
+
+        Kept although only tests read it: the one view of the state that has no side effect
+        (``pick`` starts a re-admission probe)."""
         return tuple(e for e in self._endpoints if self._eligible(e, self._clock()))
 
     def pick(self) -> str:
@@ -76,7 +63,7 @@ class RoundRobinBalancer:
                     # pile onto an endpoint that is still recovering.
                     self._down_since[endpoint] = now
                 return endpoint
-        wait_s = min(self._down_since.values()) + self._config.readmit_after_s - now
+        wait_s = min(self._down_since.values()) + self._readmit_after_s - now
         raise NotReady(f"no healthy {self.upstream} endpoint ({n} configured, all down)",
                        reason="NO_HEALTHY_UPSTREAM", metadata={"upstream": self.upstream},
                        retry_after_ms=max(0, math.ceil(wait_s * 1000)))
@@ -108,4 +95,4 @@ class RoundRobinBalancer:
 
     def _eligible(self, endpoint: str, now: float) -> bool:
         since = self._down_since.get(endpoint)
-        return since is None or now - since >= self._config.readmit_after_s
+        return since is None or now - since >= self._readmit_after_s

@@ -3,9 +3,9 @@
 Every retry the executor makes is reported with the interval it actually waited and the range
 its policy drew the delay from (``low``..``high``; equal for the unjittered linear backoff).
 
-- Histogram of actual intervals per (upstream, code), log-spaced buckets 1 ms .. 60 s, kept
-  here as plain counts (:meth:`RetryMonitor.histogram_snapshot`) and/or pushed to an injected
-  ``on_interval`` callback, so a caller can export either way to Prometheus.
+- Actual intervals per (upstream, code) go to the ``on_interval`` callback: the gateway observes them
+  in the Prometheus histogram keel_retry_interval_seconds (shared/metrics.py: log-spaced buckets
+  1 ms .. 60 s).
 - Clustering alert, per (upstream, code), over the last ``window`` jittered intervals, when
   either (a) >= 95% of them fall inside one +-5 s band although the policy's own ranges would
   put at most 75% there (a band test is blind when the whole range is narrower than the band,
@@ -22,18 +22,12 @@ true and re-arms when the condition clears.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("keel.gateway.retry")
-
-# Four buckets a decade from 1 ms, then 60 s; +Inf is implicit (Prometheus layout).
-INTERVAL_BUCKETS_S: tuple[float, ...] = tuple(
-    float(f"{0.001 * 10 ** (k / 4):.6g}") for k in range(20)) + (60.0,)
-
 
 @dataclass(frozen=True)
 class AlertConfig:
@@ -130,7 +124,8 @@ class _RateState:
 
 
 class RetryMonitor:
-    """Histogram, clustering and rate alerts over the executor's retries; clock injected."""
+    """Clustering and rate alerts over the executor's retries, each interval handed to ``on_interval``;
+    clock injected."""
 
     def __init__(self, config: AlertConfig, clock: Callable[[], float], *,
                  on_interval: Callable[[str, str, float], None] | None = None,
@@ -139,8 +134,6 @@ class RetryMonitor:
         self._clock = clock
         self._on_interval = on_interval
         self._on_alert = on_alert
-        self._hist: dict[tuple[str, str], list[int]] = {}
-        self._hist_sum: dict[tuple[str, str], float] = {}
         self._windows: dict[tuple[str, str], deque[RetryInterval]] = {}
         self._since_eval: dict[tuple[str, str], int] = {}
         self._clustering: set[tuple[str, str]] = set()
@@ -155,24 +148,10 @@ class RetryMonitor:
         """A retry was made after waiting ``interval.actual_s``."""
         self._rate(upstream).retries += 1
         key = (upstream, code)
-        counts = self._hist.setdefault(key, [0] * (len(INTERVAL_BUCKETS_S) + 1))
-        counts[bisect.bisect_left(INTERVAL_BUCKETS_S, interval.actual_s)] += 1
-        self._hist_sum[key] = self._hist_sum.get(key, 0.0) + interval.actual_s
         if self._on_interval is not None:
             self._on_interval(upstream, code, interval.actual_s)
         if interval.high_s > interval.low_s:
             self._observe_jittered(key, interval)
-
-    def histogram_snapshot(self) -> dict[tuple[str, str], tuple[list[int], float]]:
-        """Per (upstream, code): cumulative counts per bound of INTERVAL_BUCKETS_S then +Inf, and sum."""
-        out = {}
-        for key, counts in self._hist.items():
-            running, cumulative = 0, []
-            for c in counts:
-                running += c
-                cumulative.append(running)
-            out[key] = (cumulative, self._hist_sum[key])
-        return out
 
     def _observe_jittered(self, key: tuple[str, str], interval: RetryInterval) -> None:
         cfg = self._config

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from keel.tokenizer.v1 import tokenizer_pb2
-from services.gateway.balancer import BalancerConfig, RoundRobinBalancer
+from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.budget import ThrottleConfig
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.upstreams import MeshUpstreams, Pool
@@ -114,7 +114,7 @@ async def test_throttle_still_stops_retries_against_a_live_failing_replica():
     server, servicer = await serve(port, "fail")
     pool = Pool("tokenizer", (f"127.0.0.1:{port}",), 1 << 20)
     # Re-admit the failing replica at once, so each request reaches it instead of waiting to.
-    pool.balancer = RoundRobinBalancer("tokenizer", pool.targets, BalancerConfig(readmit_after_s=0.001))
+    pool.balancer = RoundRobinBalancer("tokenizer", pool.targets, readmit_after_s=0.001)
     pool.start()
     ex = executor()
     stops = []

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from services.gateway.budget import (KEEL_PREVIOUS_ATTEMPTS_KEY, PREVIOUS_ATTEMPTS_KEY,
                                      ThrottleConfig)
+from services.gateway.retry_alerts import RetryMonitor
 from services.gateway.retry import RetryConfig, RetryExecutor
 from shared.errors import (DeadlineExpired, InvalidInput, KeelError, NotReady, Overloaded,
                            PermissionDenied, Unauthenticated)
@@ -254,11 +255,13 @@ async def test_unexpected_exceptions_are_not_retried(clock):
 
 
 @pytest.mark.asyncio
-async def test_retries_reach_the_monitor_histogram(clock, scripted):
-    ex = executor(clock)
+async def test_retries_reach_the_monitor_and_its_exporter(clock, scripted):
+    seen = []
+    ex = RetryExecutor(RetryConfig(), clock=clock, sleep=clock.sleep, rng=random.Random(SEED),
+                       monitor=RetryMonitor(RetryConfig().alerts, clock, on_interval=lambda *a: seen.append(a)))
     await call(ex, clock, scripted([NotReady("down"), NotReady("down"), "ok"]))
-    counts, total = ex.monitor.histogram_snapshot()[("tokenizer", "UNAVAILABLE")]
-    assert counts[-1] == 2 and total == pytest.approx(sum(clock.sleeps))
+    assert [(up, code) for up, code, _ in seen] == [("tokenizer", "UNAVAILABLE")] * 2
+    assert sum(s for _, _, s in seen) == pytest.approx(sum(clock.sleeps))
 
 
 ERRORS = st.sampled_from([
