@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import meshauth, metrics
-from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, write_state
+from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, RestartPolicy, write_state
 from shared.stages import STAGE_ORDER
 from keelctl.procs import RUN_DIR_ENV
 
@@ -76,6 +76,14 @@ def layout_ports(layout: Layout) -> dict[int, str]:
     if layout.metrics_port:
         needed[layout.metrics_port] = "supervisor metrics"
     return needed
+
+
+def next_backoff(policy: RestartPolicy, previous_s: float, lived_s: float) -> float:
+    """The wait before restarting a child that died after ``lived_s``: the initial backoff for a
+    first death or one after a stable run, else double the previous, capped."""
+    if lived_s >= policy.stable_after_s or not previous_s:
+        return policy.initial_backoff_s
+    return min(policy.max_backoff_s, max(previous_s * 2, policy.initial_backoff_s))
 
 
 class Supervisor:
@@ -154,8 +162,7 @@ class Supervisor:
                 if c.restart_at is None and c.popen is not None and c.popen.poll() is not None:
                     rc = c.popen.returncode
                     lived = now - c.started_at
-                    c.backoff = (policy.initial_backoff_s if lived >= policy.stable_after_s or not c.backoff
-                                 else min(policy.max_backoff_s, max(c.backoff * 2, policy.initial_backoff_s)))
+                    c.backoff = next_backoff(policy, c.backoff, lived)
                     c.restart_at = now + c.backoff
                     c.restarts += 1
                     self._restarts.labels(stage=c.stage).inc()
