@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import Cancelled, DeadlineExpired, InvalidInput, NotReady
+from shared.errors import DeadlineExpired, InvalidInput, NotReady
 
 from services.inference.admission import Admission, QueueLimits, Ticket
 from services.inference.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
@@ -170,15 +170,6 @@ class Engine:
             self._tickets.pop(req.request_id, None)
             if not done:
                 self._loop.cancel(ticket)
-
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request from outside its consumer; its generator raises Cancelled."""
-        ticket = self._tickets.get(request_id)
-        if ticket is None:
-            return False
-        self._loop.cancel(ticket)
-        ticket.send(Cancelled("request cancelled", reason="CANCELLED", metadata={"request_id": request_id}))
-        return True
 
     def report_failure(self, kind: str, cause: str = "") -> None:
         """Count a failure observed outside the engine (e.g. 'output_limit' from the validator)."""
