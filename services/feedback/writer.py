@@ -1,7 +1,7 @@
 """Replay records into the database, or into an fsync'd spill file while the database is down.
 
 The same shape as the validator's quarantine (services/validator/quarantine.py), on the same
-:class:`~services.validator.spill.SpillLog`: ``put`` writes directly while the database is up and
+:class:`~shared.spill.SpillLog`: ``put`` writes directly while the database is up and
 no backlog exists; otherwise, or when that write fails, it appends to the spill and returns. A
 background thread probes the database every ``probe_interval_s`` and drains the spill oldest-first
 in batches. Each batch is an INSERT that skips trace_ids already stored, so a batch that reached
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,40 +19,29 @@ import sqlalchemy as sa
 
 from services.feedback.records import dumps
 from services.feedback.store import Store
-from services.validator.spill import SpillLog
+from shared.spill import SpillLog, SpillReplayer
 from shared import errors
 
 log = logging.getLogger("keel.feedback")
 
 
-class RecordWriter:
+class RecordWriter(SpillReplayer):
     def __init__(self, connect: Callable[[], Store], spill_path: Path, *, probe_interval_s: float = 0.5,
                  batch: int = 500, on_count: Callable[[str, int], None] = lambda path, n: None):
+        super().__init__()
         self._connect = connect           # opens (and migrates) the database; raises NotReady while down
         self._store: Store | None = None
         self._spill = SpillLog(spill_path)
         self._probe_s, self._batch = probe_interval_s, batch
-        self._lock = threading.Lock()     # orders put() against the drain's commits
-        self._wake, self._stop = threading.Event(), threading.Event()
-        self._thread: threading.Thread | None = None
-        self._up = False
         self._on_count = on_count          # (path, records): "direct", "spilled" or "replayed"
 
     def start(self) -> None:
         self._spill.open()
         self._up = self._spill.pending == 0 and self._probe()
-        self._thread = threading.Thread(target=self._loop, name="feedback-spill-replay", daemon=True)
-        self._thread.start()
-        self._wake.set()
+        self._start_replay(self._spill, "feedback-spill-replay")
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-        with self._lock:
-            self._thread = None
-            self._spill.close()
+        self._stop_replay()
         if self._store is not None:
             self._store.engine.dispose()
 
@@ -85,22 +72,6 @@ class RecordWriter:
         self._wake.set()
         return 0, len(bodies)
 
-    def backlog(self) -> int:
-        with self._lock:
-            return self._spill.pending
-
-    def wait_drained(self, timeout_s: float) -> bool:
-        """Block until the spill is empty and writes go direct again, or ``timeout_s`` passes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                if self._up and self._spill.pending == 0:
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            self._wake.set()
-            time.sleep(0.05)
-
     def _probe(self) -> bool:
         try:
             if self._store is None:
@@ -111,12 +82,8 @@ class RecordWriter:
         except (errors.NotReady, sa.exc.OperationalError, sa.exc.InterfaceError):
             return False
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._probe_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
+    def _replay_loop(self) -> None:
+        while self._wait(self._probe_s):
             with self._lock:
                 idle = self._up and self._spill.pending == 0
             if idle or not self._probe():

@@ -16,8 +16,6 @@ cursor moved, is not duplicated.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.validator.records import QuarantineRecord
-from services.validator.spill import SpillEntry, SpillLog, claim_slot, slot_path
+from shared.spill import SpillEntry, SpillLog, SpillReplayer, claim_slot, slot_path
 from shared.errors import PreconditionFailed
 
 log = logging.getLogger(__name__)
@@ -102,36 +100,23 @@ class QuarantineConfig:
                                     retry=Retry(NoBackoff(), 0), decode_responses=True)
 
 
-class Quarantine:
+class Quarantine(SpillReplayer):
     def __init__(self, cfg: QuarantineConfig):
+        super().__init__()
         self.cfg = cfg
         self._redis = cfg.connect()
         self._script = self._redis.register_script(_XADD_ONCE)
         self._spill = SpillLog(cfg.spill_path)
-        self._lock = threading.Lock()        # orders put() against replay commits
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._up = False                     # False until a probe succeeds: spill first, then direct
         self._counts = {"direct": 0, "spilled": 0, "replayed": 0}
 
     def start(self) -> None:
         """Claim (open and own) a free spill slot and start the replay thread."""
-        self._spill = claim_slot(self.cfg.spill_path, self.cfg.spill_slots)
-        self._up = self._spill.pending == 0 and self.ping()
-        self._thread = threading.Thread(target=self._replay_loop, name="quarantine-replay",
-                                        daemon=True)
-        self._thread.start()
-        self._wake.set()
+        spill = claim_slot(self.cfg.spill_path, self.cfg.spill_slots)
+        self._up = spill.pending == 0 and self.ping()
+        self._start_replay(spill, "quarantine-replay")
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-        with self._lock:
-            self._thread = None              # put() checks this under the lock
-            self._spill.close()
+        self._stop_replay()                  # put() sees _thread None under the lock
         self._redis.close()
 
     def put(self, record: QuarantineRecord) -> str:
@@ -154,10 +139,6 @@ class Quarantine:
         self._wake.set()
         return record.record_id
 
-    def backlog(self) -> int:
-        """Spilled records not yet replayed into Redis."""
-        with self._lock:
-            return self._spill.pending
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: records written directly, spilled, replayed; current backlog."""
@@ -185,19 +166,6 @@ class Quarantine:
         except redis.RedisError:
             return False
 
-    def wait_drained(self, timeout_s: float) -> bool:
-        """Block until the spill is empty and Redis takes writes directly, or ``timeout_s``
-        passes; returns which. (For shutdown and tests.)"""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                if self._up and self._spill.pending == 0:
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            self._wake.set()
-            time.sleep(0.02)
-
     def stream_for(self, record: QuarantineRecord) -> str:
         return self.cfg.review_stream if record.kind == "output" else self.cfg.stream
 
@@ -220,11 +188,7 @@ class Quarantine:
                 "args": args}
 
     def _replay_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.cfg.probe_interval_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
+        while self._wait(self.cfg.probe_interval_s):
             with self._lock:
                 idle = self._up and self._spill.pending == 0
             try:

@@ -8,7 +8,7 @@ import redis
 
 from services.validator.quarantine import Quarantine, QuarantineConfig
 from services.validator.records import QuarantineRecord
-from services.validator.spill import SpillLog
+from shared.spill import SpillLog
 
 WAIT_S = 30   # how long to wait for a replay before calling it lost (not a speed claim)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.validator.spill import SpillLog
+from shared.spill import SpillLog
 from shared.errors import PreconditionFailed
 
 

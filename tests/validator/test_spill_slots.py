@@ -7,7 +7,7 @@ import time
 import pytest
 
 from services.validator.quarantine import Quarantine, QuarantineConfig
-from services.validator.spill import claim_slot
+from shared.spill import claim_slot
 from shared.errors import PreconditionFailed
 from tests.validator.test_quarantine import WAIT_S, record, stream_records
 

@@ -1,4 +1,6 @@
-"""Append-only, fsync'd JSON-lines spill file for quarantine records Redis could not take.
+"""Append-only, fsync'd JSON-lines spill file for records a store could not take (the validator's
+quarantine spills what Redis refuses, the feedback stage what its database refuses), and the
+replay thread both run over it (:class:`SpillReplayer`).
 
 Layout next to ``path``:
   ``path``          one JSON record per line, appended and fsync'd before ``append`` returns
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,3 +190,57 @@ def claim_slot(base: Path, slots: int) -> SpillLog:
                              f"processes; run fewer workers or raise quarantine.spill_slots",
                              reason="SPILL_IN_USE")
 
+
+class SpillReplayer:
+    """The lifecycle both spilling writers share: a spill, a lock ordering writes against replay
+    commits, and one thread that wakes every ``interval_s`` (or when woken) to probe the store and
+    drain the spill into it. Subclasses write ``_replay_loop`` with ``_wait`` and ``_lock``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()        # orders writes against replay commits
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._up = False  # the store takes writes directly (no backlog); set by probes and the drain
+
+    def backlog(self) -> int:
+        """Records in the spill not yet in the store."""
+        with self._lock:
+            return self._spill.pending
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Block until the spill is empty and the store takes writes directly, or ``timeout_s``
+        passes; returns which (shutdown and tests)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._up and self._spill.pending == 0:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.02)
+
+    def _start_replay(self, spill: SpillLog, name: str) -> None:
+        self._spill = spill
+        self._thread = threading.Thread(target=self._replay_loop, name=name, daemon=True)
+        self._thread.start()
+        self._wake.set()
+
+    def _stop_replay(self) -> None:
+        """Stop and join the thread, then close the spill (writers see ``_thread is None``)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._thread = None
+            self._spill.close()
+
+    def _wait(self, interval_s: float) -> bool:
+        """Sleep until woken or ``interval_s`` passes; False once the replayer is stopping."""
+        self._wake.wait(interval_s)
+        self._wake.clear()
+        return not self._stop.is_set()
+
+    def _replay_loop(self) -> None:
+        raise NotImplementedError
