@@ -142,7 +142,10 @@ class AsyncStream:
 
 
 class AsyncClient:
-    """asyncio client with the same API: ``await generate(...)``, ``await stream(...)``."""
+    """asyncio client with the same API: ``await generate(...)``, ``await stream(...)``.
+
+    It mirrors Client line for line on purpose (kept, not shared): grpc's blocking and grpc.aio
+    call objects differ in every call (await, read() vs iteration), so one body cannot serve both."""
 
     def __init__(self, target: str, *, api_key: str, timeout: float = 60.0, max_retries: int = 2,
                  credentials: grpc.ChannelCredentials | None = None):
