@@ -48,7 +48,7 @@ from keelctl.ask import DEV_API_KEY  # noqa: E402
 from shared.modelfile import gguf_path  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 from shared.meshauth import HEADER as MESH_TOKEN_KEY  # noqa: E402
-from services.inference.warmcache import var_dir  # noqa: E402
+from shared.config import var_dir  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
 
 STATIC_BATCH = 16

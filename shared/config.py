@@ -27,8 +27,13 @@ from shared.errors import KeelError
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("KEEL_CONFIG_DIR", ROOT_DIR / "config"))
-# Everything a running mesh writes (run state, logs, traces, caches) lives under here.
-VAR_DIR = Path(os.environ.get("KEEL_VAR_DIR", ROOT_DIR / "var"))
+def var_dir() -> Path:
+    """Where everything a running mesh writes lives (run state, logs, traces, caches):
+    KEEL_VAR_DIR, read now (tests point it at a temporary folder), else var/ in the repository."""
+    return Path(os.environ.get("KEEL_VAR_DIR", ROOT_DIR / "var"))
+
+
+VAR_DIR = var_dir()  # as of process start, for paths fixed at import
 T = TypeVar("T")
 
 

@@ -20,13 +20,12 @@ from pathlib import Path
 
 import torch
 
-from shared.config import ConfigError
+from shared.config import ConfigError, var_dir
 from shared.errors import InvalidInput
 
 from services.inference import gate
 from services.inference.gate import GateResult, GateThresholds
 from services.inference.model import DTYPES, check_dtype, convert_model
-from services.inference.warmcache import var_dir
 
 log = logging.getLogger(__name__)
 

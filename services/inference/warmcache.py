@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shared.config import ROOT_DIR
+from shared.config import var_dir
 
 from services.inference.gate import GateResult
 from services.inference.memory import MemoryModel
@@ -31,11 +31,6 @@ from services.inference.warmup import Calibration
 log = logging.getLogger(__name__)
 
 PROBE_IDS = (1, 504, 2583, 314, 253, 1142, 28, 30)  # any fixed ids: the probe only needs to be the same
-
-
-def var_dir() -> Path:
-    """KEEL_VAR_DIR (tests point it at a temporary folder), else var/ in the repository."""
-    return Path(os.environ.get("KEEL_VAR_DIR", ROOT_DIR / "var"))
 
 
 def model_sha256(model_dir: Path) -> str:
