@@ -132,6 +132,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "2 smaller batch / fallback dtype, 3 open (rejecting).", ("error_type",), "inference"),
     _g("keel_inference_weight_format", "1 for the weight format the stage serves (engine.dtype, auto resolved "
        "at start).", ("format",), "inference"),
+    _g("keel_inference_active_variant", "1 for the model variant new requests start on, 0 for the other variants "
+       "preloaded at warm-up (SetVariant switches it; a start serves primary).", ("variant",), "inference"),
     _c("keel_inference_precision_fallbacks_total", "Requests the circuit breaker ran in its fallback weight format "
        "instead of the served one.", owner="inference"),
     _c("keel_inference_fallback_format_tokens_total", "Tokens generated in the breaker's fallback weight format; "

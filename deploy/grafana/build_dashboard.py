@@ -94,6 +94,9 @@ ROWS: list[tuple[str, list[dict]]] = [
         stat("Weight format served", [("max by (instance, format) (keel_inference_weight_format)",
                                        "{{instance}} {{format}}")], "none",
              "engine.dtype as resolved at start (auto picks the fastest gated, batch-invariant format)."),
+        ts("Active model variant by replica", [("max by (instance, variant) (keel_inference_active_variant)",
+                                               "{{instance}} {{variant}}")], "none",
+           "1 for the variant new requests start on (SetVariant, e.g. rotation); a restart serves primary."),
         ts("Share of tokens in the fallback format, and fallbacks (1h)", [
             (f"sum(rate(keel_inference_fallback_format_tokens_total{RATE})) "
              f"/ sum(rate(keel_inference_generated_tokens_total{RATE}))", "fallback token share"),

@@ -17,6 +17,7 @@ from services.inference import formats, gate, warmcache
 from services.inference.config import InferenceConfig
 from services.inference.engine import ENGINE_VERSION, Engine
 from services.inference.model import AUTO, load_model
+from services.inference.quant import QUANTIZED
 from services.inference.warmcache import WarmRecord
 from services.inference.warmup import set_deterministic
 
@@ -50,6 +51,7 @@ def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:
     e = cfg.engine
     settings = {k: getattr(e, k) for k in CALIBRATION_SETTINGS}
     settings["fallback_dtype"] = e.breaker.fallback_dtype
+    settings["variants"] = dict(sorted(e.variants.items()))  # each preloaded format adds to the memory model
     f = cfg.formats
     settings["formats"] = {"gate": f.gate.__dict__, "force": f.force, "auto_candidates": f.auto_candidates}
     # A new gate run can change what auto may pick, so the stored results are part of the key.
@@ -73,7 +75,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         ok = warmcache.probe_digest(model) == record.probe_digest
         phases.mark("verify_probe")
         if ok:
-            engine = Engine(model, replace(e, dtype=record.format))
+            engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, record.format))
             engine.warmup(record.calibration)
             phases.mark("warmup_reused")
             log.info("warm start: reusing the stored calibration", extra={"format": record.format,
@@ -92,7 +94,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         choice = formats.check_explicit(e.dtype, model_sha, cfg.formats)
         model = load_model(cfg.model_dir, e.dtype, e.device)
         phases.mark("load_model")
-    engine = Engine(model, replace(e, dtype=choice.format))
+    engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, choice.format))
     engine.warmup()
     phases.mark("warmup_measured")
     record = WarmRecord(choice.format, choice.reason, choice.gate, engine.calibration,
@@ -104,3 +106,11 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
                                                                      "reason": choice.reason,
                                                                      "phases_s": phases.times})
     return Started(engine, record, False, phases.times)
+
+
+def _other_models(cfg: InferenceConfig, served: str) -> dict[str, torch.nn.Module]:
+    """The variants' and the breaker's formats, loaded from the weight files when the served model is
+    quantized (it cannot be converted to another format); otherwise the engine converts it at warm-up."""
+    if served not in QUANTIZED:
+        return {}
+    return {fmt: load_model(cfg.model_dir, fmt, cfg.engine.device) for fmt in cfg.engine.other_formats() if fmt != served}

@@ -15,8 +15,10 @@ import asyncio
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -36,10 +38,12 @@ from services.inference.runner import ModelRunner
 from services.inference.schedule import Scheduler, batch_cap
 from services.inference.stats import Counters, EngineStats
 from services.inference.torchthread import TorchThread
+from services.inference.variants import NAME, PRIMARY, Switch
 from services.inference.warmup import Calibration, build_runners, measure_memory, set_deterministic
 
 # Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
-ENGINE_VERSION = 1
+# 2: runners (and their batch-invariant sizes) are keyed by weight format, no longer "primary"/"fallback".
+ENGINE_VERSION = 2
 
 __all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished",
            "FaultSpec"]
@@ -66,11 +70,23 @@ class EngineConfig:
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
     prefix_cache_bytes: int = 0               # budget share kept for the prefix cache (0: no prefix cache)
+    # Model variants preloaded at warm-up besides "primary" (this dtype): name -> weight format (variants.py).
+    variants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         check_dtype(self.dtype, self.device, allow_auto=True)  # the stage resolves "auto" (formats.py)
         if self.breaker.fallback_dtype is not None:
             check_dtype(self.breaker.fallback_dtype, self.device)
+        for name, fmt in self.variants.items():
+            if name == PRIMARY or not NAME.match(name):
+                raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} and not be {PRIMARY!r}",
+                                   reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
+            check_dtype(fmt, self.device)
+
+    def other_formats(self) -> tuple[str, ...]:
+        """The weight formats the variants and the breaker's fallback run on (the primary's may be among them)."""
+        fallback = (self.breaker.fallback_dtype,) if self.breaker.fallback_dtype else ()
+        return tuple(dict.fromkeys((*self.variants.values(), *fallback)))
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
                     "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens")
         for name in positive:
@@ -90,12 +106,18 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, others: Mapping[str, torch.nn.Module] = MappingProxyType({})):
+        """`others`: models of other formats the variants or the breaker need, already loaded (a quantized
+        model cannot be converted to another format, so the caller loads those from the weight files);
+        a format missing there is converted from `model` at warm-up."""
         if model_dtype(model) != config.dtype:
             raise InvalidInput(f"model is {model_dtype(model)} but config.dtype is {config.dtype}",
                                reason="DTYPE_MISMATCH")
         self.model = model
+        self.others = others
         self.config = config
+        # name -> weight format of every variant this engine serves; fixed for its lifetime
+        self.variants: Mapping[str, str] = MappingProxyType({PRIMARY: config.dtype, **config.variants})
         self.board = BreakerBoard(config.breaker, config.max_batch_size, clock)
         self.memory: MemoryModel | None = None
         self.calibration: Calibration | None = None
@@ -110,7 +132,7 @@ class Engine:
         if cfg.intra_op_threads is not None:
             torch.set_num_threads(cfg.intra_op_threads)
         set_deterministic(cfg.device)
-        runners = build_runners(self.model, cfg.device, cfg.breaker.fallback_dtype, cfg.max_batch_size,
+        runners = build_runners(self.model, self.others, cfg.other_formats(), cfg.device, cfg.max_batch_size,
                                 cfg.batch_invariant and calibration is None)
         if calibration is None:
             lengths = tuple(min(p, cfg.max_context_tokens - 1) for p in cfg.warmup_prompt_tokens)
@@ -128,7 +150,7 @@ class Engine:
                 metadata={"static_bytes": self.memory.static_bytes})
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
         self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, cfg.prefix_cache_bytes)
-        self._vocab_size = runners["primary"].vocab_size
+        self._vocab_size = runners[cfg.dtype].vocab_size
         runner = ModelRunner(runners)
         if cfg.fault_injection_enabled:
             runner = FaultInjectingRunner(runner)
@@ -140,7 +162,8 @@ class Engine:
                                  {name: r.dtype_name for name, r in runners.items()})
         self._loop = StepLoop(runner, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
                               self.board, OomPolicy(cfg.max_batch_size, cfg.oom_backoff_steps), counters,
-                              self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device),
+                              self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device,
+                                                        self.variants, cfg.breaker.fallback_dtype),
                               tokens_per_s, prefix)
         self._state = "warm"
 
@@ -171,6 +194,20 @@ class Engine:
             if not done:
                 self._loop.cancel(ticket)
 
+    async def set_variant(self, name: str, actor: str) -> Switch:
+        """Make `name` serve new requests (requests already running keep theirs). Idempotent."""
+        if name not in self.variants:
+            raise InvalidInput(f"unknown variant {name[:64]!r}; this replica has {', '.join(self.variants)}",
+                               reason="UNKNOWN_VARIANT", metadata={"variant": name[:64],
+                                                                   "variants": ",".join(self.variants)})
+        self._check_serving()
+        done: Future = Future()
+        self._loop.set_variant(name, actor, done)
+        return await asyncio.wrap_future(done)
+
+    def active_variant(self) -> str:
+        return self._loop.stats().active_variant if self._loop is not None else PRIMARY
+
     def report_failure(self, kind: str, cause: str = "") -> None:
         """Count a failure observed outside the engine (e.g. 'output_limit' from the validator)."""
         self.board.record(kind, cause)
@@ -197,10 +234,13 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self._loop.shutdown, err)
         self._state = "stopped"
 
-    def _submit(self, req: GenerationRequest) -> Ticket:
+    def _check_serving(self) -> None:
         if self._state != "serving":
             reason = {"draining": "DRAINING", "stopped": "SHUTTING_DOWN"}.get(self._state, "WARMING_UP")
             raise NotReady(f"inference engine is {self._state}", reason=reason, retry_after_ms=1000)
+
+    def _submit(self, req: GenerationRequest) -> Ticket:
+        self._check_serving()
         cfg = self.config
         validate(req, self._vocab_size, cfg.max_context_tokens, cfg.fault_injection_enabled)
         if req.request_id in self._tickets:

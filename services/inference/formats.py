@@ -70,15 +70,17 @@ def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) ->
                   f"greedy agreement {result.greedy_agreement:.3f})")
 
 
-def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig) -> FormatChoice:
-    """The choice for an explicit `engine.dtype`; ConfigError when it is not allowed to serve."""
+def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig, field: str = "engine.dtype") -> FormatChoice:
+    """The choice for an explicit format (`engine.dtype`, or the config `field` that names it, e.g. a
+    variant's); ConfigError when it is not allowed to serve."""
     results = gate.load(gate_path(model_sha), model_sha)
     ok, why = verdict(fmt, results, cfg.gate)
     if not ok and not cfg.force:
-        raise ConfigError(f"field 'engine.dtype' breaks rule 'quality gate': {why}; "
+        raise ConfigError(f"field '{field}' breaks rule 'quality gate': {why}; "
                           "set formats.force: true to serve it anyway")
     if not ok:
-        log.warning("serving a format that did not pass the quality gate (formats.force)", extra={"why": why})
+        log.warning("serving a format that did not pass the quality gate (formats.force)",
+                    extra={"field": field, "why": why})
     return FormatChoice(fmt, ("forced: " if not ok else "configured: ") + why, results.get(fmt))
 
 

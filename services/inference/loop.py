@@ -1,6 +1,6 @@
 """The step loop: one thread owns the rows, the queue, the counters and the OOM cap, and runs every step.
 
-Each iteration: drain the inbox (submit, cancel, stop sent by other threads), end cancelled and expired
+Each iteration: drain the inbox (submit, cancel, variant switch, stop sent by other threads), end cancelled and expired
 requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a cache, then for each batch of the plan
 `runner.execute(batch)` -> logits and `OutputProcessor.update(batch, logits)` -> events. It then
 publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
@@ -13,6 +13,7 @@ import logging
 import queue
 import time
 from concurrent.futures import Future
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -30,6 +31,7 @@ from services.inference.runner import ModelRunner
 from services.inference.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
 from services.inference.stats import Counters, EngineStats, MemoryStats
 from services.inference.torchthread import TorchThread
+from services.inference.variants import PRIMARY, Switch
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class LoopSettings:
     max_batch_size: int
     memory_audit: bool  # measure every iteration's allocator peak (slow; tests and bench)
     device: str
+    variants: Mapping[str, str]    # variant name -> the weight format (runner) it runs on
+    breaker_fallback: str | None   # the weight format new requests run on at breaker level 2, if any
 
 
 class StepLoop:
@@ -56,6 +60,7 @@ class StepLoop:
         self.tokens_per_s = tokens_per_s
         self.prefix = prefix
         self.observed_peak_bytes = 0
+        self.active = PRIMARY  # the variant new rows start on; changed only by this thread (_switch)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[tuple[Ticket, object]] = []
         self._stats = EngineStats()
@@ -77,6 +82,11 @@ class StepLoop:
         """Queued: removed at the next iteration. Running: removed (cache freed) before its next step."""
         ticket.cancelled = True
         self.inbox.put(("cancel", ticket))
+
+    def set_variant(self, name: str, actor: str, done: Future) -> None:
+        """Make `name` (a known variant) serve the rows created from the next iteration on; `done`
+        gets the `Switch` once the loop has applied it and published it in its stats."""
+        self.inbox.put(("variant", (name, actor, done)))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -132,6 +142,8 @@ class StepLoop:
                 return arg
             if kind == "submit":
                 self._admit_or_queue(arg)
+            elif kind == "variant":
+                self._switch(*arg)
             else:
                 self.scheduler.cancel(arg)
             try:
@@ -148,6 +160,15 @@ class StepLoop:
             self._emit(ticket, err)
             return
         self.counters.admitted += 1
+
+    def _switch(self, name: str, actor: str, done: Future) -> None:
+        """Between two steps: rows already created keep their runner, new ones take this variant's."""
+        switch = Switch(name, self.active)
+        self.active = name
+        self._publish()
+        log.info("active variant switched" if switch.changed else "active variant unchanged", extra={
+            "variant": name, "previous": switch.previous, "format": self.settings.variants[name], "actor": actor})
+        done.set_result(switch)
 
     def _expire(self) -> None:
         tickets, rows = self.scheduler.expire(time.monotonic(), self._retry_after_ms())
@@ -185,7 +206,8 @@ class StepLoop:
     def _new_row(self, ticket: Ticket, policy: Policy) -> None:
         """Give an admitted request its cache (for prompt + max_tokens) and a place in the batch."""
         req = ticket.req
-        name = "fallback" if policy.use_fallback and "fallback" in self.runner.runners else "primary"
+        fallback = self.settings.breaker_fallback if policy.use_fallback else None
+        name = fallback or self.settings.variants[self.active]
         try:
             cache = self.runner.new_cache(name, len(req.prompt_ids) + req.max_tokens)
         except Exception as exc:
@@ -196,7 +218,7 @@ class StepLoop:
             self._emit(ticket, self._oom_error(req.request_id))
             return
         row = Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
-                  chunk_tokens=self.scheduler.prefill_tokens)
+                  chunk_tokens=self.scheduler.prefill_tokens, variant=self.active)
         if self.prefix is not None:
             self._reuse_prefix(row)
         self.scheduler.add(row)
@@ -289,6 +311,8 @@ class StepLoop:
                 break
             if kind == "submit":
                 self._emit(arg, err)
+            elif kind == "variant":
+                arg[2].set_exception(err)
         self._publish()
         self._flush()
 
@@ -301,4 +325,5 @@ class StepLoop:
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
             invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.runner.runners.items()}),
             tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
-            prefix_cache=self.prefix.stats() if self.prefix is not None else PrefixStats())
+            prefix_cache=self.prefix.stats() if self.prefix is not None else PrefixStats(),
+            active_variant=self.active)

@@ -8,7 +8,7 @@ from services.inference.schedule import Batch
 
 
 class ModelRunner:
-    """The engine's model runners by name ("primary", and "fallback" when breaker level 2 has one)."""
+    """The engine's model runners, keyed by weight format (one per format the variants and the breaker use)."""
 
     def __init__(self, runners: dict[str, LlamaRunner]):
         self.runners = runners

@@ -23,7 +23,7 @@ class Row:
     """A request in the running batch: its cache and progress. Owned by the loop thread."""
 
     ticket: Ticket
-    runner: str
+    runner: str                    # the weight format that runs it (runner.py)
     cache: RowCache
     faults: RowFaults
     started: float
@@ -33,6 +33,7 @@ class Row:
     generated: int = 0
     last_token: int = -1
     first_token_at: float = 0.0
+    variant: str = "primary"       # the model variant active when the row was created; kept to its end
 
     @property
     def step(self) -> int:

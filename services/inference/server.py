@@ -55,6 +55,7 @@ class InferenceStage:
                                        "format_reason": started.record.reason, "warm_start": started.warm,
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
+        self._show_variant(engine)
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 
@@ -72,6 +73,7 @@ class InferenceStage:
             predicted.set(s.memory.predicted_bytes)
             budget.set(s.memory.budget_bytes)
             hit_rate.set(s.prefix_cache.hit_rate)
+            self._show_variant(self.engine)
             for kind, state in s.breaker.items():
                 level.labels(error_type=kind).set(state.level)
             for key, counter in (("numerical_faults", faults), ("oom_recoveries", ooms)):
@@ -79,6 +81,12 @@ class InferenceStage:
                 counter.inc(max(0, now - seen[key]))
                 seen[key] = now
             await asyncio.sleep(1.0)
+
+    def _show_variant(self, engine: Engine) -> None:
+        """keel_inference_active_variant: 1 for the variant new requests start on, 0 for the others."""
+        gauge, active = self.m.gauge("keel_inference_active_variant"), engine.active_variant()
+        for name in engine.variants:
+            gauge.labels(variant=name).set(1 if name == active else 0)
 
     async def close(self) -> None:
         if self._gauges:
@@ -95,4 +103,6 @@ def build() -> tuple[InferenceStage, ServerConfig]:
     model_sha = model_sha256(cfg.model_dir)
     if cfg.engine.dtype != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
         formats.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
+    for name, fmt in cfg.engine.variants.items():  # so does a variant's
+        formats.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
     return InferenceStage(cfg, model_sha), cfg.server

@@ -55,7 +55,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tracer = tracing.tracer()
         queued_ns = start_ns + int(ev.queue_ms * 1e6)
         kv = self.engine.memory.kv_bytes_per_token if self.engine.memory else 0
-        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level}
+        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level, "inference.variant": ev.variant}
         phases = [("inference.queue", start_ns, queued_ns, {}),
                   ("inference.prefill", queued_ns, first_ns, {"prompt_tokens": ev.prompt_tokens,
                                                               "kv_cache_bytes": kv * ev.prompt_tokens}),
@@ -86,7 +86,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield inference_pb2.GenerateEvent(token=inference_pb2.Token(
                     id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index))
             elif isinstance(ev, Finished):
-                if ev.dtype != self.engine.config.dtype:  # run by the breaker's fallback format
+                if ev.dtype != self.engine.variants[ev.variant]:  # run by the breaker's fallback format
                     self._fallbacks.inc()
                     self._fallback_tokens.inc(ev.completion_tokens)
                 span.set_attributes(ev.span_attributes())
@@ -94,6 +94,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
                     breaker_level=ev.breaker_level, dtype=ev.dtype, engine={**self.facts, "format": ev.dtype},
+                    variant=ev.variant,
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
 
     async def ReportFailure(self, request, context):
@@ -102,3 +103,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                       reason="UNKNOWN_FAILURE_KIND", metadata={"kind": request.kind[:64]})
         self.engine.report_failure(request.kind, request.cause[:200])
         return inference_pb2.ReportFailureResponse()
+
+    async def SetVariant(self, request, context):
+        switch = await self.engine.set_variant(request.variant, request.actor[:200])
+        return inference_pb2.SetVariantResponse(active=switch.active, previous=switch.previous)
+
+    async def GetVariant(self, request, context):
+        return inference_pb2.GetVariantResponse(active=self.engine.active_variant(), variants=self.engine.variants)

@@ -78,3 +78,4 @@ class EngineStats:
     breaker_level: int = 0
     counters: CounterStats = CounterStats()
     prefix_cache: PrefixStats = PrefixStats()
+    active_variant: str = "primary"   # the model variant new requests start on (variants.py)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from services.inference.forward import LlamaRunner
 from services.inference.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
-from services.inference.model import convert_model
+from services.inference.model import convert_model, model_dtype
 from services.inference.sampling import pick
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ class Calibration:
     """What warm-up measures on this host; an identical engine may be given it instead (warmcache.py)."""
 
     memory: MemoryModel
-    invariant_sizes: dict[str, tuple[int, ...]]  # per runner ("primary", "fallback")
+    invariant_sizes: dict[str, tuple[int, ...]]  # per runner, keyed by its weight format
     tokens_per_s: float                           # batch-1 decode rate, the scheduler's first estimate
 
 
@@ -40,11 +41,15 @@ def set_deterministic(device: str) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def build_runners(model: torch.nn.Module, device: str, fallback_dtype: str | None,
-                  max_batch: int, batch_invariant: bool) -> dict[str, LlamaRunner]:
-    runners = {"primary": LlamaRunner(model, device)}
-    if fallback_dtype is not None and fallback_dtype != runners["primary"].dtype_name:
-        runners["fallback"] = LlamaRunner(convert_model(model, fallback_dtype, device), device)
+def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module], formats: Iterable[str],
+                  device: str, max_batch: int, batch_invariant: bool) -> dict[str, LlamaRunner]:
+    """One runner per weight format, keyed by it: `model`'s own, then each of `formats` (taken from
+    `others` when loaded there, else converted from `model`). A format used by several variants, or
+    by a variant and the breaker's fallback, is one model in memory."""
+    runners = {model_dtype(model): LlamaRunner(model, device)}
+    for fmt in formats:
+        if fmt not in runners:
+            runners[fmt] = LlamaRunner(others[fmt] if fmt in others else convert_model(model, fmt, device), device)
     for name, runner in runners.items():
         sizes = runner.calibrate_invariant_sizes(max_batch) if batch_invariant else ()
         log.info("batch-invariant sizes for %s: %s", name, sizes or "none",

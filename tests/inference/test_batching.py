@@ -161,7 +161,7 @@ async def test_duplicate_request_id_in_flight_is_rejected(make_engine):
 async def test_invariance_padding_can_be_switched_off(make_engine):
     on = await make_engine()
     off = await make_engine(batch_invariant=False)
-    assert 16 in on.stats().invariant_batch_sizes["primary"]
-    assert off.stats().invariant_batch_sizes["primary"] == ()
+    assert 16 in on.stats().invariant_batch_sizes["float32"]
+    assert off.stats().invariant_batch_sizes["float32"] == ()
     tokens, _ = await collect(off, request("a", prompt(1), max_tokens=5))
     assert len(tokens) == 5
