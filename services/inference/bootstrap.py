@@ -113,4 +113,5 @@ def _other_models(cfg: InferenceConfig, served: str) -> dict[str, torch.nn.Modul
     quantized (it cannot be converted to another format); otherwise the engine converts it at warm-up."""
     if served not in QUANTIZED:
         return {}
-    return {fmt: load_model(cfg.model_dir, fmt, cfg.engine.device) for fmt in cfg.engine.other_formats() if fmt != served}
+    e = cfg.engine
+    return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats() if fmt != served}

@@ -82,11 +82,6 @@ class EngineConfig:
                 raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} and not be {PRIMARY!r}",
                                    reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
             check_dtype(fmt, self.device)
-
-    def other_formats(self) -> tuple[str, ...]:
-        """The weight formats the variants and the breaker's fallback run on (the primary's may be among them)."""
-        fallback = (self.breaker.fallback_dtype,) if self.breaker.fallback_dtype else ()
-        return tuple(dict.fromkeys((*self.variants.values(), *fallback)))
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
                     "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens")
         for name in positive:
@@ -103,10 +98,16 @@ class EngineConfig:
             raise InvalidInput("queue limits must be >= 0 and warmup_prompt_tokens non-empty",
                                reason="INVALID_CONFIG")
 
+    def other_formats(self) -> tuple[str, ...]:
+        """The weight formats the variants and the breaker's fallback run on (the primary's may be among them)."""
+        fallback = (self.breaker.fallback_dtype,) if self.breaker.fallback_dtype else ()
+        return tuple(dict.fromkeys((*self.variants.values(), *fallback)))
+
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
-                 clock: Callable[[], float] = time.monotonic, others: Mapping[str, torch.nn.Module] = MappingProxyType({})):
+                 clock: Callable[[], float] = time.monotonic,
+                 others: Mapping[str, torch.nn.Module] = MappingProxyType({})):
         """`others`: models of other formats the variants or the breaker need, already loaded (a quantized
         model cannot be converted to another format, so the caller loads those from the weight files);
         a format missing there is converted from `model` at warm-up."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from concurrent.futures import Future
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import MappingProxyType
 

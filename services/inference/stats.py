@@ -72,7 +72,7 @@ class EngineStats:
     batch_cap: int = 0                # current cap (config, breaker level 2, OOM halving)
     oom_cap: int = 0                  # the OOM policy's share of it
     memory: MemoryStats = MemoryStats()
-    invariant_batch_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=_empty)  # by runner
+    invariant_batch_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=_empty)  # by runner (format)
     tokens_per_s: float = 0.0
     breaker: Mapping[str, BreakerState] = field(default_factory=_empty)  # by kind
     breaker_level: int = 0

@@ -1,0 +1,61 @@
+"""Variants at start-up (bootstrap.py): in the warm-start fingerprint and record, and built from the
+weight files when the served format is quantized. On the tiny model saved to a folder."""
+from __future__ import annotations
+
+import pytest
+
+from services.inference import bootstrap, warmcache
+from services.inference.config import InferenceConfig
+from services.inference.formats import FormatsConfig
+from tests.inference.helpers import collect, ids, prompt, request, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny):
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def var_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _cfg(model_dir, **engine) -> InferenceConfig:
+    # no gate results in the scratch var/: force lets int8 serve (the gate refusal is tested elsewhere)
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"dtype": "float32", **engine}),
+                           formats=FormatsConfig(force=True))
+
+
+def _start(cfg: InferenceConfig) -> bootstrap.Started:
+    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+
+
+def test_the_record_covers_every_variant_and_a_changed_variant_list_measures_again(var_dir, model_dir):
+    cfg = _cfg(model_dir, variants={"fallback": "int8"})
+    cold = _start(cfg)
+    assert set(cold.record.calibration.invariant_sizes) == {"float32", "int8"}
+    warm = _start(cfg)
+    assert warm.warm and warm.engine.calibration == cold.engine.calibration
+    assert dict(warm.engine.variants) == {"primary": "float32", "fallback": "int8"}
+    assert not _start(_cfg(model_dir, variants={"fallback": "bfloat16"})).warm
+    assert not _start(_cfg(model_dir)).warm
+
+
+@pytest.mark.asyncio
+async def test_a_quantized_primary_serves_a_float_variant_loaded_from_the_weight_files(var_dir, model_dir):
+    started = _start(_cfg(model_dir, dtype="int8", variants={"full": "float32"}))
+    reference = _start(_cfg(model_dir))
+    engine = started.engine
+    await engine.start()
+    await reference.engine.start()
+    try:
+        await engine.set_variant("full", "test")
+        got, fin = await collect(engine, request("a", prompt(8), max_tokens=8))
+        want, _ = await collect(reference.engine, request("b", prompt(8), max_tokens=8))
+        assert (fin.variant, fin.dtype) == ("full", "float32") and ids(got) == ids(want)
+    finally:
+        await engine.stop(grace_s=0)
+        await reference.engine.stop(grace_s=0)
