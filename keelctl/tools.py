@@ -29,4 +29,7 @@ def dispatch(cmd: str, argv: list[str]) -> int:
     if cmd == "etl":
         from services.feedback import etl
         return etl.main(argv)
+    if cmd == "variant":
+        from keelctl import variant
+        return variant.main(argv)
     raise ValueError(cmd)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -89,6 +90,13 @@ def _generate(stub) -> tuple[inference_pb2.Finished, list[int], str]:
     return events[-1].finished, [e.token.id for e in events[:-1]], trace_id
 
 
+def _keel(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp / "keel.json"), KEEL_VAR_DIR=str(tmp / "cli-var"))
+    env.pop("KEEL_MESH_TOKEN", None)
+    return subprocess.run([sys.executable, "-m", "keelctl", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
 def _eventually(check, timeout_s: float = 60):
     end = time.monotonic() + timeout_s
     while not check():
@@ -137,8 +145,20 @@ def test_switching_the_real_model_over_grpc_and_serving_primary_again_after_a_re
         assert {s["name"] for s in spans} >= {"inference/Generate", "inference.queue", "inference.prefill",
                                               "inference.decode"}
         assert all(s["attributes"]["inference.variant"] == "fallback" for s in spans)
-        switched = [r for r in stage.log() if r.get("msg", r.get("message")) == "active variant switched"]
+        switched = [r for r in stage.log() if r.get("msg") == "active variant switched"]
         assert [(r["variant"], r["previous"], r["actor"]) for r in switched] == [("fallback", "primary", "rotation:42")]
+
+        # the same through `keel variant`, against a layout naming this stage
+        layout = yaml.safe_load((ROOT / "config" / "keel.yaml").read_text())
+        layout["stages"]["inference"].update(ports=[stage.port], metrics_ports=[stage.metrics_port])
+        (tmp / "keel.json").write_text(json.dumps(layout))
+        shown = _keel(tmp, "variant")
+        assert shown.returncode == 0 and "active fallback" in shown.stdout and "fallback=int8" in shown.stdout
+        back = _keel(tmp, "variant", "set", "primary", "--actor", "cli-test")
+        assert back.returncode == 0 and "primary (was fallback)" in back.stdout
+        unknown = _keel(tmp, "variant", "set", "nope")
+        assert unknown.returncode == 1 and "UNKNOWN_VARIANT" in unknown.stderr
+        _eventually(lambda: stage.gauge("primary") == 1.0 and stage.gauge("fallback") == 0.0)
     finally:
         stage.stop()
 
@@ -150,7 +170,7 @@ def test_switching_the_real_model_over_grpc_and_serving_primary_again_after_a_re
             assert restarted.stub(ch).GetVariant(inference_pb2.GetVariantRequest(), timeout=30).active == "primary"
             fin, _, _ = _generate(restarted.stub(ch))
             assert (fin.variant, fin.dtype) == ("primary", "float32")
-        warm = [r for r in restarted.log() if r.get("msg", r.get("message")) == "engine warm"]
+        warm = [r for r in restarted.log() if r.get("msg") == "engine warm"]
         assert warm and warm[0]["warm_start"] is True
         _eventually(lambda: restarted.gauge("primary") == 1.0 and restarted.gauge("fallback") == 0.0)
     finally:
