@@ -42,8 +42,8 @@ async def test_after_a_switch_new_requests_run_on_the_variant_with_its_tokens(ma
 @pytest.mark.asyncio
 async def test_a_request_running_during_the_switch_finishes_on_its_variant_with_the_same_tokens(make_engine):
     engine = await make_engine(variants=VARIANTS, fault_injection_enabled=True)
-    slow = FaultSpec(slow_step_ms=30)  # about a second of steps: the switch lands while it runs
-    alone, _ = await collect(engine, request("alone", prompt(2), max_tokens=30, faults=slow))
+    slow = FaultSpec(slow_step_ms=50)  # two seconds of steps: the switch lands while it runs
+    alone, _ = await collect(engine, request("alone", prompt(2), max_tokens=40, faults=slow))
 
     order: list[tuple[str, object]] = []
 
@@ -51,7 +51,7 @@ async def test_a_request_running_during_the_switch_finishes_on_its_variant_with_
         async for item in stream:
             order.append((rid, item))
 
-    running = asyncio.create_task(run("old", engine.generate(request("old", prompt(2), max_tokens=30, faults=slow))))
+    running = asyncio.create_task(run("old", engine.generate(request("old", prompt(2), max_tokens=40, faults=slow))))
     while not order:  # its first token is out: the row exists on the primary runner
         await asyncio.sleep(0.005)
     await engine.set_variant("fallback", "test")
