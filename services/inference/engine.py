@@ -78,8 +78,8 @@ class EngineConfig:
         if self.breaker.fallback_dtype is not None:
             check_dtype(self.breaker.fallback_dtype, self.device)
         for name, fmt in self.variants.items():
-            if name == PRIMARY or not NAME.match(name):
-                raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} and not be {PRIMARY!r}",
+            if not NAME.match(name):
+                raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} ({PRIMARY!r} is reserved)",
                                    reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
             check_dtype(fmt, self.device)
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",

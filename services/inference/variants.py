@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass
 
 PRIMARY = "primary"
-NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")  # the same rule as the config schema's propertyNames
+# A configured variant's name ("primary" is the served format's); the config schema's propertyNames
+# pattern is the same rule, so a bad name in the file stops the stage before this is reached.
+NAME = re.compile(r"^(?!primary$)[a-z][a-z0-9_-]{0,31}$")
 
 
 @dataclass(frozen=True)

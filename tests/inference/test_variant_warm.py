@@ -59,3 +59,14 @@ async def test_a_quantized_primary_serves_a_float_variant_loaded_from_the_weight
     finally:
         await engine.stop(grace_s=0)
         await reference.engine.stop(grace_s=0)
+
+
+def test_the_config_file_takes_variants_and_refuses_a_bad_one_naming_the_field():
+    from services.inference import config as inference_config
+    from shared.config import ConfigError
+    cfg = inference_config.load(environ={"KEEL_INFERENCE_ENGINE__VARIANTS__FALLBACK": "int8"})
+    assert dict(cfg.engine.variants) == {"fallback": "int8"}
+    assert dict(inference_config.load(environ={}).engine.variants) == {}
+    for key, value in (("PRIMARY", "int8"), ("FALLBACK", "int3")):
+        with pytest.raises(ConfigError, match="engine.variants"):
+            inference_config.load(environ={f"KEEL_INFERENCE_ENGINE__VARIANTS__{key}": value})
