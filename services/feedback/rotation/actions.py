@@ -53,7 +53,7 @@ class Actions:
             raise NothingToDo("no inference replica is configured (rotation.inference)")
         done: dict[str, dict] = {}
         try:
-            for target in self.fleet.targets:
+            for target in await self.fleet.replicas():
                 r = await self.fleet.set_variant(target, variant, actor)
                 done[target] = {"previous": r.previous, "active": r.active}
         except errors.KeelError as exc:
@@ -71,7 +71,7 @@ class Actions:
             return sorted({(a.strip(), labels.get("adapter_version", "")) for a in labels["adapter"].split(",")
                            if a.strip()})
         found: set[tuple[str, str]] = set()
-        for target in self.fleet.targets:
+        for target in await self.fleet.replicas():
             try:
                 listed = await self.fleet.list_adapters(target)
             except errors.KeelError as exc:

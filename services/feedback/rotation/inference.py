@@ -1,10 +1,13 @@
 """The rotation executor's calls to the inference replicas (with the mesh token, as every stage)."""
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import grpc
 
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
-from shared import client
+from shared import client, errors
 
 
 class InferenceFleet:
@@ -13,6 +16,23 @@ class InferenceFleet:
     def __init__(self, targets: tuple[str, ...], timeout_s: float):
         self.targets = targets
         self.timeout_s = timeout_s
+
+    async def replicas(self) -> list[str]:
+        """Every replica behind the targets: a name (a headless Service) resolves to one address per pod."""
+        out: list[str] = []
+        for target in self.targets:
+            host, _, port = target.rpartition(":")
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise errors.NotReady(f"cannot resolve inference target {target}: {exc}",
+                                      reason="VARIANT_SWITCH_FAILED") from exc
+            for info in infos:
+                ip = info[4][0]
+                addr = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                if addr not in out:
+                    out.append(addr)
+        return out
 
     async def _call(self, target: str, method: str, request):
         async with client.channel(target) as ch:

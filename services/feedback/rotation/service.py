@@ -54,7 +54,12 @@ class Rotation:
 
     async def status(self) -> dict:
         replicas = []
-        for target in self.fleet.targets:
+        try:
+            targets = await self.fleet.replicas()
+        except errors.KeelError as exc:
+            targets = []
+            replicas.append({"target": ", ".join(self.fleet.targets), "active": "", "error": str(exc)})
+        for target in targets:
             try:
                 replicas.append({"target": target, "active": (await self.fleet.get_variant(target)).active, "error": ""})
             except errors.KeelError as exc:
