@@ -20,6 +20,7 @@ from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keelctl.layout import load_layout, read_state
 from services.validator.quarantine_cli import parse_duration
 from shared import meshauth, tls
+from shared.config import ConfigError
 
 ALERTMANAGER = "http://127.0.0.1:9093"
 TIMEOUT_S = 30.0
@@ -104,7 +105,11 @@ def main(argv: list[str]) -> int:
     d = sub.add_parser("dry-run", help="what the alerts active in Alertmanager now would do")
     d.add_argument("--alertmanager", default=os.environ.get("KEEL_ALERTMANAGER_URL", ALERTMANAGER))
     args = p.parse_args(argv)
-    target = load_layout().targets("feedback")
+    try:
+        target = load_layout().targets("feedback")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not target:
         print("error: the mesh layout has no feedback stage", file=sys.stderr)
         return 2

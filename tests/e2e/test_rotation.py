@@ -74,7 +74,7 @@ def loop(tmp_path_factory):
         targets = [f"127.0.0.1:{p}" for s in ("gateway", "inference") for p in stages[s]["metrics_ports"]]
         prom, _ = start_prometheus(tmp, e2e_rules(), targets, am_url)
         procs.append(prom)
-        yield mesh
+        yield mesh, am_url
     finally:
         for p in procs:
             p.stop()
@@ -122,7 +122,7 @@ def variant(mesh) -> str:
 
 
 def test_slow_answers_switch_to_the_fallback_and_back_and_a_second_firing_waits_for_the_cooldown(loop):
-    mesh = loop
+    mesh, alertmanager = loop
     traffic = Traffic(mesh)
     try:
         first = wait_until(lambda: settled(mesh, "firing"), 180, "the first firing")[0]
@@ -149,6 +149,9 @@ def test_slow_answers_switch_to_the_fallback_and_back_and_a_second_firing_waits_
     traffic = Traffic(mesh)
     try:
         second = wait_until(lambda: settled(mesh, "firing", other_than=first.id), 180, "the second firing")[0]
+        dry = keel(mesh, "rotation", "dry-run", "--alertmanager", alertmanager)   # the alert is still active
+        assert dry.returncode == 0 and f"{RULE} (switch_variant, {second.fingerprint}): would nothing: already " \
+            f"decided as {second.id} (cooldown)" in dry.stdout, dry.stdout + dry.stderr
     finally:
         traffic.stop()
     assert second.starts_at != first.starts_at

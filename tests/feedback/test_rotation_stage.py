@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keelctl import health
@@ -42,7 +43,7 @@ def stage(tmp_path):
     try:
         health.wait_serving({"feedback": (target, "keel.feedback.v1.Feedback")}, 60, lambda: proc.poll() is None)
         with grpc.insecure_channel(target) as ch:
-            yield feedback_pb2_grpc.FeedbackStub(ch), f"http://127.0.0.1:{hook}/rotation/alerts"
+            yield feedback_pb2_grpc.FeedbackStub(ch), f"http://127.0.0.1:{hook}/rotation/alerts", port
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -65,7 +66,7 @@ def rpc_error(call):
 
 
 def test_webhook_to_proposal_to_approval_over_the_stage_api(stage):
-    stub, url = stage
+    stub, url, _port = stage
     assert post(url, payload(), token="nope")[0] == 401
     status, body = post(url, payload())
     assert status == 200 and body["decisions"][0]["outcome"] == "proposed"
@@ -103,3 +104,29 @@ def test_webhook_to_proposal_to_approval_over_the_stage_api(stage):
                                                              "alerts[0].status")
     err = rpc_error(lambda: stub.RotationHistory(feedback_pb2.RotationHistoryRequest(), timeout=30))
     assert err.code == "UNAUTHENTICATED"
+
+
+def keel_rotation(tmp_path, port: int, *args: str) -> subprocess.CompletedProcess:
+    layout = yaml.safe_load((ROOT / "config" / "keel.yaml").read_text())
+    layout["stages"]["feedback"]["ports"] = [port]
+    (tmp_path / "keel.json").write_text(json.dumps(layout))
+    env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp_path / "keel.json"), KEEL_VAR_DIR=str(tmp_path / "cli-var"),
+               KEEL_MESH_TOKEN=TOKEN)
+    return subprocess.run([sys.executable, "-m", "keelctl", "rotation", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_keel_rotation_shows_and_approves_a_proposal(stage, tmp_path):
+    stub, url, port = stage
+    assert post(url, payload())[0] == 200
+    status = keel_rotation(tmp_path, port, "status")
+    assert status.returncode == 0, status.stderr
+    assert "mode: propose" in status.stdout and "proposals waiting: 1" in status.stdout
+    assert "switch_variant    cooldown 3600 s: " in status.stdout
+    history = keel_rotation(tmp_path, port, "history")
+    assert history.stdout.startswith("#1 ") and "[firing] switch_variant -> proposed (propose, by alertmanager)" \
+        in history.stdout
+    approved = keel_rotation(tmp_path, port, "approve", "1", "--actor", "carol")
+    assert approved.returncode == 1 and "-> failed (propose, by carol)" in approved.stdout  # no replica runs
+    again = keel_rotation(tmp_path, port, "approve", "1", "--actor", "carol")
+    assert again.returncode == 1 and "FAILED_PRECONDITION" in again.stderr
