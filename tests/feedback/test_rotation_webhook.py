@@ -60,7 +60,8 @@ async def test_a_firing_then_resolved_alert_is_applied_and_undone(webhook):
     status, body = await post(http, payload())
     assert status == 200 and [(d["action"], d["outcome"]) for d in body["decisions"]] == [("switch_variant", "applied")]
     assert replica.active == "fallback"
-    status, body = await post(http, payload())   # a repeated notification
+    # a repeated notification, with startsAt in nanoseconds (the v2 API has milliseconds): the same alert
+    status, body = await post(http, payload(startsAt="2026-12-01T11:00:00.123456789+01:00"))
     assert status == 200 and body["decisions"][0]["id"] == 1 and replica.set_variant_calls() == ["fallback"]
     status, body = await post(http, payload("resolved", endsAt="2026-12-01T11:00:00Z"))
     assert status == 200 and body["decisions"][0]["outcome"] == "applied" and replica.active == "primary"
@@ -89,6 +90,8 @@ async def test_a_caller_without_the_mesh_token_gets_401_and_is_logged(webhook, t
     (payload(labels={"alertname": "A", "keel_action": 3}), "alerts[0].labels"),
     (payload(fingerprint=""), "alerts[0].fingerprint"),
     (payload(startsAt=None), "alerts[0].startsAt"),
+    (payload(startsAt="yesterday"), "alerts[0].startsAt"),
+    (payload(startsAt="2026-13-01T10:00:00Z"), "alerts[0].startsAt"),
     (payload(labels={"keel_action": "switch_variant"}), "alerts[0].labels.alertname"),
     (b"x" * (2 << 20), "body"),
 ])

@@ -8,13 +8,16 @@ without a ``keel_action`` label is not for Keel and is left out (the route only 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from shared import errors
 
 ACTION_LABEL = "keel_action"
 PHASES = ("firing", "resolved")
 MAX_ALERTS = 1000
+_RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class Alert:
     action: str                  # labels.keel_action
     phase: str                   # firing | resolved
     fingerprint: str
-    starts_at: str               # RFC 3339, as Alertmanager sent it (part of the idempotency key)
+    starts_at: str               # RFC 3339 in UTC to the millisecond (part of the idempotency key)
     labels: dict[str, str]
     annotations: dict[str, str]  # the rule's metric snapshot (one annotation per condition)
 
@@ -44,6 +47,20 @@ def _str(alert: dict, key: str, field: str, *, max_len: int = 200) -> str:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise _bad(f"{field}.{key}", f"must be a non-empty string of at most {max_len} characters")
     return value
+
+
+def canonical_time(value: str, field: str) -> str:
+    """RFC 3339 in UTC with milliseconds: the webhook sends nanoseconds, the v2 API milliseconds, and
+    Prometheus keeps milliseconds, so the same alert has the same key whichever way it came."""
+    m = _RFC3339.match(value)
+    if not m:
+        raise _bad(field, "must be an RFC 3339 time")
+    whole, frac, zone = m.groups()
+    try:
+        t = datetime.fromisoformat(f"{whole}.{(frac or '0')[:6].ljust(6, '0')}{'+00:00' if zone == 'Z' else zone}")
+    except ValueError:
+        raise _bad(field, "must be an RFC 3339 time") from None
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def parse(body: bytes) -> list[Alert]:
@@ -80,5 +97,6 @@ def from_doc(doc) -> list[Alert]:
             raise _bad(f"{field}.labels.alertname", "is missing")
         out.append(Alert(rule=labels["alertname"], action=labels[ACTION_LABEL], phase=phase,
                          fingerprint=_str(a, "fingerprint", field, max_len=64),
-                         starts_at=_str(a, "startsAt", field, max_len=64), labels=labels, annotations=annotations))
+                         starts_at=canonical_time(_str(a, "startsAt", field, max_len=64), f"{field}.startsAt"),
+                         labels=labels, annotations=annotations))
     return out
