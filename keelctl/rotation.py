@@ -12,9 +12,9 @@ import json
 import os
 import sys
 import time
-import urllib.request
 
 import grpc
+import requests
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keelctl.layout import load_layout, read_state
@@ -48,8 +48,11 @@ def _as_json(d: feedback_pb2.RotationDecision) -> str:
 
 def active_alerts(url: str) -> list[feedback_pb2.RotationAlert]:
     """The alerts Alertmanager holds now, as the dry run takes them (firing)."""
-    with urllib.request.urlopen(f"{url.rstrip('/')}/api/v2/alerts?active=true", timeout=TIMEOUT_S) as r:
-        listed = json.loads(r.read())
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--alertmanager must be an http(s) URL, got {url!r}")
+    r = requests.get(f"{url.rstrip('/')}/api/v2/alerts", params={"active": "true"}, timeout=TIMEOUT_S)
+    r.raise_for_status()
+    listed = r.json()
     return [feedback_pb2.RotationAlert(labels=a.get("labels", {}), annotations=a.get("annotations", {}),
                                        fingerprint=a.get("fingerprint", ""), starts_at=a.get("startsAt", ""),
                                        status="firing") for a in listed]
@@ -119,6 +122,6 @@ def main(argv: list[str]) -> int:
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    except OSError as exc:
+    except (OSError, ValueError, requests.RequestException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 import pytest_asyncio
+import sqlalchemy as sa
 
+from services.feedback import db
 from services.feedback.config import CooldownConfig, FeedbackConfig, RetryConfig, RotationConfig
 from services.feedback.rotation.alerts import Alert
 from services.feedback.rotation.service import Rotation
@@ -39,6 +41,13 @@ def alert(action="switch_variant", phase="firing", starts_at="2026-12-01T10:00:0
         labels.setdefault("variant", "fallback")
     return Alert(rule=labels["alertname"], action=action, phase=phase, fingerprint=fingerprint, starts_at=starts_at,
                  labels=labels, annotations={"e2e_latency_p99_seconds": "3.1", "conditions": "x > 1"})
+
+
+def retrain_requests(rotation, decision_id: int) -> list[tuple[str, str, str]]:
+    t = db.rotation_retrain_requests
+    with rotation.decisions().store.engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.select(t.c.adapter, t.c.version, t.c.status)
+                                               .where(t.c.decision_id == decision_id).order_by(t.c.adapter))]
 
 
 def make(db_url, replicas, tmp_path, *, mode="apply", cooldown=3600.0, attempts=3):
@@ -163,15 +172,17 @@ async def test_retrain_records_one_request_per_adapter_in_use(db_url, replicas, 
     rotation, _ = make(db_url, replicas, tmp_path)
     d = await rotation.executor.handle_one(alert("retrain_adapters"))
     assert d["outcome"] == "applied" and d["result"] == {"retrain_requests": [{"adapter": "support-fr", "version": "3"}]}
-    assert [(r["adapter"], r["version"], r["status"]) for r in rotation.decisions().retrain_requests(d["id"])] == [
-        ("support-fr", "3", "requested")]
+    assert retrain_requests(rotation, d["id"]) == [("support-fr", "3", "requested")]
     labelled = await rotation.executor.handle_one(
         alert("retrain_adapters", fingerprint="f2", adapter="legal-de, support-fr", adapter_version="7"))
     assert labelled["outcome"] == "cooldown"
     free, _ = make(db_url, replicas, tmp_path, cooldown=0)
     labelled = await free.executor.handle_one(
         alert("retrain_adapters", fingerprint="f3", adapter="legal-de, support-fr", adapter_version="7"))
-    assert [r["adapter"] for r in free.decisions().retrain_requests(labelled["id"])] == ["legal-de", "support-fr"]
+    assert [r[0] for r in retrain_requests(free, labelled["id"])] == ["legal-de", "support-fr"]
+    again = await free.executor.handle_one(
+        alert("retrain_adapters", fingerprint="f3", adapter="legal-de, support-fr", adapter_version="7"))
+    assert again["id"] == labelled["id"] and len(retrain_requests(free, labelled["id"])) == 2
     # resolving never undoes a retrain request
     assert (await free.executor.handle_one(alert("retrain_adapters", phase="resolved")))["outcome"] == "skipped"
 

@@ -129,9 +129,3 @@ class Decisions:
             index_elements=["decision_id", "adapter"])
         with self.store.transaction() as conn:
             conn.execute(stmt, rows)
-
-    def retrain_requests(self, decision_id: int) -> list[dict]:
-        t = db.rotation_retrain_requests
-        with self.store.transaction() as conn:
-            return [dict(r._mapping) for r in conn.execute(
-                sa.select(t).where(t.c.decision_id == decision_id).order_by(t.c.adapter))]
