@@ -76,3 +76,22 @@ def test_kubernetes_mounts_the_generated_config_and_the_mesh_token(rendered, ove
     cm = next(o for o in objs if o["kind"] == "ConfigMap" and
               o["metadata"]["name"] == volumes["config"]["configMap"]["name"])
     assert cm["data"]["alertmanager.yml"] == CONFIG.read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_feedback_pod_proposes_only_and_listens_where_alertmanager_posts(rendered, overlay):
+    from tests.deploy.test_deploy_k8s_policy import SECRET_SAMPLES, effective_config, image_env
+
+    objs = rendered[overlay]
+    dep = one(objs, "Deployment", "feedback")
+    env = dict(image_env("feedback"))
+    env.update({e["name"]: e.get("value", SECRET_SAMPLES.get(e["name"], "")) for e in container(dep)["env"]})
+    cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    rotation = effective_config("feedback", one(objs, "ConfigMap", cm_name)["data"]["feedback.yaml"], env)["rotation"]
+    assert rotation["mode"] == "propose"   # nothing is applied until someone approves it
+    assert (rotation["webhook_host"], rotation["webhook_port"]) == ("0.0.0.0", 9107)
+    url = yaml.safe_load(CONFIG.read_text())["receivers"][1]["webhook_configs"][0]["url"]
+    assert url == f"http://{dep['metadata']['name']}:{rotation['webhook_port']}/rotation/alerts"
+    host, port = rotation["inference"][0].split(":")
+    assert one(objs, "Service", host)["spec"]["clusterIP"] == "None"  # headless: every pod is switched
+    assert int(port) in [p["port"] for p in one(objs, "Service", host)["spec"]["ports"]]
