@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
+from prometheus_client import REGISTRY
 
 from services.feedback import db
 from services.feedback.config import CooldownConfig, FeedbackConfig, RetryConfig, RotationConfig
@@ -43,6 +44,11 @@ def alert(action="switch_variant", phase="firing", starts_at="2026-12-01T10:00:0
                  labels=labels, annotations={"e2e_latency_p99_seconds": "3.1", "conditions": "x > 1"})
 
 
+def applied_count() -> float:
+    return REGISTRY.get_sample_value("keel_rotation_decisions_total",
+                                     {"action": "switch_variant", "outcome": "applied"}) or 0.0
+
+
 def retrain_requests(rotation, decision_id: int) -> list[tuple[str, str, str]]:
     t = db.rotation_retrain_requests
     with rotation.decisions().store.engine.connect() as conn:
@@ -68,6 +74,7 @@ def make(db_url, replicas, tmp_path, *, mode="apply", cooldown=3600.0, attempts=
 @pytest.mark.asyncio
 async def test_apply_switches_every_replica_once_and_the_resolved_alert_switches_back(db_url, replicas, tmp_path):
     rotation, _ = make(db_url, replicas, tmp_path)
+    before = applied_count()
     d = await rotation.executor.handle_one(alert())
     assert (d["outcome"], d["mode"], d["actor"], d["attempts"]) == ("applied", "apply", "alertmanager", 1)
     assert d["result"]["replicas"] == {r.target: {"previous": "primary", "active": "fallback"} for r in replicas}
@@ -80,6 +87,7 @@ async def test_apply_switches_every_replica_once_and_the_resolved_alert_switches
     after_restart = await restarted.executor.handle_one(alert())
     assert again["id"] == after_restart["id"] == d["id"]
     assert [r.set_variant_calls() for r in replicas] == [["fallback"], ["fallback"]]
+    assert applied_count() == before + 1   # counted once, not per delivery
 
     back = await restarted.executor.handle_one(alert(phase="resolved"))
     assert (back["outcome"], back["reverts"], back["detail"]) == ("applied", d["id"], f"undid decision {d['id']}")

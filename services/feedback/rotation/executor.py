@@ -76,8 +76,8 @@ class Executor:
     async def _resolved(self, decisions: Decisions, alert: Alert, d: dict) -> dict:
         firing = await self._db(decisions.firing_of, alert)
         if firing is not None and firing["outcome"] == "proposed":
-            await self._db(decisions.finish, firing["id"], "expired", detail=f"resolved (decision {d['id']}) "
-                           "before it was approved", result=firing["result"])
+            self._decided(await self._db(decisions.finish, firing["id"], "expired", result=firing["result"],
+                                         detail=f"resolved (decision {d['id']}) before it was approved"))
             return self._decided(await self._db(decisions.finish, d["id"], "skipped",
                                                 detail=f"proposal {firing['id']} expired: nothing was applied"))
         if firing is None or firing["outcome"] != "applied" or d["action"] not in REVERSIBLE:
