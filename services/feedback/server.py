@@ -1,4 +1,5 @@
-"""Assembles the feedback stage: the database (migrated at start), the spill writer, retention.
+"""Assembles the feedback stage: the database (migrated at start), the spill writer, retention,
+and the rotation executor with its Alertmanager webhook (services/feedback/rotation, docs/rotation.md).
 
 Ready = the spill file is open and its replay thread runs. The database itself may be down at
 start or later: replay records then spill and reach it once it is back, and SubmitFeedback
