@@ -43,10 +43,12 @@ gate: model
 vocab: .venv/.stamp
 	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
 
-# Debian packages the mesh and the tests run for real: redis-server (quarantine), promtool (rule tests),
-# node and npm (the Node client test, tests/node); postgresql (the feedback database's tests; Debian
-# keeps its binaries off PATH, hence the full path).
-SYSPKGS := redis-server:redis-server prometheus:promtool nodejs:node npm:npm postgresql:/usr/lib/postgresql/15/bin/pg_ctl
+# Debian packages the mesh and the tests run for real: redis-server (quarantine), prometheus (promtool
+# for the rule tests, the prometheus server for the rotation e2e test), prometheus-alertmanager (amtool,
+# and the alertmanager of the rotation e2e test), node and npm (the Node client test, tests/node);
+# postgresql (the feedback database's tests; Debian keeps its binaries off PATH, hence the full path).
+SYSPKGS := redis-server:redis-server prometheus:promtool prometheus-alertmanager:prometheus-alertmanager \
+	nodejs:node npm:npm postgresql:/usr/lib/postgresql/15/bin/pg_ctl
 syspkgs:
 	@need=""; for p in $(SYSPKGS); do command -v $${p#*:} >/dev/null || need="$$need $${p%%:*}"; done; \
 	if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$need; fi

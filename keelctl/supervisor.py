@@ -55,6 +55,8 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_u
             env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
     if stage == "validator":
         env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = redis_url
+    if stage == "feedback":  # rotation switches variants on every inference replica of the mesh
+        env["KEEL_FEEDBACK_ROTATION__INFERENCE"] = "[" + ", ".join(layout.targets("inference")) + "]"
     return env
 
 

@@ -189,6 +189,11 @@ REASONS: dict[str, Reason] = {
     "INVALID_REPLAY_RECORD": Reason(InvalidInput, "a replay record without a valid trace id", ("field",)),
     "DATABASE_UNAVAILABLE": Reason(NotReady, "the feedback database is unreachable; retry after the hint"),
     "FEEDBACK_DISABLED": Reason(PreconditionFailed, "this gateway has no feedback stage configured"),
+    "INVALID_ALERT_PAYLOAD": Reason(InvalidInput, "rotation webhook: the body is not an Alertmanager v4 payload; `field` names the part", ("field",)),
+    "VARIANT_SWITCH_FAILED": Reason(NotReady, "rotation: an inference replica did not take SetVariant; the others were switched back"),
+    "MISSING_ACTOR": Reason(InvalidInput, "rotation: an approval must name who approves"),
+    "DECISION_NOT_FOUND": Reason(NotFound, "rotation: no decision has this id"),
+    "DECISION_NOT_PROPOSED": Reason(PreconditionFailed, "rotation: only a decision in state proposed can be approved; `outcome` says its state", ("outcome",)),
     # Tokenizer.
     "EMPTY_INPUT": Reason(InvalidInput, "nothing to encode"),
     "EMPTY_MESSAGES": Reason(InvalidInput, "chat input without messages"),

@@ -169,6 +169,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "feedback"),
     _g("keel_feedback_spill_backlog", "Replay records in the local spill file not yet in the database.",
        owner="feedback"),
+    _c("keel_rotation_decisions_total", "Rotation decisions by action and outcome (proposed, applied, failed, "
+       "cooldown, skipped, expired); a redelivered alert is not counted again.", ("action", "outcome"), "feedback"),
+    _c("keel_rotation_webhook_requests_total", "Alertmanager webhook calls by HTTP status (200 taken, 400 malformed, "
+       "401 unauthenticated, 503 database down).", ("code",), "feedback"),
     _c("keel_replay_records_dropped_total", "Replay records the gateway could not hand to the feedback stage "
        "(queue_full, unreachable, or error); reason says which.", ("reason",), "gateway"),
     _c("keel_determinism_checks_total", "Replays run by `keel verify determinism`, by result (identical, "

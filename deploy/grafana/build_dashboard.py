@@ -145,6 +145,16 @@ ROWS: list[tuple[str, list[dict]]] = [
         stat("Last determinism check", [("sum by (result) (keel_determinism_checks_total)", "{{result}}")], "short",
              "From `keel verify determinism` (nightly CronJob, via the Pushgateway); mismatch > 0 alerts."),
     ]),
+    ("Rotation", [
+        ts("Rotation decisions by action and outcome", [(
+            "sum by (action, outcome) (increase(keel_rotation_decisions_total[1h]))", "{{action}} {{outcome}}")],
+            "short", "Per hour. proposed: waits for `keel rotation approve`; failed: every try failed, nothing "
+            "half-applied; cooldown: the same action ran too recently (docs/rotation.md)."),
+        ts("Rotation webhook calls by status", [(
+            f"sum by (code) (rate(keel_rotation_webhook_requests_total{RATE}))", "{{code}}")], "reqps",
+           "400: a malformed payload; 401: a caller without the mesh token; 503: the database was down "
+           "(Alertmanager retries)."),
+    ]),
 ]
 
 

@@ -38,12 +38,62 @@ class EtlConfig:
     seed: int = 20240601
 
 
+ROTATION_MODES = ("propose", "apply")
+ROTATION_ACTIONS = ("switch_variant", "retrain_adapters", "resample_data")
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    attempts: int = 3              # tries of one action before it is recorded as failed
+    initial_backoff_s: float = 0.5  # doubled after each failed try, up to max_backoff_s
+    max_backoff_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class CooldownConfig:
+    # One field per action in ROTATION_ACTIONS (seconds).
+    switch_variant: float = 3600.0
+    retrain_adapters: float = 86400.0
+    resample_data: float = 86400.0
+
+
+@dataclass(frozen=True)
+class ResampleConfig:
+    since: str = "14d"        # the feedback window of the ETL run (a duration: 24h, 7d)
+    out_dir: str = ""         # datasets go to <out_dir>/rotation-<decision id>; "" = KEEL_VAR_DIR/datasets
+
+
+@dataclass(frozen=True)
+class RotationConfig:
+    # propose: record what an alert asks for and apply nothing until `keel rotation approve ID`;
+    # apply: act at once. Every decision is recorded either way (docs/rotation.md).
+    mode: str = "propose"
+    # Alertmanager's webhook receiver (HTTP, Authorization: Bearer <mesh token>); port 0 = off.
+    webhook_host: str = "127.0.0.1"
+    webhook_port: int = 9107
+    # The inference replicas a variant switch goes to (every one, or none: never half of them).
+    inference: tuple[str, ...] = ("127.0.0.1:50053",)
+    primary_variant: str = "primary"   # what a resolved switch_variant alert switches back to
+    call_timeout_s: float = 10.0
+    # After an action was applied or proposed, a new alert asking for the same action within this
+    # many seconds is recorded as "cooldown" and does nothing.
+    cooldown_s: CooldownConfig = field(default_factory=CooldownConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    resample: ResampleConfig = field(default_factory=ResampleConfig)
+
+    @property
+    def resample_dir(self) -> Path:
+        p = Path(self.resample.out_dir) if self.resample.out_dir else VAR_DIR / "datasets"
+        return p if p.is_absolute() else ROOT_DIR / p
+
+
 @dataclass(frozen=True)
 class FeedbackConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     etl: EtlConfig = field(default_factory=EtlConfig)
+    rotation: RotationConfig = field(default_factory=RotationConfig)
 
     @property
     def database_url(self) -> str:
@@ -58,4 +108,5 @@ class FeedbackConfig:
 def load(path=None, environ=None) -> FeedbackConfig:
     cfg = config.load("feedback", FeedbackConfig, path, environ)
     return replace(cfg, etl=replace(cfg.etl, severities=tuple(cfg.etl.severities),
-                                    error_types=tuple(cfg.etl.error_types)))
+                                    error_types=tuple(cfg.etl.error_types)),
+                   rotation=replace(cfg.rotation, inference=tuple(cfg.rotation.inference)))

@@ -1,7 +1,10 @@
 """The feedback stage's database: tables (SQLAlchemy Core), engine, and Alembic migrations run at start.
 
-Two tables. ``replay_records``: one row per served request, keyed by trace_id (the primary key is
-what makes a replayed spill exactly-once). ``feedback``: one row per client-chosen feedback_id.
+``replay_records``: one row per served request, keyed by trace_id (the primary key is what makes a
+replayed spill exactly-once). ``feedback``: one row per client-chosen feedback_id.
+``rotation_decisions``: one row per alert phase the rotation executor saw (services/feedback/rotation),
+unique per (fingerprint, starts_at, phase), so a redelivered alert never acts twice;
+``rotation_retrain_requests``: one row per adapter a decision asked to retrain.
 The schema changes only through versioned migrations in ``services/feedback/migrations/versions``;
 ``migrate`` brings any database (a fresh SQLite file, an existing PostgreSQL) to the newest one.
 """
@@ -39,6 +42,40 @@ feedback = sa.Table(
     sa.Column("comment", sa.Text, nullable=False),
     sa.Column("created_ms", sa.BigInteger, nullable=False, index=True),
     sa.Column("updated_ms", sa.BigInteger, nullable=False),
+)
+
+rotation_decisions = sa.Table(
+    "rotation_decisions", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    # The idempotency key: Alertmanager's fingerprint of the alert, its startsAt, and firing/resolved.
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("starts_at", sa.String(64), nullable=False),
+    sa.Column("phase", sa.String(16), nullable=False),
+    sa.Column("rule", sa.String(200), nullable=False, index=True),   # the alertname
+    sa.Column("action", sa.String(64), nullable=False, index=True),
+    sa.Column("labels", sa.Text, nullable=False),                    # JSON object
+    sa.Column("snapshot", sa.Text, nullable=False),                  # JSON: the alert's annotations (metric values)
+    sa.Column("mode", sa.String(16), nullable=False),                # propose | apply
+    # pending, proposed, applied, failed, cooldown, skipped, expired (docs/rotation.md)
+    sa.Column("outcome", sa.String(16), nullable=False, index=True),
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Column("result", sa.Text, nullable=False),                    # JSON: what the action did
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("reverts", sa.Integer, nullable=True),                 # the firing decision a resolved one undoes
+    sa.Column("created_ms", sa.BigInteger, nullable=False, index=True),
+    sa.Column("updated_ms", sa.BigInteger, nullable=False),
+    sa.Column("applied_ms", sa.BigInteger, nullable=True),
+    sa.UniqueConstraint("fingerprint", "starts_at", "phase", name="uq_rotation_decisions_alert"),
+)
+
+rotation_retrain_requests = sa.Table(
+    "rotation_retrain_requests", metadata,
+    sa.Column("decision_id", sa.Integer, sa.ForeignKey("rotation_decisions.id"), primary_key=True),
+    sa.Column("adapter", sa.String(200), primary_key=True),
+    sa.Column("version", sa.String(200), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),              # requested (the training side takes it)
+    sa.Column("created_ms", sa.BigInteger, nullable=False),
 )
 
 

@@ -1,4 +1,5 @@
-"""Assembles the feedback stage: the database (migrated at start), the spill writer, retention.
+"""Assembles the feedback stage: the database (migrated at start), the spill writer, retention,
+and the rotation executor with its Alertmanager webhook (services/feedback/rotation, docs/rotation.md).
 
 Ready = the spill file is open and its replay thread runs. The database itself may be down at
 start or later: replay records then spill and reach it once it is back, and SubmitFeedback
@@ -14,6 +15,7 @@ import grpc
 from keel.feedback.v1 import feedback_pb2_grpc
 from services.feedback import config as fb_config
 from services.feedback.records import Feedback, check_record, stored_body
+from services.feedback.rotation.service import Rotation
 from services.feedback.servicer import FeedbackServicer
 from services.feedback.store import now_ms, open_store
 from services.feedback.writer import RecordWriter
@@ -73,14 +75,16 @@ class FeedbackStage:
     def __init__(self, cfg: fb_config.FeedbackConfig):
         self.cfg = cfg
         self.core = FeedbackCore(cfg)
+        self.rotation = Rotation(cfg, self.core.writer.store)
         self._retention: asyncio.Task | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        feedback_pb2_grpc.add_FeedbackServicer_to_server(FeedbackServicer(self.core), server)
+        feedback_pb2_grpc.add_FeedbackServicer_to_server(FeedbackServicer(self.core, self.rotation), server)
 
     async def warmup(self) -> None:
         await asyncio.to_thread(self.core.writer.start)
         self._retention = asyncio.create_task(self._retention_loop())
+        await self.rotation.start()
 
     async def _retention_loop(self) -> None:
         while True:
@@ -94,6 +98,7 @@ class FeedbackStage:
     async def close(self) -> None:
         if self._retention is not None:
             self._retention.cancel()
+        await self.rotation.close()
         # A database that is up gets the spilled records now; else they wait in the file for the next start.
         await asyncio.to_thread(self.core.writer.wait_drained, DRAIN_ON_CLOSE_S)
         await asyncio.to_thread(self.core.writer.close)

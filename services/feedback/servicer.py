@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import asyncio
 
+import json
+
 from google.protobuf import json_format
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.feedback.records import Feedback
+from services.feedback.rotation import alerts
 
 
 def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
@@ -28,9 +31,25 @@ def feedback_from_proto(f: feedback_pb2.SubmitRequest) -> Feedback:
                     expected_keywords=tuple(f.expected_keywords), comment=f.comment)
 
 
+def decision_to_proto(d: dict) -> feedback_pb2.RotationDecision:
+    return feedback_pb2.RotationDecision(
+        id=d["id"], rule=d["rule"], action=d["action"], phase=d["phase"], mode=d["mode"], outcome=d["outcome"],
+        detail=d["detail"], actor=d["actor"], labels=d["labels"], snapshot=d["snapshot"],
+        result_json=json.dumps(d["result"], sort_keys=True), attempts=d["attempts"], reverts=d["reverts"] or 0,
+        created_unix_ms=d["created_ms"], updated_unix_ms=d["updated_ms"], applied_unix_ms=d["applied_ms"] or 0,
+        fingerprint=d["fingerprint"], starts_at=d["starts_at"])
+
+
+def alerts_from_proto(request: feedback_pb2.RotationDryRunRequest) -> list[alerts.Alert]:
+    return alerts.from_doc({"version": "4", "alerts": [
+        {"status": a.status, "labels": dict(a.labels), "annotations": dict(a.annotations),
+         "fingerprint": a.fingerprint, "startsAt": a.starts_at} for a in request.alerts]})
+
+
 class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
-    def __init__(self, core):
+    def __init__(self, core, rotation):
         self.core = core  # services.feedback.server.FeedbackCore
+        self.rotation = rotation  # services.feedback.rotation.service.Rotation
 
     async def Record(self, request, context):
         stored, spilled = await asyncio.to_thread(self.core.record, [record_from_proto(r) for r in request.records])
@@ -40,3 +59,25 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
         fb = feedback_from_proto(request)
         created = await asyncio.to_thread(self.core.submit, fb)
         return feedback_pb2.SubmitResponse(feedback_id=fb.feedback_id, created=created)
+
+    async def RotationStatus(self, request, context):
+        st = await self.rotation.status()
+        return feedback_pb2.RotationStatusResponse(
+            mode=st["mode"], webhook_url=st["webhook_url"],
+            replicas=[feedback_pb2.ReplicaVariant(**r) for r in st["replicas"]],
+            cooldowns=[feedback_pb2.ActionCooldown(**c) for c in st["cooldowns"]],
+            proposals=[decision_to_proto(d) for d in st["proposals"]])
+
+    async def RotationHistory(self, request, context):
+        decided = await self.rotation.history(request.limit, request.since_unix_ms)
+        return feedback_pb2.RotationHistoryResponse(decisions=[decision_to_proto(d) for d in decided])
+
+    async def ApproveDecision(self, request, context):
+        d = await self.rotation.executor.approve(request.id, request.actor)
+        return feedback_pb2.ApproveDecisionResponse(decision=decision_to_proto(d))
+
+    async def RotationDryRun(self, request, context):
+        verdicts = await self.rotation.executor.dry_run(alerts_from_proto(request))
+        return feedback_pb2.RotationDryRunResponse(verdicts=[
+            feedback_pb2.RotationVerdict(rule=v["rule"], action=v["action"], fingerprint=v["fingerprint"],
+                                         would=v["would"]) for v in verdicts])

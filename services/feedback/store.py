@@ -41,6 +41,16 @@ class Store:
             set_={c: insert.excluded[c] for c in ("trace_id", "error_type", "severity", "expected_keywords",
                                                     "comment", "updated_ms")})
 
+    def insert(self, table: sa.Table):
+        """The dialect's INSERT (it has ON CONFLICT on both SQLite and PostgreSQL)."""
+        return self._insert(table)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """One transaction; database failures a retry may cure raise NotReady (DATABASE_UNAVAILABLE)."""
+        with self._tx() as conn:
+            yield conn
+
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
         try:

@@ -54,7 +54,8 @@ def test_each_stage_has_deployment_service_hpa_and_pdb(rendered, overlay):
 def test_probes_are_native_grpc_on_the_honest_health(rendered, overlay, stage):
     port, mport, service = STAGES[stage]
     c = container(one(rendered[overlay], "Deployment", stage))
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": port, "metrics": mport}
+    webhook = {"webhook": 9107} if stage == "feedback" else {}  # the rotation webhook (docs/rotation.md)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": port, "metrics": mport, **webhook}
     assert c["readinessProbe"]["grpc"] == {"port": port, "service": service}
     assert c["startupProbe"]["grpc"] == {"port": port, "service": service}
     assert c["livenessProbe"]["grpc"] == {"port": port, "service": ""}

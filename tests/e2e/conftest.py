@@ -68,7 +68,9 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
     (tmp / "keel.json").write_text(json.dumps(layout))  # JSON is YAML
     env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp / "keel.json"), KEEL_VAR_DIR=str(tmp / "var"),
                KEEL_TRACES_DIR=str(tmp / "traces"), KEEL_VALIDATOR_QUARANTINE__SPILL_PATH=str(tmp / "spill.jsonl"),
-               **(extra_env or {}))
+               # the feedback stage's rotation webhook, off the default port other meshes may hold
+               KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT=str(free_port()))
+    env.update(extra_env or {})
     env.pop("KEEL_MESH_TOKEN", None)
     return layout, ports, redis_port, env
 

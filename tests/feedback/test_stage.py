@@ -33,7 +33,8 @@ def stage(tmp_path):
     env = dict(os.environ, KEEL_MESH_TOKEN=TOKEN, KEEL_VAR_DIR=str(tmp_path / "var"),
                KEEL_TRACES_DIR=str(tmp_path / "traces"), KEEL_FEEDBACK_SERVER__PORT=str(port),
                KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_DATABASE__URL=pg.url,
-               KEEL_FEEDBACK_DATABASE__CONNECT_TIMEOUT_S="1", KEEL_FEEDBACK_REPLAY__PROBE_INTERVAL_S="0.1")
+               KEEL_FEEDBACK_DATABASE__CONNECT_TIMEOUT_S="1", KEEL_FEEDBACK_REPLAY__PROBE_INTERVAL_S="0.1",
+               KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0")
     log = open(tmp_path / "feedback.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.feedback"], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT)

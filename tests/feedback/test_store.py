@@ -23,8 +23,9 @@ def test_migrations_create_the_schema_and_rerun_as_a_no_op(db_url):
     with store.engine.connect() as conn:
         tables = set(sa.inspect(conn).get_table_names())
         version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one()
-    assert {"replay_records", "feedback", "alembic_version"} <= tables
-    assert version == "0001"
+    assert {"replay_records", "feedback", "rotation_decisions", "rotation_retrain_requests",
+            "alembic_version"} <= tables
+    assert version == "0002"
     if store.engine.dialect.name == "sqlite":
         with store.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
