@@ -38,5 +38,5 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
 
     async def Submit(self, request, context):
         fb = feedback_from_proto(request)
-        created = await asyncio.to_thread(self.core.submit, fb)
+        created = await self.core.submits.submit(fb)
         return feedback_pb2.SubmitResponse(feedback_id=fb.feedback_id, created=created)
