@@ -1,7 +1,7 @@
 """The feedback loop's costs, each against a peer in the same run.
 
 Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
-     [--requests 2000] [--sections record,gateway] [--backends sqlite,postgresql]
+     [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
    SQLite and then on a real PostgreSQL (Debian's server, started here), two ways:
@@ -16,6 +16,8 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
    answer to a ReplayRecorder whose worker builds the records and sends them to a real feedback
    stage process on the same event loop, so the off-path work is counted where it competes.
+3. The database write alone (`--sections store`): CPU per feedback item with one item per
+   transaction vs batches of 16 and 64, in-process on SQLite.
 """
 from __future__ import annotations
 
@@ -222,6 +224,26 @@ def record_section(args) -> str:
             f"added {block_on - block_off:.3f} ms")
 
 
+def store_section(args) -> str:
+    """CPU per feedback item of the database write alone (SQLite, in-process), one item per
+    transaction (the peer: what each Submit cost before group commit) vs batches of 16 and 64."""
+    from services.feedback.records import Feedback, stored_body
+    from services.feedback.store import open_store
+    from tests.feedback.records import record
+    store = open_store(f"sqlite:///{Path(tempfile.mkdtemp(prefix='keel-bench-store-')) / 'feedback.db'}")
+    store.put_records([stored_body(record("a" * 32), True)])
+    out = {}
+    for size in (1, 16, 64):
+        n = max(1, args.submits // size)
+        t0 = time.process_time()
+        for i in range(n):
+            store.upsert_feedback([Feedback("a" * 32, f"s{size}-{i}-{j}", "fact_error", "severe", ("Paris",), "bench")
+                                   for j in range(size)])
+        out[size] = (time.process_time() - t0) * 1e3 / (n * size)
+    return ("database write, CPU ms per item (SQLite): " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out.items())
+            + f"; batch 16 vs 1: {out[1] / out[16]:.1f}x less")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--submits", type=int, default=3000)
@@ -229,11 +251,13 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=500.0, help="submits per second of the open-loop run")
     ap.add_argument("--backends", default="sqlite,postgresql", help="comma list: sqlite,postgresql")
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--sections", default="record,gateway", help="comma list: record,gateway")
+    ap.add_argument("--sections", default="record,gateway", help="comma list: record,store,gateway")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "record" in sections:
         print(record_section(args), flush=True)
+    if "store" in sections:
+        print(store_section(args), flush=True)
     if "gateway" not in sections:
         return 0
     print("| database | mode | submits | offered | per s | p50 ms | p99 ms | errors | gateway CPU ms/submit | "
