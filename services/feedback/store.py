@@ -38,12 +38,14 @@ class Store:
         # compiled form of its dialects' on_conflict_do_update, and compiling it on every call cost
         # as much CPU as the database work. created_ms stays as first written; an update changes
         # everything else.
-        cols = ("feedback_id", "trace_id", "error_type", "severity", "expected_keywords", "comment",
-                "created_ms", "updated_ms")
-        updated = [c for c in cols if c not in ("feedback_id", "created_ms")]
         self._upsert_feedback = sa.text(
-            f"INSERT INTO feedback ({', '.join(cols)}) VALUES ({', '.join(':' + c for c in cols)}) "
-            f"ON CONFLICT (feedback_id) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in updated)}")
+            "INSERT INTO feedback (feedback_id, trace_id, error_type, severity, expected_keywords, comment,"
+            " created_ms, updated_ms) VALUES (:feedback_id, :trace_id, :error_type, :severity,"
+            " :expected_keywords, :comment, :created_ms, :updated_ms)"
+            " ON CONFLICT (feedback_id) DO UPDATE SET trace_id = excluded.trace_id,"
+            " error_type = excluded.error_type, severity = excluded.severity,"
+            " expected_keywords = excluded.expected_keywords, comment = excluded.comment,"
+            " updated_ms = excluded.updated_ms")
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
