@@ -1,17 +1,23 @@
 """The feedback loop's costs, each against a peer in the same run.
 
-Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--requests 2000]
-     [--sections record,gateway]
+Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
+     [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
-   SQLite and then on a real PostgreSQL (Debian's server, started here): throughput and p50/p99 of
-   `--submits` upserts from `--concurrency` concurrent clients. Peer: the gateway's own Generate of
-   one token, the cheapest call that crosses the same gateway, measured in the same mesh.
+   SQLite and then on a real PostgreSQL (Debian's server, started here), two ways:
+   "closed": `--submits` upserts from `--concurrency` clients each sending its next as soon as
+   its last is answered (the most the mesh does; latency there is mostly queueing behind the
+   other clients); "open": `--submits` upserts sent at a fixed `--rate` per second whatever the
+   answers do, each latency counted from its scheduled send time (so a stall is not hidden by
+   sending less during it). Peer: the gateway's own Generate of one token, the cheapest call
+   that crosses the same gateway, measured in the same mesh.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
    answer to a ReplayRecorder whose worker builds the records and sends them to a real feedback
    stage process on the same event loop, so the off-path work is counted where it competes.
+3. The database write alone (`--sections store`): CPU per feedback item with one item per
+   transaction vs batches of 16 and 64, in-process on SQLite.
 """
 from __future__ import annotations
 
@@ -80,6 +86,38 @@ async def submit_load(target: str, trace_id: str, n: int, concurrency: int) -> t
         return time.perf_counter() - t0, lat, errors
 
 
+async def submit_open(target: str, trace_id: str, n: int, rate: float) -> tuple[float, list[float], int]:
+    """(wall s, per-call ms from the scheduled send time, errors) of n upserts sent at ``rate``/s."""
+    lat: list[float] = []
+    errors = 0
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for i in range(16):  # warm the connection and the database
+            await stub.SubmitFeedback(gateway_pb2.SubmitFeedbackRequest(
+                trace_id=trace_id, feedback_id=f"open-warm-{i}", error_type="fact_error", severity="severe"),
+                metadata=MD)
+
+        async def one(i: int, due: float) -> None:
+            nonlocal errors
+            item = gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, feedback_id=f"o-{i}", error_type="fact_error",
+                                                     severity="severe", expected_keywords=["Paris"], comment="bench")
+            try:
+                await stub.SubmitFeedback(item, metadata=MD, timeout=30)
+            except grpc.aio.AioRpcError:
+                errors += 1
+            lat.append((time.perf_counter() - due) * 1e3)
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(n):
+            due = t0 + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, due)))
+        await asyncio.gather(*tasks)
+        return time.perf_counter() - t0, lat, errors
+
+
 def generate_ms(target: str, n: int) -> list[float]:
     out = []
     with grpc.insecure_channel(target) as ch:
@@ -91,7 +129,25 @@ def generate_ms(target: str, n: int) -> list[float]:
     return out
 
 
-def gateway_section(backend: str, args, extra_env: dict) -> str:
+def stage_cpu_ms(mesh, stage: str) -> float:
+    """CPU time (user + system, ms) used so far by the mesh's processes of ``stage`` (Linux /proc)."""
+    total = 0.0
+    for proc in mesh.state()["processes"].values():
+        if proc["stage"] == stage and proc["pid"]:
+            fields = Path(f"/proc/{proc['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def with_cpu(mesh, n: int, run) -> tuple:
+    """``run()``'s result plus the gateway's and the feedback stage's CPU ms per submit during it:
+    a figure that other work on the machine slows less than latency."""
+    before = {s: stage_cpu_ms(mesh, s) for s in ("gateway", "feedback")}
+    result = run()
+    return result, {s: (stage_cpu_ms(mesh, s) - before[s]) / n for s in before}
+
+
+def gateway_section(backend: str, args, extra_env: dict) -> list[str]:
     tmp = Path(tempfile.mkdtemp(prefix=f"keel-bench-fb-{backend}-"))
     mesh = start_mesh(tmp, extra_env={"KEEL_GATEWAY_RATE_LIMITS__DEFAULT": NO_RATE_LIMIT, **extra_env})
     try:
@@ -100,12 +156,19 @@ def gateway_section(backend: str, args, extra_env: dict) -> str:
         with grpc.insecure_channel(mesh.gateway) as ch:
             trace_id = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request("Name a colour.", max_tokens=2),
                                                                 metadata=MD, timeout=60).trace_id
-        wall, lat, errors = asyncio.run(submit_load(mesh.gateway, trace_id, args.submits, args.concurrency))
+        closed = with_cpu(mesh, args.submits, lambda: asyncio.run(
+            submit_load(mesh.gateway, trace_id, args.submits, args.concurrency)))
+        opened = with_cpu(mesh, args.submits, lambda: asyncio.run(
+            submit_open(mesh.gateway, trace_id, args.submits, args.rate)))
     finally:
         stop_mesh(mesh)
-    rate = args.submits / wall
-    return (f"| {backend} | {args.submits} | {args.concurrency} | {rate:.0f} | {statistics.median(lat):.2f} | "
-            f"{pct(lat, 0.99):.2f} | {errors} | {statistics.median(gen):.1f} |")
+    rows = []
+    for mode, offered, ((wall, lat, errors), cpu) in (("closed", f"{args.concurrency} clients", closed),
+                                                       ("open", f"{args.rate:g}/s", opened)):
+        rows.append(f"| {backend} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
+                    f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | {cpu['gateway']:.3f} | "
+                    f"{cpu['feedback']:.3f} | {statistics.median(gen):.1f} |")
+    return rows
 
 
 async def record_cost(requests: int, target: str) -> tuple[list[float], list[float], float, float]:
@@ -161,27 +224,55 @@ def record_section(args) -> str:
             f"added {block_on - block_off:.3f} ms")
 
 
+def store_section(args) -> str:
+    """CPU per feedback item of the database write alone (SQLite, in-process), one item per
+    transaction (the peer: what each Submit cost before group commit) vs batches of 16 and 64."""
+    from services.feedback.records import Feedback, stored_body
+    from services.feedback.store import open_store
+    from tests.feedback.records import record
+    store = open_store(f"sqlite:///{Path(tempfile.mkdtemp(prefix='keel-bench-store-')) / 'feedback.db'}")
+    store.put_records([stored_body(record("a" * 32), True)])
+    out = {}
+    for size in (1, 16, 64):
+        n = max(1, args.submits // size)
+        t0 = time.process_time()
+        for i in range(n):
+            store.upsert_feedback([Feedback("a" * 32, f"s{size}-{i}-{j}", "fact_error", "severe", ("Paris",), "bench")
+                                   for j in range(size)])
+        out[size] = (time.process_time() - t0) * 1e3 / (n * size)
+    return ("database write, CPU ms per item (SQLite): " + ", ".join(f"batch {k}: {v:.3f}" for k, v in out.items())
+            + f"; batch 16 vs 1: {out[1] / out[16]:.1f}x less")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--submits", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=500.0, help="submits per second of the open-loop run")
+    ap.add_argument("--backends", default="sqlite,postgresql", help="comma list: sqlite,postgresql")
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--sections", default="record,gateway", help="comma list: record,gateway")
+    ap.add_argument("--sections", default="record,gateway", help="comma list: record,store,gateway")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "record" in sections:
         print(record_section(args), flush=True)
+    if "store" in sections:
+        print(store_section(args), flush=True)
     if "gateway" not in sections:
         return 0
-    print("| database | submits | clients | per s | p50 ms | p99 ms | errors | peer: Generate(1 token) p50 ms |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
-    print(gateway_section("sqlite", args, {}), flush=True)
-    pg = PgServer().init()
-    pg.start()
-    try:
-        print(gateway_section("postgresql", args, {"KEEL_FEEDBACK_DATABASE__URL": pg.url}), flush=True)
-    finally:
-        pg.stop()
+    print("| database | mode | submits | offered | per s | p50 ms | p99 ms | errors | gateway CPU ms/submit | "
+          "feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    backends = args.backends.split(",")
+    if "sqlite" in backends:
+        print("\n".join(gateway_section("sqlite", args, {})), flush=True)
+    if "postgresql" in backends:
+        pg = PgServer().init()
+        pg.start()
+        try:
+            print("\n".join(gateway_section("postgresql", args, {"KEEL_FEEDBACK_DATABASE__URL": pg.url})), flush=True)
+        finally:
+            pg.stop()
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

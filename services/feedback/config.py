@@ -31,6 +31,14 @@ class ReplayConfig:
 
 
 @dataclass(frozen=True)
+class SubmitConfig:
+    # Feedback items written per transaction at most (group commit: services/feedback/batcher.py).
+    max_batch: int = 256
+    # Items waiting for a transaction; beyond it new Submit calls wait for room.
+    queue_size: int = 4096
+
+
+@dataclass(frozen=True)
 class EtlConfig:
     severities: tuple[str, ...] = ("severe",)
     error_types: tuple[str, ...] = ("fact_error",)
@@ -92,6 +100,7 @@ class FeedbackConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    submit: SubmitConfig = field(default_factory=SubmitConfig)
     etl: EtlConfig = field(default_factory=EtlConfig)
     rotation: RotationConfig = field(default_factory=RotationConfig)
 

@@ -1,13 +1,16 @@
 """Comparing a replayed request with its original replay record (pure: no database, no grpc).
 
 A replay is comparable only when the engine facts recorded for both match (same weights format,
-dtype, engine...) and the prompt encoded to the same ids (same tokenizer and chat template);
-otherwise a token mismatch would say nothing about determinism, so the outcome is
-"not comparable" with the fields that differ.
+dtype, engine...), the tokenizer's vocabulary and chat-template hashes match, and the prompt
+encoded to the same ids; otherwise a token mismatch would say nothing about determinism, so the
+outcome is "not comparable" with the fields that differ. A hash a record lacks (written before
+records carried it) is not compared: the prompt ids still are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+TOKENIZER_FIELDS = ("vocab_sha256", "chat_template_sha256")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ def can_run(record: dict) -> Outcome | None:
 def compare(original: dict, replay: dict) -> Outcome:
     engines = original.get("engine") or {}, replay.get("engine") or {}
     differ = sorted(f"engine.{k}" for k in set(engines[0]) | set(engines[1]) if engines[0].get(k) != engines[1].get(k))
+    differ += [f for f in TOKENIZER_FIELDS if original.get(f) and replay.get(f) and original[f] != replay[f]]
     if original["prompt_ids"] != replay["prompt_ids"]:
         differ.append("prompt_ids")
     if differ:

@@ -14,6 +14,7 @@ import grpc
 
 from keel.feedback.v1 import feedback_pb2_grpc
 from services.feedback import config as fb_config
+from services.feedback.batcher import Result, SubmitBatcher
 from services.feedback.records import Feedback, check_record, stored_body
 from services.feedback.rotation.service import Rotation
 from services.feedback.servicer import FeedbackServicer
@@ -46,6 +47,8 @@ class FeedbackCore:
                                    batch=cfg.replay.replay_batch,
                                    on_count=lambda path, n: records.labels(path=path).inc(n))
         m.gauge("keel_feedback_spill_backlog").set_function(self.writer.backlog)
+        self.submits = SubmitBatcher(self.write_feedback, max_batch=cfg.submit.max_batch,
+                                     queue_size=cfg.submit.queue_size)
 
     def record(self, records: list[dict]) -> tuple[int, int]:
         for r in records:
@@ -56,12 +59,13 @@ class FeedbackCore:
                 b["created_ms"] = now_ms()
         return self.writer.put(bodies)
 
-    def submit(self, fb: Feedback) -> bool:
-        fb.check()  # a malformed item is INVALID_ARGUMENT even while the database is down
-        created = self.writer.store().upsert_feedback(fb)
-        if created:
-            self._feedback.labels(error_type=fb.error_type, severity=fb.severity).inc()
-        return created
+    def write_feedback(self, items: list[Feedback]) -> list[Result]:
+        """One transaction for a batch of feedback items (SubmitBatcher calls it from a thread)."""
+        results = self.writer.store().upsert_feedback(items)
+        for fb, result in zip(items, results):
+            if result is True:
+                self._feedback.labels(error_type=fb.error_type, severity=fb.severity).inc()
+        return results
 
     def purge_expired(self) -> int:
         cutoff = now_ms() - self.cfg.replay.retention_days * DAY_MS
@@ -83,6 +87,7 @@ class FeedbackStage:
 
     async def warmup(self) -> None:
         await asyncio.to_thread(self.core.writer.start)
+        self.core.submits.start()
         self._retention = asyncio.create_task(self._retention_loop())
         await self.rotation.start()
 
@@ -99,6 +104,7 @@ class FeedbackStage:
         if self._retention is not None:
             self._retention.cancel()
         await self.rotation.close()
+        await self.core.submits.close()
         # A database that is up gets the spilled records now; else they wait in the file for the next start.
         await asyncio.to_thread(self.core.writer.wait_drained, DRAIN_ON_CLOSE_S)
         await asyncio.to_thread(self.core.writer.close)

@@ -22,6 +22,7 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
                          "top_k": s.top_k, "seed": s.seed},
             "domain": r.domain, "source": r.source, "output_ids": list(r.output_ids),
             "finish_reason": r.finish_reason, "engine": dict(r.engine), "input_fingerprint": r.input_fingerprint,
+            "vocab_sha256": r.vocab_sha256, "chat_template_sha256": r.chat_template_sha256,
             "validation": json_format.MessageToDict(v, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)}
 
@@ -57,7 +58,7 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
 
     async def Submit(self, request, context):
         fb = feedback_from_proto(request)
-        created = await asyncio.to_thread(self.core.submit, fb)
+        created = await self.core.submits.submit(fb)
         return feedback_pb2.SubmitResponse(feedback_id=fb.feedback_id, created=created)
 
     async def RotationStatus(self, request, context):

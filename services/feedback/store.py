@@ -32,14 +32,20 @@ class Store:
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         # Built once with bound parameters, so SQLAlchemy compiles each only once.
         f, r = db.feedback.c, db.replay_records.c
-        self._trace_known = sa.select(r.trace_id).where(r.trace_id == sa.bindparam("trace_id"))
-        self._feedback_known = sa.select(f.feedback_id).where(f.feedback_id == sa.bindparam("feedback_id"))
-        insert = self._insert(db.feedback)
-        # created_ms stays as first written; an update changes everything else.
-        self._upsert_feedback = insert.on_conflict_do_update(
-            index_elements=["feedback_id"],
-            set_={c: insert.excluded[c] for c in ("trace_id", "error_type", "severity", "expected_keywords",
-                                                    "comment", "updated_ms")})
+        self._traces_known = sa.select(r.trace_id).where(r.trace_id.in_(sa.bindparam("ids", expanding=True)))
+        self._feedback_known = sa.select(f.feedback_id).where(f.feedback_id.in_(sa.bindparam("ids", expanding=True)))
+        # Plain SQL, the same on SQLite (>= 3.24) and PostgreSQL: SQLAlchemy 2.0 does not cache the
+        # compiled form of its dialects' on_conflict_do_update, and compiling it on every call cost
+        # as much CPU as the database work. created_ms stays as first written; an update changes
+        # everything else.
+        self._upsert_feedback = sa.text(
+            "INSERT INTO feedback (feedback_id, trace_id, error_type, severity, expected_keywords, comment,"
+            " created_ms, updated_ms) VALUES (:feedback_id, :trace_id, :error_type, :severity,"
+            " :expected_keywords, :comment, :created_ms, :updated_ms)"
+            " ON CONFLICT (feedback_id) DO UPDATE SET trace_id = excluded.trace_id,"
+            " error_type = excluded.error_type, severity = excluded.severity,"
+            " expected_keywords = excluded.expected_keywords, comment = excluded.comment,"
+            " updated_ms = excluded.updated_ms")
 
     def insert(self, table: sa.Table):
         """The dialect's INSERT (it has ON CONFLICT on both SQLite and PostgreSQL)."""
@@ -88,21 +94,36 @@ class Store:
             return conn.execute(sa.delete(db.replay_records)
                                 .where(db.replay_records.c.created_ms < older_than_ms)).rowcount or 0
 
-    def upsert_feedback(self, fb: Feedback) -> bool:
-        """Create or update by feedback_id; True when created. NotFound for an unknown trace_id."""
-        fb.check()
+    def upsert_feedback(self, items: list[Feedback]) -> list[bool | errors.KeelError]:
+        """Create or update each item by feedback_id, all in one transaction (one commit for the
+        batch). Per item, in order: True when created, False when updated, or NotFound
+        TRACE_NOT_FOUND for an unknown trace_id (that item alone is not written). An item whose
+        feedback_id came earlier in the same batch updates it, as if sent one after the other.
+        NotReady for the whole batch while the database is unavailable: then nothing is written."""
+        for fb in items:
+            fb.check()
         t = now_ms()
-        row = {"feedback_id": fb.feedback_id, "trace_id": fb.trace_id, "error_type": fb.error_type,
-               "severity": fb.severity, "comment": fb.comment, "created_ms": t, "updated_ms": t,
-               "expected_keywords": json.dumps(list(fb.expected_keywords), ensure_ascii=False)}
+        results: list[bool | errors.KeelError] = []
+        rows: dict[str, dict] = {}
         with self._tx() as conn:
-            known = conn.execute(self._trace_known, {"trace_id": fb.trace_id}).first()
-            if known is None:
-                raise errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
-                                      reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]})
-            existed = conn.execute(self._feedback_known, {"feedback_id": fb.feedback_id}).first() is not None
-            conn.execute(self._upsert_feedback, row)
-        return not existed
+            known = set(conn.execute(self._traces_known, {"ids": sorted({fb.trace_id for fb in items})}).scalars())
+            existing = set(conn.execute(self._feedback_known,
+                                        {"ids": sorted({fb.feedback_id for fb in items})}).scalars())
+            for fb in items:
+                if fb.trace_id not in known:
+                    results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
+                                                   reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
+                    continue
+                results.append(fb.feedback_id not in existing)
+                existing.add(fb.feedback_id)
+                rows.pop(fb.feedback_id, None)  # the later item of one feedback_id is the one kept
+                rows[fb.feedback_id] = {
+                    "feedback_id": fb.feedback_id, "trace_id": fb.trace_id, "error_type": fb.error_type,
+                    "severity": fb.severity, "comment": fb.comment, "created_ms": t, "updated_ms": t,
+                    "expected_keywords": json.dumps(list(fb.expected_keywords), ensure_ascii=False)}
+            if rows:
+                conn.execute(self._upsert_feedback, list(rows.values()))
+        return results
 
     def list_feedback(self, since_ms: int = 0, *, severities=None, error_types=None,
                       limit: int | None = None) -> list[dict]:

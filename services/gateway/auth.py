@@ -14,7 +14,8 @@ No grpc here: ``metadata`` is whatever the servicer has, a mapping or the
 a mapping has already collapsed). A request that presents more than one key (two
 ``x-api-key`` headers, two ``authorization`` headers, or ``x-api-key`` and a Bearer token that
 differ) is refused as AMBIGUOUS_API_KEY rather than picking one. Failed authentications count
-per peer (:class:`services.gateway.ratelimit.AuthFailureLimiter`).
+per peer address; a blocked address still admits the keys that authenticated from it before
+(:class:`services.gateway.ratelimit.AuthFailureLimiter`).
 """
 from __future__ import annotations
 
@@ -136,16 +137,29 @@ class ApiKeyAuthenticator:
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
         """Key id of the presented key; Unauthenticated MISSING_API_KEY / INVALID_API_KEY /
         AMBIGUOUS_API_KEY otherwise, each counted as a failure of ``peer`` (a gRPC peer string);
-        Overloaded AUTH_FAILURES_LIMITED while that peer is blocked."""
+        Overloaded AUTH_FAILURES_LIMITED while that peer is blocked, unless the key is one that
+        already authenticated from the same address (other clients behind a shared address)."""
         host = peer_host(peer)
-        self._failures.check(host)
+        refusal = self._failures.refusal(host)
+        if refusal is not None:
+            known = self._failures.known_keys(host)
+            try:
+                key_id = self._check(metadata, among=known) if known else None
+            except Unauthenticated:
+                key_id = None
+            if key_id is None:
+                raise refusal
+            return key_id
         try:
-            return self._check(metadata)
+            key_id = self._check(metadata)
         except Unauthenticated:
             self._failures.failed(host)
             raise
+        self._failures.succeeded(host, key_id)
+        return key_id
 
-    def _check(self, metadata: Metadata) -> str:
+    def _check(self, metadata: Metadata, among: frozenset[str] | None = None) -> str:
+        """Key id of the presented key, compared with every entry (or only those in ``among``)."""
         key = presented_api_key(metadata)
         if key is None:
             raise Unauthenticated("no API key: send it in 'x-api-key' or 'authorization: Bearer'",
@@ -154,6 +168,8 @@ class ApiKeyAuthenticator:
         # Every entry is hashed and compared (no early exit) so the time taken does not say
         # which entry, or how much of a digest, matched.
         for key_id, salt, digest in self._entries:
+            if among is not None and key_id not in among:
+                continue
             if hmac.compare_digest(_digest(salt, key), digest):
                 matched = key_id
         if matched is None:

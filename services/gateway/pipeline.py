@@ -32,6 +32,8 @@ class Encoded:
     truncated: bool
     original_length: int
     fingerprint: str
+    vocab_sha256: str = ""          # the tokenizer's identity, as its Encode reported it (replay records)
+    chat_template_sha256: str = ""
 
 
 @dataclass(frozen=True)

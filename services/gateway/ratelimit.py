@@ -14,6 +14,13 @@ is checked, so guesses are not even tried. ``window_s`` without a failure after 
 ended forgets the failures (a success does not: interleaving a valid key would otherwise reset
 the count). At most ``max_peers`` peers are tracked (the one idle
 longest is forgotten first), so many addresses cannot exhaust memory.
+
+Many clients can share one address (a NAT, a proxy), so a block must not cut off the other keys
+behind it: the limiter remembers, per address, the key ids that authenticated from it (at most
+``max_keys_per_peer``, the least recent forgotten first), and while the address is blocked a
+request presenting one of those keys is still admitted (then limited by its own key's bucket,
+as every request is). Any other request from a blocked address is refused without trying its
+key against the rest, so guessing stays cut off.
 """
 from __future__ import annotations
 
@@ -73,12 +80,14 @@ class AuthFailureLimit:
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 300.0
     max_peers: int = 10_000
+    max_keys_per_peer: int = 64
 
     def __post_init__(self) -> None:
         if (self.max_failures < 1 or self.window_s <= 0 or self.backoff_base_s <= 0
-                or self.backoff_cap_s < self.backoff_base_s or self.max_peers < 1):
+                or self.backoff_cap_s < self.backoff_base_s or self.max_peers < 1 or self.max_keys_per_peer < 1):
             raise ValueError(f"an auth failure limit needs max_failures >= 1, window_s > 0, "
-                             f"0 < backoff_base_s <= backoff_cap_s and max_peers >= 1: {self}")
+                             f"0 < backoff_base_s <= backoff_cap_s, max_peers >= 1 and "
+                             f"max_keys_per_peer >= 1: {self}")
 
 
 @dataclass
@@ -86,6 +95,7 @@ class _Peer:
     failures: int = 0
     last_s: float = 0.0          # when the last failure happened or the last block ends
     blocked_until: float = 0.0
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)  # key ids that authenticated here
 
 
 class AuthFailureLimiter:
@@ -96,16 +106,30 @@ class AuthFailureLimiter:
         self._limit, self._clock = limit, clock
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
 
-    def check(self, peer: str) -> None:
-        """Overloaded AUTH_FAILURES_LIMITED with the time left while ``peer`` is blocked."""
+    def refusal(self, peer: str) -> Overloaded | None:
+        """The AUTH_FAILURES_LIMITED error (with the time left) while ``peer`` is blocked, else None."""
         state = self._peers.get(peer)
         now = self._clock()
         if state is None or now >= state.blocked_until:
-            return
+            return None
         wait_ms = math.ceil((state.blocked_until - now) * 1000.0)
-        raise Overloaded(f"{state.failures} failed authentications from this address; "
-                         f"try again in {wait_ms} ms", reason=AUTH_FAILURES_LIMITED,
-                         retry_after_ms=wait_ms, metadata={"failures": state.failures})
+        return Overloaded(f"{state.failures} failed authentications from this address; "
+                          f"try again in {wait_ms} ms", reason=AUTH_FAILURES_LIMITED,
+                          retry_after_ms=wait_ms, metadata={"failures": state.failures})
+
+    def known_keys(self, peer: str) -> frozenset[str]:
+        """Key ids that authenticated from ``peer`` (admitted even while it is blocked)."""
+        state = self._peers.get(peer)
+        return frozenset(state.keys) if state is not None else frozenset()
+
+    def succeeded(self, peer: str, key_id: str) -> None:
+        """Remember that ``key_id`` authenticated from ``peer`` (the failure count is kept)."""
+        state = self._peers.pop(peer, None) or _Peer()
+        state.keys.pop(key_id, None)
+        state.keys[key_id] = None
+        while len(state.keys) > self._limit.max_keys_per_peer:
+            state.keys.popitem(last=False)
+        self._remember(peer, state)
 
     def failed(self, peer: str) -> None:
         """Count one failed authentication of ``peer``; block it once over the limit."""
@@ -119,6 +143,9 @@ class AuthFailureLimiter:
         if over >= 0:
             state.blocked_until = now + min(limit.backoff_cap_s, limit.backoff_base_s * 2.0 ** min(over, 64))
             state.last_s = state.blocked_until
+        self._remember(peer, state)
+
+    def _remember(self, peer: str, state: _Peer) -> None:
         self._peers[peer] = state
-        while len(self._peers) > limit.max_peers:
+        while len(self._peers) > self._limit.max_peers:
             self._peers.popitem(last=False)

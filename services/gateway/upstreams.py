@@ -206,7 +206,8 @@ class MeshUpstreams:
         req = tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length)
         resp = await self.pools["tokenizer"].call(
             timeout, lambda stub, t: stub.Encode(req, timeout=t, metadata=_md(md)))
-        return Encoded(list(resp.input_ids), resp.truncated, resp.original_length, resp.fingerprint)
+        return Encoded(list(resp.input_ids), resp.truncated, resp.original_length, resp.fingerprint,
+                       resp.vocab_sha256, resp.chat_template_sha256)
 
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
         sampling = common_pb2.SamplingParams(max_tokens=ask.max_tokens, temperature=ask.temperature,

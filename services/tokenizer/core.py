@@ -9,6 +9,7 @@ only ever hold correct values, and a race at worst drops an entry.
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import os
 from array import array
@@ -27,6 +28,8 @@ from shared.errors import Fatal, InvalidInput, NotReady, PreconditionFailed
 
 _SIDES = ("left", "right")
 _FINGERPRINT_TAG = b"keel.tokenizer.encoding.v1\x00"
+# The sections that decide which ids a text gets (the rest are caches and checks derived from them).
+_VOCAB_SECTIONS = (ff.TOKEN_OFFSETS, ff.TOKEN_BYTES, ff.BYTE_IDS, ff.PAIR_KEYS, ff.PAIR_RANKS, ff.RANK_IDS)
 _WARMUP_TEXTS = ("The quick brown fox, 1984 -- isn't it?", "日本語と中文的句子没有空格所以很长。",
                  "    for i in range(10):\n        print(i)\n", "emoji 👩\u200d💻 ok")
 _WARMUP_CHATS = ([("user", _WARMUP_TEXTS[0])], [("system", "Be brief."), ("user", _WARMUP_TEXTS[1])],
@@ -105,6 +108,8 @@ class Tokenizer:
         self._decoder = Decoder(offsets, blob, frozenset(self.special_tokens.values()))
         self._words = _u32_array(section, ff.WORDS)
         self._chat = None
+        # Identity of the encoding, for replay records (EncodeResponse); computed by warmup().
+        self.vocab_sha256 = self.chat_template_sha256 = ""
 
     @classmethod
     def open(cls, compiled_file: Path, cache: CacheOptions = CacheOptions()) -> Tokenizer:
@@ -149,6 +154,7 @@ class Tokenizer:
     def warmup(self) -> None:
         """Import and compile what requests need, put frequent words in the piece cache, and run
         each code path once (streamed decoding is checked against whole decoding on the way)."""
+        self.vocab_sha256, self.chat_template_sha256 = self._identity()
         if self._meta.get("chat_template"):
             from services.tokenizer.chat import ChatRenderer
             self._chat = ChatRenderer(self._meta["chat_template"], self._meta["special_strings"])
@@ -168,6 +174,24 @@ class Tokenizer:
             if "".join(map(stream.push, ids)) + stream.finish() != self.decode(ids):
                 raise Fatal("the stream decoder disagrees with decode", reason="SELF_CHECK_FAILED",
                             metadata={"text": repr(text)[:200]})
+
+    def _identity(self) -> tuple[str, str]:
+        """(vocabulary hash, chat-template hash): sha256 hex of what decides the ids a text gets
+        (the vocabulary, merge and byte tables, special tokens, pre-tokenizer pattern), and of the
+        chat template with the special strings it is rendered with ("" without a template).
+        About 1 ms for SmolLM2's 1.8 MB of tables, once per process."""
+        vocab = hashlib.sha256(b"keel.tokenizer.vocab.v1\x00")
+        for tag in _VOCAB_SECTIONS:
+            off, length = self._header.sections[tag]
+            vocab.update(tag + length.to_bytes(8, "little"))
+            vocab.update(self._image[off:off + length])
+        meta = self._meta
+        vocab.update(json.dumps([meta["special_tokens"], meta["pretokenizer"], meta["exact_pattern"]],
+                                sort_keys=True, ensure_ascii=False).encode())
+        template = meta.get("chat_template") or ""
+        chat = hashlib.sha256(json.dumps([template, meta.get("special_strings", {})], sort_keys=True,
+                                         ensure_ascii=False).encode()).hexdigest() if template else ""
+        return vocab.hexdigest(), chat
 
     def _stable_words(self) -> Iterable[tuple[str, int]]:
         """The compiler's list of whole-piece tokens BPE reproduces, most frequent merges first."""

@@ -58,7 +58,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                              "original_length": enc.original_length, "fingerprint": enc.fingerprint})
         return tokenizer_pb2.EncodeResponse(
             input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=enc.position_ids,
-            truncated=enc.truncated, original_length=enc.original_length, fingerprint=enc.fingerprint)
+            truncated=enc.truncated, original_length=enc.original_length, fingerprint=enc.fingerprint,
+            vocab_sha256=self.tok.vocab_sha256, chat_template_sha256=self.tok.chat_template_sha256)
 
     async def Decode(self, request, context):
         with self._latency.labels(op="decode").time():

@@ -160,6 +160,18 @@ class Quarantine(SpillReplayer):
             return None
         return int(info["used_memory"]), int(info.get("maxmemory", 0))
 
+    def refused_credentials(self) -> str | None:
+        """Redis's answer when it refuses our credentials (a wrong password, or none where it
+        requires one), else None: also when Redis is merely unreachable, an outage the spill
+        rides out."""
+        try:
+            self._redis.ping()
+        except redis.AuthenticationError as exc:
+            return str(exc)
+        except redis.RedisError:
+            pass
+        return None
+
     def ping(self) -> bool:
         try:
             return bool(self._redis.ping())

@@ -6,6 +6,7 @@ replay thread running (Redis itself may be down: records spill and are replayed 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import grpc
@@ -19,6 +20,9 @@ from services.validator.servicer import ValidatorServicer
 from shared import metrics
 from shared.config import ServerConfig
 from shared.stages import SERVICE_NAMES
+
+log = logging.getLogger("keel.validator")
+CREDENTIALS_RETRY_S = 2.0
 
 
 class ValidatorMetrics:
@@ -77,9 +81,24 @@ class ValidatorStage:
         core = await asyncio.to_thread(ValidatorCore.build, cfg.path(cfg.contracts_dir), pipeline_cfg,
                                       cfg.quarantine, cfg.input_cpu_budget_ms / 1000,
                                       lambda why: self.metrics.dropped.labels(why=why).inc())
+        await self._until_redis_accepts(core)
         await asyncio.to_thread(core.start)
         self.core = self.servicer.core = core  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
+
+    async def _until_redis_accepts(self, core: ValidatorCore) -> None:
+        """Stay NOT_SERVING while Redis refuses the quarantine's credentials. A wrong or missing
+        password is a deployment error, not an outage: serving would send every quarantined
+        record to the spill file for good. Checked again every CREDENTIALS_RETRY_S (a Secret
+        fixed later is picked up); logged once per distinct refusal, without the password."""
+        logged = None
+        while (refusal := await asyncio.to_thread(core.quarantine.refused_credentials)) is not None:
+            if refusal != logged:
+                log.error("Redis refused the quarantine's credentials; not serving until it accepts them",
+                          extra={"redis_error": refusal, "config": "quarantine.redis_url "
+                                 "(KEEL_VALIDATOR_QUARANTINE__REDIS_URL): redis://:PASSWORD@host:port/db"})
+                logged = refusal
+            await asyncio.sleep(CREDENTIALS_RETRY_S)
 
     async def _update_gauges(self) -> None:
         while True:

@@ -105,7 +105,7 @@ def test_redis_is_reachable_from_the_validator_only_and_has_health_and_limits():
     on_store = sorted(name for name, svc in services.items() if "store" in svc.get("networks", []))
     assert on_store == ["redis", "validator"]
     assert compose()["networks"]["store"]["internal"] is True and compose()["networks"]["mesh"]["internal"] is True
-    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert services["redis"]["healthcheck"]["test"] == ["CMD-SHELL", "redis-cli ping | grep -qx PONG"]
     assert services["redis"]["deploy"]["resources"]["limits"]["memory"]
     assert services["validator"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
@@ -131,12 +131,15 @@ def test_every_image_is_pinned():
         assert image_pinned(svc["image"]) or svc["image"].startswith("keel/"), f"{name}: {svc['image']}"
 
 
-def run_compose(*args: str, token: str | None = "test-token") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "KEEL_MESH_TOKEN"}
+def run_compose(*args: str, token: str | None = "test-token", redis_password: str | None = "test-redis-pw",
+                quiet: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("KEEL_MESH_TOKEN", "KEEL_REDIS_PASSWORD")}
     if token is not None:
         env["KEEL_MESH_TOKEN"] = token
-    return subprocess.run([str(compose_binary()), "-f", str(ROOT / "docker-compose.yml"), *args, "config", "-q"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    if redis_password is not None:
+        env["KEEL_REDIS_PASSWORD"] = redis_password
+    return subprocess.run([str(compose_binary()), "-f", str(ROOT / "docker-compose.yml"), *args, "config",
+                           *(["-q"] if quiet else [])], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
 
 def test_compose_file_passes_the_real_compose_loader_with_and_without_the_profile():
@@ -150,11 +153,33 @@ def test_compose_refuses_to_start_without_a_mesh_token():
     assert done.returncode != 0 and "KEEL_MESH_TOKEN" in done.stderr
 
 
+def test_compose_refuses_to_start_without_a_redis_password():
+    done = run_compose(redis_password=None)
+    assert done.returncode != 0 and "KEEL_REDIS_PASSWORD" in done.stderr
+
+
+def test_redis_requires_the_password_from_the_environment_and_only_the_validator_gets_it():
+    assert "test-redis-pw" not in (ROOT / "docker-compose.yml").read_text()
+    done = run_compose(quiet=False)
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    redis_svc = services["redis"]
+    assert redis_svc["environment"]["REDISCLI_AUTH"] == "test-redis-pw"
+    script = " ".join(redis_svc["command"])
+    assert "requirepass %s" in script and "maxmemory-policy noeviction" in script
+    assert "test-redis-pw" not in script                        # through a file, not the command line
+    assert services["validator"]["environment"]["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] == \
+        "redis://:test-redis-pw@redis:6379/0"
+    holders = sorted(n for n, svc in services.items() if "test-redis-pw" in yaml.safe_dump(svc))
+    assert holders == ["redis", "validator"]
+
+
 def test_compose_loader_catches_a_broken_file(tmp_path):
     bad = tmp_path / "docker-compose.yml"
     bad.write_text((ROOT / "docker-compose.yml").read_text().replace("stop_grace_period:", "stop_grace_perid:"))
     done = subprocess.run([str(compose_binary()), "-f", str(bad), "--project-directory", str(ROOT), "config", "-q"],
-                          capture_output=True, text=True, env=dict(os.environ, KEEL_MESH_TOKEN="t"), timeout=120)
+                          capture_output=True, text=True, env=dict(os.environ, KEEL_MESH_TOKEN="t",
+                                                                   KEEL_REDIS_PASSWORD="r"), timeout=120)
     assert done.returncode != 0 and "stop_grace_perid" in done.stderr
 
 

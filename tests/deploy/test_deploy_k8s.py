@@ -121,8 +121,33 @@ def test_gateway_upstreams_and_redis_url_name_real_services(rendered, overlay):
             host, port = target.rsplit(":", 1)
             assert host == stage and int(port) in ports[host], target
     val = {e["name"]: e.get("value") for e in container(one(objs, "Deployment", "validator"))["env"]}
-    url = re.fullmatch(r"redis://([\w.-]+):(\d+)/\d+", val["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"])
+    url = re.fullmatch(r"redis://:\$\(KEEL_REDIS_PASSWORD\)@([\w.-]+):(\d+)/\d+",
+                       val["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"])
     assert url and int(url.group(2)) in ports[url.group(1)]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_requires_the_password_of_the_secret_and_the_validator_sends_it(rendered, overlay):
+    objs = rendered[overlay]
+    secret = "keel-redis"
+    if overlay == "dev":
+        (generated,) = [s for s in find(objs, "Secret") if s["metadata"]["name"].startswith("keel-redis-")]
+        secret = generated["metadata"]["name"]
+    redis_c = container(one(objs, "StatefulSet", "redis"))
+    env = {e["name"]: e for e in redis_c["env"]}
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "password"}
+    script = " ".join(redis_c["command"] + redis_c["args"])
+    assert '"$REDISCLI_AUTH" > /tmp/auth.conf' in script and "exec redis-server /tmp/auth.conf" in script
+    assert "requirepass %s" in script and "maxmemory-policy noeviction" in script
+    assert "grep -qx PONG" in " ".join(redis_c["readinessProbe"]["exec"]["command"])
+    val = container(one(objs, "Deployment", "validator"))["env"]
+    names = [e["name"] for e in val]
+    # $(VAR) expands only from variables defined before it in the list.
+    assert names.index("KEEL_REDIS_PASSWORD") < names.index("KEEL_VALIDATOR_QUARANTINE__REDIS_URL")
+    assert val[names.index("KEEL_REDIS_PASSWORD")]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "password"}
+    for obj in objs:                                  # the password is in no rendered object but dev's Secret
+        if obj["kind"] != "Secret":
+            assert "dev-only-redis-password" not in yaml.safe_dump(obj)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -167,7 +192,7 @@ def test_images_carry_explicit_tags_and_releases_exact_versions(rendered, overla
 
 def test_dev_has_a_throwaway_mesh_token_and_releases_carry_no_credentials(rendered):
     secrets = {s["metadata"]["name"].rsplit("-", 1)[0]: s for s in find(rendered["dev"], "Secret")}
-    assert set(secrets) == {"keel-mesh", "keel-feedback-db"}
+    assert set(secrets) == {"keel-mesh", "keel-feedback-db", "keel-redis"}
     assert "token" in secrets["keel-mesh"]["data"] and {"password", "url"} <= set(secrets["keel-feedback-db"]["data"])
     for overlay in ("prod", "gpu"):
         assert find(rendered[overlay], "Secret") == []

@@ -3,6 +3,8 @@ evaluated here), and whether each stage's effective config (ConfigMap file + ima
 passes the stage's own schema with the stage's own env-override rules (shared/config.py)."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -131,6 +133,7 @@ SECRET_SAMPLES = {  # what the Secrets referenced by env hold, in the format the
     "KEEL_MESH_TOKEN": "0" * 64,
     "KEEL_GATEWAY_API_KEYS": "[{key_id: prod, key_hash: 'sha256$00000000000000000000000000000000$" + "0" * 64 + "'}]",
     "KEEL_FEEDBACK_DATABASE__URL": "postgresql+psycopg://keel:secret@postgres:5432/keel",
+    "KEEL_REDIS_PASSWORD": "0" * 64,
 }
 
 
@@ -163,7 +166,9 @@ def test_each_pod_config_passes_its_schema(rendered, overlay, stage):
     dep = one(objs, "Deployment", stage)
     env = dict(image_env(stage))
     for e in container(dep)["env"]:
-        env[e["name"]] = e["value"] if "value" in e else SECRET_SAMPLES[e["name"]]
+        # Kubernetes expands $(NAME) in a value from the variables listed before it.
+        env[e["name"]] = (re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"]) if "value" in e
+                          else SECRET_SAMPLES[e["name"]])
     cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
     data = effective_config(stage, one(objs, "ConfigMap", cm_name)["data"][f"{stage}.yaml"], env)
     assert data["server"]["host"] == "0.0.0.0" and data["server"]["port"] == STAGES[stage][0]

@@ -34,6 +34,26 @@ def test_a_different_engine_or_prompt_is_not_comparable_naming_the_fields():
     assert out.describe() == "not comparable: engine.dtype, prompt_ids differ"
 
 
+def test_a_different_tokenizer_or_chat_template_is_not_comparable_naming_the_hashes():
+    original = body()
+    original.update(vocab_sha256="v1" * 32, chat_template_sha256="c1" * 32)
+    replay = body("b" * 32)
+    replay.update(vocab_sha256="v2" * 32, chat_template_sha256="c2" * 32)
+    out = compare(original, replay)           # even with the same prompt ids and output
+    assert out.result == "not_comparable" and out.fields == ("vocab_sha256", "chat_template_sha256")
+    assert out.describe() == "not comparable: vocab_sha256, chat_template_sha256 differ"
+    replay["chat_template_sha256"] = original["chat_template_sha256"]
+    assert compare(original, replay).fields == ("vocab_sha256",)
+    replay["vocab_sha256"] = original["vocab_sha256"]
+    assert compare(original, replay).result == "identical"
+
+
+def test_a_record_written_before_the_hashes_existed_is_still_compared():
+    replay = body("b" * 32)
+    replay.update(vocab_sha256="v" * 64, chat_template_sha256="c" * 64)
+    assert compare(body(), replay).result == "identical"
+
+
 def test_hashes_only_cannot_run():
     assert can_run(stored_body(record("a" * 32), store_prompts=False)).result == "cannot_run"
     assert can_run(body()) is None

@@ -54,8 +54,8 @@ def test_store_prompts_false_keeps_hashes_only(db_url):
 def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
     store = open_store(db_url)
     store.put_records([stored_body(record("a" * 32), True)])
-    assert store.upsert_feedback(fb()) is True
-    assert store.upsert_feedback(fb(severity="minor", comment="on second thought")) is False
+    assert store.upsert_feedback([fb()]) == [True]
+    assert store.upsert_feedback([fb(severity="minor", comment="on second thought")]) == [False]
     rows = store.list_feedback()
     assert len(rows) == 1
     assert rows[0]["severity"] == "minor" and rows[0]["comment"] == "on second thought"
@@ -65,9 +65,24 @@ def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
 
 def test_feedback_on_an_unknown_trace_is_not_found(db_url):
     store = open_store(db_url)
-    with pytest.raises(errors.NotFound) as exc:
-        store.upsert_feedback(fb(trace_id="c" * 32))
-    assert exc.value.reason == "TRACE_NOT_FOUND"
+    [result] = store.upsert_feedback([fb(trace_id="c" * 32)])
+    assert isinstance(result, errors.NotFound) and result.reason == "TRACE_NOT_FOUND"
+    assert store.list_feedback() == []
+
+
+def test_a_batch_is_answered_per_item_as_if_sent_one_after_the_other(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32), True), stored_body(record("b" * 32), True)])
+    assert store.upsert_feedback([fb(feedback_id="old")]) == [True]
+    results = store.upsert_feedback([fb(feedback_id="new"), fb(trace_id="c" * 32, feedback_id="lost"),
+                                     fb(feedback_id="old", comment="edited"),
+                                     fb(trace_id="b" * 32, feedback_id="new", severity="minor")])
+    assert results[0] is True and results[2] is False and results[3] is False
+    assert isinstance(results[1], errors.NotFound)
+    rows = {r["feedback_id"]: r for r in store.list_feedback()}
+    assert sorted(rows) == ["new", "old"]
+    assert (rows["new"]["trace_id"], rows["new"]["severity"]) == ("b" * 32, "minor")
+    assert rows["old"]["comment"] == "edited"
 
 
 @pytest.mark.parametrize("field,kw", [("error_type", {"error_type": "typo"}), ("severity", {"severity": "fatal"}),

@@ -17,6 +17,7 @@ from shared.errors import AMBIGUOUS_API_KEY, AUTH_FAILURES_LIMITED, Overloaded, 
 from shared.interceptor import ServerInterceptor
 
 KEY = "keel_alpha_0123456789abcdef"
+OTHER_KEY = "keel_beta_fedcba9876543210"
 PEER = "ipv4:10.0.0.7:5123"
 
 
@@ -24,7 +25,8 @@ PEER = "ipv4:10.0.0.7:5123"
 def auth(clock):
     limiter = AuthFailureLimiter(AuthFailureLimit(max_failures=3, window_s=60, backoff_base_s=1,
                                                   backoff_cap_s=8), clock=clock)
-    return ApiKeyAuthenticator([ApiKeyEntry("team-a", hash_key(KEY))], limiter)
+    return ApiKeyAuthenticator([ApiKeyEntry("team-a", hash_key(KEY)), ApiKeyEntry("team-b", hash_key(OTHER_KEY))],
+                               limiter)
 
 
 def guess(auth, peer=PEER, key="wrong"):
@@ -41,6 +43,32 @@ def test_after_max_failures_the_peer_is_refused_with_a_retry_hint(auth, clock):
     assert info.value.retry_after_ms == 1000
     clock.advance(1.0)
     assert auth.authenticate({"x-api-key": KEY}, PEER) == "team-a"
+
+
+def test_a_blocked_address_still_admits_keys_that_authenticated_from_it(auth, clock):
+    """Clients behind one NAT: team-a and team-b work from the address, then a third client there
+    floods wrong keys. The address is blocked for guesses, not for the keys already seen there."""
+    assert auth.authenticate({"x-api-key": KEY}, "ipv4:10.0.0.7:1") == "team-a"
+    assert auth.authenticate({"x-api-key": OTHER_KEY}, "ipv4:10.0.0.7:2") == "team-b"
+    for _ in range(20):
+        try:
+            guess(auth)
+        except (Unauthenticated, Overloaded):
+            pass
+    with pytest.raises(Overloaded):
+        guess(auth)
+    assert auth.authenticate({"x-api-key": KEY}, "ipv4:10.0.0.7:3") == "team-a"
+    assert auth.authenticate({"authorization": f"Bearer {OTHER_KEY}"}, PEER) == "team-b"
+    with pytest.raises(Overloaded):   # a bad header from a blocked address is refused, not tried
+        auth.authenticate((("x-api-key", KEY), ("x-api-key", OTHER_KEY)), PEER)
+
+
+def test_keys_remembered_per_address_are_bounded(clock):
+    limiter = AuthFailureLimiter(AuthFailureLimit(max_failures=1, max_keys_per_peer=2), clock=clock)
+    for key_id in ("a", "b", "c"):
+        limiter.succeeded("h", key_id)
+    assert limiter.known_keys("h") == {"b", "c"}
+    assert limiter.known_keys("elsewhere") == frozenset()
 
 
 def test_backoff_doubles_with_each_further_failure_up_to_the_cap(auth, clock):
@@ -81,9 +109,8 @@ def test_tracked_peers_are_bounded(clock):
     limiter = AuthFailureLimiter(AuthFailureLimit(max_failures=1, max_peers=2), clock=clock)
     for host in ("a", "b", "c"):
         limiter.failed(host)
-    limiter.check("a")           # forgotten: the oldest went first
-    with pytest.raises(Overloaded):
-        limiter.check("c")
+    assert limiter.refusal("a") is None      # forgotten: the oldest went first
+    assert isinstance(limiter.refusal("c"), Overloaded)
 
 
 @pytest.mark.parametrize("metadata", [
@@ -145,6 +172,36 @@ async def test_200_wrong_keys_from_one_address_are_cut_off(gateway_channel):
     assert set(codes[limit.max_failures:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     err = answers[-1][1]
     assert err.reason == AUTH_FAILURES_LIMITED and err.retry_after_ms > 0
+
+
+@pytest.mark.asyncio
+async def test_a_key_flooding_an_address_does_not_limit_another_key_from_it(tmp_path):
+    """Two keys behind one address: one floods past its rate limit and sends wrong keys until the
+    address is blocked; the other keeps being served throughout."""
+    import yaml
+    cfg = yaml.safe_load(open("config/gateway.yaml"))
+    cfg["api_keys"] = [{"key_id": "flooder", "key_hash": hash_key(KEY)},
+                       {"key_id": "neighbour", "key_hash": hash_key(OTHER_KEY)}]
+    cfg["rate_limits"] = {"default": {"rate_per_s": 1, "burst": 5}, "per_key": {}}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    stage = GatewayStage(gateway_config.load(path))
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Echo(), srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert (await status_of(ch, (("x-api-key", OTHER_KEY),)))[0] == grpc.StatusCode.OK
+            flood = [await status_of(ch, (("x-api-key", KEY),)) for _ in range(30)]
+            assert {e.reason for _, e in flood if e is not None} == {"RATE_LIMITED"}
+            assert (await status_of(ch, (("x-api-key", OTHER_KEY),)))[0] == grpc.StatusCode.OK
+            guesses = [await status_of(ch, (("x-api-key", f"wrong-{i}"),)) for i in range(30)]
+            assert guesses[-1][1].reason == AUTH_FAILURES_LIMITED
+            assert (await status_of(ch, (("x-api-key", OTHER_KEY),)))[0] == grpc.StatusCode.OK
+            assert (await status_of(ch, (("x-api-key", "wrong-again"),)))[1].reason == AUTH_FAILURES_LIMITED
+    finally:
+        await srv.stop(None)
 
 
 @pytest.mark.asyncio

@@ -47,7 +47,7 @@ def dropped(reason: str) -> float:
 
 def served(trace_id: str) -> Served:
     return Served(Ask(messages=(("user", "hi"),), max_tokens=8, temperature=0.7, top_p=0.9, top_k=40),
-                  Encoded([1, 2, 3], False, 3, "fp"), Done("stop", 3, 2, 1234, {"dtype": "float32"}), [5, 6],
+                  Encoded([1, 2, 3], False, 3, "fp", "v" * 64, "c" * 64), Done("stop", 3, 2, 1234, {"dtype": "float32"}), [5, 6],
                   common_pb2.ValidationResult(passed=True, probes={"entropy_mean": 0.25}, verdicts=[
                       common_pb2.Verdict(plugin="p", passed=True, message="", blocking=False)]), trace_id)
 
@@ -72,6 +72,7 @@ async def test_every_answer_becomes_one_record_with_the_seed_the_gateway_picked(
 def test_a_record_carries_sampling_engine_and_verdicts():
     rec = to_record(served("a" * 32), 123)
     assert rec.created_unix_ms == 123 and rec.input_fingerprint == "fp"
+    assert (rec.vocab_sha256, rec.chat_template_sha256) == ("v" * 64, "c" * 64)
     s = rec.sampling
     assert (s.max_tokens, s.top_k, s.seed) == (8, 40, 1234)
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)

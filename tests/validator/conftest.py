@@ -27,23 +27,27 @@ def _free_port() -> int:
 class RedisServer:
     """One redis-server process bound to 127.0.0.1, data and log under ``workdir``."""
 
-    def __init__(self, workdir: Path, *, persistent: bool):
+    def __init__(self, workdir: Path, *, persistent: bool, password: str | None = None):
         if not Path(REDIS_BIN).exists():
             pytest.fail("redis-server is not installed (apt-get install redis-server)")
         self.workdir = workdir
         self.port = _free_port()
         self.persistent = persistent
+        self.password = password     # requirepass, given in a config file (never on the command line)
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.persistent
                        else ["--appendonly", "no"])
+        conf = self.workdir / "auth.conf"
+        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
         self.proc = subprocess.Popen(
-            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+            [REDIS_BIN, str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
              "--save", "", *persistence, "--logfile", str(self.workdir / "redis.log"),
              "--enable-debug-command", "local"],   # DEBUG SLEEP simulates a stalled Redis
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,0 +1,76 @@
+"""Group commit of feedback items: many Submit calls written by one transaction, off the event loop.
+
+Each call puts its item on a bounded queue and waits for its own result. One task takes what is
+queued (up to ``max_batch`` items) and hands it to ``write`` in a worker thread, one transaction
+and one commit for the lot; while that commit runs, new items gather for the next one. Under load
+a commit serves many calls; a lone item on an idle stage is written at once (there is no timer to
+wait for). A call is answered only after the transaction that holds its item committed, so a
+reply means the row is in the database; when the write fails, every call of the batch gets the
+error (the database down: NotReady with a retry hint) and nothing of it is counted as written.
+A full queue makes new calls wait for room (their deadlines bound the wait), so memory stays
+bounded however many clients send at once. A call cancelled while queued (its client gave up) is
+left out of the batch: it was never answered, and a client that sends it again updates nothing
+twice because a feedback_id is written once however often it is sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from services.feedback.records import Feedback
+from shared import errors
+
+log = logging.getLogger("keel.feedback")
+
+Result = bool | errors.KeelError  # True created, False updated, or the item's own error
+
+
+class SubmitBatcher:
+    def __init__(self, write: Callable[[list[Feedback]], list[Result]], *, max_batch: int, queue_size: int):
+        self._write, self._max = write, max_batch
+        self._queue: asyncio.Queue[tuple[Feedback, asyncio.Future]] = asyncio.Queue(queue_size)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        """Stop taking batches; calls still queued get NotReady (their clients retry elsewhere)."""
+        if self._task is not None:
+            self._task.cancel()
+        while not self._queue.empty():
+            _, fut = self._queue.get_nowait()
+            if not fut.done():
+                fut.set_exception(errors.NotReady("the feedback stage is shutting down",
+                                                  reason=errors.SHUTTING_DOWN, retry_after_ms=1000))
+
+    async def submit(self, fb: Feedback) -> bool:
+        """True when created, False when updated; the item's error (NotFound, NotReady) raised."""
+        fb.check()  # a malformed item is INVALID_ARGUMENT at once, even while the database is down
+        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        await self._queue.put((fb, fut))
+        result = await fut
+        if isinstance(result, errors.KeelError):
+            raise result
+        return result
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._max and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            batch = [(fb, fut) for fb, fut in batch if not fut.done()]
+            if not batch:
+                continue
+            try:
+                results = await asyncio.to_thread(self._write, [fb for fb, _ in batch])
+            except errors.KeelError as exc:
+                results = [exc] * len(batch)
+            except Exception as exc:  # noqa: BLE001 - a dead batcher would hang every later call
+                log.exception("feedback batch failed", extra={"items": len(batch)})
+                results = [errors.NotReady(f"the feedback write failed: {exc}", reason="DATABASE_UNAVAILABLE",
+                                           retry_after_ms=1000)] * len(batch)
+            for (_, fut), result in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(result)
