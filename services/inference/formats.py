@@ -104,11 +104,11 @@ def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
 def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
     """Median seconds of one decode-like pass: `rows` one-token rows through every layer and lm_head."""
     ids = torch.arange(3, 3 + rows, device=model.device)[:, None]
-    model(ids, use_cache=False)  # first call pays one-time kernel setup
+    model(ids)  # first call pays one-time kernel setup
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        model(ids, use_cache=False)
+        model(ids)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -14,7 +14,7 @@ from services.inference.formats import FormatsConfig
 from services.inference.gate import GateResult, GateThresholds, Sequence
 from services.inference.model import convert_model, model_dtype
 from shared.config import ROOT_DIR, ConfigError
-from tests.inference.helpers import prompt
+from tests.inference.helpers import prompt, save_model
 
 SHA = "0" * 64
 
@@ -124,7 +124,7 @@ def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(
 
 def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_path, tiny):
     model_dir = tmp_path / "model"
-    tiny.save_pretrained(model_dir)
+    save_model(tiny, model_dir)
     env = {**os.environ, "KEEL_INFERENCE_ENGINE__DTYPE": "int4", "KEEL_INFERENCE_MODEL_PATH": str(model_dir),
            "KEEL_INFERENCE_SERVER__PORT": "0", "KEEL_INFERENCE_SERVER__METRICS_PORT": "0"}
     proc = subprocess.run([sys.executable, "-m", "services.inference"], cwd=ROOT_DIR, env=env,
