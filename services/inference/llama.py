@@ -214,6 +214,19 @@ class LlamaForCausalLM(nn.Module):
         return CausalLMOutput(self.lm_head(core.norm(x)))
 
 
+def uninitialised(config: LlamaConfig) -> LlamaForCausalLM:
+    """The module with its parameters' memory allocated but never written (the caller fills it).
+
+    In deterministic mode torch fills every torch.empty with NaN, a pass over the whole model's
+    memory that the weights would overwrite at once; that fill is switched off while building."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        return LlamaForCausalLM(config)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def load(path: Path) -> LlamaForCausalLM:
     """The float32 model of a directory holding config.json and *.safetensors, in eval mode, no grad.
 
@@ -224,7 +237,7 @@ def load(path: Path) -> LlamaForCausalLM:
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    model = LlamaForCausalLM(config)
+    model = uninitialised(config)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # the embedding matrix is lm_head's weight
     expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())

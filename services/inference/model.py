@@ -18,7 +18,7 @@ import torch
 from shared.errors import InvalidInput
 
 from services.inference import llama
-from services.inference.llama import LlamaConfig, LlamaForCausalLM
+from services.inference.llama import LlamaConfig
 from services.inference.quant import QUANTIZED, quantize_linears, weight_format
 
 DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED
@@ -72,6 +72,8 @@ def _to_format(model: torch.nn.Module, dtype: str, device: str) -> torch.nn.Modu
         # copies let the whole mapping go, so the process keeps only what the format needs.
         for t in list(model.parameters()) + list(model.buffers()):
             t.data = t.data.clone()
+    elif model.device == torch.device(device) and model_dtype(model) == dtype:
+        return model.eval()  # nothing converted, nothing freed: no collection to pay for (~0.2 s)
     else:
         model = model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
     _return_freed_memory()
@@ -105,7 +107,7 @@ def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:
         rope_theta=100000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
-    model = LlamaForCausalLM(config)  # parameters not initialised yet (llama.Linear)
+    model = llama.uninitialised(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied lm_head is listed once, as the embedding
