@@ -110,7 +110,13 @@ def test_config_reads_the_older_top_level_rope_theta():
     assert (c.rope_theta, c.head_dim, c.tie_word_embeddings) == (500.0, 4, False)
 
 
-def test_the_serving_process_never_imports_transformers():
-    code = "import sys, services.inference.server, shared.server; print('transformers' in sys.modules)"
+def test_the_serving_process_imports_neither_transformers_nor_the_compiler():
+    """Both cost seconds of every restart: transformers (the model is llama.py's) and torch._inductor
+    (which torch.use_deterministic_algorithms would import to set its own flag)."""
+    code = ("import sys, torch, services.inference.server, shared.server\n"
+            "from services.inference.warmup import set_deterministic\n"
+            "set_deterministic('cpu')\n"
+            "print('transformers' in sys.modules, 'torch._inductor' in sys.modules,"
+            " torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT_DIR)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["False", "False", "True", "True"]
