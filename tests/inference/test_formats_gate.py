@@ -111,6 +111,16 @@ def test_auto_with_only_quantized_candidates_that_pass_serves_one_of_them(var_di
     assert choice.format in ("int8", "int4") and choice.gate.format == choice.format
 
 
+def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed a format with nothing to compare it with")
+    monkeypatch.setattr(formats, "decode_pass_s", refuse)
+    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu")  # no gate results
+    assert choice.format == "float32" and model is tiny
+    assert choice.reason.startswith("auto: float32 is the only eligible format")
+    assert "bfloat16 has no gate result" in choice.reason
+
+
 def test_auto_with_no_eligible_candidate_stops_the_stage(var_dir, tiny):
     with pytest.raises(ConfigError, match="auto_candidates"):
         formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu")
