@@ -246,7 +246,11 @@ def load(path: Path) -> LlamaForCausalLM:
         raise InvalidInput(f"the weights in {path} do not fit the config: missing {missing[:5]}, "
                            f"unexpected {extra[:5]}", reason="UNSUPPORTED_MODEL",
                            metadata={"missing": str(len(missing)), "unexpected": str(len(extra))})
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False, assign=True)
+    try:
+        model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False, assign=True)
+    except RuntimeError as exc:  # a tensor whose shape the config does not give
+        raise InvalidInput(f"the weights in {path} do not fit the config: {exc}", reason="UNSUPPORTED_MODEL",
+                           metadata={"shapes": "mismatch"}) from exc
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.requires_grad_(False)

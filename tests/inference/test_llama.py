@@ -94,13 +94,15 @@ def test_a_config_this_module_does_not_implement_is_refused(tiny, tmp_path, chan
     assert e.value.reason == "UNSUPPORTED_MODEL" and field in str(e.value)
 
 
-def test_weights_that_do_not_fit_the_config_are_refused(tiny, tmp_path):
+@pytest.mark.parametrize("change,named", [({"num_hidden_layers": 3}, "model.layers.2"),
+                                          ({"intermediate_size": 96}, "size mismatch")])
+def test_weights_that_do_not_fit_the_config_are_refused(tiny, tmp_path, change, named):
     save_model(tiny, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(InvalidInput) as e:
         load_model(tmp_path)
-    assert e.value.reason == "UNSUPPORTED_MODEL" and "model.layers.2" in str(e.value)
+    assert e.value.reason == "UNSUPPORTED_MODEL" and named in str(e.value)
 
 
 def test_config_reads_the_older_top_level_rope_theta():
