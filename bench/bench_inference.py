@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.inference.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
 from services.inference.model import load_model
+from services.inference.quant import QUANTIZED, quantize_linears
 
 MODEL = Path("var/model")
 SUBJECTS = ["the moon", "photosynthesis", "the French revolution", "prime numbers", "volcanoes", "coffee",
@@ -105,6 +106,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def hf_model(dtype: str, device: str) -> torch.nn.Module:
+    """The peer's own model of the same files (Keel's load_model gives Keel's module, without generate)."""
+    # bandit B615 does not apply: a local directory, never the Hub.
+    return AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=getattr(torch, dtype)).to(device).eval()  # nosec B615
+
+
 @torch.inference_mode()
 def hf_run(model, ids: list[list[int]], tokens: int, batch: int, device: str) -> dict:
     """The peer: static left-padded batches through model.generate, greedy, fixed length."""
@@ -132,10 +139,11 @@ async def throughput(model, ids, args, dtype: str, device: str, lines: list[str]
     lines += [f"\n### Throughput, {dtype}, {args.tokens} tokens per request\n",
               "| concurrency | requests | keel tok/s | HF static tok/s | keel / HF | keel TTFT p50 / p99 ms "
               "| keel ITL p50 / p99 ms | HF TTFT p50 / p99 ms |", "|---|---|---|---|---|---|---|---|"]
+    peer = hf_model(dtype, device)
     for c in args.concurrency:
         n = max(2 * c, 4)
         _, k = await keel_run(engine, ids[:n], args.tokens, c)
-        h = hf_run(model, ids[:n], args.tokens, c, device)
+        h = hf_run(peer, ids[:n], args.tokens, c, device)
         lines.append(f"| {c} | {n} | {k['tok_s']:.1f} | {h['tok_s']:.1f} | {k['tok_s'] / h['tok_s']:.2f}x | "
                      f"{k['ttft_p50']:.0f} / {k['ttft_p99']:.0f} | {k['itl_p50']:.0f} / {k['itl_p99']:.0f} | "
                      f"{h['ttft_p50']:.0f} / {h['ttft_p99']:.0f} |")
@@ -208,10 +216,12 @@ async def dtypes(ids, tok, args, device: str, fp32_greedy, lines: list[str]) -> 
         await engine.start()
         outs, _ = await keel_run(engine, ids[:n], args.invariance_tokens, 16)
         greedy = [[t for t, _ in o] for o in outs]
+        # the peer runs the same weight format: its Linears swapped as load_model swaps Keel's
+        peer = quantize_linears(hf_model("float32", device), dtype) if dtype in QUANTIZED else hf_model(dtype, device)
         speeds = []
         for c in (1, 16):
             _, k = await keel_run(engine, ids[:max(2 * c, 4)], args.tokens, c, seed=c)
-            speeds.append((k["tok_s"], hf_run(model, ids[:max(2 * c, 4)], args.tokens, c, device)["tok_s"]))
+            speeds.append((k["tok_s"], hf_run(peer, ids[:max(2 * c, 4)], args.tokens, c, device)["tok_s"]))
         await engine.stop(0)
         same = sum(a == b for a, b in zip(greedy, fp32_greedy[:n]))
         agree = sum(x == y for a, b in zip(greedy, fp32_greedy) for x, y in zip(a, b))

@@ -1,13 +1,16 @@
 """Time from `kill -9` of the inference stage to SERVING again, cold (no stored calibration) vs warm.
 
 The stage runs alone as `python -m services.inference` (the command the supervisor runs) on free ports,
-with KEEL_VAR_DIR pointing at a scratch folder that holds a copy of the gate results. Each round:
+with KEEL_VAR_DIR pointing at a scratch folder that holds a copy of the gate results. With
+--peer-root, a second checkout's stage (e.g. the previous main in a `git worktree`) runs beside it and
+the two are killed and restarted in turn, so both see the same load; the summary gives the ratio. Each round:
 SIGKILL the running process, start it again at once (as the supervisor does, minus its 0.2 s
 backoff), and poll grpc.health.v1 until SERVING. Cold rounds delete the stored warm-start records
 before the restart; warm rounds keep them. The page cache is warm in both (the model was read
 before). For each restart the stage's own "engine warm" log line gives its start-up phases.
 
 Run: .venv/bin/python bench/bench_restart.py [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
+     [--peer-root ../keel-main]
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ def serving(port: int) -> bool:
             return False
 
 
-def start(env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.inference"], cwd=ROOT, env=env,
+def start(root: Path, env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.inference"], cwd=root, env=env,
                             stdout=subprocess.DEVNULL, stderr=log.open("ab"), start_new_session=True)
 
 
@@ -70,60 +73,90 @@ def last_warm_line(log: Path) -> dict:
     return last_line(log, "engine warm")
 
 
+class Stage:
+    """One checkout's inference stage: its own scratch var dir (with a copy of the gate results), ports
+    and log, and the times it took to come back."""
+
+    def __init__(self, label: str, root: Path, args):
+        self.label, self.root = label, root
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"keel-restart-{label}-"))
+        src_gate = Path(os.environ.get("KEEL_VAR_DIR", ROOT / "var")) / "gate"
+        if src_gate.exists():
+            shutil.copytree(src_gate, self.scratch / "gate")
+        self.port = free_port()
+        self.env = {**os.environ, "KEEL_VAR_DIR": str(self.scratch), "KEEL_INFERENCE_SERVER__PORT": str(self.port),
+                    "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()),
+                    "KEEL_INFERENCE_ENGINE__DTYPE": args.dtype,
+                    "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads),
+                    # the model of this checkout (var/ is per checkout; the scratch var dir is not)
+                    "KEEL_INFERENCE_MODEL_PATH": str(root / "var" / "model")}
+        self.log = self.scratch / "stage.log"
+        self.results: dict[str, list[float]] = {"cold": [], "warm": []}
+        self.phases: dict[str, list[dict]] = {"cold": [], "warm": []}
+        self.listening: dict[str, list[float]] = {"cold": [], "warm": []}
+        self.proc = start(root, self.env, self.log)
+        first = wait_serving(self.port, self.proc)
+        print(f"{label}: first start (cold, page cache as found): {first:.2f} s; "
+              f"{last_warm_line(self.log).get('phases_s')}", flush=True)
+
+    def kill_and_restart(self, mode: str) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        if mode == "cold":
+            for rec in (self.scratch / "warm").glob("engine-*.json"):
+                rec.unlink()
+        t0, wall0 = time.monotonic(), time.time()
+        self.proc = start(self.root, self.env, self.log)
+        wait_serving(self.port, self.proc)
+        self.results[mode].append(time.monotonic() - t0)
+        line = last_warm_line(self.log)
+        # Process start to "listening" (interpreter, imports, config, model hash, gRPC server up).
+        self.listening[mode].append(last_line(self.log, "listening").get("ts", wall0) - wall0)
+        self.phases[mode].append(line.get("phases_s", {}))
+        print(f"{self.label} {mode}: {self.results[mode][-1]:.2f} s to SERVING, format {line.get('format')}, "
+              f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}", flush=True)
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--cold-kills", type=int, default=5)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--peer-root", type=Path, default=None,
+                    help="another checkout (e.g. a `git worktree` of the previous main) restarted in turn with this one")
     args = ap.parse_args(argv)
-    scratch = Path(tempfile.mkdtemp(prefix="keel-restart-"))
-    src_gate = Path(os.environ.get("KEEL_VAR_DIR", ROOT / "var")) / "gate"
-    if src_gate.exists():
-        shutil.copytree(src_gate, scratch / "gate")
-    port = free_port()
-    env = {**os.environ, "KEEL_VAR_DIR": str(scratch), "KEEL_INFERENCE_SERVER__PORT": str(port),
-           "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()), "KEEL_INFERENCE_ENGINE__DTYPE": args.dtype,
-           "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads)}
-    log = scratch / "stage.log"
-    proc = start(env, log)
-    first = wait_serving(port, proc)
-    print(f"first start (cold, page cache as found): {first:.2f} s; {last_warm_line(log).get('phases_s')}", flush=True)
-    results: dict[str, list[float]] = {"cold": [], "warm": []}
-    phases: dict[str, list[dict]] = {"cold": [], "warm": []}
-    listening: dict[str, list[float]] = {"cold": [], "warm": []}
+    stages = [Stage("this", ROOT, args)]
+    if args.peer_root is not None:
+        stages.append(Stage("peer", args.peer_root.resolve(), args))
     for mode, n in (("cold", args.cold_kills), ("warm", args.kills)):
         for _ in range(n):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if mode == "cold":
-                for rec in (scratch / "warm").glob("engine-*.json"):
-                    rec.unlink()
-            t0, wall0 = time.monotonic(), time.time()
-            proc = start(env, log)
-            wait_serving(port, proc)
-            results[mode].append(time.monotonic() - t0)
-            line = last_warm_line(log)
-            # Process start to "listening" (interpreter, imports, config, model hash, gRPC server up).
-            listening[mode].append(last_line(log, "listening").get("ts", wall0) - wall0)
-            phases[mode].append(line.get("phases_s", {}))
-            print(f"{mode}: {results[mode][-1]:.2f} s to SERVING, format {line.get('format')}, "
-                  f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}", flush=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+            for stage in stages:  # in turn, so both see the same load
+                stage.kill_and_restart(mode)
+    for stage in stages:
+        stage.close()
     print(f"\nCommand: `.venv/bin/python bench/bench_restart.py {' '.join(argv or sys.argv[1:])}`")
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| start | kills | p50 s to SERVING | max s | p50 s to listening (imports, config) | engine phases (median s) |")
-    print("|---|---|---|---|---|---|")
+    print("| checkout | start | kills | p50 s to SERVING | max s | p50 s to listening (imports, config) | "
+          "engine phases (median s) |")
+    print("|---|---|---|---|---|---|---|")
     for mode in ("cold", "warm"):
-        xs = results[mode]
-        if not xs:
-            continue
-        keys = phases[mode][0].keys() if phases[mode] else []
-        med = {k: round(statistics.median(p.get(k, 0) for p in phases[mode]), 3) for k in keys}
-        print(f"| {mode} | {len(xs)} | {statistics.median(xs):.2f} | {max(xs):.2f} | "
-              f"{statistics.median(listening[mode]):.2f} | {med} |")
-    shutil.rmtree(scratch, ignore_errors=True)
+        for stage in stages:
+            xs = stage.results[mode]
+            if not xs:
+                continue
+            keys = stage.phases[mode][0].keys() if stage.phases[mode] else []
+            med = {k: round(statistics.median(p.get(k, 0) for p in stage.phases[mode]), 3) for k in keys}
+            print(f"| {stage.label} | {mode} | {len(xs)} | {statistics.median(xs):.2f} | {max(xs):.2f} | "
+                  f"{statistics.median(stage.listening[mode]):.2f} | {med} |")
+        if len(stages) == 2 and stages[1].results[mode]:
+            ratio = statistics.median(stages[0].results[mode]) / statistics.median(stages[1].results[mode])
+            print(f"\n{mode}: p50 this / peer = {ratio:.2f}x\n")
     return 0
 
 

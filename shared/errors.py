@@ -254,6 +254,7 @@ REASONS: dict[str, Reason] = {
     "UNKNOWN_DTYPE": Reason(InvalidInput, "start-up: the configured dtype is unknown"),
     "UNSUPPORTED_DTYPE": Reason(InvalidInput, "start-up: the dtype is not supported on this device"),
     "MODEL_NOT_FOUND": Reason(InvalidInput, "start-up: var/model is missing"),
+    "UNSUPPORTED_MODEL": Reason(InvalidInput, "start-up: var/model is not a Llama model Keel implements (config or weights)"),
     "BUDGET_TOO_SMALL": Reason(InvalidInput, "start-up: the memory budget does not fit the model"),
     "INVALID_CONFIG": Reason(InvalidInput, "start-up: an inference config value is out of range"),
     # Shared helpers (start-up and tools).

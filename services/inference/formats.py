@@ -8,7 +8,8 @@
   row the same bits whatever the batch size, M = 1..17 (float32's MKL kernels do not at small M; the
   engine pads float32 passes to sizes that do, so float32 is timed at its padded size). It then times
   a decode-like pass (one token per row, every layer and lm_head) at batch 1 and at the largest
-  batch, and serves the format with the lowest sum of the two.
+  batch, and serves the format with the lowest sum of the two. A sole candidate passing the gate
+  (float32 when no gate was run) is served without timing.
 """
 from __future__ import annotations
 
@@ -106,11 +107,11 @@ def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
 def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
     """Median seconds of one decode-like pass: `rows` one-token rows through every layer and lm_head."""
     ids = torch.arange(3, 3 + rows, device=model.device)[:, None]
-    model(ids, use_cache=False)  # first call pays one-time kernel setup
+    model(ids)  # first call pays one-time kernel setup
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        model(ids, use_cache=False)
+        model(ids)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -120,6 +121,7 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
     """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted."""
     results = gate.load(gate_path(model_sha), model_sha)
     report, best = {}, None
+    gated = []
     for fmt in cfg.auto_candidates:
         try:
             check_dtype(fmt, device)
@@ -127,14 +129,20 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
             report[fmt] = str(exc)
             continue
         ok, why = verdict(fmt, results, cfg.gate)
-        if not ok:
+        if ok:
+            gated.append(fmt)
+        else:
             report[fmt] = why
-            continue
+    for fmt in gated:
         model = convert_model(reference, fmt, device)
         sizes = invariant_sizes(model)
         if fmt != REFERENCE and len(sizes) < INVARIANCE_ROWS:
             report[fmt] = f"rows not batch-invariant at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
             continue
+        if len(gated) == 1:  # nothing to compare with: timing it would only slow the start down
+            report[fmt] = "the only candidate that passes the gate (not timed)"
+            best = (0.0, fmt, model)
+            break
         one = min(sizes, default=1)  # the engine pads a float32 pass of 1 row to this size
         big = next((m for m in sizes if m >= max_batch), max_batch)
         t1, tb = decode_pass_s(model, one), decode_pass_s(model, big)
@@ -146,7 +154,8 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
         raise ConfigError("field 'formats.auto_candidates' breaks rule 'eligible': no candidate passes the "
                           "gate and the batch-invariance check: " + "; ".join(f"{k}: {v}" for k, v in report.items()))
     _, fmt, model = best
-    reason = f"auto: {fmt} is the fastest eligible format on this host; " + "; ".join(
+    why = "the only eligible format" if len(gated) == 1 else "the fastest eligible format on this host"
+    reason = f"auto: {fmt} is {why}; " + "; ".join(
         f"{k}: {v}" for k, v in report.items())
     log.info("weight format chosen", extra={"format": fmt, "candidates": report})
     return FormatChoice(fmt, reason, results.get(fmt)), model

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import rotate_half
 
+from services.inference.llama import rotate_half
 from services.inference.model import model_dtype
 
 

@@ -4,6 +4,7 @@ Formats: float32, bfloat16, float16 (the whole model cast), int8 and int4 (weigh
 lm_head included, swapped for a quantized module from quant.py; the rest stays float32). The engine
 only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj, mlp,
 input/post_attention_layernorm, norm, rotary_emb, lm_head) and calls the modules; see forward.py.
+The module is Keel's own (llama.py): the serving process never imports transformers.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import gc
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from shared.errors import InvalidInput
 
+from services.inference import llama
+from services.inference.llama import LlamaConfig
 from services.inference.quant import QUANTIZED, quantize_linears, weight_format
 
 DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED
@@ -60,10 +62,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     if not (path / "config.json").exists():
         raise InvalidInput(f"no model at {path} (config.json missing); run `make model`",
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
-    # bandit B615 does not apply: a local directory.
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)  # nosec B615
-    model.requires_grad_(False)
-    return _to_format(model, dtype, device)
+    return _to_format(llama.load(path), dtype, device)
 
 
 def _to_format(model: torch.nn.Module, dtype: str, device: str) -> torch.nn.Module:
@@ -73,6 +72,8 @@ def _to_format(model: torch.nn.Module, dtype: str, device: str) -> torch.nn.Modu
         # copies let the whole mapping go, so the process keeps only what the format needs.
         for t in list(model.parameters()) + list(model.buffers()):
             t.data = t.data.clone()
+    elif model.device == torch.device(device) and model_dtype(model) == dtype:
+        return model.eval()  # nothing converted, nothing freed: no collection to pay for (~0.2 s)
     else:
         model = model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
     _return_freed_memory()
@@ -94,17 +95,26 @@ def _return_freed_memory() -> None:
 def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:
     """A random 2-layer Llama (hidden 64, 4 heads, 2 KV heads) with the real vocabulary size.
 
-    initializer_range is large on purpose: with the usual 0.02 the logits are nearly flat and greedy
-    decoding would hinge on rounding-level near-ties, which makes exact-match tests meaningless.
+    Initialised as transformers initialises a Llama: every Linear and the embedding from N(0, std),
+    the padding token's embedding row zero (tied, so its logit is always 0), norms at one. std is
+    large on purpose: with the usual 0.02 the logits are nearly flat and greedy decoding would hinge
+    on rounding-level near-ties, which makes exact-match tests meaningless.
     """
+    std = 0.5
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_theta=100000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    model = llama.uninitialised(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied lm_head is listed once, as the embedding
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+        model.model.embed_tokens.weight[config.pad_token_id] = 0
     model.requires_grad_(False)
     return model.eval()

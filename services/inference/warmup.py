@@ -38,7 +38,9 @@ def set_deterministic(device: str) -> None:
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # The flag itself, not torch.use_deterministic_algorithms: that also sets torch._inductor's config,
+    # whose import (sympy, mpmath, ~800 modules) costs seconds of every start, for a compiler not used here.
+    torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module], formats: Iterable[str],

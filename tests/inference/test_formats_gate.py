@@ -14,7 +14,7 @@ from services.inference.formats import FormatsConfig
 from services.inference.gate import GateResult, GateThresholds, Sequence
 from services.inference.model import convert_model, model_dtype
 from shared.config import ROOT_DIR, ConfigError
-from tests.inference.helpers import prompt
+from tests.inference.helpers import prompt, save_model
 
 SHA = "0" * 64
 
@@ -111,6 +111,16 @@ def test_auto_with_only_quantized_candidates_that_pass_serves_one_of_them(var_di
     assert choice.format in ("int8", "int4") and choice.gate.format == choice.format
 
 
+def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("timed a format with nothing to compare it with")
+    monkeypatch.setattr(formats, "decode_pass_s", refuse)
+    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu")  # no gate results
+    assert choice.format == "float32" and model is tiny
+    assert choice.reason.startswith("auto: float32 is the only eligible format")
+    assert "bfloat16 has no gate result" in choice.reason
+
+
 def test_auto_with_no_eligible_candidate_stops_the_stage(var_dir, tiny):
     with pytest.raises(ConfigError, match="auto_candidates"):
         formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu")
@@ -124,7 +134,7 @@ def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(
 
 def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_path, tiny):
     model_dir = tmp_path / "model"
-    tiny.save_pretrained(model_dir)
+    save_model(tiny, model_dir)
     env = {**os.environ, "KEEL_INFERENCE_ENGINE__DTYPE": "int4", "KEEL_INFERENCE_MODEL_PATH": str(model_dir),
            "KEEL_INFERENCE_SERVER__PORT": "0", "KEEL_INFERENCE_SERVER__METRICS_PORT": "0"}
     proc = subprocess.run([sys.executable, "-m", "services.inference"], cwd=ROOT_DIR, env=env,

@@ -1,4 +1,5 @@
-"""The real SmolLM2 weights: greedy output equals transformers' generate, alone and inside a batch."""
+"""The real SmolLM2 weights: Keel's Llama gives transformers' logits bitwise, and the engine's greedy
+output equals transformers' generate, alone and inside a batch."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,24 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain recursion to a child.", "List three prime numbers."]
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own model of the same files, float32."""
+    from transformers import AutoModelForCausalLM
+    # bandit B615 does not apply: a local directory.
+    return AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()  # nosec B615
+
+
+def test_real_model_logits_are_bitwise_those_of_transformers(reference):
+    model = load_model(MODEL)
+    with torch.inference_mode():
+        for ids in ([7], [1, 504, 2583, 314, 253, 1142, 28, 30], list(range(5, 600, 3))):
+            x = torch.tensor([ids])
+            assert torch.equal(model(x).logits, reference(x).logits)
+
+
 @pytest.mark.asyncio
-async def test_real_model_greedy_matches_generate_alone_and_batched():
+async def test_real_model_greedy_matches_generate_alone_and_batched(reference):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))
     model = load_model(MODEL)
@@ -39,7 +56,7 @@ async def test_real_model_greedy_matches_generate_alone_and_batched():
             assert ids(alone) == ids(batched)
             # Explicit mask: chat prompts contain id 2 (<|im_end|>), which generate would infer as padding.
             x = torch.tensor([r.prompt_ids])
-            ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+            ref = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
                                  eos_token_id=None, pad_token_id=2)[0, len(r.prompt_ids):].tolist()
             assert ids(alone) == ref
     finally:

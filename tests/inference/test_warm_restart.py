@@ -11,13 +11,14 @@ from services.inference import bootstrap, formats, gate, warmcache
 from services.inference import engine as engine_module
 from services.inference.config import InferenceConfig
 from services.inference.formats import FormatsConfig
-from tests.inference.helpers import tiny_config
+from services.inference.model import tiny_model
+from tests.inference.helpers import save_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny):
     path = tmp_path_factory.mktemp("tiny-model")
-    tiny.save_pretrained(path)
+    save_model(tiny, path)
     return path
 
 
@@ -63,8 +64,7 @@ def test_a_changed_fingerprint_measures_again(var_dir, model_dir, change):
 def test_changed_weights_measure_again(var_dir, model_dir, tmp_path, tiny):
     _start(_cfg(model_dir))
     other = tmp_path / "other"
-    changed = tiny.__class__(tiny.config)  # same shapes, other random weights
-    changed.save_pretrained(other)
+    save_model(tiny_model(seed=1), other)  # same shapes, other random weights
     assert not _start(_cfg(other)).warm
 
 

@@ -1,0 +1,258 @@
+"""Keel's own Llama module: the SmolLM2 architecture in plain torch, loaded straight from safetensors.
+
+The serving process imports only torch and safetensors for the model (transformers alone costs more
+than two seconds of start-up, and a restart after a crash pays every second of it). The module tree
+and its parameter names are those of transformers' LlamaForCausalLM, so the weight file of
+`make model` loads as it is and the engine (forward.py) and the weight formats (quant.py) see the same
+attributes: model.embed_tokens, model.layers[i].self_attn.{q,k,v,o}_proj, .mlp.{gate,up,down}_proj,
+.input_layernorm, .post_attention_layernorm, model.norm, model.rotary_emb, lm_head.
+
+The operations, and their order, are those of transformers 5 (RMSNorm in float32, then the weight;
+rotary angles in float32; SiLU-gated MLP; SDPA attention), so the logits agree with it:
+tests/inference/test_llama.py checks the tiny model and tests/inference/test_real_model.py the real
+weights. Only what Keel runs is here: a whole causal pass from position 0 (`forward`, used by the
+quality gate, the warm-start probe and the format timing); the engine's cached, ragged passes are
+forward.py's.
+
+Shapes: B batch, T tokens, E hidden size, H query heads, KV key/value heads, D head_dim, V vocab.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from shared.errors import InvalidInput
+
+
+@dataclass
+class LlamaConfig:
+    """The fields of a transformers Llama config.json that this architecture reads (same names).
+
+    Mutable on purpose: quantizing lm_head unties it from the embedding (quant.py)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> LlamaConfig:
+        """From a transformers config.json; InvalidInput when it describes something else."""
+        rope = data.get("rope_parameters") or {"rope_type": "default", "rope_theta": data.get("rope_theta")}
+        unsupported = {
+            "model_type": data.get("model_type", "llama") != "llama",
+            "hidden_act": data.get("hidden_act", "silu") != "silu",
+            "rope_parameters.rope_type": rope.get("rope_type", "default") != "default",
+            "attention_bias": bool(data.get("attention_bias")), "mlp_bias": bool(data.get("mlp_bias")),
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise InvalidInput(f"the model's config.json asks for what Keel's Llama does not implement: {bad}",
+                               reason="UNSUPPORTED_MODEL", metadata={"fields": ",".join(bad)})
+        try:
+            known = {f.name for f in fields(cls)}
+            values = {k: v for k, v in data.items() if k in known}
+            values.setdefault("head_dim", data["hidden_size"] // data["num_attention_heads"])
+            values.setdefault("rms_norm_eps", 1e-6)
+            values.setdefault("tie_word_embeddings", False)
+            values["rope_theta"] = float(rope.get("rope_theta") or 10000.0)
+            return cls(**values)
+        except (KeyError, TypeError) as exc:
+            raise InvalidInput(f"the model's config.json lacks a field: {exc}", reason="UNSUPPORTED_MODEL",
+                               metadata={"fields": str(exc)}) from exc
+
+
+class CausalLMOutput(NamedTuple):
+    logits: torch.Tensor  # [B, T, V], the model's dtype
+
+
+class Linear(nn.Linear):
+    """An nn.Linear created without initialising its weight (torch.empty): the loader assigns the
+    file's tensor, tiny_model draws its own. Skipping the init saves a second per start on the real
+    model; building on the meta device instead runs the init's decompositions, whose first use imports
+    torch's compiler stack (sympy, mpmath, ~800 modules), which costs as much."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """An nn.Embedding created without initialising its weight (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1), the two halves of the last dimension."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., E] -> [..., E], normalized in float32, scaled in x's dtype."""
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> (cos, sin), each [B, T, D] in x's dtype (angles in float32)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., E] -> [..., E] through [..., intermediate]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        e, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = Linear(e, self.heads * d, bias=False)
+        self.k_proj = Linear(e, self.kv_heads * d, bias=False)
+        self.v_proj = Linear(e, self.kv_heads * d, bias=False)
+        self.o_proj = Linear(self.heads * d, e, bias=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over a whole sequence: h [B, T, E], cos/sin [B, T, D] -> [B, T, E]."""
+        b, t, _ = h.shape
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)      # [B, H, T, D]
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)   # [B, KV, T, D]
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)   # [B, KV, T, D]
+        cos, sin = cos[:, None], sin[:, None]                                          # [B, 1, T, D]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.head_dim ** -0.5,
+                                             enable_gqa=True)                         # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, E] -> [B, T, E]: pre-norm attention and MLP, each added to the residual stream."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        """input_ids [B, T] (every row from position 0, no padding) -> logits [B, T, V]."""
+        core = self.model
+        x = core.embed_tokens(input_ids)                                                # [B, T, E]
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        cos, sin = core.rotary_emb(x, pos)
+        for layer in core.layers:
+            x = layer(x, cos, sin)
+        return CausalLMOutput(self.lm_head(core.norm(x)))
+
+
+def uninitialised(config: LlamaConfig) -> LlamaForCausalLM:
+    """The module with its parameters' memory allocated but never written (the caller fills it).
+
+    In deterministic mode torch fills every torch.empty with NaN, a pass over the whole model's
+    memory that the weights would overwrite at once; that fill is switched off while building."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        return LlamaForCausalLM(config)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def load(path: Path) -> LlamaForCausalLM:
+    """The float32 model of a directory holding config.json and *.safetensors, in eval mode, no grad.
+
+    The module is built with uninitialised parameters and then takes the file's tensors as they are:
+    safetensors maps the file, so the weights are neither initialised nor copied."""
+    config = LlamaConfig.from_json(json.loads((path / "config.json").read_text()))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    model = uninitialised(config)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # the embedding matrix is lm_head's weight
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise InvalidInput(f"the weights in {path} do not fit the config: missing {missing[:5]}, "
+                           f"unexpected {extra[:5]}", reason="UNSUPPORTED_MODEL",
+                           metadata={"missing": str(len(missing)), "unexpected": str(len(extra))})
+    try:
+        model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False, assign=True)
+    except RuntimeError as exc:  # a tensor whose shape the config does not give
+        raise InvalidInput(f"the weights in {path} do not fit the config: {exc}", reason="UNSUPPORTED_MODEL",
+                           metadata={"shapes": "mismatch"}) from exc
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)
+    return model.eval()
