@@ -7,14 +7,13 @@ import pytest
 from services.inference import bootstrap, warmcache
 from services.inference.config import InferenceConfig
 from services.inference.formats import FormatsConfig
-from tests.inference.helpers import collect, ids, prompt, request, tiny_config
+from tests.inference.helpers import collect, ids, prompt, request, save_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny):
     path = tmp_path_factory.mktemp("tiny-model")
-    tiny.save_pretrained(path)
-    return path
+    return save_model(tiny, path)
 
 
 @pytest.fixture
