@@ -35,6 +35,7 @@ class GenerationRequest:
     trace_id: str = ""
     fingerprint: str = ""  # digest of the input, logged when this request fails numerically
     faults: FaultSpec | None = None
+    adapter: str = ""  # LoRA adapter "id" or "id@version"; "" = the base model (lora/registry.py resolves it)
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,14 @@ class Finished:
     ttft_ms: float      # submission -> first token sampled
     dtype: str          # dtype of the model that served the request (changes under breaker level 2)
     breaker_level: int  # breaker level in force when the request was prefilled
+    adapter: str = ""   # the adapter that served it, "id@version" ("" = the base model)
 
     def span_attributes(self) -> dict[str, str | int | float]:
         return {"inference.finish_reason": self.finish_reason, "inference.prompt_tokens": self.prompt_tokens,
                 "inference.completion_tokens": self.completion_tokens, "inference.seed": str(self.seed),
                 "inference.queue_ms": round(self.queue_ms, 3), "inference.ttft_ms": round(self.ttft_ms, 3),
-                "inference.dtype": self.dtype, "inference.breaker_level": self.breaker_level}
+                "inference.dtype": self.dtype, "inference.breaker_level": self.breaker_level,
+                "inference.adapter": self.adapter}
 
 
 MAX_SEED = 2 ** 63 - 1

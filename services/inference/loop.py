@@ -204,7 +204,7 @@ class StepLoop:
     def _reuse_prefix(self, row: Row) -> None:
         """Copy the cached blocks the prompt starts with into the row's cache; its prefill resumes after them."""
         b = self.prefix.block_tokens
-        for i, (keys, values) in enumerate(self.prefix.lookup(row.runner, row.ticket.req.prompt_ids)):
+        for i, (keys, values) in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
             row.cache.keys[:, :, i * b:(i + 1) * b] = keys
             row.cache.values[:, :, i * b:(i + 1) * b] = values
             row.cache.length = row.prefilled = (i + 1) * b
@@ -214,7 +214,7 @@ class StepLoop:
         b = self.prefix.block_tokens
         for row, start, n in chunks:
             if n == b and row.prefilled == start + n:
-                self.prefix.store(row.runner, row.ticket.req.prompt_ids, start // b,
+                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b,
                                   row.cache.keys[:, :, start:start + n], row.cache.values[:, :, start:start + n])
 
     def _execute(self, batch: Batch, policy: Policy) -> None:

@@ -44,3 +44,30 @@ def peft_logits(base: torch.nn.Module, adapter_dir: Path, ids: list[int]) -> tor
     model = PeftModel.from_pretrained(copy.deepcopy(base).float(), str(adapter_dir)).eval()
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def tokenizer():
+    """Keel's real tokenizer (var/vocab.kvoc); the tiny model shares its vocabulary size."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from services.inference.lora.fingerprint import open_tokenizer
+        from shared.config import ROOT_DIR
+        _TOKENIZER = open_tokenizer(ROOT_DIR / "var" / "vocab.kvoc")
+    return _TOKENIZER
+
+
+_TOKENIZER = None
+
+
+def base_of(model: torch.nn.Module, weights_sha256: str = "tiny-seed-0", fmt: str = "float32", runner=None):
+    """A registry Base for an in-memory model: its calibrated runner, fingerprint fields, the probe set."""
+    from services.inference.forward import LlamaRunner
+    from services.inference.lora import fingerprint
+    from services.inference.lora.probes import load_probe_set
+    from services.inference.lora.registry import Base
+    if runner is None:
+        runner = LlamaRunner(model)
+        runner.calibrate_invariant_sizes(16)
+    tok = tokenizer()
+    fields = fingerprint.base_fields(weights_sha256, model.config.to_dict(), fingerprint.tokenizer_hashes(tok), fmt)
+    return Base(runner, fields, load_probe_set(tok))

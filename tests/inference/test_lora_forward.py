@@ -106,3 +106,14 @@ def test_slot_stacks_are_counted_in_bytes(runner):
     assert lora.count == 5
     assert lora.nbytes == sum(a.nbytes + b.nbytes for a, b in lora.stacks.values()) + lora.scaling.nbytes
     assert lora.nbytes > 0 and lora.transient_bytes > 0
+
+
+def test_an_adapter_gives_the_same_bits_whatever_else_is_loaded(tiny, adapters, runner):
+    """Ranks 4 and 8 on the same projections: a row never pays for another adapter's rank."""
+    ids = prompt(8, 12)
+    alone = LlamaRunner(tiny)
+    alone.invariant_sizes = runner.invariant_sizes
+    for slot, folder in enumerate(adapters, start=1):
+        alone.lora = load(tiny, [folder])
+        want = alone.forward([Segment(alone.new_cache(16), ids, 1)])[0]
+        assert torch.equal(want, runner.forward([Segment(runner.new_cache(16), ids, slot)])[0])

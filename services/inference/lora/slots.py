@@ -1,12 +1,11 @@
 """Accepted adapters' LoRA weights, stacked by slot, and the LoRA term of the forward pass (never merged).
 
-For each (layer, projection) that some adapter targets there is one stack A [S, R, in] and one stack
-B [S, out, R] in float32, S = adapters + 1 (slot 0, the base model, is all zeros) and R the largest
-rank (a smaller rank is zero-padded, which adds exact zeros). A projection no adapter targets has no
-stack and costs nothing.
+For each (layer, projection, rank) that some adapter targets there is one stack A [S, r, in] and one
+stack B [S, out, r] in float32, S = adapters + 1, indexed by slot (slot 0, the base model, and the
+slots of other ranks stay zero and are never read). A projection no adapter targets costs nothing.
 
 The term for token n with slot s is `(B[s] @ (A[s] @ h_n)) * scaling[s]`, PEFT's unmerged order. It is
-computed with a per-token gather and `torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32:
+computed, for the tokens whose adapter targets the projection, with a per-token gather and `torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32:
 measured on this project's CPUs (AVX2 and AVX-512, 1 and 2 threads) this gives every row the same bits
 alone or inside any batch, while a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py
 checks it). Only rows with an adapter are computed; base rows are never touched, so a base row is
@@ -97,29 +96,34 @@ def _dims(module: torch.nn.Module) -> tuple[int, int]:
 
 
 class LoraSlots:
-    """Slot 0 = base; slot k = adapters[k - 1]. Immutable after construction."""
+    """Slot 0 = base; slot k = adapters[k - 1]. Immutable after construction.
+
+    Stacks are kept per rank: a row is always computed at its own adapter's rank, because zero-padding
+    a rank-4 adapter to rank 8 changes the float summation (measured on the tiny model), and an adapter's
+    outputs must not depend on which other adapters are loaded.
+    """
 
     def __init__(self, adapters: list[AdapterWeights], model: torch.nn.Module, device: str = "cpu",
                  chunk_tokens: int = CHUNK_TOKENS):
         self.count = len(adapters) + 1
         self.chunk_tokens = chunk_tokens
-        rank = max((a.spec.rank for a in adapters), default=1)
-        keys = sorted({k for a in adapters for k in a.pairs})
         layers = model.model.layers
-        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, name in keys:
-            proj = getattr(getattr(layers[layer], "self_attn" if name in _ATTN else "mlp"), name)
-            out_f, in_f = _dims(proj)
-            a_stack = torch.zeros(self.count, rank, in_f, device=device)
-            b_stack = torch.zeros(self.count, out_f, rank, device=device)
-            for slot, adapter in enumerate(adapters, start=1):
-                if (layer, name) in adapter.pairs:
-                    a, b = adapter.pairs[(layer, name)]
-                    a_stack[slot, :a.shape[0]] = a
-                    b_stack[slot, :, :b.shape[1]] = b
-            self.stacks[(layer, name)] = (a_stack, b_stack)
+        # ranks[name][slot]: the rank of that slot's adapter if it targets `name`, else 0 (no term).
+        self.ranks: dict[str, torch.Tensor] = {}
+        self.stacks: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for slot, adapter in enumerate(adapters, start=1):
+            for (layer, name), (a, b) in adapter.pairs.items():
+                rank = adapter.spec.rank
+                self.ranks.setdefault(name, torch.zeros(self.count, dtype=torch.long, device=device))[slot] = rank
+                if (layer, name, rank) not in self.stacks:
+                    proj = getattr(getattr(layers[layer], "self_attn" if name in _ATTN else "mlp"), name)
+                    out_f, in_f = _dims(proj)
+                    self.stacks[(layer, name, rank)] = (torch.zeros(self.count, rank, in_f, device=device),
+                                                        torch.zeros(self.count, out_f, rank, device=device))
+                a_stack, b_stack = self.stacks[(layer, name, rank)]
+                a_stack[slot], b_stack[slot] = a, b
+        self.module_ranks = {name: sorted(set(r.tolist()) - {0}) for name, r in self.ranks.items()}
         self.scaling = torch.tensor([0.0] + [a.spec.scaling for a in adapters], device=device)
-        self.rank = rank
 
     @property
     def nbytes(self) -> int:
@@ -133,32 +137,39 @@ class LoraSlots:
     def step(self, token_slots: list[int], padded: int, device: torch.device) -> LoraStep:
         """The LoRA term of one forward step whose tokens (padded to `padded` rows) have these slots."""
         slots = torch.tensor(token_slots + [0] * (padded - len(token_slots)), dtype=torch.long, device=device)
-        return LoraStep(self, slots, slots.nonzero()[:, 0])
+        return LoraStep(self, slots)
 
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class LoraStep:
-    def __init__(self, slots: LoraSlots, token_slots: torch.Tensor, rows: torch.Tensor):
-        self.lora = slots
+    def __init__(self, lora: LoraSlots, token_slots: torch.Tensor):
+        self.lora = lora
         self.token_slots = token_slots
-        self.rows = rows  # indices of the tokens with an adapter
+        self._rows: dict[tuple[str, int], torch.Tensor] = {}  # (projection, rank) -> its tokens, per step
+
+    def _rows_for(self, name: str, rank: int) -> torch.Tensor:
+        key = (name, rank)
+        if key not in self._rows:
+            self._rows[key] = (self.lora.ranks[name][self.token_slots] == rank).nonzero()[:, 0]
+        return self._rows[key]
 
     def linear(self, layer: int, name: str, module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """module(h) plus, for every token with an adapter targeting this projection, its LoRA term."""
+        """module(h) plus, for every token whose adapter targets this projection, its LoRA term."""
         y = module(h)
-        stacks = self.lora.stacks.get((layer, name))
-        if stacks is None:
-            return y
-        a_stack, b_stack = stacks
-        c = self.lora.chunk_tokens
-        for start in range(0, self.rows.numel(), c):
-            rows = self.rows[start:start + c]
-            s = self.token_slots[rows]
-            low = torch.einsum("ni,nri->nr", h[rows].float(), a_stack[s])
-            delta = torch.einsum("nr,nor->no", low, b_stack[s]) * self.lora.scaling[s][:, None]
-            y[rows] = (y[rows].float() + delta).to(y.dtype)
+        for rank in self.lora.module_ranks.get(name, ()):
+            stacks = self.lora.stacks.get((layer, name, rank))
+            if stacks is None:
+                continue
+            a_stack, b_stack = stacks
+            rows_all = self._rows_for(name, rank)
+            for start in range(0, rows_all.numel(), self.lora.chunk_tokens):
+                rows = rows_all[start:start + self.lora.chunk_tokens]
+                s = self.token_slots[rows]
+                low = torch.einsum("ni,nri->nr", h[rows].float(), a_stack[s])
+                delta = torch.einsum("nr,nor->no", low, b_stack[s]) * self.lora.scaling[s][:, None]
+                y[rows] = (y[rows].float() + delta).to(y.dtype)
         return y
 
 
