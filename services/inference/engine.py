@@ -169,7 +169,7 @@ class Engine:
             m = self.memory
             self.memory = dataclasses.replace(m, static_bytes=m.static_bytes + table.slots.nbytes,
                                               fixed_bytes=m.fixed_bytes + table.slots.transient_bytes)
-            self._admission.memory = self._loop.memory = self.memory
+            self._loop.set_memory(self.memory)
 
     async def start(self, thread: TorchThread | None = None) -> None:
         """Start the batching loop, on `thread` when the caller keeps all torch work on one."""

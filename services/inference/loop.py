@@ -81,6 +81,11 @@ class StepLoop:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def set_memory(self, memory: MemoryModel) -> None:
+        """A memory model with more static bytes (adapter slots); only before start()."""
+        self.memory = self.scheduler.admission.memory = memory
+        self._publish()
+
     def shutdown(self, error: Exception) -> None:
         """Stop the loop; every request still queued or running gets `error`. Blocks until it has."""
         self.inbox.put(("stop", error))
