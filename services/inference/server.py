@@ -55,6 +55,9 @@ class InferenceStage:
                                        "format_reason": started.record.reason, "warm_start": started.warm,
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
+        for s in engine.adapters.states:
+            self.m.gauge("keel_inference_adapter_state").labels(adapter=s.id, version=s.version, state=s.state,
+                                                                reason=s.reason).set(1)
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 

@@ -126,3 +126,37 @@ async def test_the_prefix_cache_never_hands_base_blocks_to_an_adapter(tiny, regi
         assert ids((await collect(cached, request("x", p, 6, adapter="alpha")))[0]) == want
     finally:
         await cached.stop(grace_s=0)
+
+
+class _Context:
+    def time_remaining(self):
+        return None
+
+
+@pytest.mark.asyncio
+async def test_servicer_lists_adapters_and_echoes_the_one_that_served(tiny, registry):
+    from prometheus_client import CollectorRegistry
+
+    from keel.common.v1 import common_pb2
+    from keel.inference.v1 import inference_pb2
+    from services.inference.servicer import InferenceServicer
+    from shared.metrics import metrics_for
+
+    engine = await _engine(tiny, registry[0])
+    metrics = CollectorRegistry()
+    servicer = InferenceServicer(engine, metrics_for("inference", metrics))
+    try:
+        listed = await servicer.ListAdapters(inference_pb2.ListAdaptersRequest(), None)
+        assert listed.base_fingerprint == engine.adapters.base_fingerprint and len(listed.base_fingerprint) == 64
+        rows = {(a.id, a.version): a for a in listed.adapters}
+        assert (rows[("alpha", "1")].state, rows[("alpha", "1")].slot) == ("accepted", 1)
+        assert (rows[("gamma", "1")].state, rows[("gamma", "1")].reason) == ("refused", "BASE_FINGERPRINT_MISMATCH")
+        assert rows[("gamma", "1")].slot == 0 and "weights_sha256" in rows[("gamma", "1")].detail
+        req = inference_pb2.GenerateRequest(prompt_ids=prompt(2), adapter="beta",
+                                            sampling=common_pb2.SamplingParams(max_tokens=3))
+        events = [ev async for ev in servicer.Generate(req, _Context())]
+        assert events[-1].finished.adapter == "beta@1"
+        assert metrics.get_sample_value("keel_inference_adapter_requests_total", {"adapter": "beta@1"}) == 1
+        assert metrics.get_sample_value("keel_inference_adapter_tokens_total", {"adapter": "beta@1"}) == 3
+    finally:
+        await engine.stop(grace_s=0)
