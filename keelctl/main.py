@@ -13,6 +13,7 @@
     keel feedback submit|list     report a bad answer (through the gateway); list reports
     keel etl run --since 24h --out DIR   severe factual errors -> a reproducible JSONL chat dataset
     keel certs [--out var/certs]  TLS certificates for the mesh (then KEEL_MESH_TLS_DIR=var/certs keel up)
+    keel lora register|list|verify|drift|card ...   LoRA adapters (keelctl/lora.py)
 """
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
     c.add_argument("--days", type=int, default=365)
-    delegated = ("trace", "tokenize", "detokenize", "quarantine", "replay", "verify", "feedback", "etl")
+    delegated = ("trace", "tokenize", "detokenize", "quarantine", "replay", "verify", "feedback", "etl", "lora")
     for name in delegated:
         sub.add_parser(name, add_help=False)
     args, rest = ap.parse_known_args(argv)

@@ -26,6 +26,9 @@ def dispatch(cmd: str, argv: list[str]) -> int:
     if cmd == "feedback":
         from keelctl import feedback
         return feedback.main(argv)
+    if cmd == "lora":
+        from keelctl import lora
+        return lora.main(argv)
     if cmd == "etl":
         from services.feedback import etl
         return etl.main(argv)

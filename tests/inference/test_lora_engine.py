@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from services.inference.engine import Engine
-from services.inference.lora.registry import LoraConfig, load_registry, register
+from services.inference.lora.registration import register
+from services.inference.lora.registry import LoraConfig, load_registry
 from shared.errors import NotFound, PreconditionFailed
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 from tests.inference.lora_fixtures import base_of, make_adapter

@@ -1,4 +1,4 @@
-"""The adapter registry: registration, the checks at start, and which adapter a request names.
+"""The adapter registry: the checks at start, and which adapter a request names (registration.py adds to it).
 
 Layout under `lora.registry_dir` (default var/adapters): ID/VERSION/ per registered version (see
 manifest.py), retrain/ for `keel lora verify`'s retrain requests, and base.json, the fingerprint of
@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from shared.config import var_dir
 from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
@@ -138,7 +136,7 @@ def read_running_base(root: Path) -> dict[str, str] | None:
         return None
 
 
-def _static_checks(folder: Path, base: Base, cfg: LoraConfig) -> tuple[Manifest, AdapterWeights]:
+def static_checks(folder: Path, base: Base, cfg: LoraConfig) -> tuple[Manifest, AdapterWeights]:
     m = manifest.read(folder)
     manifest.check_files(folder, m)
     diff = fingerprint.differing(m.base, base.fields)
@@ -154,15 +152,25 @@ def _static_checks(folder: Path, base: Base, cfg: LoraConfig) -> tuple[Manifest,
     return m, read_weights(folder / "adapter_model.safetensors", spec, base.runner.model)
 
 
-def _base_greedy(base: Base) -> list[tuple[int, ...]]:
+def base_greedy(base: Base) -> list[tuple[int, ...]]:
     rows = [ProbeRow(p, 0) for p in base.probe_set.prompts]
     return [t.tokens for t in probes.run(base.runner, rows, base.probe_set.continuation_tokens)]
 
 
-def _probe_checks(base: Base, m: Manifest, folder: Path, slot: int, base_greedy: list, cfg: LoraConfig) -> dict:
-    """Teacher-forced run on the golden outputs; returns the drift summary or raises the refusal."""
-    rows = [ProbeRow(p, slot, g) for p, g in zip(base.probe_set.prompts, m.golden_ids)]
-    traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)
+def _forced_rows(base: Base, m: Manifest, slot: int) -> list[ProbeRow]:
+    return [ProbeRow(p, slot, g) for p, g in zip(base.probe_set.prompts, m.golden_ids)]
+
+
+def drift_of(folder: Path, traces: list) -> dict:
+    """KL(registered || now) over the probe set's golden positions (traces: the teacher-forced run)."""
+    golden = load_file(str(folder / manifest.GOLDEN))
+    kl = torch.cat([probes.kl_recorded(golden["ids"][i].long(), golden["logprobs"][i], t.logprobs)
+                    for i, t in enumerate(traces)])
+    return probes.summary(kl, DRIFT_DIRECTION)
+
+
+def _probe_checks(m: Manifest, folder: Path, traces: list, base_greedy: list, cfg: LoraConfig) -> dict:
+    """Judge one adapter's teacher-forced run on its golden outputs: the drift summary, or the refusal."""
     for i, (trace, golden) in enumerate(zip(traces, m.golden_ids)):
         if trace.greedy != golden:
             at = next(t for t, (a, b) in enumerate(zip(trace.greedy, golden)) if a != b)
@@ -171,10 +179,7 @@ def _probe_checks(base: Base, m: Manifest, folder: Path, slot: int, base_greedy:
     if list(m.golden_ids) == base_greedy:
         raise PreconditionFailed("greedy outputs equal the base model's on every probe",
                                  reason="ADAPTER_CHANGES_NOTHING")
-    golden = load_file(str(folder / manifest.GOLDEN))
-    kl = torch.cat([probes.kl_recorded(golden["ids"][i].long(), golden["logprobs"][i], t.logprobs)
-                    for i, t in enumerate(traces)])
-    drift = probes.summary(kl, DRIFT_DIRECTION)
+    drift = drift_of(folder, traces)
     if max(drift["mean"], drift["p95"]) > cfg.drift_threshold:
         detail = f"drift {DRIFT_DIRECTION} mean {drift['mean']:.4f}, p95 {drift['p95']:.4f} > {cfg.drift_threshold}"
         if cfg.drift_action == "refuse":
@@ -202,20 +207,25 @@ def load_registry(cfg: LoraConfig, base: Base) -> AdapterTable:
     candidates: list[tuple[Path, Manifest, AdapterWeights]] = []
     for folder in versions(root):
         try:
-            m, w = _static_checks(folder, base, cfg)
+            m, w = static_checks(folder, base, cfg)
             candidates.append((folder, m, w))
         except KeelError as exc:
             states[folder] = _refused(folder, exc)
     accepted: list[tuple[Path, Manifest, AdapterWeights, dict]] = []
     if candidates:
         base.runner.lora = None
-        greedy = _base_greedy(base)
+        greedy = base_greedy(base)
         base.runner.lora = LoraSlots([w for _, _, w in candidates], base.runner.model)
-        for slot, (folder, m, w) in enumerate(candidates, start=1):
+        # One run for every candidate (rows are batch-invariant, so batching them changes no bits).
+        rows = [r for slot, (_, m, _) in enumerate(candidates, start=1) for r in _forced_rows(base, m, slot)]
+        traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)
+        n = len(base.probe_set.prompts)
+        for k, (folder, m, w) in enumerate(candidates):
             try:
-                accepted.append((folder, m, w, _probe_checks(base, m, folder, slot, greedy, cfg)))
+                accepted.append((folder, m, w, _probe_checks(m, folder, traces[k * n:(k + 1) * n], greedy, cfg)))
             except KeelError as exc:
                 states[folder] = _refused(folder, exc)
+        del traces
     slots = LoraSlots([w for _, _, w, _ in accepted], base.runner.model) if accepted else None
     base.runner.lora = slots
     for slot, (folder, m, _, drift) in enumerate(accepted, start=1):
@@ -232,57 +242,3 @@ def _write_base(root: Path, base: Base) -> None:
         tmp.replace(root / "base.json")
     except OSError as exc:  # a read-only registry still serves; offline tools then lack the running base
         log.warning("cannot record the running base in the registry", extra={"error": str(exc)})
-
-
-def register(src: Path, adapter_id: str, version: str, base: Base, cfg: LoraConfig,
-             training_data_manifest: Path | None = None) -> Manifest:
-    """Check a PEFT folder against `base`, make its golden outputs with the engine's runner, and write
-    ID/VERSION into the registry (manifest, golden outputs, model card). Raises the refusal it would get."""
-    check_name(adapter_id, "id")
-    check_name(version, "version")
-    dest = cfg.root / adapter_id / version
-    if dest.exists():
-        raise PreconditionFailed(f"{adapter_id}@{version} is already registered; register a new version",
-                                 reason="ADAPTER_EXISTS", metadata={"adapter": f"{adapter_id}@{version}"})
-    src = Path(src)
-    for name in manifest.PEFT_FILES:
-        if not (src / name).is_file():
-            raise PreconditionFailed(f"{src / name} is missing (a PEFT adapter folder has {manifest.PEFT_FILES})",
-                               reason="ADAPTER_RECORD_INVALID", metadata={"path": str(src / name)})
-    spec = peftconfig.parse(json.loads((src / "adapter_config.json").read_text()), cfg.max_rank)
-    weights = read_weights(src / "adapter_model.safetensors", spec, base.runner.model)
-    runner, saved = base.runner, base.runner.lora
-    try:
-        runner.lora = None
-        base_greedy = _base_greedy(base)
-        runner.lora = LoraSlots([weights], runner.model)
-        steps = base.probe_set.continuation_tokens
-        traces = probes.run(runner, [ProbeRow(p, 1) for p in base.probe_set.prompts], steps)
-        golden = [t.tokens for t in traces]
-        if golden == base_greedy:
-            raise PreconditionFailed("greedy outputs equal the base model's on every probe",
-                                     reason="ADAPTER_CHANGES_NOTHING")
-        forced = probes.run(runner, [ProbeRow(p, 0, g) for p, g in zip(base.probe_set.prompts, golden)], steps)
-    finally:
-        runner.lora = saved
-    kl_base = probes.summary(torch.cat([probes.kl_full(a.logprobs, b.logprobs) for a, b in zip(traces, forced)]),
-                             "KL(adapter || base)")
-    tops = [probes.top_k(t) for t in traces]
-    tmp = cfg.root / adapter_id / f".{version}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in manifest.PEFT_FILES:
-        shutil.copyfile(src / name, tmp / name)
-    save_file({"ids": torch.stack([i for i, _ in tops]).to(torch.int32).contiguous(),
-               "logprobs": torch.stack([v for _, v in tops]).contiguous()}, str(tmp / manifest.GOLDEN))
-    m = Manifest(
-        id=adapter_id, version=version, base=dict(base.fields), base_fingerprint=base.digest,
-        training_data_version=manifest.file_sha256(training_data_manifest) if training_data_manifest else "",
-        rank=spec.rank, alpha=spec.alpha, targets=spec.targets, use_rslora=spec.use_rslora,
-        probe_set_sha256=base.probe_set.sha256, golden_ids=tuple(golden),
-        golden_sha256=manifest.file_sha256(tmp / manifest.GOLDEN),
-        files_sha256={n: manifest.file_sha256(tmp / n) for n in manifest.PEFT_FILES}, kl_vs_base=kl_base,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="microseconds"))
-    m.write(tmp)
-    tmp.replace(dest)
-    return m
