@@ -19,7 +19,7 @@ def make_adapter(base: torch.nn.Module, out_dir: Path, *, seed: int, rank: int =
                  config_overrides: dict | None = None) -> Path:
     """A PEFT LoRA folder for `base` (which is left untouched); `config_overrides` edits the written
     adapter_config.json afterwards (an unknown key, use_dora, ...)."""
-    model = copy.deepcopy(base).float()
+    model = copy.deepcopy(base)  # a float32 model (the tiny one, or the real one as load_model gives it)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                                                   lora_dropout=0.0))
     gen = torch.Generator().manual_seed(seed)
@@ -41,7 +41,7 @@ def make_adapter(base: torch.nn.Module, out_dir: Path, *, seed: int, rank: int =
 def peft_logits(base: torch.nn.Module, adapter_dir: Path, ids: list[int]) -> torch.Tensor:
     """PEFT's unmerged forward in transformers (the reference): float32 logits [len(ids), V]."""
     from peft import PeftModel
-    model = PeftModel.from_pretrained(copy.deepcopy(base).float(), str(adapter_dir)).eval()
+    model = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_dir)).eval()
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float()
 
