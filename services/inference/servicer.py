@@ -59,7 +59,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tracer = tracing.tracer()
         queued_ns = start_ns + int(ev.queue_ms * 1e6)
         kv = self.engine.memory.kv_bytes_per_token if self.engine.memory else 0
-        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level}
+        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level, "adapter": ev.adapter}
         phases = [("inference.queue", start_ns, queued_ns, {}),
                   ("inference.prefill", queued_ns, first_ns, {"prompt_tokens": ev.prompt_tokens,
                                                               "kv_cache_bytes": kv * ev.prompt_tokens}),

@@ -74,3 +74,48 @@ def test_refusals_and_unknown_names(mesh_env, capsys):
     assert code == 1 and "ADAPTER_NOT_FOUND" in err
     code, _, err = run(capsys, "register", str(inert), "--id", "../up")
     assert code == 2 and "INVALID_ADAPTER_NAME" in err
+
+
+@pytest.mark.asyncio
+async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, capsys):
+    import asyncio
+
+    import grpc
+
+    from keel.inference.v1 import inference_pb2_grpc
+    from prometheus_client import CollectorRegistry
+    from services.inference.engine import Engine
+    from services.inference.lora.registry import LoraConfig, load_registry
+    from services.inference.lora.startup import running_base
+    from services.inference.servicer import InferenceServicer
+    from services.inference.warmcache import model_sha256
+    from shared.metrics import metrics_for
+    from tests.conftest import free_port
+    from tests.inference.helpers import tiny_config
+
+    tiny = tiny_model()
+    assert main(["lora", "register", str(make_adapter(tiny, mesh_env / "good", seed=1))]) == 0
+    assert main(["lora", "register", str(make_adapter(tiny, mesh_env / "wide", seed=2, rank=8)),
+                 "--id", "wide"]) == 0
+    capsys.readouterr()
+    engine = Engine(tiny, tiny_config(dtype="float32"))
+    engine.warmup()
+    cfg = LoraConfig(registry_dir=str(mesh_env / "var" / "adapters"), max_rank=4)  # this replica refuses rank 8
+    base = running_base(engine.primary_runner, mesh_env / "model", model_sha256(mesh_env / "model"), "float32")
+    engine.install_adapters(load_registry(cfg, base))
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(
+        InferenceServicer(engine, metrics_for("inference", CollectorRegistry())), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        code = await asyncio.to_thread(main, ["lora", "list", "--target", f"127.0.0.1:{port}"])
+        out = capsys.readouterr().out
+    finally:
+        await server.stop(0)
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines() if "@" in line.split()[0]}
+    assert "accepted slot 1" in lines["good@1"]
+    assert "refused UNSUPPORTED_ADAPTER_CONFIG" in lines["wide@1"]
+    assert f"replica 127.0.0.1:{port}: base {base.digest[:16]}" in out
