@@ -261,7 +261,7 @@ REASONS: dict[str, Reason] = {
     "ADAPTER_DRIFT": Reason(PreconditionFailed, "adapter refused: KL(registered || now) on the probe set is above lora.drift_threshold"),
     "ADAPTER_RECORD_INVALID": Reason(PreconditionFailed, "adapter refused: its keel-adapter.json or files are missing, unreadable or changed since registration"),
     "ADAPTER_EXISTS": Reason(PreconditionFailed, "`keel lora register`: this id@version is registered already"),
-    "INVALID_ADAPTER_NAME": Reason(InvalidInput, "`keel lora`: an adapter id or version with characters outside [A-Za-z0-9_.-]"),
+    "INVALID_ADAPTER_NAME": Reason(InvalidInput, "an adapter that is not a string, or (`keel lora`) an id or version with characters outside [A-Za-z0-9_.-]"),
     # Shared helpers (start-up and tools).
     "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
     "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),

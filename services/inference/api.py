@@ -101,6 +101,8 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, f
     for t in req.stop_token_ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise bad(f"stop token {t!r} is not a token id", "TOKEN_OUT_OF_RANGE")
+    if not isinstance(req.adapter, str):
+        raise bad(f"adapter must be a string, got {type(req.adapter).__name__}", "INVALID_ADAPTER_NAME")
     if req.deadline is not None and not _finite_number(req.deadline):
         raise bad("deadline must be a finite time.monotonic() value", "INVALID_DEADLINE")
     if req.faults is not None:

@@ -161,3 +161,15 @@ async def test_servicer_lists_adapters_and_echoes_the_one_that_served(tiny, regi
         assert metrics.get_sample_value("keel_inference_adapter_tokens_total", {"adapter": "beta@1"}) == 3
     finally:
         await engine.stop(grace_s=0)
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_that_is_not_a_string_is_invalid(tiny, registry):
+    from shared.errors import InvalidInput
+    engine = await _engine(tiny, registry[0])
+    try:
+        with pytest.raises(InvalidInput) as exc:
+            await collect(engine, request("r", prompt(1), 2, adapter=7))
+        assert exc.value.reason == "INVALID_ADAPTER_NAME"
+    finally:
+        await engine.stop(grace_s=0)

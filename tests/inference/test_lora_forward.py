@@ -117,3 +117,20 @@ def test_an_adapter_gives_the_same_bits_whatever_else_is_loaded(tiny, adapters, 
         alone.lora = load(tiny, [folder])
         want = alone.forward([Segment(alone.new_cache(16), ids, 1)])[0]
         assert torch.equal(want, runner.forward([Segment(runner.new_cache(16), ids, slot)])[0])
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_adapters_on_other_weight_formats_stay_batch_invariant(tiny, adapters, fmt):
+    from services.inference.model import convert_model
+    model = convert_model(tiny, fmt)
+    r = LlamaRunner(model)
+    r.calibrate_invariant_sizes(16)
+    r.lora = load(model, adapters)
+    slots = [i % 5 for i in range(16)]
+    caches = [r.new_cache(16) for _ in slots]
+    r.forward([Segment(c, prompt(i, 4), s) for i, (c, s) in enumerate(zip(caches, slots))])
+    alone = [r.forward([Segment(_clone(c), [7], s)])[0] for c, s in zip(caches, slots)]
+    batch = r.forward([Segment(c, [7], s) for c, s in zip(caches, slots)])
+    assert all(torch.equal(a, b) for a, b in zip(alone, batch))
+    same_prompt = [r.forward([Segment(r.new_cache(8), prompt(0, 4), s)])[0] for s in (0, 1)]
+    assert not torch.equal(*same_prompt)  # the adapter changes this format's output

@@ -43,6 +43,8 @@ def test_register_writes_the_record_the_card_and_golden_outputs(tiny, base, cfg,
     assert len(m.golden_ids) == len(base.probe_set.prompts)
     assert all(len(g) == base.probe_set.continuation_tokens for g in m.golden_ids)
     assert m.kl_vs_base["mean"] > 0 and m.kl_vs_base["direction"] == "KL(adapter || base)"
+    assert m.drift_gate == {"direction": "KL(registered || now)", "aggregation": "mean and p95 over probe positions",
+                            "top_k": 64, "threshold": 0.3}
     card = (folder / manifest.CARD).read_text()
     assert "french@1" in card and m.base_fingerprint in card
     with pytest.raises(PreconditionFailed) as exc:

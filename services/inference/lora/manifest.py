@@ -38,6 +38,7 @@ class Manifest:
     golden_sha256: str              # of golden.safetensors
     files_sha256: dict[str, str]    # of the PEFT files as registered
     kl_vs_base: dict                # KL(adapter || base) on the probe set at registration: mean, p95, direction
+    drift_gate: dict                # how drift is measured at every start: direction, aggregation, top_k, threshold
     created_at: str
     record_version: int = RECORD_VERSION
 
@@ -99,6 +100,8 @@ LoRA adapter served unmerged by Keel's inference stage (slot-preloaded at warm-u
 - Registered: {m.created_at}
 - Probe set: `{m.probe_set_sha256[:16]}` ({len(m.golden_ids)} probes x {len(m.golden_ids[0]) if m.golden_ids else 0} golden tokens)
 - Change against the base on the probe set, {kl['direction']}: mean {kl['mean']:.4f}, p95 {kl['p95']:.4f} nats/token
+- Drift gate: {m.drift_gate['direction']} over the top {m.drift_gate['top_k']} golden log-probabilities per position,
+  {m.drift_gate['aggregation']}; threshold {m.drift_gate['threshold']} at registration (lora.drift_threshold)
 
 ## Base model it is bound to
 

@@ -39,7 +39,7 @@ def measure_drift(cfg: LoraConfig, base: Base, name: str) -> dict:
     with the share of golden tokens the current greedy choice still agrees with."""
     folder = find(cfg, name)
     m, weights = static_checks(folder, base, cfg)
-    saved, base.runner.lora = base.runner.lora, LoraSlots([weights], base.runner.model)
+    saved, base.runner.lora = base.runner.lora, LoraSlots([weights], base.runner.model, base.runner.device)
     try:
         rows = [ProbeRow(p, 1, g) for p, g in zip(base.probe_set.prompts, m.golden_ids)]
         traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)

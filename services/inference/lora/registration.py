@@ -20,7 +20,7 @@ from shared.errors import PreconditionFailed
 from services.inference.lora import manifest, peftconfig, probes
 from services.inference.lora.manifest import Manifest
 from services.inference.lora.probes import ProbeRow
-from services.inference.lora.registry import Base, LoraConfig, base_greedy, check_name
+from services.inference.lora.registry import DRIFT_DIRECTION, Base, LoraConfig, base_greedy, check_name
 from services.inference.lora.slots import LoraSlots, read_weights
 
 
@@ -45,7 +45,7 @@ def register(src: Path, adapter_id: str, version: str, base: Base, cfg: LoraConf
     try:
         runner.lora = None
         base_ids = base_greedy(base)
-        runner.lora = LoraSlots([weights], runner.model)
+        runner.lora = LoraSlots([weights], runner.model, runner.device)
         steps = base.probe_set.continuation_tokens
         traces = probes.run(runner, [ProbeRow(p, 1) for p in base.probe_set.prompts], steps)
         golden = [t.tokens for t in traces]
@@ -72,6 +72,8 @@ def register(src: Path, adapter_id: str, version: str, base: Base, cfg: LoraConf
         probe_set_sha256=base.probe_set.sha256, golden_ids=tuple(golden),
         golden_sha256=manifest.file_sha256(tmp / manifest.GOLDEN),
         files_sha256={n: manifest.file_sha256(tmp / n) for n in manifest.PEFT_FILES}, kl_vs_base=kl_base,
+        drift_gate={"direction": DRIFT_DIRECTION, "aggregation": "mean and p95 over probe positions",
+                    "top_k": probes.TOP_K, "threshold": cfg.drift_threshold},
         created_at=datetime.now(timezone.utc).isoformat(timespec="microseconds"))
     m.write(tmp)
     tmp.replace(dest)

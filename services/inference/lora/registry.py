@@ -215,7 +215,7 @@ def load_registry(cfg: LoraConfig, base: Base) -> AdapterTable:
     if candidates:
         base.runner.lora = None
         greedy = base_greedy(base)
-        base.runner.lora = LoraSlots([w for _, _, w in candidates], base.runner.model)
+        base.runner.lora = LoraSlots([w for _, _, w in candidates], base.runner.model, base.runner.device)
         # One run for every candidate (rows are batch-invariant, so batching them changes no bits).
         rows = [r for slot, (_, m, _) in enumerate(candidates, start=1) for r in _forced_rows(base, m, slot)]
         traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)
@@ -226,7 +226,7 @@ def load_registry(cfg: LoraConfig, base: Base) -> AdapterTable:
             except KeelError as exc:
                 states[folder] = _refused(folder, exc)
         del traces
-    slots = LoraSlots([w for _, _, w, _ in accepted], base.runner.model) if accepted else None
+    slots = LoraSlots([w for _, _, w, _ in accepted], base.runner.model, base.runner.device) if accepted else None
     base.runner.lora = slots
     for slot, (folder, m, _, drift) in enumerate(accepted, start=1):
         states[folder] = AdapterState(m.id, m.version, "accepted", slot=slot, drift=drift, created_at=m.created_at)

@@ -103,7 +103,7 @@ class LoraSlots:
     outputs must not depend on which other adapters are loaded.
     """
 
-    def __init__(self, adapters: list[AdapterWeights], model: torch.nn.Module, device: str = "cpu",
+    def __init__(self, adapters: list[AdapterWeights], model: torch.nn.Module, device: str | torch.device = "cpu",
                  chunk_tokens: int = CHUNK_TOKENS):
         self.count = len(adapters) + 1
         self.chunk_tokens = chunk_tokens
