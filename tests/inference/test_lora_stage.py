@@ -40,3 +40,15 @@ def test_cold_and_warm_starts_preload_accepted_adapters_and_list_refused_ones(se
         assert (states["legal@1"].reason, states["legal@1"].metadata) == ("BASE_FINGERPRINT_MISMATCH",
                                                                         {"fields": "format"})
         assert started.engine.primary_runner.lora is started.engine.adapters.slots
+
+
+def test_without_a_tokenizer_file_an_empty_registry_starts_and_a_full_one_does_not(setup, tmp_path, monkeypatch):
+    from services.inference.lora.startup import check_adapters
+    from services.tokenizer.fileformat import CompiledFileError
+    cfg, sha = setup
+    monkeypatch.setenv("KEEL_TOKENIZER_VOCAB_FILE", str(tmp_path / "missing.kvoc"))
+    runner = LlamaRunner(load_model(cfg.model_dir, "float32"))
+    empty = LoraConfig(registry_dir=str(tmp_path / "empty"))
+    assert check_adapters(empty, runner, cfg.model_dir, sha, "float32").states == ()
+    with pytest.raises(CompiledFileError):
+        check_adapters(cfg.lora, runner, cfg.model_dir, sha, "float32")

@@ -10,11 +10,12 @@ import logging
 from pathlib import Path
 
 from shared.config import ROOT_DIR
+from shared.errors import KeelError
 
 from services.inference.forward import LlamaRunner
 from services.inference.lora import fingerprint
 from services.inference.lora.probes import load_probe_set
-from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry
+from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,18 @@ def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str)
 
 
 def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str) -> AdapterTable:
-    """Every registered adapter checked against the running base; the accepted ones are in the runner's slots."""
-    base = running_base(runner, model_dir, model_sha, fmt)
+    """Every registered adapter checked against the running base; the accepted ones are in the runner's slots.
+
+    The base needs Keel's tokenizer file; without it an empty registry is no problem (nothing to check,
+    logged), but registered adapters stop the start with the tokenizer's error."""
+    try:
+        base = running_base(runner, model_dir, model_sha, fmt)
+    except (KeelError, OSError) as exc:
+        if versions(cfg.root):
+            raise
+        log.warning("no base fingerprint (tokenizer file unusable); the adapter registry is empty",
+                    extra={"error": str(exc), "registry": str(cfg.root)})
+        return AdapterTable()
     table = load_registry(cfg, base)
     log.info("adapters checked", extra={
         "base_fingerprint": table.base_fingerprint, "registry": str(cfg.root),
