@@ -6,7 +6,7 @@ slots of other ranks stay zero and are never read). A projection no adapter targ
 
 The term for token n with slot s is `(B[s] @ (A[s] @ h_n)) * scaling[s]`, PEFT's unmerged order. It is
 computed, for the tokens whose adapter targets the projection, with a per-token gather and `torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32:
-measured on this project's CPUs (AVX2 and AVX-512, 1 and 2 threads) this gives every row the same bits
+measured by bench/probe_lora_term.py (an AVX-512 host, 1 and 2 threads) this gives every row the same bits
 alone or inside any batch, while a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py
 checks it). Only rows with an adapter are computed; base rows are never touched, so a base row is
 bitwise the same in a batch with adapters and without. Tokens are taken in chunks of `chunk_tokens`,
