@@ -5,10 +5,10 @@ stack B [S, out, r] in float32, S = adapters + 1, indexed by slot (slot 0, the b
 slots of other ranks stay zero and are never read). A projection no adapter targets costs nothing.
 
 The term for token n with slot s is `(B[s] @ (A[s] @ h_n)) * scaling[s]`, PEFT's unmerged order. It is
-computed, for the tokens whose adapter targets the projection, with a per-token gather and `torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32:
-measured by bench/probe_lora_term.py (an AVX-512 host, 1 and 2 threads) this gives every row the same bits
-alone or inside any batch, while a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py
-checks it). Only rows with an adapter are computed; base rows are never touched, so a base row is
+computed, for the tokens whose adapter targets the projection, with a per-token gather and
+`torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32: measured by bench/probe_lora_term.py
+(an AVX-512 host, 1 and 2 threads) this gives every row the same bits alone or inside any batch, while
+a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py checks the engine's rows). Only rows with an adapter are computed; base rows are never touched, so a base row is
 bitwise the same in a batch with adapters and without. Tokens are taken in chunks of `chunk_tokens`,
 so a long prefill gathers at most that many copies of a stack at a time.
 """
