@@ -15,6 +15,7 @@
     keel variant [set NAME]       the model variant each inference replica serves; switch it
     keel rotation status|history|approve ID|dry-run   metric-driven rotation (docs/rotation.md)
     keel certs [--out var/certs]  TLS certificates for the mesh (then KEEL_MESH_TLS_DIR=var/certs keel up)
+    keel lora register|list|verify|drift|card ...   LoRA adapters (keelctl/lora.py)
 """
 from __future__ import annotations
 
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
     c.add_argument("--days", type=int, default=365)
-    delegated = ("trace", "tokenize", "detokenize", "quarantine", "replay", "verify", "feedback", "etl", "variant", "rotation")
+    delegated = ("trace", "tokenize", "detokenize", "quarantine", "replay", "verify", "feedback", "etl", "variant",
+                 "rotation", "lora")
     for name in delegated:
         sub.add_parser(name, add_help=False)
     args, rest = ap.parse_known_args(argv)

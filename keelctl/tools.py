@@ -29,6 +29,9 @@ def dispatch(cmd: str, argv: list[str]) -> int:
     if cmd == "rotation":
         from keelctl import rotation
         return rotation.main(argv)
+    if cmd == "lora":
+        from keelctl import lora
+        return lora.main(argv)
     if cmd == "etl":
         from services.feedback import etl
         return etl.main(argv)

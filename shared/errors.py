@@ -257,6 +257,18 @@ REASONS: dict[str, Reason] = {
     "UNSUPPORTED_MODEL": Reason(InvalidInput, "start-up: var/model is not a Llama model Keel implements (config or weights)"),
     "BUDGET_TOO_SMALL": Reason(InvalidInput, "start-up: the memory budget does not fit the model"),
     "INVALID_CONFIG": Reason(InvalidInput, "start-up: an inference config value is out of range"),
+    # Inference: LoRA adapters (services/inference/lora; refusals at start are states, never request errors).
+    "ADAPTER_NOT_FOUND": Reason(NotFound, "the request names an adapter this replica's registry does not have"),
+    "ADAPTER_REFUSED": Reason(PreconditionFailed, "the request names an adapter refused at start; `refusal_reason` says why", ("adapter", "refusal_reason")),
+    "BASE_FINGERPRINT_MISMATCH": Reason(PreconditionFailed, "adapter refused: made against another base (`fields` names the differing fingerprint fields)"),
+    "UNSUPPORTED_ADAPTER_CONFIG": Reason(PreconditionFailed, "adapter refused: adapter_config.json has a key or feature this build does not understand (`key`)"),
+    "INERT_ADAPTER": Reason(PreconditionFailed, "adapter refused: its weights and targets do not match the base's modules one to one"),
+    "ADAPTER_CHANGES_NOTHING": Reason(PreconditionFailed, "adapter refused: its greedy probe outputs equal the base model's"),
+    "GOLDEN_MISMATCH": Reason(PreconditionFailed, "adapter refused: greedy probe outputs differ from the golden ones made at registration"),
+    "ADAPTER_DRIFT": Reason(PreconditionFailed, "adapter refused: KL(registered || now) on the probe set is above lora.drift_threshold"),
+    "ADAPTER_RECORD_INVALID": Reason(PreconditionFailed, "adapter refused: its keel-adapter.json or files are missing, unreadable or changed since registration"),
+    "ADAPTER_EXISTS": Reason(PreconditionFailed, "`keel lora register`: this id@version is registered already"),
+    "INVALID_ADAPTER_NAME": Reason(InvalidInput, "an adapter that is not a string, or (`keel lora`) an id or version with characters outside [A-Za-z0-9_.-]"),
     # Shared helpers (start-up and tools).
     "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
     "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),

@@ -141,6 +141,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("keel_inference_prefix_cache_hit_rate", "Prompt tokens whose keys/values came from the prefix cache, "
        "over prompt tokens, since the stage started.", owner="inference"),
     _c("keel_inference_numerical_faults_total", "Rows failed with NaN/inf logits.", owner="inference"),
+    _g("keel_inference_adapter_state", "1 per registered LoRA adapter version, labelled with its state at start "
+       "(accepted or refused) and the refusal reason.", ("adapter", "version", "state", "reason"), "inference"),
+    _c("keel_inference_adapter_requests_total", "Requests answered, by adapter (\"id@version\", or \"base\").",
+       ("adapter",), "inference"),
+    _c("keel_inference_adapter_tokens_total", "Tokens generated, by adapter (\"id@version\", or \"base\").",
+       ("adapter",), "inference"),
     _c("keel_inference_oom_recoveries_total", "Out-of-memory errors recovered from without a restart.",
        owner="inference"),
     # Validator.

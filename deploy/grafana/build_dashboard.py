@@ -91,6 +91,13 @@ ROWS: list[tuple[str, list[dict]]] = [
            "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
         ts("Prefix cache hit rate by replica", [("keel_inference_prefix_cache_hit_rate", "{{instance}}")],
            "percentunit", "Prompt tokens served from the prefix cache over prompt tokens, since start."),
+        stat("LoRA adapters refused", [('count by (adapter, version, reason) (keel_inference_adapter_state{state="refused"})',
+                                        "{{adapter}}@{{version}} {{reason}}")], "none",
+             "Adapter versions a replica refused at start, by reason (keel lora list says more)."),
+        ts("Requests/s and tokens/s by adapter", [
+            (f"sum by (adapter) (rate(keel_inference_adapter_requests_total{RATE}))", "requests {{adapter}}"),
+            (f"sum by (adapter) (rate(keel_inference_adapter_tokens_total{RATE}))", "tokens {{adapter}}")], "short",
+           "\"base\" = no adapter."),
         stat("Weight format served", [("max by (instance, format) (keel_inference_weight_format)",
                                        "{{instance}} {{format}}")], "none",
              "engine.dtype as resolved at start (auto picks the fastest gated, batch-invariant format)."),

@@ -38,6 +38,8 @@ class Ticket:
     holds_reservation: bool = False
     ended: bool = False   # the step loop queued a terminal item (Finished or an error) for it
     closed: bool = False  # a terminal item was sent
+    slot: int = 0         # adapter slot the request runs with (0 = the base model; lora/registry.py)
+    adapter: str = ""     # that adapter as "id@version" ("" = the base model)
 
     @property
     def total_tokens(self) -> int:

@@ -35,6 +35,7 @@ class GenerationRequest:
     trace_id: str = ""
     fingerprint: str = ""  # digest of the input, logged when this request fails numerically
     faults: FaultSpec | None = None
+    adapter: str = ""  # LoRA adapter "id" or "id@version"; "" = the base model (lora/registry.py resolves it)
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,14 @@ class Finished:
     dtype: str          # dtype of the model that served the request (changes under breaker level 2)
     breaker_level: int  # breaker level in force when the request was prefilled
     variant: str = "primary"  # the model variant the request started on (variants.py)
+    adapter: str = ""   # the adapter that served it, "id@version" ("" = the base model)
 
     def span_attributes(self) -> dict[str, str | int | float]:
         return {"inference.finish_reason": self.finish_reason, "inference.prompt_tokens": self.prompt_tokens,
                 "inference.completion_tokens": self.completion_tokens, "inference.seed": str(self.seed),
                 "inference.queue_ms": round(self.queue_ms, 3), "inference.ttft_ms": round(self.ttft_ms, 3),
                 "inference.dtype": self.dtype, "inference.breaker_level": self.breaker_level,
-                "inference.variant": self.variant}
+                "inference.variant": self.variant, "inference.adapter": self.adapter}
 
 
 MAX_SEED = 2 ** 63 - 1
@@ -100,6 +102,8 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, f
     for t in req.stop_token_ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise bad(f"stop token {t!r} is not a token id", "TOKEN_OUT_OF_RANGE")
+    if not isinstance(req.adapter, str):
+        raise bad(f"adapter must be a string, got {type(req.adapter).__name__}", "INVALID_ADAPTER_NAME")
     if req.deadline is not None and not _finite_number(req.deadline):
         raise bad("deadline must be a finite time.monotonic() value", "INVALID_DEADLINE")
     if req.faults is not None:

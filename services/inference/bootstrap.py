@@ -16,6 +16,7 @@ import torch
 from services.inference import formats, gate, warmcache
 from services.inference.config import InferenceConfig
 from services.inference.engine import ENGINE_VERSION, Engine
+from services.inference.lora.startup import check_adapters
 from services.inference.model import AUTO, load_model
 from services.inference.quant import QUANTIZED
 from services.inference.warmcache import WarmRecord
@@ -60,6 +61,12 @@ def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:
     return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
 
 
+def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, phases: _Phases) -> None:
+    """Check the LoRA registry against this base and preload the accepted adapters (never at request time)."""
+    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, fmt))
+    phases.mark("adapters")
+
+
 def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     """A warmed engine (not yet started) for the stage, warm from var/warm when possible."""
     e = cfg.engine
@@ -78,6 +85,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
             engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, record.format))
             engine.warmup(record.calibration)
             phases.mark("warmup_reused")
+            _adapters(cfg, engine, model_sha, record.format, phases)
             log.info("warm start: reusing the stored calibration", extra={"format": record.format,
                                                                           "phases_s": phases.times})
             return Started(engine, record, True, phases.times)
@@ -97,6 +105,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, choice.format))
     engine.warmup()
     phases.mark("warmup_measured")
+    _adapters(cfg, engine, model_sha, choice.format, phases)
     record = WarmRecord(choice.format, choice.reason, choice.gate, engine.calibration,
                         warmcache.probe_digest(model))
     if cfg.warm_restart:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from services.inference.engine import EngineConfig
 from services.inference.formats import FormatsConfig
+from services.inference.lora.registry import LoraConfig
 from shared import config
 from shared.config import ROOT_DIR, ServerConfig
 
@@ -17,6 +18,7 @@ class InferenceConfig:
     engine: EngineConfig
     formats: FormatsConfig = field(default_factory=FormatsConfig)
     warm_restart: bool = True  # reuse the calibration stored under var/warm by an identical engine
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def model_dir(self) -> Path:

@@ -28,6 +28,8 @@ from services.inference.admission import Admission, QueueLimits, Ticket
 from services.inference.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
 from services.inference.breaker import BreakerBoard, BreakerConfig
 from services.inference.faults import FaultInjectingRunner
+from services.inference.forward import LlamaRunner
+from services.inference.lora.registry import AdapterTable
 from services.inference.loop import LoopSettings, StepLoop
 from services.inference.memory import MemoryModel
 from services.inference.model import check_dtype, model_dtype
@@ -123,6 +125,8 @@ class Engine:
         self.memory: MemoryModel | None = None
         self.calibration: Calibration | None = None
         self._loop: StepLoop | None = None
+        self._runners: dict[str, LlamaRunner] = {}
+        self.adapters = AdapterTable()  # LoRA adapters (install_adapters); resolved at submit
         self._tickets: dict[str, Ticket] = {}
         self._state = "created"  # created -> warm -> serving -> draining -> stopped
 
@@ -152,6 +156,7 @@ class Engine:
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
         self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, cfg.prefix_cache_bytes)
         self._vocab_size = runners[cfg.dtype].vocab_size
+        self._runners = runners
         runner = ModelRunner(runners)
         if cfg.fault_injection_enabled:
             runner = FaultInjectingRunner(runner)
@@ -167,6 +172,28 @@ class Engine:
                                                         self.variants, cfg.breaker.fallback_dtype),
                               tokens_per_s, prefix)
         self._state = "warm"
+
+    @property
+    def primary_runner(self) -> LlamaRunner:
+        """The warmed, calibrated runner of the served format (adapters are checked on it before start)."""
+        return self._runners[self.config.dtype]
+
+    def install_adapters(self, table: AdapterTable) -> None:
+        """Serve the accepted adapters of `table` from their slots (call after warmup, before start).
+
+        The slots' stacks are resident for the process's life, so they join the memory model's static
+        bytes; one chunk of gathered stacks is the LoRA term's largest temporary, added to fixed_bytes."""
+        if self._state != "warm":
+            raise NotReady("adapters are installed between warmup() and start()", reason="WARMING_UP",
+                           retry_after_ms=1000)
+        for runner in self._runners.values():
+            runner.lora = table.slots
+        self.adapters = table
+        if table.slots is not None:
+            m = self.memory
+            self.memory = dataclasses.replace(m, static_bytes=m.static_bytes + table.slots.nbytes,
+                                              fixed_bytes=m.fixed_bytes + table.slots.transient_bytes)
+            self._loop.set_memory(self.memory)
 
     async def start(self, thread: TorchThread | None = None) -> None:
         """Start the batching loop, on `thread` when the caller keeps all torch work on one."""
@@ -254,9 +281,11 @@ class Engine:
         if policy.reject:
             raise NotReady("circuit breaker open", reason="CIRCUIT_OPEN", retry_after_ms=policy.retry_after_ms,
                            metadata={"level": policy.level})
+        slot, adapter = self.adapters.resolve(req.adapter)  # unknown or refused: an error, never the base
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         self._admission.check_fits_ever(req)  # the memory model is fixed after warmup: safe on any thread
-        ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue())
+        ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue(),
+                        slot=slot, adapter=adapter)
         self._loop.submit(ticket)
         self._tickets[req.request_id] = ticket
         return ticket

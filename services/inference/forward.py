@@ -5,6 +5,9 @@ request (so memory is reserved once, at admission) and attention runs per row on
 would have alone. Only the row-wise dense layers (projections, MLP, norms, lm_head) run batched, and
 their batch dimension is padded to a size that the BLAS kernels treat identically (see
 `calibrate_invariant_sizes`), so a row's logits are bitwise the same alone or inside any batch.
+Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
+(lora/slots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
+token so the guarantee above holds for rows with different adapters, or none, in one step.
 
 Shapes: P prompt tokens, B rows, H query heads, KV key/value heads, G = H // KV, D head_dim, V vocab.
 """
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from services.inference.llama import rotate_half
+from services.inference.lora.slots import NO_LORA, LoraSlots
 from services.inference.model import model_dtype
 
 
@@ -38,10 +42,11 @@ class RowCache:
 
 @dataclass
 class Segment:
-    """One row's share of a forward step: its cache and the tokens to append."""
+    """One row's share of a forward step: its cache, the tokens to append and its adapter slot (0 = base)."""
 
     cache: RowCache
     tokens: list[int]
+    slot: int = 0
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,6 +72,7 @@ class LlamaRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.dtype_name = model_dtype(model)
         self.invariant_sizes: tuple[int, ...] = ()
+        self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -110,13 +116,18 @@ class LlamaRunner:
         pos = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)]).to(self.device)
         cos, sin = core.rotary_emb(x[None, :n_tok], pos[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]
+        lora = NO_LORA
+        if self.lora is not None and any(s.slot for s in segments):
+            lora = self.lora.step([s.slot for s, n in zip(segments, lens) for _ in range(n)], padded, self.device)
         attn_out = torch.zeros(padded, self.heads * self.head_dim, dtype=x.dtype, device=self.device)
         for i, layer in enumerate(core.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = _rope(attn.q_proj(h)[:n_tok].view(n_tok, self.heads, self.head_dim), cos, sin)
-            k = _rope(attn.k_proj(h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim), cos, sin)
-            v = attn.v_proj(h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
+            q = _rope(lora.linear(i, "q_proj", attn.q_proj, h)[:n_tok].view(n_tok, self.heads, self.head_dim),
+                      cos, sin)
+            k = _rope(lora.linear(i, "k_proj", attn.k_proj, h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim),
+                      cos, sin)
+            v = lora.linear(i, "v_proj", attn.v_proj, h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
             for seg, o, n, st in zip(segments, offsets, lens, starts):
                 keys, values = seg.cache.keys[i], seg.cache.values[i]  # [KV, capacity, D]
                 keys[:, st:st + n] = k[o:o + n].transpose(0, 1)
@@ -134,8 +145,10 @@ class LlamaRunner:
                         q[o:o + n].transpose(0, 1)[None], keys[None, :, :st + n], values[None, :, :st + n],
                         attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                     attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
-            x = x + attn.o_proj(attn_out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + lora.linear(i, "o_proj", attn.o_proj, attn_out)
+            h, mlp = layer.post_attention_layernorm(x), layer.mlp  # llama.MLP.forward, with the LoRA term
+            up = F.silu(lora.linear(i, "gate_proj", mlp.gate_proj, h)) * lora.linear(i, "up_proj", mlp.up_proj, h)
+            x = x + lora.linear(i, "down_proj", mlp.down_proj, up)
         for seg, n in zip(segments, lens):
             seg.cache.length += n
         rows = len(segments)

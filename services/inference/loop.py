@@ -91,6 +91,11 @@ class StepLoop:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def set_memory(self, memory: MemoryModel) -> None:
+        """A memory model with more static bytes (adapter slots); only before start()."""
+        self.memory = self.scheduler.admission.memory = memory
+        self._publish()
+
     def shutdown(self, error: Exception) -> None:
         """Stop the loop; every request still queued or running gets `error`. Blocks until it has."""
         self.inbox.put(("stop", error))
@@ -206,8 +211,11 @@ class StepLoop:
     def _new_row(self, ticket: Ticket, policy: Policy) -> None:
         """Give an admitted request its cache (for prompt + max_tokens) and a place in the batch."""
         req = ticket.req
-        fallback = self.settings.breaker_fallback if policy.use_fallback else None
-        name = fallback or self.settings.variants[self.active]
+        # A request with an adapter runs on the primary format, the one its adapter was checked against
+        # at start (lora/startup.py): neither a variant switch nor the breaker's fallback format moves it.
+        variant = PRIMARY if ticket.slot else self.active
+        fallback = self.settings.breaker_fallback if policy.use_fallback and not ticket.slot else None
+        name = fallback or self.settings.variants[variant]
         try:
             cache = self.runner.new_cache(name, len(req.prompt_ids) + req.max_tokens)
         except Exception as exc:
@@ -218,7 +226,7 @@ class StepLoop:
             self._emit(ticket, self._oom_error(req.request_id))
             return
         row = Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
-                  chunk_tokens=self.scheduler.prefill_tokens, variant=self.active)
+                  chunk_tokens=self.scheduler.prefill_tokens, variant=variant)
         if self.prefix is not None:
             self._reuse_prefix(row)
         self.scheduler.add(row)
@@ -226,7 +234,7 @@ class StepLoop:
     def _reuse_prefix(self, row: Row) -> None:
         """Copy the cached blocks the prompt starts with into the row's cache; its prefill resumes after them."""
         b = self.prefix.block_tokens
-        for i, (keys, values) in enumerate(self.prefix.lookup(row.runner, row.ticket.req.prompt_ids)):
+        for i, (keys, values) in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
             row.cache.keys[:, :, i * b:(i + 1) * b] = keys
             row.cache.values[:, :, i * b:(i + 1) * b] = values
             row.cache.length = row.prefilled = (i + 1) * b
@@ -236,7 +244,7 @@ class StepLoop:
         b = self.prefix.block_tokens
         for row, start, n in chunks:
             if n == b and row.prefilled == start + n:
-                self.prefix.store(row.runner, row.ticket.req.prompt_ids, start // b,
+                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b,
                                   row.cache.keys[:, :, start:start + n], row.cache.values[:, :, start:start + n])
 
     def _execute(self, batch: Batch, policy: Policy) -> None:

@@ -92,7 +92,8 @@ class OutputProcessor:
         out.events.append((t, Finished(
             reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" else 0), t.seed,
             queue_ms=(row.started - t.submitted) * 1000, ttft_ms=(row.first_token_at - t.submitted) * 1000,
-            dtype=self.dtype_names[row.runner], breaker_level=row.breaker_level, variant=row.variant)))
+            dtype=self.dtype_names[row.runner], breaker_level=row.breaker_level, variant=row.variant,
+            adapter=t.adapter)))
 
     def _fail(self, row: Row, err: Exception, out: Update) -> None:
         out.ended.append(row)

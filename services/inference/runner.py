@@ -21,4 +21,4 @@ class ModelRunner:
 
         Cache lengths advance only when the whole batch succeeded, so a failed batch can be retried as is.
         """
-        return self.runners[batch.runner].forward([Segment(r.cache, r.tokens) for r in batch.rows])
+        return self.runners[batch.runner].forward([Segment(r.cache, r.tokens, r.ticket.slot) for r in batch.rows])

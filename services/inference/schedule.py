@@ -41,6 +41,11 @@ class Row:
         return self.generated
 
     @property
+    def prefix_key(self) -> str:
+        """What the prefix cache keys this row's blocks by: its runner, and its adapter (other keys/values)."""
+        return self.runner if not self.ticket.slot else f"{self.runner}#{self.ticket.slot}"
+
+    @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.ticket.req.prompt_ids)
 

@@ -56,6 +56,9 @@ class InferenceStage:
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
         self._show_variant(engine)
+        for s in engine.adapters.states:
+            self.m.gauge("keel_inference_adapter_state").labels(adapter=s.id, version=s.version, state=s.state,
+                                                                reason=s.reason).set(1)
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 

@@ -18,6 +18,7 @@ from shared import errors, tracing
 
 # Breaker kinds a caller may report (the others the engine sees itself: numerical, oom, timeout).
 REPORTABLE_KINDS = ("output_limit",)
+BASE_LABEL = "base"  # the adapter label of requests served by the base model
 
 
 def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> GenerationRequest:
@@ -36,7 +37,8 @@ def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> Ge
         request_id=uuid.uuid4().hex, prompt_ids=list(req.prompt_ids), max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(req.stop_token_ids),
-        deadline=deadline, trace_id=tracing.current_trace_id(), fingerprint=req.input_fingerprint, faults=faults)
+        deadline=deadline, trace_id=tracing.current_trace_id(), fingerprint=req.input_fingerprint, faults=faults,
+        adapter=req.adapter)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -49,13 +51,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._tokens = metrics.counter("keel_inference_generated_tokens_total")
         self._fallbacks = metrics.counter("keel_inference_precision_fallbacks_total")
         self._fallback_tokens = metrics.counter("keel_inference_fallback_format_tokens_total")
+        self._adapter_requests = metrics.counter("keel_inference_adapter_requests_total")
+        self._adapter_tokens = metrics.counter("keel_inference_adapter_tokens_total")
 
     def _phase_spans(self, ev: Finished, start_ns: int, first_ns: int, end_ns: int) -> None:
         """Queue wait, prefill and decode as child spans, from the engine's own timings."""
         tracer = tracing.tracer()
         queued_ns = start_ns + int(ev.queue_ms * 1e6)
         kv = self.engine.memory.kv_bytes_per_token if self.engine.memory else 0
-        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level, "inference.variant": ev.variant}
+        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level, "inference.variant": ev.variant,
+                  "adapter": ev.adapter}
         phases = [("inference.queue", start_ns, queued_ns, {}),
                   ("inference.prefill", queued_ns, first_ns, {"prompt_tokens": ev.prompt_tokens,
                                                               "kv_cache_bytes": kv * ev.prompt_tokens}),
@@ -90,12 +95,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     self._fallbacks.inc()
                     self._fallback_tokens.inc(ev.completion_tokens)
                 span.set_attributes(ev.span_attributes())
+                label = ev.adapter or BASE_LABEL
+                self._adapter_requests.labels(adapter=label).inc()
+                self._adapter_tokens.labels(adapter=label).inc(ev.completion_tokens)
                 self._phase_spans(ev, start_ns, first_ns if ev.completion_tokens else time.time_ns(), time.time_ns())
                 yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
                     breaker_level=ev.breaker_level, dtype=ev.dtype, engine={**self.facts, "format": ev.dtype},
-                    variant=ev.variant,
+                    variant=ev.variant, adapter=ev.adapter,
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
+
+    async def ListAdapters(self, request, context):
+        table = self.engine.adapters
+        return inference_pb2.ListAdaptersResponse(base_fingerprint=table.base_fingerprint, adapters=[
+            inference_pb2.AdapterState(id=s.id, version=s.version, state=s.state, reason=s.reason,
+                                       detail=s.detail, slot=s.slot) for s in table.states])
 
     async def ReportFailure(self, request, context):
         if request.kind not in REPORTABLE_KINDS:

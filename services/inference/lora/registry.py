@@ -1,0 +1,244 @@
+"""The adapter registry: the checks at start, and which adapter a request names (registration.py adds to it).
+
+Layout under `lora.registry_dir` (default var/adapters): ID/VERSION/ per registered version (see
+manifest.py), retrain/ for `keel lora verify`'s retrain requests, and base.json, the fingerprint of
+the base the inference stage last started with (what offline `keel lora list|verify|register` compare
+against). At start every version is checked in this order; the first failure refuses it:
+record and files intact (ADAPTER_RECORD_INVALID), base fingerprint (BASE_FINGERPRINT_MISMATCH, the
+differing fields named), probe set unchanged (GOLDEN_MISMATCH), config understood
+(UNSUPPORTED_ADAPTER_CONFIG), weights fit the targets (INERT_ADAPTER), then the probe run: greedy
+outputs equal the golden ones (GOLDEN_MISMATCH), differ from the base's (ADAPTER_CHANGES_NOTHING), and
+drift below `drift_threshold` (ADAPTER_DRIFT when `drift_action` is refuse). A refusal never stops the
+stage. The accepted versions are loaded into slots 1.. in name order; nothing is read after that.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shared.config import var_dir
+from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
+
+from services.inference.forward import LlamaRunner
+from services.inference.lora import fingerprint, manifest, peftconfig, probes
+from services.inference.lora.manifest import Manifest
+from services.inference.lora.probes import ProbeRow, ProbeSet
+from services.inference.lora.slots import AdapterWeights, LoraSlots, read_weights
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DRIFT_ACTIONS = ("refuse", "warn")
+DRIFT_DIRECTION = "KL(registered || now)"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The inference stage's `lora:` block."""
+
+    registry_dir: str = ""        # "" -> adapters/ under the var directory
+    max_rank: int = 64
+    drift_threshold: float = 0.3  # nats per token, on the mean and on the p95
+    drift_action: str = "refuse"  # refuse | warn
+
+    def __post_init__(self):
+        if self.drift_action not in DRIFT_ACTIONS:
+            raise ValueError(f"drift_action must be one of {DRIFT_ACTIONS}")
+        if self.max_rank < 1 or self.drift_threshold < 0:
+            raise ValueError("max_rank must be >= 1 and drift_threshold >= 0")
+
+    @property
+    def root(self) -> Path:
+        return Path(self.registry_dir) if self.registry_dir else var_dir() / "adapters"
+
+
+@dataclass(frozen=True)
+class Base:
+    """The base model adapters are checked against: a calibrated runner, its fingerprint, the probe set."""
+
+    runner: LlamaRunner
+    fields: dict[str, str]
+    probe_set: ProbeSet
+
+    @property
+    def digest(self) -> str:
+        return fingerprint.digest(self.fields)
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    id: str
+    version: str
+    state: str                 # "accepted" | "refused"
+    reason: str = ""
+    detail: str = ""
+    slot: int = 0
+    drift: dict | None = None
+    created_at: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.id}@{self.version}"
+
+
+@dataclass(frozen=True)
+class AdapterTable:
+    """The registry as a running replica sees it: every version's state and the accepted ones' slots."""
+
+    states: tuple[AdapterState, ...] = ()
+    slots: LoraSlots | None = None
+    base_fingerprint: str = ""
+
+    def resolve(self, name: str) -> tuple[int, str]:
+        """(slot, "id@version") of a request's adapter ("" -> the base: (0, "")). "id" takes its newest
+        accepted version. NotFound(ADAPTER_NOT_FOUND) or PreconditionFailed(ADAPTER_REFUSED); never the base."""
+        if not name:
+            return 0, ""
+        adapter_id, _, version = name.partition("@")
+        versions = [s for s in self.states if s.id == adapter_id and (not version or s.version == version)]
+        if not versions:
+            raise NotFound(f"no adapter {name!r} in this replica's registry", reason="ADAPTER_NOT_FOUND",
+                           metadata={"adapter": name[:128]})
+        accepted = [s for s in versions if s.state == "accepted"]
+        if accepted:
+            best = max(accepted, key=lambda s: (s.created_at, s.version))
+            return best.slot, best.name
+        newest = max(versions, key=lambda s: (s.created_at, s.version))
+        raise PreconditionFailed(f"adapter {newest.name} was refused at start: {newest.reason}: {newest.detail}",
+                                 reason="ADAPTER_REFUSED", metadata={"adapter": newest.name,
+                                                                     "refusal_reason": newest.reason})
+
+
+def check_name(value: str, what: str) -> str:
+    if not NAME.match(value or ""):
+        raise InvalidInput(f"adapter {what} {value!r} must match {NAME.pattern}", reason="INVALID_ADAPTER_NAME",
+                           metadata={"field": what})
+    return value
+
+
+def versions(root: Path) -> list[Path]:
+    """Every ID/VERSION directory holding a manifest, in name order."""
+    return sorted(p.parent for p in root.glob(f"*/*/{manifest.MANIFEST}") if p.parent.parent.name != "retrain")
+
+
+def read_running_base(root: Path) -> dict[str, str] | None:
+    """The fingerprint fields the inference stage last started with (base.json), or None."""
+    try:
+        return json.loads((root / "base.json").read_text())["fields"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def static_checks(folder: Path, base: Base, cfg: LoraConfig) -> tuple[Manifest, AdapterWeights]:
+    m = manifest.read(folder)
+    manifest.check_files(folder, m)
+    diff = fingerprint.differing(m.base, base.fields)
+    if diff:
+        raise PreconditionFailed(
+            "base fingerprint differs in " + ", ".join(f"{k} (registered {m.base.get(k)}, running "
+                                                       f"{base.fields.get(k)})" for k in diff),
+            reason="BASE_FINGERPRINT_MISMATCH", metadata={"fields": ",".join(diff)})
+    if m.probe_set_sha256 != base.probe_set.sha256:
+        raise PreconditionFailed("the probe set changed since the golden outputs were made",
+                                 reason="GOLDEN_MISMATCH", metadata={"fields": "probe_set"})
+    spec = peftconfig.parse(json.loads((folder / "adapter_config.json").read_text()), cfg.max_rank)
+    return m, read_weights(folder / "adapter_model.safetensors", spec, base.runner.model)
+
+
+def base_greedy(base: Base) -> list[tuple[int, ...]]:
+    rows = [ProbeRow(p, 0) for p in base.probe_set.prompts]
+    return [t.tokens for t in probes.run(base.runner, rows, base.probe_set.continuation_tokens)]
+
+
+def _forced_rows(base: Base, m: Manifest, slot: int) -> list[ProbeRow]:
+    return [ProbeRow(p, slot, g) for p, g in zip(base.probe_set.prompts, m.golden_ids)]
+
+
+def drift_of(folder: Path, traces: list) -> dict:
+    """KL(registered || now) over the probe set's golden positions (traces: the teacher-forced run)."""
+    golden = load_file(str(folder / manifest.GOLDEN))
+    kl = torch.cat([probes.kl_recorded(golden["ids"][i].long(), golden["logprobs"][i], t.logprobs)
+                    for i, t in enumerate(traces)])
+    return probes.summary(kl, DRIFT_DIRECTION)
+
+
+def _probe_checks(m: Manifest, folder: Path, traces: list, base_greedy: list, cfg: LoraConfig) -> dict:
+    """Judge one adapter's teacher-forced run on its golden outputs: the drift summary, or the refusal."""
+    for i, (trace, golden) in enumerate(zip(traces, m.golden_ids)):
+        if trace.greedy != golden:
+            at = next(t for t, (a, b) in enumerate(zip(trace.greedy, golden)) if a != b)
+            raise PreconditionFailed(f"probe {i}: greedy token {at} is {trace.greedy[at]}, golden {golden[at]}",
+                                     reason="GOLDEN_MISMATCH", metadata={"probe": i, "position": at})
+    if list(m.golden_ids) == base_greedy:
+        raise PreconditionFailed("greedy outputs equal the base model's on every probe",
+                                 reason="ADAPTER_CHANGES_NOTHING")
+    drift = drift_of(folder, traces)
+    if max(drift["mean"], drift["p95"]) > cfg.drift_threshold:
+        detail = f"drift {DRIFT_DIRECTION} mean {drift['mean']:.4f}, p95 {drift['p95']:.4f} > {cfg.drift_threshold}"
+        if cfg.drift_action == "refuse":
+            raise PreconditionFailed(detail, reason="ADAPTER_DRIFT", metadata={"mean": drift["mean"],
+                                                                               "p95": drift["p95"]})
+        log.warning("adapter drift above the threshold; serving it (lora.drift_action: warn)",
+                    extra={"adapter": m.name, "drift": drift})
+    return drift
+
+
+def _refused(folder: Path, exc: KeelError) -> AdapterState:
+    state = AdapterState(folder.parent.name, folder.name, "refused", exc.reason, exc.message,
+                         metadata=dict(exc.metadata))
+    log.warning("adapter refused", extra={"adapter": state.name, "reason": exc.reason, "detail": exc.message,
+                                          **{f"refusal_{k}": v for k, v in exc.metadata.items()}})
+    return state
+
+
+def load_registry(cfg: LoraConfig, base: Base) -> AdapterTable:
+    """Check every registered version against the running base (module docstring); the accepted ones
+    are loaded into the runner's slots. Also records the running base in base.json."""
+    root = cfg.root
+    _write_base(root, base)
+    states: dict[Path, AdapterState] = {}
+    candidates: list[tuple[Path, Manifest, AdapterWeights]] = []
+    for folder in versions(root):
+        try:
+            m, w = static_checks(folder, base, cfg)
+            candidates.append((folder, m, w))
+        except KeelError as exc:
+            states[folder] = _refused(folder, exc)
+    accepted: list[tuple[Path, Manifest, AdapterWeights, dict]] = []
+    if candidates:
+        base.runner.lora = None
+        greedy = base_greedy(base)
+        base.runner.lora = LoraSlots([w for _, _, w in candidates], base.runner.model, base.runner.device)
+        # One run for every candidate (rows are batch-invariant, so batching them changes no bits).
+        rows = [r for slot, (_, m, _) in enumerate(candidates, start=1) for r in _forced_rows(base, m, slot)]
+        traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)
+        n = len(base.probe_set.prompts)
+        for k, (folder, m, w) in enumerate(candidates):
+            try:
+                accepted.append((folder, m, w, _probe_checks(m, folder, traces[k * n:(k + 1) * n], greedy, cfg)))
+            except KeelError as exc:
+                states[folder] = _refused(folder, exc)
+        del traces
+    slots = LoraSlots([w for _, _, w, _ in accepted], base.runner.model, base.runner.device) if accepted else None
+    base.runner.lora = slots
+    for slot, (folder, m, _, drift) in enumerate(accepted, start=1):
+        states[folder] = AdapterState(m.id, m.version, "accepted", slot=slot, drift=drift, created_at=m.created_at)
+        log.info("adapter accepted", extra={"adapter": m.name, "slot": slot, "drift": drift})
+    return AdapterTable(tuple(states[f] for f in sorted(states)), slots, base.digest)
+
+
+def _write_base(root: Path, base: Base) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / ".base.json.tmp"
+        tmp.write_text(json.dumps({"fingerprint": base.digest, "fields": base.fields}, indent=1, sort_keys=True))
+        tmp.replace(root / "base.json")
+    except OSError as exc:  # a read-only registry still serves; offline tools then lack the running base
+        log.warning("cannot record the running base in the registry", extra={"error": str(exc)})

@@ -1,0 +1,184 @@
+"""Accepted adapters' LoRA weights, stacked by slot, and the LoRA term of the forward pass (never merged).
+
+For each (layer, projection, rank) that some adapter targets there is one stack A [S, r, in] and one
+stack B [S, out, r] in float32, S = adapters + 1, indexed by slot (slot 0, the base model, and the
+slots of other ranks stay zero and are never read). A projection no adapter targets costs nothing.
+
+The term for token n with slot s is `(B[s] @ (A[s] @ h_n)) * scaling[s]`, PEFT's unmerged order. It is
+computed, for the tokens whose adapter targets the projection, with a per-token gather and
+`torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32: measured by bench/probe_lora_term.py
+(an AVX-512 host, 1 and 2 threads) this gives every row the same bits alone or inside any batch, while
+a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py checks the engine's rows). Only rows with an adapter are computed; base rows are never touched, so a base row is
+bitwise the same in a batch with adapters and without. Tokens are taken in chunks of `chunk_tokens`,
+so a long prefill gathers at most that many copies of a stack at a time.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shared.errors import PreconditionFailed
+
+from services.inference.lora.peftconfig import SUPPORTED_TARGETS, LoraSpec, unsupported
+
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(self_attn|mlp)\.(?P<name>\w+)$")
+CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter's pairs by (layer index, projection name): A [r, in] and B [out, r], float32."""
+
+    spec: LoraSpec
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def inert(message: str, **meta) -> PreconditionFailed:
+    return PreconditionFailed(message, reason="INERT_ADAPTER", metadata=meta)
+
+
+def targeted_modules(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """Base modules an adapter with these target_modules would wrap (PEFT's rule: the name, or its
+    last dotted part, equals a target). INERT_ADAPTER when a target matches nothing;
+    UNSUPPORTED_ADAPTER_CONFIG when it matches a module the LoRA term is not applied to."""
+    found = {}
+    for target in targets:
+        hits = {n: m for n, m in model.named_modules() if n == target or n.endswith("." + target)}
+        if not hits:
+            raise inert(f"target module {target!r} matches no module of the base model", target=target)
+        for name in hits:
+            if not _LAYER.match(name) or name.rsplit(".", 1)[1] not in SUPPORTED_TARGETS:
+                raise unsupported(f"target {target!r} wraps {name}, which this build does not adapt "
+                                  f"(only {', '.join(SUPPORTED_TARGETS)})", "target_modules")
+        found.update(hits)
+    return found
+
+
+def read_weights(path: Path, spec: LoraSpec, model: torch.nn.Module) -> AdapterWeights:
+    """Read adapter_model.safetensors and check it against the base: one lora_A/lora_B pair for every
+    targeted module and none for anything else (INERT_ADAPTER), shapes that fit (BASE_FINGERPRINT_MISMATCH)."""
+    modules = targeted_modules(model, spec.targets)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(path)).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise unsupported(f"adapter tensor {key!r} is not a LoRA A/B weight", key)
+        halves.setdefault(m["module"], {})[m["ab"]] = tensor
+    stray = sorted(set(halves) - set(modules))
+    if stray:
+        raise inert(f"{len(stray)} adapter weight(s) name modules the base does not have or the config does "
+                    f"not target, e.g. {stray[0]}", module=stray[0])
+    pairs = {}
+    for name, module in modules.items():
+        half = halves.get(name, {})
+        if set(half) != {"A", "B"}:
+            raise inert(f"{len(modules)} modules targeted but {name} has no lora_A/lora_B pair",
+                        module=name, targeted=len(modules), pairs=sum(len(h) == 2 for h in halves.values()))
+        a, b = half["A"].float(), half["B"].float()
+        out_f, in_f = _dims(module)
+        if a.shape != (spec.rank, in_f) or b.shape != (out_f, spec.rank):
+            raise PreconditionFailed(
+                f"{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit a rank-{spec.rank} "
+                f"adapter of a {in_f}->{out_f} projection", reason="BASE_FINGERPRINT_MISMATCH",
+                metadata={"fields": "shape", "module": name})
+        m = _LAYER.match(name)
+        pairs[(int(m["layer"]), m["name"])] = (a.contiguous(), b.contiguous())
+    return AdapterWeights(spec, pairs)
+
+
+def _dims(module: torch.nn.Module) -> tuple[int, int]:
+    return module.out_features, module.in_features
+
+
+class LoraSlots:
+    """Slot 0 = base; slot k = adapters[k - 1]. Immutable after construction.
+
+    Stacks are kept per rank: a row is always computed at its own adapter's rank, because zero-padding
+    a rank-4 adapter to rank 8 changes the float summation (measured on the tiny model), and an adapter's
+    outputs must not depend on which other adapters are loaded.
+    """
+
+    def __init__(self, adapters: list[AdapterWeights], model: torch.nn.Module, device: str | torch.device = "cpu",
+                 chunk_tokens: int = CHUNK_TOKENS):
+        self.count = len(adapters) + 1
+        self.chunk_tokens = chunk_tokens
+        layers = model.model.layers
+        # ranks[name][slot]: the rank of that slot's adapter if it targets `name`, else 0 (no term).
+        self.ranks: dict[str, torch.Tensor] = {}
+        self.stacks: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for slot, adapter in enumerate(adapters, start=1):
+            for (layer, name), (a, b) in adapter.pairs.items():
+                rank = adapter.spec.rank
+                self.ranks.setdefault(name, torch.zeros(self.count, dtype=torch.long, device=device))[slot] = rank
+                if (layer, name, rank) not in self.stacks:
+                    proj = getattr(getattr(layers[layer], "self_attn" if name in _ATTN else "mlp"), name)
+                    out_f, in_f = _dims(proj)
+                    self.stacks[(layer, name, rank)] = (torch.zeros(self.count, rank, in_f, device=device),
+                                                        torch.zeros(self.count, out_f, rank, device=device))
+                a_stack, b_stack = self.stacks[(layer, name, rank)]
+                a_stack[slot], b_stack[slot] = a, b
+        self.module_ranks = {name: sorted(set(r.tolist()) - {0}) for name, r in self.ranks.items()}
+        self.scaling = torch.tensor([0.0] + [a.spec.scaling for a in adapters], device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.stacks.values()) + self.scaling.nbytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """Largest temporary of one chunk: its gathered A and B stacks (float32)."""
+        return max((self.chunk_tokens * (a[0].nbytes + b[0].nbytes) for a, b in self.stacks.values()), default=0)
+
+    def step(self, token_slots: list[int], padded: int, device: torch.device) -> LoraStep:
+        """The LoRA term of one forward step whose tokens (padded to `padded` rows) have these slots."""
+        slots = torch.tensor(token_slots + [0] * (padded - len(token_slots)), dtype=torch.long, device=device)
+        return LoraStep(self, slots)
+
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoraStep:
+    def __init__(self, lora: LoraSlots, token_slots: torch.Tensor):
+        self.lora = lora
+        self.token_slots = token_slots
+        self._rows: dict[tuple[str, int], torch.Tensor] = {}  # (projection, rank) -> its tokens, per step
+
+    def _rows_for(self, name: str, rank: int) -> torch.Tensor:
+        key = (name, rank)
+        if key not in self._rows:
+            self._rows[key] = (self.lora.ranks[name][self.token_slots] == rank).nonzero()[:, 0]
+        return self._rows[key]
+
+    def linear(self, layer: int, name: str, module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """module(h) plus, for every token whose adapter targets this projection, its LoRA term."""
+        y = module(h)
+        for rank in self.lora.module_ranks.get(name, ()):
+            stacks = self.lora.stacks.get((layer, name, rank))
+            if stacks is None:
+                continue
+            a_stack, b_stack = stacks
+            rows_all = self._rows_for(name, rank)
+            for start in range(0, rows_all.numel(), self.lora.chunk_tokens):
+                rows = rows_all[start:start + self.lora.chunk_tokens]
+                s = self.token_slots[rows]
+                low = torch.einsum("ni,nri->nr", h[rows].float(), a_stack[s])
+                delta = torch.einsum("nr,nor->no", low, b_stack[s]) * self.lora.scaling[s][:, None]
+                y[rows] = (y[rows].float() + delta).to(y.dtype)
+        return y
+
+
+class NoLora:
+    """The step of a batch without adapters: the plain projection."""
+
+    @staticmethod
+    def linear(layer: int, name: str, module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return module(h)
+
+
+NO_LORA = NoLora()

@@ -1,0 +1,55 @@
+"""The running base and the adapter registry at the inference stage's start (and for `keel lora`).
+
+The base's fingerprint is computed once per start: the weights hash is the one the stage already
+computed for its engine fingerprint (warmcache.model_sha256, passed in), the tokenizer hashes come from
+Keel's own tokenizer file (the tokenizer stage's `vocab_file`), the config values from config.json.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from shared.config import ROOT_DIR
+from shared.errors import KeelError
+
+from services.inference.forward import LlamaRunner
+from services.inference.lora import fingerprint
+from services.inference.lora.probes import load_probe_set
+from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_file() -> Path:
+    """The compiled vocabulary the tokenizer stage serves (config/tokenizer.yaml's vocab_file)."""
+    from services.tokenizer import config as tokenizer_config
+    path = Path(tokenizer_config.load().vocab_file)
+    return path if path.is_absolute() else ROOT_DIR / path
+
+
+def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str) -> Base:
+    tokenizer = fingerprint.open_tokenizer(tokenizer_file())
+    fields = fingerprint.base_fields(model_sha, fingerprint.read_config(model_dir),
+                                     fingerprint.tokenizer_hashes(tokenizer), fmt)
+    return Base(runner, fields, load_probe_set(tokenizer))
+
+
+def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str) -> AdapterTable:
+    """Every registered adapter checked against the running base; the accepted ones are in the runner's slots.
+
+    The base needs Keel's tokenizer file; without it an empty registry is no problem (nothing to check,
+    logged), but registered adapters stop the start with the tokenizer's error."""
+    try:
+        base = running_base(runner, model_dir, model_sha, fmt)
+    except (KeelError, OSError) as exc:
+        if versions(cfg.root):
+            raise
+        log.warning("no base fingerprint (tokenizer file unusable); the adapter registry is empty",
+                    extra={"error": str(exc), "registry": str(cfg.root)})
+        return AdapterTable()
+    table = load_registry(cfg, base)
+    log.info("adapters checked", extra={
+        "base_fingerprint": table.base_fingerprint, "registry": str(cfg.root),
+        "accepted": [s.name for s in table.states if s.state == "accepted"],
+        "refused": {s.name: s.reason for s in table.states if s.state == "refused"}})
+    return table

@@ -1,0 +1,54 @@
+"""The stage's start-up (bootstrap.start_engine) checks the registry and preloads adapters, cold and warm."""
+from __future__ import annotations
+
+import pytest
+
+from services.inference import bootstrap, warmcache
+from services.inference.config import InferenceConfig
+from services.inference.forward import LlamaRunner
+from services.inference.lora.registration import register
+from services.inference.lora.registry import LoraConfig
+from services.inference.lora.startup import running_base
+from services.inference.model import load_model
+from tests.inference.helpers import save_model, tiny_config
+from tests.inference.lora_fixtures import make_adapter
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch, tiny):
+    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
+    model_dir = tmp_path / "model"
+    save_model(tiny, model_dir)
+    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="float32"), lora=LoraConfig())
+    sha = warmcache.model_sha256(model_dir)
+    runner = LlamaRunner(load_model(model_dir, "float32"))
+    runner.calibrate_invariant_sizes(cfg.engine.max_batch_size)
+    base = running_base(runner, model_dir, sha, "float32")
+    register(make_adapter(tiny, tmp_path / "a", seed=1), "support", "1", base, cfg.lora)
+    register(make_adapter(tiny, tmp_path / "b", seed=2), "legal", "1", running_base(runner, model_dir, sha, "bfloat16"),
+             cfg.lora)
+    return cfg, sha
+
+
+def test_cold_and_warm_starts_preload_accepted_adapters_and_list_refused_ones(setup):
+    cfg, sha = setup
+    for warm in (False, True):
+        started = bootstrap.start_engine(cfg, sha)
+        assert started.warm is warm and "adapters" in started.phases_s
+        states = {s.name: s for s in started.engine.adapters.states}
+        assert (states["support@1"].state, states["support@1"].slot) == ("accepted", 1)
+        assert (states["legal@1"].reason, states["legal@1"].metadata) == ("BASE_FINGERPRINT_MISMATCH",
+                                                                        {"fields": "format"})
+        assert started.engine.primary_runner.lora is started.engine.adapters.slots
+
+
+def test_without_a_tokenizer_file_an_empty_registry_starts_and_a_full_one_does_not(setup, tmp_path, monkeypatch):
+    from services.inference.lora.startup import check_adapters
+    from services.tokenizer.fileformat import CompiledFileError
+    cfg, sha = setup
+    monkeypatch.setenv("KEEL_TOKENIZER_VOCAB_FILE", str(tmp_path / "missing.kvoc"))
+    runner = LlamaRunner(load_model(cfg.model_dir, "float32"))
+    empty = LoraConfig(registry_dir=str(tmp_path / "empty"))
+    assert check_adapters(empty, runner, cfg.model_dir, sha, "float32").states == ()
+    with pytest.raises(CompiledFileError):
+        check_adapters(cfg.lora, runner, cfg.model_dir, sha, "float32")
