@@ -121,7 +121,10 @@ def run_peer(name: str, args) -> dict:
         if name == "keel":
             base, mixed = keel_steps(model, folders, args.steps)
             return {"peer": name, "keel-base": _stats(base), "keel-mixed": _stats(mixed)}
-        return {"peer": name, name: _stats(peft_steps(model, folders, args.steps))}
+        # PEFT wraps transformers' own Llama (the same weights): its cache and adapter_names need it.
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()  # nosec B615
+        return {"peer": name, name: _stats(peft_steps(hf, folders, args.steps))}
 
 
 def _stats(times: list[float]) -> dict:
