@@ -1,7 +1,8 @@
 """Comparing a replayed request with its original replay record (pure: no database, no grpc).
 
 A replay is comparable only when the engine facts recorded for both match (same weights format,
-dtype, engine...) and the prompt encoded to the same ids (same tokenizer and chat template);
+dtype, engine...), the prompt encoded to the same ids (same tokenizer and chat template) and the same
+LoRA adapter version served both;
 otherwise a token mismatch would say nothing about determinism, so the outcome is
 "not comparable" with the fields that differ.
 """
@@ -46,6 +47,9 @@ def compare(original: dict, replay: dict) -> Outcome:
     differ = sorted(f"engine.{k}" for k in set(engines[0]) | set(engines[1]) if engines[0].get(k) != engines[1].get(k))
     if original["prompt_ids"] != replay["prompt_ids"]:
         differ.append("prompt_ids")
+    # A record without the key predates adapters: the base model ("") served it.
+    if original.get("adapter", "") != replay.get("adapter", ""):
+        differ.append("adapter")
     if differ:
         return Outcome("not_comparable", fields=tuple(differ), replay_trace_id=replay["trace_id"])
     a, b = original["output_ids"], replay["output_ids"]

@@ -19,6 +19,7 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
                          "top_k": s.top_k, "seed": s.seed},
             "domain": r.domain, "source": r.source, "output_ids": list(r.output_ids),
             "finish_reason": r.finish_reason, "engine": dict(r.engine), "input_fingerprint": r.input_fingerprint,
+            "adapter": r.adapter,
             "validation": json_format.MessageToDict(v, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)}
 

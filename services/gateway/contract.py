@@ -4,6 +4,7 @@ with its reasons (docs/errors.md). The other stages check only what they alone k
 vocabulary, context window and memory; the validator its contracts and rules."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shared import errors
@@ -12,6 +13,11 @@ ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
 # so larger seeds are refused here (and by the validator's contract) with SEED_OUT_OF_RANGE.
 SEED_MAX = 2**63 - 1
+# A LoRA adapter as a client names it: "id" (its newest accepted version) or "id@version". Both parts
+# start with a letter or digit and hold only letters, digits, '.', '_' and '-': safe in a metric label,
+# a log line and a file name. The engine alone knows which adapters exist (docs/lora.md).
+ADAPTER_MAX_CHARS = 128
+ADAPTER_SYNTAX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Ask:
     domain: str = ""
     source: str = ""
     raw_prompt: str | None = None  # set when the client sent a bare prompt
+    adapter: str = ""  # "" = the base model
 
 
 def check_ask(ask: Ask, limits: Limits) -> None:
@@ -79,3 +86,17 @@ def check_ask(ask: Ask, limits: Limits) -> None:
     if ask.seed is not None and not 0 <= ask.seed <= SEED_MAX:
         raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
                                   metadata={"limit": SEED_MAX, "actual": ask.seed})
+    check_adapter(ask.adapter)
+
+
+def check_adapter(adapter: str) -> None:
+    """INVALID_ARGUMENT (INVALID_ADAPTER, field "adapter") unless empty, "id" or "id@version"."""
+    if not adapter:
+        return
+    if len(adapter) > ADAPTER_MAX_CHARS:
+        raise errors.InvalidInput(f"adapter is {len(adapter)} characters, the limit is {ADAPTER_MAX_CHARS}",
+                                  reason=errors.INVALID_ADAPTER, metadata={"field": "adapter"})
+    if not ADAPTER_SYNTAX.fullmatch(adapter):
+        raise errors.InvalidInput(f"adapter {adapter!r} is not \"id\" or \"id@version\" (letters, digits, '.', '_', "
+                                  "'-'; each part starting with a letter or digit)",
+                                  reason=errors.INVALID_ADAPTER, metadata={"field": "adapter"})
