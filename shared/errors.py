@@ -162,7 +162,7 @@ REASONS: dict[str, Reason] = {
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
     "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
-    "INVALID_ADAPTER": Reason(InvalidInput, "the adapter field is not `id` or `id@version` in the allowed characters and length; `field` names it", ("field",)),
+    "INVALID_ADAPTER": Reason(InvalidInput, "the adapter field is not `id` or `id@version` (each 1-64 of [A-Za-z0-9._-], starting with a letter or digit); `field` names it", ("field",)),
     "MALFORMED_REQUEST": Reason(InvalidInput, "the request body does not parse as the RPC's message"),
     "OUTPUT_BLOCKED": Reason(PreconditionFailed, "a blocking output check failed; `plugin` names it"),
     "STREAM_TRUNCATED": Reason(NotReady, "the inference stream ended without a result; retry"),

@@ -64,7 +64,7 @@ class FailedPrecondition(KeelError):
 
 class AdapterRefused(FailedPrecondition):
     """ADAPTER_REFUSED: the LoRA adapter is registered but the server refused it at start
-    (``metadata["refusal"]`` says why); Keel never answers with the base model instead."""
+    (``metadata["refusal_reason"]`` says why); Keel never answers with the base model instead."""
 
 
 class NotFound(KeelError):
