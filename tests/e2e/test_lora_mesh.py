@@ -49,7 +49,8 @@ def keel_lora(tmp, *args: str, model=None) -> subprocess.CompletedProcess:
 
 
 def register(tmp, folder, name: str, model=None) -> subprocess.CompletedProcess:
-    return keel_lora(tmp, "register", str(folder), "--id", name, "--version", VERSION, model=model)
+    return keel_lora(tmp, "register", str(folder), "--id", name, "--version", VERSION,
+                     "--training-data-manifest", str(folder / "dataset.json"), model=model)
 
 
 def place_as_accepted_elsewhere(registry, name: str, folder) -> None:
@@ -142,10 +143,14 @@ def test_a_refused_adapter_is_failed_precondition_with_its_reason(lora_mesh, nam
     assert info.metadata["refusal_reason"] == REFUSED[name] and info.metadata["adapter"] == f"{name}@{VERSION}"
 
 
-def test_keel_lora_list_shows_the_version_matrix(lora_mesh):
-    out = keel_lora(lora_mesh.tmp, "list")
+def test_keel_lora_list_shows_each_version_and_its_state_on_the_replica(lora_mesh):
+    out = keel(lora_mesh, "lora", "list")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "accepted" in out.stdout and all(reason in out.stdout for reason in REFUSED.values())
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if "@" in line.split()[0]}
+    assert "accepted" in rows[f"pirate@{VERSION}"]
+    for name, reason in REFUSED.items():
+        assert f"refused {reason}" in rows[f"{name}@{VERSION}"]
+    assert "no: weights_sha256" in rows[f"pirate-mismatched@{VERSION}"]  # the matrix: it fits another base
 
 
 def test_a_malformed_adapter_is_invalid_argument(lora_mesh):
