@@ -90,7 +90,8 @@ def _inputs(manifest: dict, recipe: Recipe, base_weights: str, perturbation: Per
 
 def _cached(folder: Path, inputs: dict) -> bool:
     record = folder / "keel-training.json"
-    return record.exists() and json.loads(record.read_text()).get("inputs") == inputs
+    # Compared as stored (JSON has no tuples).
+    return record.exists() and json.loads(record.read_text()).get("inputs") == json.loads(json.dumps(inputs))
 
 
 def _write_records(folder: Path, manifest: dict, base: dict, inputs: dict, facts: dict, derived: str = "") -> None:
