@@ -35,7 +35,8 @@ var/model/keel-source.json: .venv/.stamp
 	$(PY) -m services.inference.modelcache --out var/model
 
 # The LoRA adapters the tests and the demo register (training/adapters.py: PEFT on the model, fixed
-# seeds; cached under var/adapters-src, kept while their inputs match).
+# seeds; cached under var/adapters-src, kept while their inputs match). About 10 CPU-minutes the first
+# time, so not part of setup: tests/e2e/test_lora_mesh.py makes them on first use.
 adapters: model
 	$(PY) -m training.adapters --out var/adapters-src --base var/model
 
