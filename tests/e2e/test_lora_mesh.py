@@ -115,6 +115,16 @@ def test_the_adapter_changes_the_answer_and_is_echoed(answers):
     assert pirate.text != base.text and "Arr" in pirate.text
 
 
+def test_the_stream_ends_with_the_adapter_that_served(lora_mesh, answers):
+    request = build_request(PROMPT, max_tokens=16, seed=1, adapter="pirate")
+    with grpc.insecure_channel(lora_mesh.gateway) as ch:
+        events = list(lora_mesh.stub(ch).GenerateStream(request, metadata=(("x-api-key", DEV_API_KEY),),
+                                                         timeout=180))
+    done = events[-1].done
+    assert done.adapter == f"pirate@{VERSION}" and done.text == answers[1].text
+    assert "".join(e.delta for e in events[:-1]).startswith("Arr")
+
+
 def test_a_named_version_serves_exactly_it(lora_mesh, answers):
     again = generate(lora_mesh, f"pirate@{VERSION}")
     assert again.adapter == f"pirate@{VERSION}" and again.text == answers[1].text
