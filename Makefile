@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model gate vocab syspkgs setup node bench-deps certs lock clean audit
+.PHONY: run test venv proto model gate vocab adapters syspkgs setup node bench-deps certs lock clean audit
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -33,6 +33,12 @@ gen/.stamp: $(PROTOS) .venv/.stamp
 model: var/model/keel-source.json
 var/model/keel-source.json: .venv/.stamp
 	$(PY) -m services.inference.modelcache --out var/model
+
+# The LoRA adapters the tests and the demo register (training/adapters.py: PEFT on the model, fixed
+# seeds; cached under var/adapters-src, kept while their inputs match). About 10 CPU-minutes the first
+# time, so not part of setup: tests/e2e/test_lora_mesh.py makes them on first use.
+adapters: model
+	$(PY) -m training.adapters --out var/adapters-src --base var/model
 
 # Quality gate of every weight format on the model (~3 min on 2 cores): engine.dtype auto only picks
 # formats with a passing result under var/gate/, and an explicit non-float32 dtype needs one.

@@ -9,17 +9,18 @@ from google.protobuf import json_format
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from shared import tls
+from shared import client, tls
 
 DEV_API_KEY = "keel-dev-key"  # matches the dev key hashed in config/gateway.yaml; never use in production
 
 
 def build_request(prompt: str, *, max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-                  domain: str = "", source: str = "") -> gateway_pb2.GenerateRequest:
+                  domain: str = "", source: str = "", adapter: str = "") -> gateway_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
     if seed is not None:
         sampling.seed = seed
-    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, domain=domain, source=source)
+    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, domain=domain, source=source,
+                                       adapter=adapter)
 
 
 def ask(target: str, request: gateway_pb2.GenerateRequest, *, api_key: str | None = None,
@@ -34,16 +35,19 @@ def render(resp: gateway_pb2.GenerateResponse, as_json: bool) -> str:
     if as_json:
         return json.dumps(json_format.MessageToDict(resp, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True), ensure_ascii=False)
-    return f"{resp.text}\n\ntrace_id: {resp.trace_id}  ({resp.usage.completion_tokens} tokens, {resp.finish_reason})"
+    served = f", adapter {resp.adapter}" if resp.adapter else ""
+    return (f"{resp.text}\n\ntrace_id: {resp.trace_id}  ({resp.usage.completion_tokens} tokens, {resp.finish_reason}"
+            f"{served})")
 
 
 def main(target: str, *, prompt: str, max_tokens: int, temperature: float,
-         seed: int | None, as_json: bool, domain: str = "") -> int:
+         seed: int | None, as_json: bool, domain: str = "", adapter: str = "") -> int:
     try:
         resp = ask(target, build_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                         domain=domain))
+                                         domain=domain, adapter=adapter))
     except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}")
+        reason = client.translate(err).reason
+        print(f"error: {err.code().name}: {reason}: {err.details()}")
         return 1
     print(render(resp, as_json))
     return 0

@@ -3,7 +3,7 @@
     keel up [--detach] [--demo]   start Redis + every stage, wait for SERVING, print where each listens
     keel down                     stop the mesh (drains in-flight calls), and any process it left
     keel status                   health of every process of the running mesh
-    keel ask "PROMPT" [--max-tokens N] [--temperature T] [--seed S] [--json]
+    keel ask "PROMPT" [--max-tokens N] [--temperature T] [--seed S] [--adapter ID[@VERSION]] [--json]
     keel trace TRACE_ID           the whole chain of one request, across every stage's trace files
                                   (--format chrome: a Chrome Trace Event file)
     keel tokenize | detokenize    JSON lines on stdin -> stdout, in-process
@@ -184,7 +184,8 @@ def cmd_status(args) -> int:
 def cmd_ask(args) -> int:
     from keelctl import ask
     return ask.main(_gateway(load_layout()), prompt=args.prompt, max_tokens=args.max_tokens,
-                    temperature=args.temperature, seed=args.seed, as_json=args.json, domain=args.domain)
+                    temperature=args.temperature, seed=args.seed, as_json=args.json, domain=args.domain,
+                    adapter=args.adapter)
 
 
 def cmd_certs(args) -> int:
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--temperature", type=float, default=0.0)
     a.add_argument("--seed", type=int)
     a.add_argument("--domain", default="")
+    a.add_argument("--adapter", default="", help='LoRA adapter: "id" or "id@version" (default: the base model)')
     a.add_argument("--json", action="store_true")
     c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")

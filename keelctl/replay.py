@@ -31,7 +31,9 @@ def request_of(record: dict) -> gateway_pb2.GenerateRequest:
     s = record["sampling"]
     sampling = common_pb2.SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
                                          top_k=s["top_k"], seed=s["seed"])
-    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=record["domain"], source=record["source"])
+    # The adapter as it served ("id@version"), so a newer version registered since is not picked up.
+    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=record["domain"], source=record["source"],
+                                      adapter=record.get("adapter", ""))
     req.chat.messages.extend(common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in record["messages"])
     return req
 

@@ -114,6 +114,7 @@ INVISIBLE_INPUT = "INVISIBLE_INPUT"            # the text has no visible charact
 SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (services/gateway/contract.py SEED_MAX)
 AMBIGUOUS_API_KEY = "AMBIGUOUS_API_KEY"        # several API keys presented in one request
 AUTH_FAILURES_LIMITED = "AUTH_FAILURES_LIMITED"  # too many failed authentications from a peer
+INVALID_ADAPTER = "INVALID_ADAPTER"            # the adapter field is not "id" or "id@version" (contract.py)
 # ErrorInfo metadata keys that describe the gateway's own retry handling. They stay in logs and
 # traces; the gateway removes them from what its clients receive (shared/interceptor.py).
 INTERNAL_METADATA_KEYS = frozenset({"retry_stop", "attempts", "retry_hint", "message_size"})
@@ -161,6 +162,7 @@ REASONS: dict[str, Reason] = {
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
     "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
+    "INVALID_ADAPTER": Reason(InvalidInput, "the adapter field is not `id` or `id@version` (each 1-64 of [A-Za-z0-9._-], starting with a letter or digit); `field` names it", ("field",)),
     "MALFORMED_REQUEST": Reason(InvalidInput, "the request body does not parse as the RPC's message"),
     "OUTPUT_BLOCKED": Reason(PreconditionFailed, "a blocking output check failed; `plugin` names it"),
     "STREAM_TRUNCATED": Reason(NotReady, "the inference stream ended without a result; retry"),

@@ -167,6 +167,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        owner="validator"),
     _c("keel_validator_quarantine_dropped_total", "Rejected/flagged inputs not stored by the quarantine's flood gate "
        "(why: duplicate of a stored payload, source_cap).", ("why",), "validator"),
+    # Gateway: answers by LoRA adapter (services/gateway/adapter_usage.py; "base" = no adapter).
+    _c("keel_gateway_adapter_requests_total", "Answered requests by the adapter that served them (id@version as "
+       "the engine answered, or base); never a name a client asked for.", ("adapter",), "gateway"),
+    _c("keel_gateway_adapter_tokens_total", "Tokens of answered requests by serving adapter and kind (prompt, "
+       "completion).", ("adapter", "kind"), "gateway"),
     # Feedback (replay records, feedback; services/feedback) and the gateway's side of it.
     _c("keel_feedback_total", "Feedback items created (an update of the same feedback_id is not counted again).",
        ("error_type", "severity"), "feedback"),

@@ -139,6 +139,11 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("max by (instance) (keel_validator_redis_memory_used_bytes)", "used {{instance}}"),
             ("max by (instance) (keel_validator_redis_maxmemory_bytes)", "cap {{instance}}")], "bytes",
            "Redis never evicts (noeviction): at the cap quarantine writes fail and spill."),
+        ts("Answers and tokens/s by LoRA adapter", [
+            (f"sum by (adapter) (rate(keel_gateway_adapter_requests_total{RATE}))", "answers {{adapter}}"),
+            (f"sum by (adapter, kind) (rate(keel_gateway_adapter_tokens_total{RATE}))",
+             "{{kind}} tokens {{adapter}}")], "ops",
+           "By the adapter that served (id@version as the engine answered; base = none), never by requested name."),
     ]),
     ("Feedback", [
         ts("Feedback/s by error type and severity", [(

@@ -1,10 +1,10 @@
 """Comparing a replayed request with its original replay record (pure: no database, no grpc).
 
 A replay is comparable only when the engine facts recorded for both match (same weights format,
-dtype, engine...), the tokenizer's vocabulary and chat-template hashes match, and the prompt
-encoded to the same ids; otherwise a token mismatch would say nothing about determinism, so the
-outcome is "not comparable" with the fields that differ. A hash a record lacks (written before
-records carried it) is not compared: the prompt ids still are.
+dtype, engine...), the tokenizer's vocabulary and chat-template hashes match, the prompt encoded to
+the same ids, and the same LoRA adapter version served both; otherwise a token mismatch would say
+nothing about determinism, so the outcome is "not comparable" with the fields that differ. A hash a
+record lacks (written before records carried it) is not compared: the prompt ids still are.
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def compare(original: dict, replay: dict) -> Outcome:
     differ += [f for f in TOKENIZER_FIELDS if original.get(f) and replay.get(f) and original[f] != replay[f]]
     if original["prompt_ids"] != replay["prompt_ids"]:
         differ.append("prompt_ids")
+    # A record without the key predates adapters: the base model ("") served it.
+    if original.get("adapter", "") != replay.get("adapter", ""):
+        differ.append("adapter")
     if differ:
         return Outcome("not_comparable", fields=tuple(differ), replay_trace_id=replay["trace_id"])
     a, b = original["output_ids"], replay["output_ids"]

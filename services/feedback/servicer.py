@@ -23,6 +23,7 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
             "domain": r.domain, "source": r.source, "output_ids": list(r.output_ids),
             "finish_reason": r.finish_reason, "engine": dict(r.engine), "input_fingerprint": r.input_fingerprint,
             "vocab_sha256": r.vocab_sha256, "chat_template_sha256": r.chat_template_sha256,
+            "adapter": r.adapter,
             "validation": json_format.MessageToDict(v, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)}
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared import errors
+from shared import adapters, errors
 
 ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
 # so larger seeds are refused here (and by the validator's contract) with SEED_OUT_OF_RANGE.
 SEED_MAX = 2**63 - 1
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -41,6 +40,7 @@ class Ask:
     domain: str = ""
     source: str = ""
     raw_prompt: str | None = None  # set when the client sent a bare prompt
+    adapter: str = ""  # "" = the base model
 
 
 def check_ask(ask: Ask, limits: Limits) -> None:
@@ -79,3 +79,12 @@ def check_ask(ask: Ask, limits: Limits) -> None:
     if ask.seed is not None and not 0 <= ask.seed <= SEED_MAX:
         raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
                                   metadata={"limit": SEED_MAX, "actual": ask.seed})
+    check_adapter(ask.adapter)
+
+
+def check_adapter(adapter: str) -> None:
+    """INVALID_ARGUMENT (INVALID_ADAPTER, field "adapter") unless empty, "id" or "id@version"."""
+    if adapter and not adapters.REQUEST.fullmatch(adapter):
+        raise errors.InvalidInput(f"adapter {adapter[:140]!r} is not \"id\" or \"id@version\" (each 1-64 letters, "
+                                  "digits, '.', '_' or '-', starting with a letter or digit)",
+                                  reason=errors.INVALID_ADAPTER, metadata={"field": "adapter"})

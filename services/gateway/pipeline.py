@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Mapping, Protocol
 
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from keel.common.v1 import common_pb2
@@ -51,6 +52,7 @@ class Done:
     seed: int
     engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. dtype)
     replica: str = ""  # the inference replica that generated it (failures seen later are reported there)
+    adapter: str = ""  # the LoRA adapter that served it as "id@version" ("" = the base model)
 
     @property
     def system_fingerprint(self) -> str:
@@ -84,6 +86,7 @@ class Answer:
     validation: common_pb2.ValidationResult = field(default_factory=common_pb2.ValidationResult)
     trace_id: str = ""
     system_fingerprint: str = ""
+    adapter: str = ""  # as the engine answered: "id@version", "" = the base model
 
 
 class Upstreams(Protocol):
@@ -187,6 +190,8 @@ class Pipeline:
         except errors.InvalidInput as rejected:
             await self._quarantine(ask, rejected, call)
             raise
+        # On the gateway's server span, so that `keel trace` shows what was asked for beside what served.
+        trace.get_current_span().set_attribute("adapter.requested", ask.adapter)
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
         max_length = self.limits.max_context_tokens - ask.max_tokens  # >= 1: check_ask saw to it
         # The input check and the encoding are independent: run them side by side (one hop less of
@@ -301,12 +306,13 @@ class Pipeline:
             raise errors.PreconditionFailed(f"answer blocked by output validation: {message}",
                                             reason="OUTPUT_BLOCKED",
                                             metadata={"plugin": plugin, "trace_id": call.trace_id})
+        trace.get_current_span().set_attribute("adapter.served", done.adapter)
         if self._on_served is not None:
             self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
         return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=prep.enc.truncated,
                       input_flags=prep.flags, validation=result, trace_id=call.trace_id,
-                      system_fingerprint=done.system_fingerprint)
+                      system_fingerprint=done.system_fingerprint, adapter=done.adapter)
 
 
 def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:

@@ -48,7 +48,8 @@ def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
         messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in a.messages], sampling=sampling,
         domain=a.domain, source=a.source, output_ids=s.output_ids, finish_reason=s.done.finish_reason,
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,
-        vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256)
+        vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256,
+        adapter=s.done.adapter)
 
 
 def _channel(targets: tuple[str, ...], max_message_bytes: int) -> grpc.aio.Channel:

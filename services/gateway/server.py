@@ -8,7 +8,8 @@ import grpc
 from keel.gateway.v1 import gateway_pb2_grpc
 from services.gateway import config as gateway_config
 from services.gateway.auth import ApiKeyAuthenticator, Metadata
-from services.gateway.pipeline import Pipeline
+from services.gateway.adapter_usage import AdapterUsage
+from services.gateway.pipeline import Pipeline, Served
 from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
 from services.gateway.ratelimit import RateLimiter
 from services.gateway import recording
@@ -44,8 +45,14 @@ class GatewayStage:
         self.executor = RetryExecutor(cfg.retry, monitor=monitor, on_decision=lambda r: retries.labels(
             upstream=r.upstream, code=r.code or "NONE", decision=r.decision, reason=r.reason or "retryable").inc())
         self.recorder, self.feedback = recording.build(cfg.upstreams.feedback, cfg.replay, cfg.server.max_message_bytes)
-        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits,
-                                 on_served=self.recorder.served if self.recorder else None)
+        usage = AdapterUsage(m)
+        recorder = self.recorder
+
+        def on_served(served: Served) -> None:
+            usage.served(served)
+            if recorder is not None:
+                recorder.served(served)
+        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits, on_served=on_served)
 
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
         key_id = self._auth.authenticate(metadata, peer)

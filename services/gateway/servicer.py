@@ -22,7 +22,8 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
     s = req.sampling
     return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-               seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw)
+               seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw,
+               adapter=req.adapter)
 
 
 def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
@@ -30,7 +31,7 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
         text=a.text, trace_id=a.trace_id, finish_reason=a.finish_reason, seed=a.seed,
         usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
         validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags,
-        system_fingerprint=a.system_fingerprint)
+        system_fingerprint=a.system_fingerprint, adapter=a.adapter)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -212,7 +212,8 @@ class MeshUpstreams:
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
         sampling = common_pb2.SamplingParams(max_tokens=ask.max_tokens, temperature=ask.temperature,
                                              top_p=ask.top_p, top_k=ask.top_k, seed=seed)
-        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint)
+        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint,
+                                            adapter=ask.adapter)
         pool = self.pools["inference"]
         target, timeout = await pool.pick_for(timeout)
         call = pool.stub(target).Generate(req, timeout=timeout, metadata=_md(md))
@@ -223,7 +224,7 @@ class MeshUpstreams:
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
-                               {**f.engine, "dtype": f.dtype}, target)
+                               {**f.engine, "dtype": f.dtype}, target, f.adapter)
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:

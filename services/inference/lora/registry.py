@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from shared import adapters
 from shared.config import var_dir
 from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
 
@@ -33,7 +33,6 @@ from services.inference.lora.slots import AdapterWeights, LoraSlots, read_weight
 
 log = logging.getLogger(__name__)
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DRIFT_ACTIONS = ("refuse", "warn")
 DRIFT_DIRECTION = "KL(registered || now)"
 
@@ -117,8 +116,8 @@ class AdapterTable:
 
 
 def check_name(value: str, what: str) -> str:
-    if not NAME.match(value or ""):
-        raise InvalidInput(f"adapter {what} {value!r} must match {NAME.pattern}", reason="INVALID_ADAPTER_NAME",
+    if not adapters.ID_OR_VERSION.fullmatch(value or ""):
+        raise InvalidInput(f"adapter {what} {value!r} must match {adapters.PART}", reason="INVALID_ADAPTER_NAME",
                            metadata={"field": what})
     return value
 

@@ -62,6 +62,19 @@ class FailedPrecondition(KeelError):
     """FAILED_PRECONDITION: the request can never succeed as sent."""
 
 
+class AdapterRefused(FailedPrecondition):
+    """ADAPTER_REFUSED: the LoRA adapter is registered but the server refused it at start
+    (``metadata["refusal_reason"]`` says why); Keel never answers with the base model instead."""
+
+
+class NotFound(KeelError):
+    """NOT_FOUND: the named thing does not exist."""
+
+
+class AdapterNotFound(NotFound):
+    """ADAPTER_NOT_FOUND: no registered LoRA adapter has this id (or id@version)."""
+
+
 class Cancelled(KeelError):
     """CANCELLED."""
 
@@ -70,11 +83,13 @@ class InternalError(KeelError):
     """INTERNAL or any status Keel does not document: report it with the trace id."""
 
 
-BY_REASON: dict[str, type[KeelError]] = {"RATE_LIMITED": RateLimited, "OUTPUT_BLOCKED": OutputBlocked}
+BY_REASON: dict[str, type[KeelError]] = {"RATE_LIMITED": RateLimited, "OUTPUT_BLOCKED": OutputBlocked,
+                                         "ADAPTER_REFUSED": AdapterRefused, "ADAPTER_NOT_FOUND": AdapterNotFound}
 BY_CODE: dict[str, type[KeelError]] = {
     "INVALID_ARGUMENT": InvalidRequest, "OUT_OF_RANGE": InvalidRequest, "UNAUTHENTICATED": AuthenticationError,
     "PERMISSION_DENIED": PermissionDenied, "RESOURCE_EXHAUSTED": Overloaded, "UNAVAILABLE": Unavailable,
     "DEADLINE_EXCEEDED": DeadlineExceeded, "FAILED_PRECONDITION": FailedPrecondition, "CANCELLED": Cancelled,
+    "NOT_FOUND": NotFound,
 }
 
 

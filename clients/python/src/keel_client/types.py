@@ -32,6 +32,7 @@ class Answer:
     verdicts: tuple[Verdict, ...] = ()
     probes: dict[str, float] = field(default_factory=dict)
     system_fingerprint: str = ""  # the engine that answered; same seed + prompt + fingerprint = same tokens
+    adapter: str = ""  # the LoRA adapter that answered as "id@version"; "" = the base model
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,16 @@ class Delta:
 
 def request(prompt: str | None = None, *, messages: Sequence[tuple[str, str]] | None = None,
             max_tokens: int = 0, temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
-            seed: int | None = None, domain: str = "", source: str = "") -> gateway_pb2.GenerateRequest:
-    """A GenerateRequest: a ``prompt``, or ``messages`` as (role, content) pairs."""
+            seed: int | None = None, domain: str = "", source: str = "",
+            adapter: str = "") -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest: a ``prompt``, or ``messages`` as (role, content) pairs. ``adapter``: a LoRA
+    adapter as "id" (its newest accepted version) or "id@version"; "" = the base model."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     if seed is not None:
         sampling.seed = seed
-    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=domain, source=source)
+    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=domain, source=source, adapter=adapter)
     if prompt is not None:
         req.prompt = prompt
     else:
@@ -65,7 +68,7 @@ def answer(resp: gateway_pb2.GenerateResponse) -> Answer:
         prompt_truncated=resp.prompt_truncated, input_flags=tuple(resp.input_flags), validation_passed=v.passed,
         low_confidence=v.low_confidence, probes=dict(v.probes),
         verdicts=tuple(Verdict(x.plugin, x.passed, x.message, x.blocking) for x in v.verdicts),
-        system_fingerprint=resp.system_fingerprint)
+        system_fingerprint=resp.system_fingerprint, adapter=resp.adapter)
 
 
 def event(msg: gateway_pb2.GenerateStreamResponse) -> Delta | Answer:
