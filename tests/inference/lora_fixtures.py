@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,11 +41,14 @@ def make_adapter(base: torch.nn.Module, out_dir: Path, *, seed: int, rank: int =
 
 
 def peft_logits(base: torch.nn.Module, adapter_dir: Path, ids: list[int]) -> torch.Tensor:
-    """PEFT's unmerged forward in transformers (the reference): float32 logits [len(ids), V]."""
+    """PEFT's unmerged forward over transformers' own Llama with `base`'s weights (the reference):
+    float32 logits [len(ids), V]."""
     from peft import PeftModel
-    model = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_dir)).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].float()
+    from tests.inference.helpers import hf_twin
+    with tempfile.TemporaryDirectory() as tmp:
+        model = PeftModel.from_pretrained(hf_twin(base, Path(tmp)), str(adapter_dir)).eval()
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0].float()
 
 
 def tokenizer():
