@@ -44,11 +44,14 @@ def test_the_same_weights_elsewhere_in_memory_agree_to_rounding(tiny, twin):
 
 
 def test_a_batch_of_rows_gives_each_row_its_own_logits(tiny):
+    """Each row of a batch gets its own logits: a row mixed up with another would differ by whole
+    units. A GEMM over 3 rows and over 1 may sum in another order, so the last bits may differ
+    (seen: up to 4.1e-5 on logits up to ~21 in magnitude), hence the same 1e-4 bound as above."""
     rows = torch.tensor([prompt(s, 9) for s in range(3)])
     with torch.inference_mode():
         batched = tiny(rows).logits
         for i in range(3):
-            torch.testing.assert_close(batched[i], tiny(rows[i:i + 1]).logits[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(batched[i], tiny(rows[i:i + 1]).logits[0], rtol=1e-5, atol=1e-4)
 
 
 def test_saved_model_loads_back_equal_with_the_tied_head(tiny, tmp_path):
