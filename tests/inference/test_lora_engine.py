@@ -173,3 +173,22 @@ async def test_an_adapter_that_is_not_a_string_is_invalid(tiny, registry):
         assert exc.value.reason == "INVALID_ADAPTER_NAME"
     finally:
         await engine.stop(grace_s=0)
+
+
+@pytest.mark.asyncio
+async def test_a_variant_switch_moves_base_requests_but_not_adapter_requests(tiny, registry):
+    """An adapter was checked against the primary format at start: a request naming it stays there
+    (same tokens as before the switch), while a base request moves to the active variant."""
+    cfg, probe_set = registry
+    engine = await _engine(tiny, cfg, variants={"fallback": "int8"})
+    try:
+        p, steps = list(probe_set.prompts[0]), probe_set.continuation_tokens
+        before, _ = await collect(engine, request("r1", p, steps, adapter="alpha"))
+        await engine.set_variant("fallback", "test")
+        after, fin = await collect(engine, request("r2", p, steps, adapter="alpha"))
+        assert (fin.variant, fin.dtype, fin.adapter) == ("primary", "float32", "alpha@1")
+        assert ids(after) == ids(before)
+        _, base_fin = await collect(engine, request("r3", p, 4))
+        assert (base_fin.variant, base_fin.dtype) == ("fallback", "int8")
+    finally:
+        await engine.stop(grace_s=0)
