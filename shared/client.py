@@ -101,7 +101,13 @@ def translate(err: grpc.aio.AioRpcError) -> errors.KeelError:
         reason = "MESSAGE_TOO_LARGE"
     if TRACE_ID_KEY in str_trailers:
         meta.setdefault("trace_id", str_trailers[TRACE_ID_KEY])
-    cls = _BY_CODE.get(code, errors.Fatal)
-    out = cls(message, reason=reason, metadata=meta, retry_after_ms=retry_after)
+    return error_from(code, message, reason=reason, metadata=meta, retry_after_ms=retry_after)
+
+
+def error_from(code: str, message: str, *, reason: str, metadata: dict[str, str],
+               retry_after_ms: int | None) -> errors.KeelError:
+    """The KeelError for a status named by ``code`` (a grpc.StatusCode name): the class that
+    carries it, keeping ``code`` itself (so e.g. UNKNOWN stays UNKNOWN, not INTERNAL)."""
+    out = _BY_CODE.get(code, errors.Fatal)(message, reason=reason, metadata=metadata, retry_after_ms=retry_after_ms)
     out.code = code
     return out

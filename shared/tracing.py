@@ -6,6 +6,7 @@ passes ``max_bytes``), always; to OTLP as well when OTEL_EXPORTER_OTLP_ENDPOINT 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -101,7 +102,11 @@ def setup_tracing(service: str, directory: Path | None = None) -> TracerProvider
     return provider
 
 
+@functools.cache
 def tracer(name: str = "keel") -> trace.Tracer:
+    """The process's tracer, made once: ``trace.get_tracer`` costs more than starting a span (it
+    builds an instrumentation scope and goes through a deprecation shim each time). One made before
+    ``setup_tracing`` is the API's proxy, which uses the provider installed later."""
     return trace.get_tracer(name)
 
 

@@ -46,14 +46,32 @@ class SubmitBatcher:
                                                   reason=errors.SHUTTING_DOWN, retry_after_ms=1000))
 
     async def submit(self, fb: Feedback) -> bool:
-        """True when created, False when updated; the item's error (NotFound, NotReady) raised."""
-        fb.check()  # a malformed item is INVALID_ARGUMENT at once, even while the database is down
-        fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        await self._queue.put((fb, fut))
-        result = await fut
+        """True when created, False when updated; the item's error (InvalidInput, NotFound, NotReady) raised."""
+        (result,) = await self.submit_many([fb])
         if isinstance(result, errors.KeelError):
             raise result
         return result
+
+    async def submit_many(self, items: list[Feedback]) -> list[Result]:
+        """Each item's result in order, once every item is committed or failed. The items are
+        queued in order (a feedback_id repeated later updates the earlier one); a malformed item
+        gets its InvalidInput at once, even while the database is down, and is never queued."""
+        loop = asyncio.get_running_loop()
+        results: list[Result | None] = [None] * len(items)
+        queued: list[tuple[int, asyncio.Future[Result]]] = []
+        for i, fb in enumerate(items):
+            try:
+                fb.check()
+            except errors.InvalidInput as exc:
+                results[i] = exc
+                continue
+            fut: asyncio.Future[Result] = loop.create_future()
+            await self._queue.put((fb, fut))
+            queued.append((i, fut))
+        # gather: a caller that gives up cancels its items still queued, so no batch takes them.
+        for (i, _), result in zip(queued, await asyncio.gather(*(fut for _, fut in queued))):
+            results[i] = result
+        return results  # type: ignore[return-value]  # every slot is filled above
 
     async def _run(self) -> None:
         while True:

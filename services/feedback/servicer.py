@@ -8,8 +8,10 @@ import json
 from google.protobuf import json_format
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
+from services.feedback.batcher import Result
 from services.feedback.records import Feedback
 from services.feedback.rotation import alerts
+from shared import errors
 
 
 def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
@@ -31,6 +33,14 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
 def feedback_from_proto(f: feedback_pb2.SubmitRequest) -> Feedback:
     return Feedback(trace_id=f.trace_id, feedback_id=f.feedback_id, error_type=f.error_type, severity=f.severity,
                     expected_keywords=tuple(f.expected_keywords), comment=f.comment)
+
+
+def result_to_proto(fb: Feedback, result: Result) -> feedback_pb2.SubmitResult:
+    if not isinstance(result, errors.KeelError):
+        return feedback_pb2.SubmitResult(feedback_id=fb.feedback_id, created=result)
+    return feedback_pb2.SubmitResult(feedback_id=fb.feedback_id, error=feedback_pb2.SubmitItemError(
+        code=result.code, reason=result.reason, message=result.message, metadata=result.metadata,
+        retry_after_ms=result.retry_after_ms))
 
 
 def decision_to_proto(d: dict) -> feedback_pb2.RotationDecision:
@@ -61,6 +71,11 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
         fb = feedback_from_proto(request)
         created = await self.core.submits.submit(fb)
         return feedback_pb2.SubmitResponse(feedback_id=fb.feedback_id, created=created)
+
+    async def SubmitBatch(self, request, context):
+        items = [feedback_from_proto(f) for f in request.items]
+        results = await self.core.submits.submit_many(items)
+        return feedback_pb2.SubmitBatchResponse(results=[result_to_proto(fb, r) for fb, r in zip(items, results)])
 
     async def RotationStatus(self, request, context):
         st = await self.rotation.status()

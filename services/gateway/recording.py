@@ -7,7 +7,8 @@ A full queue or a feedback stage that stays unreachable drops records, each coun
 ``keel_replay_records_dropped_total{reason}``; the answer itself is never affected. (Durability
 once a record reached the feedback stage is that stage's job: it spills while its database is down.)
 
-``FeedbackForwarder.submit`` carries a client's SubmitFeedback to the feedback stage. A client
+``FeedbackForwarder.submit`` carries a client's SubmitFeedback to the feedback stage, coalesced
+with the other calls in flight into SubmitBatch calls (services/gateway/submits.py). A client
 may send feedback right after its answer, before the record left this gateway's queue: submit
 first waits (briefly) for that trace's record to be delivered, so it is not NOT_FOUND by a race.
 """
@@ -24,6 +25,7 @@ import grpc
 from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.gateway.pipeline import Served
+from services.gateway.submits import SubmitCoalescer
 from shared import client, errors, metrics
 
 log = logging.getLogger("keel.gateway")
@@ -37,6 +39,8 @@ class ReplayConfig:
     send_timeout_ms: int = 2000
     attempts: int = 5              # per batch, 100 ms apart doubling, before it is dropped
     feedback_wait_ms: int = 2000   # SubmitFeedback waits this long for its trace's record to be sent
+    submit_batch: int = 64         # SubmitFeedback items per SubmitBatch call to the feedback stage
+    submit_inflight: int = 1       # SubmitBatch calls on the wire at once; items arriving meanwhile form the next
 
 
 def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
@@ -150,14 +154,22 @@ class ReplayRecorder:
 class FeedbackForwarder:
     def __init__(self, stub: Callable[[], feedback_pb2_grpc.FeedbackStub], recorder: ReplayRecorder):
         self._stub, self._recorder = stub, recorder
+        self._batches = SubmitCoalescer(self._send, max_batch=recorder.cfg.submit_batch,
+                                        max_inflight=recorder.cfg.submit_inflight)
 
-    async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResponse:
+    async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResult:
         started = time.monotonic()
         await self._recorder.delivered(item.trace_id,
                                        min(timeout_s, self._recorder.cfg.feedback_wait_ms / 1000))
+        return await self._batches.submit(item, max(0.001, timeout_s - (time.monotonic() - started)))
+
+    async def close(self) -> None:
+        await self._batches.close()
+
+    async def _send(self, request: feedback_pb2.SubmitBatchRequest,
+                    timeout_s: float) -> feedback_pb2.SubmitBatchResponse:
         try:
-            return await self._stub().Submit(item, timeout=max(0.001, timeout_s - (time.monotonic() - started)),
-                                           metadata=client.mesh_metadata())
+            return await self._stub().SubmitBatch(request, timeout=timeout_s, metadata=client.mesh_metadata())
         except grpc.aio.AioRpcError as exc:
             err = client.translate(exc)
             if isinstance(err, errors.NotReady) and err.retry_after_ms is None:
@@ -168,9 +180,12 @@ class FeedbackForwarder:
 class FeedbackDisabled:
     """Stands in for the forwarder when no feedback stage is configured."""
 
-    async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResponse:
+    async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResult:
         raise errors.PreconditionFailed("this gateway has no feedback stage configured (upstreams.feedback)",
                                         reason="FEEDBACK_DISABLED")
+
+    async def close(self) -> None:
+        pass
 
 
 def build(targets: tuple[str, ...], cfg: ReplayConfig,

@@ -74,6 +74,7 @@ class GatewayStage:
     async def close(self) -> None:
         if self.recorder is not None:
             await self.recorder.close()
+        await self.feedback.close()
         await self.upstreams.close()
 
 

@@ -130,6 +130,20 @@ async def test_a_caller_that_gave_up_while_queued_is_left_out_and_close_answers_
     blocked.cancel()
 
 
+@pytest.mark.asyncio
+async def test_submit_many_answers_each_item_in_order_and_a_malformed_one_alone_without_queueing_it():
+    write = FakeWrite()
+    write.release.set()
+    batcher = SubmitBatcher(write, max_batch=100, queue_size=100)
+    batcher.start()
+    results = await batcher.submit_many([fb("a"), fb(""), fb("b", trace_id="b" * 32), fb("a", severity="minor")])
+    assert results[0] is True and results[3] is True
+    assert isinstance(results[1], errors.InvalidInput) and results[1].metadata == {"field": "feedback_id"}
+    assert isinstance(results[2], errors.NotFound) and results[2].reason == "TRACE_NOT_FOUND"
+    assert [i for b in write.batches for i in b] == ["a", "b", "a"]   # in order; the bad one never queued
+    await batcher.close()
+
+
 @pytest.fixture
 def stage_on(db_url, tmp_path):
     """The feedback stage as a process on ``db_url``; yields (target, start) where start() (re)starts it."""
@@ -209,3 +223,25 @@ def test_concurrent_submits_get_their_own_answers_and_every_acknowledged_one_sur
     start()                                            # and the stage comes back on the same database
     with grpc.insecure_channel(target) as ch:
         assert feedback_pb2_grpc.FeedbackStub(ch).Submit(request("fb-1"), metadata=MD).created is False
+
+
+def test_submit_batch_answers_each_item_after_its_commit_and_a_bad_item_fails_alone(stage_on, db_url):
+    target, start = stage_on
+    start()
+    with grpc.insecure_channel(target) as ch:
+        stub = feedback_pb2_grpc.FeedbackStub(ch)
+        stub.Record(feedback_pb2.RecordRequest(records=[replay_record(TRACE)]), metadata=MD)
+        bad_enum = request("bad-enum")
+        bad_enum.error_type = "typo"
+        items = [request("ok-1"), request(""), request("ok-2", "c" * 32), bad_enum, request("ok-1", severity="minor")]
+        results = stub.SubmitBatch(feedback_pb2.SubmitBatchRequest(items=items), metadata=MD, timeout=30).results
+        rows = {r["feedback_id"]: r for r in open_store(db_url).list_feedback()}   # read after the answer
+    assert [r.feedback_id for r in results] == ["ok-1", "", "ok-2", "bad-enum", "ok-1"]
+    assert [r.HasField("error") for r in results] == [False, True, True, True, False]
+    assert results[0].created and not results[4].created            # the repeated id updated its item
+    assert (results[1].error.code, results[1].error.reason, dict(results[1].error.metadata)) == (
+        "INVALID_ARGUMENT", "INVALID_FEEDBACK_FIELD", {"field": "feedback_id"})
+    assert (results[2].error.code, results[2].error.reason) == ("NOT_FOUND", "TRACE_NOT_FOUND")
+    assert dict(results[3].error.metadata) == {"field": "error_type"} and "typo" in results[3].error.message
+    assert not any(r.error.HasField("retry_after_ms") for r in results[1:4])
+    assert set(rows) == {"ok-1"} and rows["ok-1"]["severity"] == "minor"

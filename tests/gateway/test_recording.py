@@ -36,9 +36,10 @@ class FakeFeedbackStub:
                                        details="down")
         self.batches.append(list(request.records))
 
-    async def Submit(self, item, timeout, metadata):
-        self.submitted.append((item.trace_id, sum(len(b) for b in self.batches)))
-        return None
+    async def SubmitBatch(self, request, timeout, metadata):
+        self.submitted += [(item.trace_id, sum(len(b) for b in self.batches)) for item in request.items]
+        return feedback_pb2.SubmitBatchResponse(results=[
+            feedback_pb2.SubmitResult(feedback_id=item.feedback_id, created=True) for item in request.items])
 
 
 def dropped(reason: str) -> float:
@@ -132,7 +133,7 @@ async def test_feedback_waits_for_its_trace_record_to_leave_the_queue():
 @pytest.mark.asyncio
 async def test_an_unreachable_feedback_stage_is_unavailable_with_a_retry_hint():
     class Down(FakeFeedbackStub):
-        async def Submit(self, item, timeout, metadata):
+        async def SubmitBatch(self, request, timeout, metadata):
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        details="connection refused")
     stub = Down()
