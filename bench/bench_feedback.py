@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
      [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
+     [--forwarding coalesced|per-item|both]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
    SQLite and then on a real PostgreSQL (Debian's server, started here), two ways:
@@ -9,8 +10,11 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    its last is answered (the most the mesh does; latency there is mostly queueing behind the
    other clients); "open": `--submits` upserts sent at a fixed `--rate` per second whatever the
    answers do, each latency counted from its scheduled send time (so a stall is not hidden by
-   sending less during it). Peer: the gateway's own Generate of one token, the cheapest call
-   that crosses the same gateway, measured in the same mesh.
+   sending less during it). Peers: the gateway's own Generate of one token, the cheapest call
+   that crosses the same gateway, measured in the same mesh; and with `--forwarding both`, a
+   mesh whose gateway sends every SubmitFeedback on alone (`replay.submit_batch: 1`, one
+   SubmitBatch call per item: the forwarding before coalescing) next to the default one, where
+   concurrent calls share SubmitBatch calls (services/gateway/submits.py).
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
@@ -56,8 +60,9 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[int(q * (len(xs) - 1))]
 
 
-async def submit_load(target: str, trace_id: str, n: int, concurrency: int) -> tuple[float, list[float], int]:
-    """(wall s, per-call ms, errors) of n SubmitFeedback upserts, each a new feedback_id."""
+async def submit_load(target: str, trace_id: str, n: int, concurrency: int,
+                      tag: str) -> tuple[float, list[float], int]:
+    """(wall s, per-call ms, errors) of n SubmitFeedback upserts, each a new feedback_id (``tag`` in it)."""
     lat: list[float] = []
     errors = 0
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -67,13 +72,15 @@ async def submit_load(target: str, trace_id: str, n: int, concurrency: int) -> t
         stub = gateway_pb2_grpc.GatewayStub(ch)
         for i in range(concurrency):  # warm the connection and the database
             await stub.SubmitFeedback(gateway_pb2.SubmitFeedbackRequest(
-                trace_id=trace_id, feedback_id=f"warm-{i}", error_type="fact_error", severity="severe"), metadata=MD)
+                trace_id=trace_id, feedback_id=f"warm-{tag}-{i}", error_type="fact_error", severity="severe"),
+                metadata=MD)
 
         async def worker(w: int) -> None:
             nonlocal errors
             while not queue.empty():
                 i = queue.get_nowait()
-                item = gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, feedback_id=f"b-{w}-{i}", error_type="fact_error",
+                item = gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, feedback_id=f"b-{tag}-{w}-{i}",
+                                                         error_type="fact_error",
                                                  severity="severe", expected_keywords=["Paris"], comment="bench")
                 t0 = time.perf_counter()
                 try:
@@ -86,7 +93,7 @@ async def submit_load(target: str, trace_id: str, n: int, concurrency: int) -> t
         return time.perf_counter() - t0, lat, errors
 
 
-async def submit_open(target: str, trace_id: str, n: int, rate: float) -> tuple[float, list[float], int]:
+async def submit_open(target: str, trace_id: str, n: int, rate: float, tag: str) -> tuple[float, list[float], int]:
     """(wall s, per-call ms from the scheduled send time, errors) of n upserts sent at ``rate``/s."""
     lat: list[float] = []
     errors = 0
@@ -94,13 +101,14 @@ async def submit_open(target: str, trace_id: str, n: int, rate: float) -> tuple[
         stub = gateway_pb2_grpc.GatewayStub(ch)
         for i in range(16):  # warm the connection and the database
             await stub.SubmitFeedback(gateway_pb2.SubmitFeedbackRequest(
-                trace_id=trace_id, feedback_id=f"open-warm-{i}", error_type="fact_error", severity="severe"),
+                trace_id=trace_id, feedback_id=f"open-warm-{tag}-{i}", error_type="fact_error", severity="severe"),
                 metadata=MD)
 
         async def one(i: int, due: float) -> None:
             nonlocal errors
-            item = gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, feedback_id=f"o-{i}", error_type="fact_error",
-                                                     severity="severe", expected_keywords=["Paris"], comment="bench")
+            item = gateway_pb2.SubmitFeedbackRequest(trace_id=trace_id, feedback_id=f"o-{tag}-{i}",
+                                                     error_type="fact_error", severity="severe",
+                                                     expected_keywords=["Paris"], comment="bench")
             try:
                 await stub.SubmitFeedback(item, metadata=MD, timeout=30)
             except grpc.aio.AioRpcError:
@@ -147,9 +155,13 @@ def with_cpu(mesh, n: int, run) -> tuple:
     return result, {s: (stage_cpu_ms(mesh, s) - before[s]) / n for s in before}
 
 
-def gateway_section(backend: str, args, extra_env: dict) -> list[str]:
+FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1"}, "coalesced": {}}
+
+
+def gateway_section(backend: str, forwarding: str, args, extra_env: dict) -> list[str]:
     tmp = Path(tempfile.mkdtemp(prefix=f"keel-bench-fb-{backend}-"))
-    mesh = start_mesh(tmp, extra_env={"KEEL_GATEWAY_RATE_LIMITS__DEFAULT": NO_RATE_LIMIT, **extra_env})
+    mesh = start_mesh(tmp, extra_env={"KEEL_GATEWAY_RATE_LIMITS__DEFAULT": NO_RATE_LIMIT, **FORWARDING[forwarding],
+                                      **extra_env})
     try:
         gen = generate_ms(mesh.gateway, 5)
         trace_id = None
@@ -157,15 +169,15 @@ def gateway_section(backend: str, args, extra_env: dict) -> list[str]:
             trace_id = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request("Name a colour.", max_tokens=2),
                                                                 metadata=MD, timeout=60).trace_id
         closed = with_cpu(mesh, args.submits, lambda: asyncio.run(
-            submit_load(mesh.gateway, trace_id, args.submits, args.concurrency)))
+            submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, forwarding)))
         opened = with_cpu(mesh, args.submits, lambda: asyncio.run(
-            submit_open(mesh.gateway, trace_id, args.submits, args.rate)))
+            submit_open(mesh.gateway, trace_id, args.submits, args.rate, forwarding)))
     finally:
         stop_mesh(mesh)
     rows = []
     for mode, offered, ((wall, lat, errors), cpu) in (("closed", f"{args.concurrency} clients", closed),
                                                        ("open", f"{args.rate:g}/s", opened)):
-        rows.append(f"| {backend} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
+        rows.append(f"| {backend} | {forwarding} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
                     f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | {cpu['gateway']:.3f} | "
                     f"{cpu['feedback']:.3f} | {statistics.median(gen):.1f} |")
     return rows
@@ -252,6 +264,8 @@ def main() -> int:
     ap.add_argument("--backends", default="sqlite,postgresql", help="comma list: sqlite,postgresql")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--sections", default="record,gateway", help="comma list: record,store,gateway")
+    ap.add_argument("--forwarding", default="coalesced", choices=("coalesced", "per-item", "both"),
+                    help="how the gateway forwards SubmitFeedback (both: a mesh each, per-item first)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "record" in sections:
@@ -260,17 +274,21 @@ def main() -> int:
         print(store_section(args), flush=True)
     if "gateway" not in sections:
         return 0
-    print("| database | mode | submits | offered | per s | p50 ms | p99 ms | errors | gateway CPU ms/submit | "
-          "feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | "
+          "gateway CPU ms/submit | feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     backends = args.backends.split(",")
+    forwardings = ("per-item", "coalesced") if args.forwarding == "both" else (args.forwarding,)
     if "sqlite" in backends:
-        print("\n".join(gateway_section("sqlite", args, {})), flush=True)
+        for forwarding in forwardings:
+            print("\n".join(gateway_section("sqlite", forwarding, args, {})), flush=True)
     if "postgresql" in backends:
         pg = PgServer().init()
         pg.start()
         try:
-            print("\n".join(gateway_section("postgresql", args, {"KEEL_FEEDBACK_DATABASE__URL": pg.url})), flush=True)
+            for forwarding in forwardings:
+                print("\n".join(gateway_section("postgresql", forwarding, args,
+                                                {"KEEL_FEEDBACK_DATABASE__URL": pg.url})), flush=True)
         finally:
             pg.stop()
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
