@@ -10,6 +10,8 @@ differing fields named), probe set unchanged (GOLDEN_MISMATCH), config understoo
 outputs equal the golden ones (GOLDEN_MISMATCH), differ from the base's (ADAPTER_CHANGES_NOTHING), and
 drift below `drift_threshold` (ADAPTER_DRIFT when `drift_action` is refuse). A refusal never stops the
 stage. The accepted versions are loaded into slots 1.. in name order; nothing is read after that.
+The probe runs' results may come from the start-up record of an earlier start (startcache.py); the
+judgement (`_judge`) is the same either way.
 """
 from __future__ import annotations
 

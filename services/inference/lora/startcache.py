@@ -62,7 +62,7 @@ def files_sha256(folder: Path) -> str:
 
 
 def _digest(trace: Trace) -> str:
-    return hashlib.sha256(trace.logprobs.contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(trace.logprobs.cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def base_row(trace: Trace) -> dict:
@@ -72,7 +72,7 @@ def base_row(trace: Trace) -> dict:
 
 def adapter_row(golden: dict, i: int, trace: Trace) -> dict:
     """What the checks use of adapter probe row `i` (teacher-forced on its golden outputs)."""
-    kl = probes.kl_recorded(golden["ids"][i].long(), golden["logprobs"][i], trace.logprobs)
+    kl = probes.kl_recorded(golden["ids"][i].long(), golden["logprobs"][i], trace.logprobs.cpu())
     return {"greedy": list(trace.greedy), "kl": kl.tolist(), "digest": _digest(trace)}
 
 
