@@ -116,11 +116,12 @@ def warmup_cost(model, folders: list[Path]) -> dict:
                 register(folders[n - 1], f"a{n}", "1", base, cfg)
             # cold: no record under this key yet (the check measures and writes it); cached: reuses it
             for kind in ("cold", "cached"):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 table = check_adapters(cfg, runner, MODEL, sha, "float32", f"{ENGINE_KEY}-{n}")
                 out[f"check_{n}_{kind}_s"] = time.perf_counter() - t0
+                out[f"check_{n}_{kind}_cpu_s"] = time.process_time() - c0
                 assert sum(s.state == "accepted" for s in table.states) == n
-    for kind in ("cold", "cached"):
+    for kind in ("cold", "cached", "cold_cpu", "cached_cpu"):
         out[f"per_adapter_{kind}_s"] = (out[f"check_2_{kind}_s"] - out[f"check_0_{kind}_s"]) / 2
         out[f"second_adapter_{kind}_s"] = out[f"check_2_{kind}_s"] - out[f"check_1_{kind}_s"]
     return out
@@ -164,9 +165,10 @@ def stage_start(var: Path) -> dict:
     logging.getLogger("services.inference.lora.startup").addHandler(Outcome(logging.INFO))
     logging.getLogger("services.inference.lora.startup").setLevel(logging.INFO)
     cfg = stage_config(var)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     started = start_engine(cfg, model_sha256(cfg.model_dir))
-    return {"start_s": time.perf_counter() - t0, "warm": started.warm, "phases_s": started.phases_s,
+    return {"start_s": time.perf_counter() - t0, "start_cpu_s": time.process_time() - c0,
+            "warm": started.warm, "phases_s": started.phases_s,
             "lora_base": seen.get("base"), "lora_adapters": seen.get("adapters")}
 
 
@@ -240,19 +242,22 @@ def main() -> None:
             print(f"  {peer:<11} {r['step_ms']:8.1f} ms  (min {r['min_ms']:.1f})  x{r['step_ms'] / base:.2f} of keel-base")
     if "warmup" in results:
         w = results["warmup"]
-        print("start-up check of 0 / 1 / 2 adapters, per added adapter, and the second one alone:")
-        for kind in ("cold", "cached"):
-            print(f"  {kind:<6} {w[f'check_0_{kind}_s']:.2f} / {w[f'check_1_{kind}_s']:.2f} / "
+        print("start-up check of 0 / 1 / 2 adapters, per added adapter, and the second one alone "
+              "(wall s; process CPU s):")
+        for kind in ("cold", "cached", "cold_cpu", "cached_cpu"):
+            print(f"  {kind:<10} {w[f'check_0_{kind}_s']:.2f} / {w[f'check_1_{kind}_s']:.2f} / "
                   f"{w[f'check_2_{kind}_s']:.2f} s; per adapter {w[f'per_adapter_{kind}_s']:.2f} s; "
                   f"second {w[f'second_adapter_{kind}_s']:.2f} s")
-        print(f"  cached / cold, 2 adapters: x{w['check_2_cached_s'] / w['check_2_cold_s']:.2f}")
+        for unit in ("", "_cpu"):
+            print(f"  cached / cold, 2 adapters{unit}: x{w[f'check_2_cached{unit}_s'] / w[f'check_2_cold{unit}_s']:.2f}")
     if "stage" in results:
         r = results["stage"]
         print(f"stage start with 2 adapters (fresh process each; first start, engine cold: "
               f"{r['first']['start_s']:.1f} s, adapters {r['first']['phases_s']['adapters']:.2f} s):")
         for kind in ("cold", "cached"):
             runs = r[kind]
-            print(f"  LoRA {kind:<6} start " + ", ".join(f"{x['start_s']:.2f}" for x in runs) + " s; adapters phase "
+            print(f"  LoRA {kind:<6} start " + ", ".join(f"{x['start_s']:.2f}" for x in runs) + " s (CPU "
+                  + ", ".join(f"{x['start_cpu_s']:.2f}" for x in runs) + " s); adapters phase "
                   + ", ".join(f"{x['phases_s']['adapters']:.2f}" for x in runs) + f" s; record: {runs[0]['lora_base']}"
                   f" {runs[0]['lora_adapters']}")
         cold = statistics.median(x["phases_s"]["adapters"] for x in r["cold"])

@@ -195,3 +195,16 @@ def test_a_corrupted_record_is_not_read(tiny, base, cfg, tmp_path):
     warm, outcome = start(cfg, base)
     assert (outcome["base"], outcome["adapters"]) == ("record unusable, measured", {"a@1": "measured"})
     assert warm == cold
+
+
+def test_a_malformed_entry_is_measured_again_not_a_failed_start(tiny, base, cfg, tmp_path):
+    register(make_adapter(tiny, tmp_path / "a", seed=10), "a", "1", base, cfg)
+    cold, _ = start(cfg, base)
+
+    def drop_kl(body):
+        for row in body["adapters"]["a@1"]["rows"]:
+            del row["kl"]
+
+    rewrite(record(tmp_path), drop_kl)
+    warm, outcome = start(cfg, base)
+    assert (outcome["base"], outcome["adapters"]) == ("reused", {"a@1": "measured"}) and warm == cold

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 ADAPTER_FILES = (*manifest.PEFT_FILES, manifest.MANIFEST, manifest.GOLDEN)
+# The fields of a stored row and the type of each (lists: of their items). base_row(), adapter_row().
+BASE_ROW = {"tokens": int, "digest": str}
+ADAPTER_ROW = {"greedy": int, "kl": float, "digest": str}
 
 
 def files_sha256(folder: Path) -> str:
@@ -102,7 +105,7 @@ class StartCache:
             body = data["body"]
             if data["key_fields"] != self.key_fields or data["checksum"] != _checksum(body):
                 raise ValueError("key fields or checksum do not match")
-            if len(body["base"]) != self.rows:
+            if not _rows_ok(body["base"], self.rows, BASE_ROW) or not isinstance(body["adapters"], dict):
                 raise ValueError("base rows do not match the probe set")
             self.base, self.adapters = body["base"], body["adapters"]
         except FileNotFoundError:
@@ -114,7 +117,8 @@ class StartCache:
 
     def adapter(self, name: str, files_sha: str) -> list[dict] | None:
         entry = self.adapters.get(name)
-        if entry and entry.get("files_sha256") == files_sha and len(entry.get("rows", ())) == self.rows:
+        if isinstance(entry, dict) and entry.get("files_sha256") == files_sha and \
+                _rows_ok(entry.get("rows"), self.rows, ADAPTER_ROW):
             return entry["rows"]
         return None
 
@@ -125,6 +129,16 @@ class StartCache:
         except OSError as exc:  # a read-only var/ still starts; the next start measures again
             log.warning("cannot write the LoRA start-up record", extra={"record": str(self.path),
                                                                         "error": str(exc)})
+
+
+def _rows_ok(rows, count: int, shape: dict[str, type]) -> bool:
+    """`count` rows, each a dict of exactly `shape`'s fields and types (a record is data from disk)."""
+    def ok(value, kind) -> bool:
+        if kind is str:
+            return isinstance(value, str)
+        return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+    return isinstance(rows, list) and len(rows) == count and all(
+        isinstance(r, dict) and r.keys() == shape.keys() and all(ok(r[k], t) for k, t in shape.items()) for r in rows)
 
 
 def _checksum(body: dict) -> str:
@@ -153,7 +167,7 @@ def probe_facts(base: Base, candidates: list, cache: StartCache | None) -> tuple
         for j, k in enumerate(todo):
             rows[k] = adapter_rows(candidates[k][0], traces[j * len(prompts):(j + 1) * len(prompts)])
     if cache:
-        for k, (_, m, _) in enumerate(candidates):
+        for _, m, _ in candidates:
             cache.outcome["adapters"].setdefault(m.name, "measured")
         if cache.outcome["base"] != "reused" or todo or set(cache.adapters) != {m.name for _, m, _ in candidates}:
             cache.store(base_rows, {m.name: {"files_sha256": sha, "rows": r}
