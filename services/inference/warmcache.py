@@ -10,6 +10,8 @@ forward pass of a few tokens) and reuses the record only if the logits are the s
 or when no record matches, it measures again and overwrites the record.
 
 Hashing ~500 MB of weights takes a second or two, so each file's hash is cached by (size, mtime).
+The LoRA start-up checks keep their record beside these, keyed by this fingerprint's key among
+other things (lora/startcache.py).
 """
 from __future__ import annotations
 

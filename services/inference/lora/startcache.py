@@ -160,7 +160,7 @@ def probe_facts(base: Base, candidates: list, cache: StartCache | None) -> tuple
         runner.lora = None
         base_rows = [base_row(t) for t in probes.run(runner, [ProbeRow(p, 0) for p in prompts], steps)]
     todo = [k for k, r in enumerate(rows) if r is None]
-    if todo:
+    if todo:  # one run for every adapter to measure (rows are batch-invariant: batching changes no bits)
         runner.lora = slots
         forced = [ProbeRow(p, k + 1, g) for k in todo for p, g in zip(prompts, candidates[k][1].golden_ids)]
         traces = probes.run(runner, forced, steps)
