@@ -61,9 +61,11 @@ def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:
     return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
 
 
-def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, phases: _Phases) -> None:
-    """Check the LoRA registry against this base and preload the accepted adapters (never at request time)."""
-    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, fmt))
+def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, fp: dict, phases: _Phases) -> None:
+    """Check the LoRA registry against this base and preload the accepted adapters (never at request time);
+    with warm restarts on, the checks' probe runs are reused from var/warm where they verify."""
+    key = warmcache.fingerprint_key(fp) if cfg.warm_restart else ""
+    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, fmt, key))
     phases.mark("adapters")
 
 
@@ -85,7 +87,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
             engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, record.format))
             engine.warmup(record.calibration)
             phases.mark("warmup_reused")
-            _adapters(cfg, engine, model_sha, record.format, phases)
+            _adapters(cfg, engine, model_sha, record.format, fp, phases)
             log.info("warm start: reusing the stored calibration", extra={"format": record.format,
                                                                           "phases_s": phases.times})
             return Started(engine, record, True, phases.times)
@@ -105,7 +107,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, choice.format))
     engine.warmup()
     phases.mark("warmup_measured")
-    _adapters(cfg, engine, model_sha, choice.format, phases)
+    _adapters(cfg, engine, model_sha, choice.format, fp, phases)
     record = WarmRecord(choice.format, choice.reason, choice.gate, engine.calibration,
                         warmcache.probe_digest(model))
     if cfg.warm_restart:

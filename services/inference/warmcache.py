@@ -10,6 +10,8 @@ forward pass of a few tokens) and reuses the record only if the logits are the s
 or when no record matches, it measures again and overwrites the record.
 
 Hashing ~500 MB of weights takes a second or two, so each file's hash is cached by (size, mtime).
+The LoRA start-up checks keep their record beside these, keyed by this fingerprint's key among
+other things (lora/startcache.py).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def model_sha256(model_dir: Path) -> str:
             changed = True
         total.update(f"{path.name}:{entry['sha256']}\n".encode())
     if changed:
-        _write_json(cache_path, cache)
+        write_json(cache_path, cache)
     return total.hexdigest()
 
 
@@ -128,7 +130,7 @@ def load(fp: dict) -> WarmRecord | None:
 
 def store(fp: dict, record: WarmRecord) -> Path:
     path = _path(fp)
-    _write_json(path, {"fingerprint": fp, "record": record.to_json()})
+    write_json(path, {"fingerprint": fp, "record": record.to_json()})
     return path
 
 
@@ -139,7 +141,7 @@ def probe_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(logits.numpy().tobytes()).hexdigest()
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1))

@@ -1,6 +1,9 @@
 """The stage's start-up (bootstrap.start_engine) checks the registry and preloads adapters, cold and warm."""
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import pytest
 
 from services.inference import bootstrap, warmcache
@@ -30,16 +33,26 @@ def setup(tmp_path, monkeypatch, tiny):
     return cfg, sha
 
 
-def test_cold_and_warm_starts_preload_accepted_adapters_and_list_refused_ones(setup):
+def test_cold_and_warm_starts_preload_accepted_adapters_and_list_refused_ones(setup, caplog):
     cfg, sha = setup
+    caplog.set_level(logging.INFO, logger="services.inference.lora.startup")
     for warm in (False, True):
+        caplog.clear()
         started = bootstrap.start_engine(cfg, sha)
+        (checked,) = [r for r in caplog.records if r.getMessage() == "adapters checked"]
+        # the LoRA probe runs are reused from var/warm on the warm start, measured on the cold one
+        assert (checked.start_cache["base"], checked.start_cache["adapters"]) == (
+            ("reused", {"support@1": "reused"}) if warm else ("measured", {"support@1": "measured"}))
         assert started.warm is warm and "adapters" in started.phases_s
         states = {s.name: s for s in started.engine.adapters.states}
         assert (states["support@1"].state, states["support@1"].slot) == ("accepted", 1)
         assert (states["legal@1"].reason, states["legal@1"].metadata) == ("BASE_FINGERPRINT_MISMATCH",
                                                                         {"fields": "format"})
         assert started.engine.primary_runner.lora is started.engine.adapters.slots
+    caplog.clear()
+    bootstrap.start_engine(replace(cfg, warm_restart=False), sha)  # no warm restart: nothing reused either
+    (checked,) = [r for r in caplog.records if r.getMessage() == "adapters checked"]
+    assert checked.start_cache == "off"
 
 
 def test_without_a_tokenizer_file_an_empty_registry_starts_and_a_full_one_does_not(setup, tmp_path, monkeypatch):

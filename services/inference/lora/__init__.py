@@ -7,4 +7,5 @@
 * `probes`: the probe set and the teacher-forced probe run (greedy ids and top-k log-probabilities).
 * `manifest`: the `keel-adapter.json` record and the model card made from it.
 * `registry`: registration (`register`), the start-up checks (`load_registry`) and request-time resolution.
+* `startcache`: the start-up record under var/warm that lets a restart reuse the checks' probe runs.
 """

@@ -10,6 +10,8 @@ differing fields named), probe set unchanged (GOLDEN_MISMATCH), config understoo
 outputs equal the golden ones (GOLDEN_MISMATCH), differ from the base's (ADAPTER_CHANGES_NOTHING), and
 drift below `drift_threshold` (ADAPTER_DRIFT when `drift_action` is refuse). A refusal never stops the
 stage. The accepted versions are loaded into slots 1.. in name order; nothing is read after that.
+The probe runs' results may come from the start-up record of an earlier start (startcache.py); the
+judgement (`_judge`) is the same either way.
 """
 from __future__ import annotations
 
@@ -19,14 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from shared import adapters
 from shared.config import var_dir
 from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
 
 from services.inference.forward import LlamaRunner
-from services.inference.lora import fingerprint, manifest, peftconfig, probes
+from services.inference.lora import fingerprint, manifest, peftconfig, probes, startcache
 from services.inference.lora.manifest import Manifest
 from services.inference.lora.probes import ProbeRow, ProbeSet
 from services.inference.lora.slots import AdapterWeights, LoraSlots, read_weights
@@ -156,29 +157,28 @@ def base_greedy(base: Base) -> list[tuple[int, ...]]:
     return [t.tokens for t in probes.run(base.runner, rows, base.probe_set.continuation_tokens)]
 
 
-def _forced_rows(base: Base, m: Manifest, slot: int) -> list[ProbeRow]:
-    return [ProbeRow(p, slot, g) for p, g in zip(base.probe_set.prompts, m.golden_ids)]
-
-
 def drift_of(folder: Path, traces: list) -> dict:
     """KL(registered || now) over the probe set's golden positions (traces: the teacher-forced run)."""
-    golden = load_file(str(folder / manifest.GOLDEN))
-    kl = torch.cat([probes.kl_recorded(golden["ids"][i].long(), golden["logprobs"][i], t.logprobs)
-                    for i, t in enumerate(traces)])
-    return probes.summary(kl, DRIFT_DIRECTION)
+    return _drift(startcache.adapter_rows(folder, traces))
 
 
-def _probe_checks(m: Manifest, folder: Path, traces: list, base_greedy: list, cfg: LoraConfig) -> dict:
-    """Judge one adapter's teacher-forced run on its golden outputs: the drift summary, or the refusal."""
-    for i, (trace, golden) in enumerate(zip(traces, m.golden_ids)):
-        if trace.greedy != golden:
-            at = next(t for t, (a, b) in enumerate(zip(trace.greedy, golden)) if a != b)
-            raise PreconditionFailed(f"probe {i}: greedy token {at} is {trace.greedy[at]}, golden {golden[at]}",
+def _drift(rows: list[dict]) -> dict:
+    return probes.summary(torch.tensor([kl for r in rows for kl in r["kl"]], dtype=torch.float32), DRIFT_DIRECTION)
+
+
+def _judge(m: Manifest, rows: list[dict], base_greedy: list, cfg: LoraConfig) -> dict:
+    """Judge one adapter's teacher-forced probe rows (startcache.adapter_row: greedy ids and KL per
+    position, measured now or reused from the start-up record): the drift summary, or the refusal."""
+    for i, (row, golden) in enumerate(zip(rows, m.golden_ids)):
+        greedy = tuple(row["greedy"])
+        if greedy != golden:
+            at = next(t for t, (a, b) in enumerate(zip(greedy, golden)) if a != b)
+            raise PreconditionFailed(f"probe {i}: greedy token {at} is {greedy[at]}, golden {golden[at]}",
                                      reason="GOLDEN_MISMATCH", metadata={"probe": i, "position": at})
     if list(m.golden_ids) == base_greedy:
         raise PreconditionFailed("greedy outputs equal the base model's on every probe",
                                  reason="ADAPTER_CHANGES_NOTHING")
-    drift = drift_of(folder, traces)
+    drift = _drift(rows)
     if max(drift["mean"], drift["p95"]) > cfg.drift_threshold:
         detail = f"drift {DRIFT_DIRECTION} mean {drift['mean']:.4f}, p95 {drift['p95']:.4f} > {cfg.drift_threshold}"
         if cfg.drift_action == "refuse":
@@ -197,9 +197,10 @@ def _refused(folder: Path, exc: KeelError) -> AdapterState:
     return state
 
 
-def load_registry(cfg: LoraConfig, base: Base) -> AdapterTable:
+def load_registry(cfg: LoraConfig, base: Base, cache: startcache.StartCache | None = None) -> AdapterTable:
     """Check every registered version against the running base (module docstring); the accepted ones
-    are loaded into the runner's slots. Also records the running base in base.json."""
+    are loaded into the runner's slots. Also records the running base in base.json. With `cache`, the
+    probe runs' results are reused where the start-up record verifies (startcache.py)."""
     root = cfg.root
     _write_base(root, base)
     states: dict[Path, AdapterState] = {}
@@ -212,19 +213,13 @@ def load_registry(cfg: LoraConfig, base: Base) -> AdapterTable:
             states[folder] = _refused(folder, exc)
     accepted: list[tuple[Path, Manifest, AdapterWeights, dict]] = []
     if candidates:
-        base.runner.lora = None
-        greedy = base_greedy(base)
-        base.runner.lora = LoraSlots([w for _, _, w in candidates], base.runner.model, base.runner.device)
-        # One run for every candidate (rows are batch-invariant, so batching them changes no bits).
-        rows = [r for slot, (_, m, _) in enumerate(candidates, start=1) for r in _forced_rows(base, m, slot)]
-        traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)
-        n = len(base.probe_set.prompts)
-        for k, (folder, m, w) in enumerate(candidates):
+        base_rows, rows = startcache.probe_facts(base, candidates, cache)
+        greedy = [tuple(r["tokens"]) for r in base_rows]
+        for (folder, m, w), adapter_rows in zip(candidates, rows):
             try:
-                accepted.append((folder, m, w, _probe_checks(m, folder, traces[k * n:(k + 1) * n], greedy, cfg)))
+                accepted.append((folder, m, w, _judge(m, adapter_rows, greedy, cfg)))
             except KeelError as exc:
                 states[folder] = _refused(folder, exc)
-        del traces
     slots = LoraSlots([w for _, _, w, _ in accepted], base.runner.model, base.runner.device) if accepted else None
     base.runner.lora = slots
     for slot, (folder, m, _, drift) in enumerate(accepted, start=1):

@@ -16,6 +16,7 @@ from services.inference.forward import LlamaRunner
 from services.inference.lora import fingerprint
 from services.inference.lora.probes import load_probe_set
 from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions
+from services.inference.lora.startcache import StartCache
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,15 @@ def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str)
     return Base(runner, fields, load_probe_set(tokenizer))
 
 
-def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str) -> AdapterTable:
+def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str,
+                   engine_key: str = "") -> AdapterTable:
     """Every registered adapter checked against the running base; the accepted ones are in the runner's slots.
 
-    The base needs Keel's tokenizer file; without it an empty registry is no problem (nothing to check,
-    logged), but registered adapters stop the start with the tokenizer's error."""
+    `engine_key`: the engine's warm-start fingerprint key; when given, the probe runs' results are
+    reused from the LoRA start-up record under var/warm where it verifies (startcache.py), and the
+    log line says what was reused. The base needs Keel's tokenizer file; without it an empty registry
+    is no problem (nothing to check, logged), but registered adapters stop the start with the
+    tokenizer's error."""
     try:
         base = running_base(runner, model_dir, model_sha, fmt)
     except (KeelError, OSError) as exc:
@@ -47,9 +52,11 @@ def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_
         log.warning("no base fingerprint (tokenizer file unusable); the adapter registry is empty",
                     extra={"error": str(exc), "registry": str(cfg.root)})
         return AdapterTable()
-    table = load_registry(cfg, base)
+    cache = StartCache(engine_key, base) if engine_key else None
+    table = load_registry(cfg, base, cache)
     log.info("adapters checked", extra={
         "base_fingerprint": table.base_fingerprint, "registry": str(cfg.root),
         "accepted": [s.name for s in table.states if s.state == "accepted"],
-        "refused": {s.name: s.reason for s in table.states if s.state == "refused"}})
+        "refused": {s.name: s.reason for s in table.states if s.state == "refused"},
+        "start_cache": cache.outcome if cache else "off"})
     return table
