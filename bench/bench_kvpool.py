@@ -1,0 +1,101 @@
+"""Decode step time of the block-pool forward pass (batched decode attention) against the per-row loop it
+replaced, on the real weights, 1 intra-op thread, each configuration in a fresh process.
+
+The per-row peer is `services/inference/forward.py` as it stands on the git ref given by --peer-ref
+(default: the commit before the block pool), loaded from `git show` into a temporary file; every
+other module is this tree's. Rows have mixed context lengths (so the pool pads them to a shared
+power-of-two number of blocks). Prints a markdown table.
+
+Run: .venv/bin/python bench/bench_kvpool.py [--batches 1 16] [--dtypes float32 bfloat16] [--blocks 16 32]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def contexts(batch: int) -> list[int]:
+    """Mixed prompt lengths, 24..231 tokens."""
+    return [24 + (i * 53) % 208 for i in range(batch)]
+
+
+def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str, steps: int) -> dict:
+    import torch
+
+    from services.inference.model import load_model
+    torch.set_num_threads(1)
+    if kind == "per-row":
+        spec = importlib.util.spec_from_file_location("peer_forward", peer_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        runner = module.LlamaRunner(load_model(ROOT / "var/model", dtype=dtype))
+    else:
+        from services.inference.forward import LlamaRunner
+        runner = LlamaRunner(load_model(ROOT / "var/model", dtype=dtype), block_tokens=block_tokens)
+    runner.calibrate_invariant_sizes(16)  # as the engine does: dense layers padded to invariant sizes
+    lengths = contexts(batch)
+    caches = [runner.new_cache(n + steps + 8) for n in lengths]
+    for i, (n, c) in enumerate(zip(lengths, caches)):
+        runner.prefill([10 + (i * 31 + j) % 40000 for j in range(n)], c)
+    for _ in range(2):
+        runner.decode([5] * batch, caches)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.decode([5] * batch, caches)
+        times.append(time.perf_counter() - t0)
+    return {"ms": statistics.median(times) * 1e3}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--peer-ref", default="main")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(**json.loads(args.worker))))
+        return 0
+    old = subprocess.run(["git", "show", f"{args.peer_ref}:services/inference/forward.py"], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout
+    if "class KvPool" in old or "kvpool" in old:
+        sys.exit(f"{args.peer_ref} already has the block pool; give --peer-ref a commit before it")
+    from bench.bench_inference import machine
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = Path(tmp) / "peer_forward.py"
+        peer.write_text(old)
+        print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+        header = " | ".join(f"pool b{b} ms/step | ratio" for b in args.blocks)
+        print(f"| dtype | batch | per-row loop ms/step | {header} |\n|---|---|---|" + "---|---|" * len(args.blocks))
+        for dtype in args.dtypes:
+            for batch in args.batches:
+                row = {}
+                for kind, blocks in [("per-row", 0)] + [("pool", b) for b in args.blocks]:
+                    spec = dict(kind=kind, dtype=dtype, batch=batch, block_tokens=blocks or 16,
+                                peer_file=str(peer), steps=args.steps)
+                    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT,
+                                         check=True, capture_output=True, text=True).stdout
+                    row[(kind, blocks)] = json.loads(out.strip().splitlines()[-1])["ms"]
+                base = row[("per-row", 0)]
+                cells = " | ".join(f"{row[('pool', b)]:.1f} | {row[('pool', b)] / base:.2f}x" for b in args.blocks)
+                print(f"| {dtype} | {batch} | {base:.1f} | {cells} |", flush=True)
+        print(f"\nMachine: {machine()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
