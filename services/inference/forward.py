@@ -4,7 +4,7 @@ Why not `model(...)` with a padded cache: each row keeps a block table sized for
 (so its blocks are reserved once, at admission). The row-wise dense layers (projections, MLP, norms,
 lm_head) run batched, their batch dimension padded to a size that the BLAS kernels treat identically
 (see `calibrate_invariant_sizes`). Decode attention runs for all one-token rows at once over their
-gathered blocks, padded to a power-of-two number of blocks and masked (`_decode_attention`); every
+gathered blocks, padded to the longest row's number of blocks and masked (`_decode_attention`); every
 reduction in it runs along one row's own keys, in an order that depends neither on the batch nor on
 the padded capacity. So a row's logits are bitwise the same alone or inside any batch.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
@@ -172,11 +172,14 @@ class LlamaRunner:
         return torch.tensor(cache.blocks[:self.pool.blocks_for(positions)], dtype=torch.long, device=self.device)
 
     def _decode_view(self, caches: list[RowCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables of the decode rows, each padded with the padding block to the same power-of-two
-        number of blocks, flattened [B * blocks]; and the mask [1, B, 1, capacity] of the positions past
-        each row's length once this step's token is in (True = not attended)."""
+        """Block tables of the decode rows, each padded with the padding block to the longest one's
+        blocks, flattened [B * blocks]; and the mask [1, B, 1, capacity] of the positions past each
+        row's length once this step's token is in (True = not attended).
+
+        The capacity follows the batch's longest row block by block: rounding it further (to a power of
+        two) changes no bits but copies more (measured: bench/bench_kvpool.py, docs/BENCHMARKS.md)."""
         used = [self.pool.blocks_for(c.length + 1) for c in caches]
-        width = 1 << (max(used) - 1).bit_length()
+        width = max(used)
         table = torch.tensor([b for c, u in zip(caches, used) for b in c.blocks[:u] + [PAD_BLOCK] * (width - u)],
                              dtype=torch.long, device=self.device)
         lengths = torch.tensor([c.length + 1 for c in caches], device=self.device)

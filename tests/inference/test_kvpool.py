@@ -51,8 +51,8 @@ def test_write_and_read_address_positions_across_blocks():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_row_alone_equals_the_row_in_batches_of_other_lengths(tiny, dtype):
-    """Alone, a short row's decode attention spans one block; next to a 300-token row its blocks are
-    padded to 32 (another capacity bucket), next to a 40-token row to 4. Its logits stay bitwise equal."""
+    """Alone, a short row's decode attention spans one block; next to a 300-token row its block table is
+    padded to 19 blocks, next to a 40-token row to 3. Its logits stay bitwise equal."""
     model = tiny if dtype == "float32" else convert_model(tiny, dtype)
     runner = LlamaRunner(model)
     assert runner.calibrate_invariant_sizes(16)
