@@ -58,7 +58,8 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
 
         cls = Pow2Runner if kind == "pool-pow2" else LlamaRunner
         runner = cls(load_model(ROOT / "var/model", dtype=dtype), block_tokens=block_tokens)
-    runner.calibrate_invariant_sizes(16)  # as the engine does: dense layers padded to invariant sizes
+    if batch < 16:  # as the engine does: dense layers padded to invariant sizes (16 rows need no padding)
+        runner.calibrate_invariant_sizes(16)
     lengths = contexts(batch)
     caches = [runner.new_cache(n + steps + 8) for n in lengths]
     for i, (n, c) in enumerate(zip(lengths, caches)):
