@@ -153,3 +153,14 @@ async def test_blocks_poisoned_by_a_nan_row_serve_the_next_request_clean(make_en
     got, _ = await collect(engine, clean)
     want, _ = await collect(fresh, clean)
     assert [(t.token_id, t.logprob) for t in got] == [(t.token_id, t.logprob) for t in want]
+
+
+def test_the_memory_model_charges_caches_in_whole_blocks():
+    model = MemoryModel(static_bytes=1000, fixed_bytes=500, activation_bytes_per_token=30,
+                        decode_bytes_per_token=10, kv_bytes_per_token=10, block_tokens=16)
+    assert model.request_bytes(10, 7) == 10 * 32 + 500            # 17 positions take 2 blocks
+    budget = 1000 + 10 * 16 * 20 + 500
+    assert model.pool_blocks(budget) == 23                          # (budget - static) // block bytes
+    n = model.max_total_tokens(budget)
+    assert model.static_bytes + model.request_bytes(n, 0) <= budget < model.static_bytes + model.request_bytes(n + 1, 0)
+    assert model.static_bytes + model.request_bytes(1, n - 1) <= budget
