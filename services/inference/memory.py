@@ -90,8 +90,9 @@ class MemoryModel:
             + max(fixed_bytes, activation_bytes_per_token * P)
 
     The request's cache for P + M positions is taken from the KV pool when it starts, in whole blocks
-    of block_tokens positions (decode_bytes_per_token per position, so a block costs block_tokens of them). On top of it, the largest transient is either the prefill's activations,
-    which grow with the prompt, or a constant: the logits and sampling buffers of a step.
+    of block_tokens positions (decode_bytes_per_token per position, so a block costs block_tokens of
+    them). On top of it, the largest transient is either the prefill's activations, which grow with
+    the prompt, or a constant: the logits and sampling buffers of a step.
     So a prompt token costs prefill_bytes_per_token while it is prefilled, a generated one
     decode_bytes_per_token.
     """
