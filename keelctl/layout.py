@@ -42,9 +42,14 @@ class StagesLayout:
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """How long the supervisor waits before restarting a dead child (keelctl/supervisor.py)."""
+
     initial_backoff_s: float = 0.2
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0
+    # deaths after SERVING within stable_after_s that are restarted at initial_backoff_s; past
+    # them the child counts as crash-looping and each wait doubles
+    burst: int = 10
 
 
 @dataclass(frozen=True)

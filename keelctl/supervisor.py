@@ -1,9 +1,19 @@
 """Supervise Redis and every stage replica as child processes; restart the ones that die.
 
-A dead child (any exit, kill -9 included) is restarted after a backoff that starts at
-``restart.initial_backoff_s`` (0.2 s) and doubles on each crash within ``stable_after_s`` of its
-start, capped at ``max_backoff_s``: a crash loop slows down, a one-off death is back at once.
-Every restart is one JSON log line (var/log/supervisor.log) and a Prometheus counter.
+Each child tells the supervisor when it is serving (sd_notify ``READY=1``: a stage when it reports
+SERVING on grpc.health.v1, Redis when it accepts connections; keelctl/readiness.py). The wait
+before a restart depends on how the child died (``next_backoff``):
+
+- it died after it was serving (kill -9 from outside, a crash mid-work): restarted after
+  ``restart.initial_backoff_s`` (0.2 s), whatever its previous wait, for up to ``restart.burst``
+  such deaths within ``restart.stable_after_s`` (config/keel.yaml);
+- it died before it was ever serving (bad config, port in use, import error), or after serving
+  with ``burst`` such deaths already in the last ``stable_after_s``: a crash loop. The wait doubles
+  on each such death, up to ``max_backoff_s``, and starts over after a run of ``stable_after_s``.
+
+So a loop that dies at start is slowed down to one try per ``max_backoff_s``, and a loop that dies
+each time soon after SERVING gets ``burst`` quick restarts per ``stable_after_s``, then the same
+doubling. Every restart is one JSON log line (var/log/supervisor.log) and a Prometheus counter.
 
 Children die with the supervisor, even with kill -9: each starts through ``keelctl.lifeline``
 (Linux parent-death signal) and carries ``KEEL_RUN_DIR`` so that ``keel down``/``keel up`` find any
@@ -21,13 +31,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import meshauth, metrics
+from shared import meshauth, metrics, notify
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, RestartPolicy, write_state
 from shared.stages import STAGE_ORDER
 from keelctl.procs import RUN_DIR_ENV
+from keelctl.readiness import ReadySocket
 
 log = logging.getLogger("keel.supervisor")
 
@@ -45,6 +57,8 @@ class Child:
     backoff: float = 0.0
     restart_at: float | None = None
     log_path: Path = field(default_factory=Path)
+    served_at: float | None = None  # when the running process reported READY=1; None: not yet
+    served_deaths: deque[float] = field(default_factory=deque)  # deaths after READY=1, last stable_after_s
 
 
 def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_url: str) -> dict[str, str]:
@@ -80,9 +94,15 @@ def layout_ports(layout: Layout) -> dict[int, str]:
     return needed
 
 
-def next_backoff(policy: RestartPolicy, previous_s: float, lived_s: float) -> float:
-    """The wait before restarting a child that died after ``lived_s``: the initial backoff for a
-    first death or one after a stable run, else double the previous, capped."""
+def next_backoff(policy: RestartPolicy, previous_s: float, lived_s: float, *, served: bool,
+                 served_deaths: int) -> float:
+    """The wait before restarting a child that died after ``lived_s``. ``served``: it had reported
+    READY=1; ``served_deaths``: how often it died after READY=1 before, within ``stable_after_s``.
+    A child that died while serving is back at the initial backoff unless that happened ``burst``
+    times already; any other death doubles the previous wait (capped), except a first one or one
+    after a stable run."""
+    if served and served_deaths < policy.burst:
+        return policy.initial_backoff_s
     if lived_s >= policy.stable_after_s or not previous_s:
         return policy.initial_backoff_s
     return min(policy.max_backoff_s, max(previous_s * 2, policy.initial_backoff_s))
@@ -98,16 +118,18 @@ class Supervisor:
         self.children: list[Child] = []
         self._lock = threading.Lock()
         self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
+        self._ready = ReadySocket()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         base_env = dict(os.environ, **{meshauth.ENV: self.mesh_token}, PYTHONUNBUFFERED="1",
-                        **{RUN_DIR_ENV: str(RUN_DIR.resolve())})
+                        **{RUN_DIR_ENV: str(RUN_DIR.resolve()), notify.ENV: self._ready.name})
         if redis:
             redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT
             redis_dir.mkdir(parents=True, exist_ok=True)
             server = shutil.which("redis-server") or "/usr/bin/redis-server"
             # appendonly + fsync every second: quarantine records survive a redis restart
             argv = [server, str(self._redis_conf()), "--port", str(layout.redis.port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
-                    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes"]
+                    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
+                    "--supervised", "systemd"]  # READY=1 once it accepts connections
             self.children.append(Child("redis", argv, base_env, layout.redis.port, "redis"))
         for stage in STAGE_ORDER:
             sl = layout.stage(stage)
@@ -139,6 +161,7 @@ class Supervisor:
                                    stdin=subprocess.DEVNULL)
         out.close()
         c.started_at = time.monotonic()
+        c.served_at = None
         c.restart_at = None
         log.info("started", extra={"stage": c.name, "pid": c.popen.pid, "port": c.port})
 
@@ -154,23 +177,43 @@ class Supervisor:
                                    "restarts": c.restarts, "log": str(c.log_path)} for c in self.children},
         })
 
-    def poll_once(self) -> None:
-        """Notice deaths and start what is due; called every 100 ms by ``run``."""
-        now = time.monotonic()
+    def _note_ready(self, now: float) -> None:
+        """Mark the children whose current process sent READY=1 (a dead process's message, read
+        after its successor started, names the old pid and is ignored)."""
+        by_pid = {c.popen.pid: c for c in self.children if c.popen is not None}
+        for pid in self._ready.ready_pids():
+            c = by_pid.get(pid)
+            if c is not None and c.served_at is None and c.restart_at is None:
+                c.served_at = now
+                log.info("serving", extra={"stage": c.name, "pid": pid, "start_s": round(now - c.started_at, 3)})
+
+    def _on_death(self, c: Child, now: float) -> None:
         policy = self.layout.restart
+        rc = c.popen.returncode
+        lived = now - c.started_at
+        while c.served_deaths and now - c.served_deaths[0] >= policy.stable_after_s:
+            c.served_deaths.popleft()
+        served, earlier = c.served_at is not None, len(c.served_deaths)
+        c.backoff = next_backoff(policy, c.backoff, lived, served=served, served_deaths=earlier)
+        if served:
+            c.served_deaths.append(now)
+        c.restart_at = now + c.backoff
+        c.restarts += 1
+        self._restarts.labels(stage=c.stage).inc()
+        log.warning("stage exited; restarting", extra={
+            "stage": c.name, "exit_code": rc, "signal": -rc if rc < 0 else None, "lived_s": round(lived, 3),
+            "served": served, "served_deaths": len(c.served_deaths), "restart": c.restarts, "backoff_s": c.backoff})
+
+    def poll_once(self) -> None:
+        """Notice readiness and deaths, start what is due; called every 100 ms by ``run``. Readiness
+        is read first: a child that reported READY=1 and then died counts as having served."""
+        now = time.monotonic()
         changed = False
         with self._lock:
+            self._note_ready(now)
             for c in self.children:
                 if c.restart_at is None and c.popen is not None and c.popen.poll() is not None:
-                    rc = c.popen.returncode
-                    lived = now - c.started_at
-                    c.backoff = next_backoff(policy, c.backoff, lived)
-                    c.restart_at = now + c.backoff
-                    c.restarts += 1
-                    self._restarts.labels(stage=c.stage).inc()
-                    log.warning("stage exited; restarting", extra={
-                        "stage": c.name, "exit_code": rc, "signal": -rc if rc < 0 else None,
-                        "lived_s": round(lived, 3), "restart": c.restarts, "backoff_s": c.backoff})
+                    self._on_death(c, now)
                 if c.restart_at is not None and now >= c.restart_at:
                     self._spawn(c)
                     changed = True
@@ -195,4 +238,5 @@ class Supervisor:
                         c.popen.kill()
                         c.popen.wait()
                 c.restart_at = None
+        self._ready.close()
         log.info("all stopped")

@@ -19,7 +19,7 @@ from typing import Callable, Protocol, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared import discovery, meshauth, metrics, tls
+from shared import discovery, meshauth, metrics, notify, tls
 from shared.config import ConfigError, ServerConfig
 from shared.interceptor import ServerInterceptor
 from shared.logging import setup_logging
@@ -98,6 +98,9 @@ async def serve(stage: Stage, cfg: ServerConfig) -> None:
             await server.stop(0)
             raise SystemExit(1)
         ready = True
+        # READY=1 before SERVING: whoever sees this process SERVING, its supervisor knows it served
+        # (and restarts it at once if it dies; keelctl/supervisor.py).
+        notify.ready()
         for name in ("", stage.service_name):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         serving_gauge.set(1)
