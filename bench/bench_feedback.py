@@ -155,7 +155,10 @@ def with_cpu(mesh, n: int, run) -> tuple:
     return result, {s: (stage_cpu_ms(mesh, s) - before[s]) / n for s in before}
 
 
-FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1"}, "coalesced": {}}
+# per-item: one item per SubmitBatch call and up to 64 calls in flight, as the forwarding before
+# coalescing sent each SubmitFeedback on at once (one call in flight would serialise them).
+FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1", "KEEL_GATEWAY_REPLAY__SUBMIT_INFLIGHT": "64"},
+              "coalesced": {}}
 
 
 def gateway_section(backend: str, forwarding: str, args, extra_env: dict) -> list[str]:
