@@ -1,5 +1,7 @@
 """Where one decode step of the inference engine spends its time: a batch of B rows with P-token
-contexts, one token each, timed and then profiled by operator (torch.profiler).
+contexts, one token each, timed against its floor (the same step's linear layers alone: every
+projection and MLP layer at the step's padded batch, lm_head on its rows, nothing else), then
+profiled by operator (torch.profiler).
 
 Run: .venv/bin/python bench/profile_decode.py [--dtype bfloat16] [--batch 16] [--context 40] [--steps 20]
 """
@@ -17,6 +19,33 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_inference import machine  # noqa: E402
 from services.inference.forward import LlamaRunner  # noqa: E402
 from services.inference.model import load_model  # noqa: E402
+
+
+def timed_ms(fn, steps: int) -> float:
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+@torch.inference_mode()
+def matmul_only(runner: LlamaRunner, batch: int):
+    """The decode step's floor: each layer's seven linear modules on a [padded batch, in] input
+    of the runner's dtype, then lm_head on the batch's rows (the modules the step calls, any format)."""
+    core, rows = runner.model.model, runner.padded_size(batch)
+    hidden = torch.randn(rows, core.embed_tokens.weight.shape[1]).to(runner.dtype)
+    wide = torch.randn(rows, core.layers[0].mlp.down_proj.in_features).to(runner.dtype)
+
+    def run() -> None:
+        for layer in core.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj):
+                lin(hidden)
+            mlp.down_proj(wide)
+        runner.model.lm_head(hidden)  # the step's lm_head sees its padded rows too
+    return run
 
 
 def main() -> int:
@@ -37,19 +66,16 @@ def main() -> int:
     def step() -> None:
         runner.decode([5] * args.batch, caches)
 
-    for _ in range(3):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    ms = timed_ms(step, args.steps)
+    floor = timed_ms(matmul_only(runner, args.batch), args.steps)
     with torch.profiler.profile() as prof:
         for _ in range(5):
             step()
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     print(f"{args.dtype}, batch {args.batch}, context {args.context}: {ms:.1f} ms per decode step "
-          f"({args.batch / ms * 1e3:.0f} tok/s). Machine: {machine()}")
+          f"({args.batch / ms * 1e3:.0f} tok/s); its linear layers alone {floor:.1f} ms: step / matmul-only "
+          f"{ms / floor:.2f}x. Machine: {machine()}")
     print("| operator | share of self CPU time | calls per step |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
         print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.count // 5} |")
