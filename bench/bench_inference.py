@@ -158,8 +158,8 @@ async def throughput(model, ids, args, dtype: str, device: str, lines: list[str]
     print(lines[-1], flush=True)
 
 
-async def invariance(model, ids, args, device: str, lines: list[str]) -> list[list[int]]:
-    engine = engine_for(model, device, "float32", max_batch_size=16)
+async def invariance(model, ids, args, device: str, lines: list[str], dtype: str = "float32") -> list[list[int]]:
+    engine = engine_for(model, device, dtype, max_batch_size=16)
     await engine.start()
     n = args.invariance_prompts
     alone, _ = await keel_run(engine, ids[:n], args.invariance_tokens, 1)
@@ -167,7 +167,7 @@ async def invariance(model, ids, args, device: str, lines: list[str]) -> list[li
     await engine.stop(0)
     same_ids = sum(a == b for a, b in zip(([t for t, _ in o] for o in alone), ([t for t, _ in o] for o in batched)))
     same_bits = sum(a == b for a, b in zip(alone, batched))
-    lines += [f"\n### Batch invariance (fp32, greedy, {args.invariance_tokens} tokens)\n",
+    lines += [f"\n### Batch invariance ({dtype}, greedy, {args.invariance_tokens} tokens)\n",
               f"{n} prompts, each run alone and then 16 at a time: identical token ids for {same_ids}/{n} "
               f"({100 * same_ids / n:.1f}%); identical logprobs, bit for bit, for {same_bits}/{n}."]
     print(lines[-1], flush=True)
@@ -313,6 +313,8 @@ async def main(argv=None) -> int:
     ap.add_argument("--invariance-prompts", type=int, default=200)
     ap.add_argument("--invariance-tokens", type=int, default=16)
     ap.add_argument("--quality-prompts", type=int, default=200)
+    ap.add_argument("--invariance-formats", type=lambda s: s.split(","), default=[],
+                    help="comma list of further weight formats whose batch invariance is measured (e.g. bfloat16,int8)")
     ap.add_argument("--write", type=Path)
     args = ap.parse_args(argv)
     lines = await (run_gpu(args) if args.gpu else run_cpu(args, "cpu"))
@@ -355,6 +357,8 @@ async def run_cpu(args, device: str) -> list[str]:
     fp32_greedy = None
     if "invariance" in want or "dtypes" in want:
         fp32_greedy = await invariance(model, ids, args, device, lines)
+    for dtype in args.invariance_formats if "invariance" in want else ():
+        await invariance(load_model(MODEL, dtype, device), ids, args, device, lines, dtype)
     if "determinism" in want:
         await determinism(model, ids, device, lines)
     if "dtypes" in want:

@@ -6,7 +6,8 @@
   `formats.force` is set.
 * `auto` keeps the candidates that pass the gate (float32 always does) and whose linear layers give a
   row the same bits whatever the batch size, M = 1..17 (float32's MKL kernels do not at small M; the
-  engine pads float32 passes to sizes that do, so float32 is timed at its padded size). It then times
+  engine pads float32 passes to sizes that do, so float32 is timed at its padded size), and whose
+  whole decode steps give a row the same logits beside other rows as alone (`step_invariant`). It then times
   a decode-like pass (one token per row, every layer and lm_head) at batch 1 and at the largest
   batch, and serves the format with the lowest sum of the two. A sole candidate passing the gate
   (float32 when no gate was run) is served without timing.
@@ -25,6 +26,7 @@ from shared.config import ConfigError, var_dir
 from shared.errors import InvalidInput
 
 from services.inference import gate
+from services.inference.forward import LlamaRunner
 from services.inference.gate import GateResult, GateThresholds
 from services.inference.model import DTYPES, check_dtype, convert_model
 
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 REFERENCE = "float32"
 INVARIANCE_ROWS = 17  # the widest batch the row check compares against (M = 1..17)
+STEP_PROMPTS = (29, 37, 41, 52)  # prompt lengths of the decode-step check
+STEP_DECODES = 6
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,33 @@ def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
 
 
 @torch.inference_mode()
+def step_invariant(model: torch.nn.Module, device: str) -> bool:
+    """Whether whole decode steps give each row the same logits beside other rows as alone.
+
+    Fixed pseudo-random prompts are prefilled one by one, then decoded together and alone, and every
+    logit is compared bitwise. A linear that passes the row check on random activations can still
+    round a real activation differently in another batch shape; bfloat16 outputs hide most such
+    differences, so only whole steps on the model's own activations show them.
+    """
+    runner = LlamaRunner(model, device)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in STEP_PROMPTS]
+
+    def run(rows: list[int]) -> list[torch.Tensor]:  # per step: logits [len(rows), V]
+        caches = [runner.new_cache(max(STEP_PROMPTS) + STEP_DECODES) for _ in rows]
+        for cache, i in zip(caches, rows):
+            runner.prefill(prompts[i], cache)
+        return [runner.decode([3 + s] * len(rows), caches) for s in range(STEP_DECODES)]
+
+    together = run(list(range(len(prompts))))
+    for i in range(len(prompts)):
+        alone = run([i])
+        if not all(torch.equal(together[s][i], alone[s][0]) for s in range(STEP_DECODES)):
+            return False
+    return True
+
+
+@torch.inference_mode()
 def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
     """Median seconds of one decode-like pass: `rows` one-token rows through every layer and lm_head."""
     ids = torch.arange(3, 3 + rows, device=model.device)[:, None]
@@ -138,6 +169,9 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
         sizes = invariant_sizes(model)
         if fmt != REFERENCE and len(sizes) < INVARIANCE_ROWS:
             report[fmt] = f"rows not batch-invariant at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
+            continue
+        if fmt != REFERENCE and not step_invariant(model, device):
+            report[fmt] = "a decode step gives a row other bits beside other rows than alone"
             continue
         if len(gated) == 1:  # nothing to compare with: timing it would only slow the start down
             report[fmt] = "the only candidate that passes the gate (not timed)"

@@ -141,3 +141,34 @@ def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_p
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "quality gate" in proc.stderr + proc.stdout and "int4 has no gate result" in proc.stderr + proc.stdout
+
+
+class _BatchDependentNorm(torch.nn.Module):
+    """The final norm shifted by the batch size: each linear stays row-invariant, whole steps do not."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + 1e-2 * (x.shape[0] > 1)
+
+
+def test_weight_only_decode_steps_are_batch_invariant_on_the_tiny_model(tiny):
+    assert formats.step_invariant(convert_model(tiny, "int8"), "cpu")
+
+
+def test_auto_skips_a_format_whose_decode_steps_depend_on_the_batch(var_dir, tiny, monkeypatch):
+    _store({"int8": (0.01, 0.05, 0.97)})
+    real = formats.convert_model
+
+    def convert(reference, fmt, device):
+        model = real(reference, fmt, device)
+        if fmt == "int8":
+            model.model.norm = _BatchDependentNorm(model.model.norm)
+        return model
+    monkeypatch.setattr(formats, "convert_model", convert)
+    cfg = FormatsConfig(auto_candidates=("float32", "int8"))
+    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu")
+    assert choice.format == "float32" and model is tiny
+    assert "int8: a decode step gives a row other bits" in choice.reason
