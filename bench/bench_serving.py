@@ -349,20 +349,17 @@ def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str
             r = keel_res[d][("mesh", 16)]
             lines.append(f"- 16 clients through the mesh, {d}: {r.tok_s:.1f} tok/s vs {label}, {bname} {bd} "
                          f"{best.tok_s:.1f} tok/s = **{r.tok_s / best.tok_s:.2f}x** (target 1.5x)")
-    if ("llama-cpp", "q4_1") in peers and 1 in concurrency:
-        ref = peers[("llama-cpp", "q4_1")]
+    single = ((("llama-cpp", "q4_1"), "llama.cpp single stream", 0.6),
+              (("hf-batch1", "float32"), "HF generate float32 at batch 1", 1.5))
+    for key, label, target in single:
+        if key not in peers or 1 not in concurrency:
+            continue
+        ref = peers[key]
         for d in dtypes:
             r = keel_res[d][("mesh", 1)]
-            lines.append(f"- one client through the mesh, {d}: {r.tok_s:.1f} tok/s vs llama.cpp single stream "
+            lines.append(f"- one client through the mesh, {d}: {r.tok_s:.1f} tok/s vs {label} "
                          f"{ref.tok_s:.1f} tok/s on the same {len(ref.tokens)} requests = "
-                         f"**{r.tok_s / ref.tok_s:.2f}x** (target 0.6x)")
-    if ("hf-batch1", "float32") in peers and 1 in concurrency:
-        ref = peers[("hf-batch1", "float32")]
-        for d in dtypes:
-            r = keel_res[d][("mesh", 1)]
-            lines.append(f"- one client through the mesh, {d}: {r.tok_s:.1f} tok/s vs HF generate float32 at batch 1 "
-                         f"{ref.tok_s:.1f} tok/s on the same {len(ref.tokens)} requests = "
-                         f"**{r.tok_s / ref.tok_s:.2f}x** (target 1.5x)")
+                         f"**{r.tok_s / ref.tok_s:.2f}x** (target {target}x)")
     return "\n".join(lines) + "\n"
 
 
