@@ -1,7 +1,8 @@
-"""Admission against the memory budget, and the bounded FIFO wait queue.
+"""Admission against the memory budget and the KV pool, and the bounded FIFO wait queue.
 
-Each request is charged its predicted peak at full length (prompt + max_tokens, see memory.py) for as
-long as it runs, so a running batch can never outgrow the budget. Not thread-safe by itself: the
+Each request is charged its predicted peak at full length (prompt + max_tokens, see memory.py) and
+reserves the KV blocks of that length for as long as it runs, so a running batch can never outgrow the
+budget and a running row never lacks a block. Not thread-safe by itself: the
 step loop thread is its only user.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Ticket:
     holds_reservation: bool = False
     ended: bool = False   # the step loop queued a terminal item (Finished or an error) for it
     closed: bool = False  # a terminal item was sent
+    blocks: int = 0       # KV blocks reserved for prompt + max_tokens positions
     slot: int = 0         # adapter slot the request runs with (0 = the base model; lora/registry.py)
     adapter: str = ""     # that adapter as "id@version" ("" = the base model)
 
@@ -58,9 +60,12 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, memory: MemoryModel, budget_bytes: int, limits: QueueLimits, kept_bytes: int = 0):
+    def __init__(self, memory: MemoryModel, budget_bytes: int, limits: QueueLimits, pool_blocks: int,
+                 kept_bytes: int = 0):
         self.memory = memory
         self.budget = budget_bytes
+        self.pool_blocks = pool_blocks  # blocks of each runner's KV pool
+        self.reserved_blocks = 0        # blocks reserved by running requests (whichever pool they use)
         self.kept = kept_bytes  # room kept aside for the prefix cache, never lent to requests
         self.limits = limits
         self.queue: deque[Ticket] = deque()
@@ -74,8 +79,11 @@ class Admission:
     def cost(self, req: GenerationRequest) -> int:
         return self.memory.request_bytes(len(req.prompt_ids), req.max_tokens)
 
+    def blocks(self, req: GenerationRequest) -> int:
+        return self.memory.cache_positions(len(req.prompt_ids) + req.max_tokens) // self.memory.block_tokens
+
     def check_fits_ever(self, req: GenerationRequest) -> None:
-        if self.memory.static_bytes + self.kept + self.cost(req) > self.budget:
+        if self.memory.static_bytes + self.kept + self.cost(req) > self.budget or self.blocks(req) > self.pool_blocks:
             max_total = self.memory.max_total_tokens(self.budget - self.kept)
             raise PreconditionFailed(
                 f"request needs ~{self.cost(req)} bytes beyond the model; the budget leaves room for "
@@ -84,7 +92,8 @@ class Admission:
                 metadata={"max_total_tokens": max_total, "request_id": req.request_id})
 
     def fits_now(self, ticket: Ticket) -> bool:
-        return self.predicted_bytes + ticket.cost_bytes <= self.budget
+        return self.predicted_bytes + ticket.cost_bytes <= self.budget and \
+            self.reserved_blocks + ticket.blocks <= self.pool_blocks
 
     def enqueue(self, ticket: Ticket, retry_after_ms: int) -> None:
         """Queue the ticket or raise Overloaded when the queue is at its limits."""
@@ -110,12 +119,14 @@ class Admission:
     def reserve(self, ticket: Ticket) -> None:
         ticket.holds_reservation = True
         self.reserved += ticket.cost_bytes
+        self.reserved_blocks += ticket.blocks
 
     def release(self, ticket: Ticket) -> None:
         """Idempotent: a ticket gives its bytes back once, whichever path ends it."""
         if ticket.holds_reservation:
             ticket.holds_reservation = False
             self.reserved -= ticket.cost_bytes
+            self.reserved_blocks -= ticket.blocks
 
     def remove(self, ticket: Ticket) -> bool:
         if ticket in self.queue:

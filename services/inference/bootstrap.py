@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Engine settings a calibration depends on (besides the model, format, torch build, CPU and threads).
 CALIBRATION_SETTINGS = ("max_batch_size", "max_context_tokens", "warmup_prompt_tokens", "warmup_max_tokens",
-                        "batch_invariant", "device", "intra_op_threads")
+                        "batch_invariant", "device", "intra_op_threads", "kv_block_tokens")
 
 
 @dataclass(frozen=True)

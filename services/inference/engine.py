@@ -45,7 +45,8 @@ from services.inference.warmup import Calibration, build_runners, measure_memory
 
 # Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
 # 2: runners (and their batch-invariant sizes) are keyed by weight format, no longer "primary"/"fallback".
-ENGINE_VERSION = 2
+# 3: the KV cache is a block pool; the memory model charges caches in whole blocks.
+ENGINE_VERSION = 3
 
 __all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished",
            "FaultSpec"]
@@ -72,6 +73,7 @@ class EngineConfig:
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
     prefix_cache_bytes: int = 0               # budget share kept for the prefix cache (0: no prefix cache)
+    kv_block_tokens: int = 16                 # positions per KV cache block (kvpool.py)
     # Model variants preloaded at warm-up besides "primary" (this dtype): name -> weight format (variants.py).
     variants: Mapping[str, str] = field(default_factory=dict)
 
@@ -85,7 +87,7 @@ class EngineConfig:
                                    reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
             check_dtype(fmt, self.device)
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
-                    "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens")
+                    "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens", "kv_block_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
@@ -138,7 +140,7 @@ class Engine:
             torch.set_num_threads(cfg.intra_op_threads)
         set_deterministic(cfg.device)
         runners = build_runners(self.model, self.others, cfg.other_formats(), cfg.device, cfg.max_batch_size,
-                                cfg.batch_invariant and calibration is None)
+                                cfg.batch_invariant and calibration is None, cfg.kv_block_tokens)
         if calibration is None:
             lengths = tuple(min(p, cfg.max_context_tokens - 1) for p in cfg.warmup_prompt_tokens)
             long_m = min(cfg.warmup_max_tokens, cfg.max_context_tokens - min(lengths))
@@ -153,8 +155,13 @@ class Engine:
                 f"memory budget {cfg.memory_budget_bytes} B leaves no room beyond the model "
                 f"({self.memory.static_bytes} B static)", reason="BUDGET_TOO_SMALL",
                 metadata={"static_bytes": self.memory.static_bytes})
+        # Every runner's pool gets as many blocks as the budget could lend at once; admission reserves
+        # them per request across all pools together, so none of them can run out.
+        pool_blocks = self.memory.pool_blocks(cfg.memory_budget_bytes - cfg.prefix_cache_bytes)
+        for runner in runners.values():
+            runner.resize_pool(pool_blocks)
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
-        self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, cfg.prefix_cache_bytes)
+        self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, pool_blocks, cfg.prefix_cache_bytes)
         self._vocab_size = runners[cfg.dtype].vocab_size
         self._runners = runners
         runner = ModelRunner(runners)
@@ -285,7 +292,7 @@ class Engine:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         self._admission.check_fits_ever(req)  # the memory model is fixed after warmup: safe on any thread
         ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue(),
-                        slot=slot, adapter=adapter)
+                        slot=slot, adapter=adapter, blocks=self._admission.blocks(req))
         self._loop.submit(ticket)
         self._tickets[req.request_id] = ticket
         return ticket

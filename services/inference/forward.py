@@ -1,10 +1,12 @@
-"""Ragged-batch forward pass over a Hugging Face Llama model, with one KV cache per request.
+"""Ragged-batch forward pass over a Hugging Face Llama model, its KV cache in a block pool (kvpool.py).
 
-Why not `model(...)` with a padded cache: each row here keeps its own cache tensor sized for its whole
-request (so memory is reserved once, at admission) and attention runs per row on exactly the shapes it
-would have alone. Only the row-wise dense layers (projections, MLP, norms, lm_head) run batched, and
-their batch dimension is padded to a size that the BLAS kernels treat identically (see
-`calibrate_invariant_sizes`), so a row's logits are bitwise the same alone or inside any batch.
+Why not `model(...)` with a padded cache: each row keeps a block table sized for its whole request
+(so its blocks are reserved once, at admission). The row-wise dense layers (projections, MLP, norms,
+lm_head) run batched, their batch dimension padded to a size that the BLAS kernels treat identically
+(see `calibrate_invariant_sizes`). Decode attention runs for all one-token rows at once over their
+gathered blocks, padded to the longest row's number of blocks and masked (`_decode_attention`); every
+reduction in it runs along one row's own keys, in an order that depends neither on the batch nor on
+the padded capacity. So a row's logits are bitwise the same alone or inside any batch.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
 (lora/slots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.
@@ -18,26 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.inference.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.llama import rotate_half
 from services.inference.lora.slots import NO_LORA, LoraSlots
 from services.inference.model import model_dtype
-
-
-@dataclass
-class RowCache:
-    """Keys and values of one request: [layers, KV, capacity, D] each; positions < length are valid."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    length: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
 
 
 @dataclass
@@ -55,9 +41,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class LlamaRunner:
-    """Runs prefill (one row) and decode (many rows, one token each) steps over per-row caches."""
+    """Runs prefill (one row) and decode (many rows, one token each) steps over block-table caches.
 
-    def __init__(self, model: torch.nn.Module, device: str = "cpu"):
+    `block_tokens` positions per KV block; the pool starts with room for `pool_tokens` positions and is
+    resized to the memory budget's share by the engine (`resize_pool`)."""
+
+    def __init__(self, model: torch.nn.Module, device: str = "cpu", block_tokens: int = 16,
+                 pool_tokens: int = 16384):
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
@@ -73,15 +63,27 @@ class LlamaRunner:
         self.dtype_name = model_dtype(model)
         self.invariant_sizes: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
+        self.block_tokens = block_tokens
+        self.pool = self._new_pool(-(-pool_tokens // block_tokens))
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     def new_cache(self, capacity: int) -> RowCache:
-        shape = (self.n_layers, self.kv_heads, capacity, self.head_dim)
-        return RowCache(torch.empty(shape, dtype=self.dtype, device=self.device),
-                        torch.empty(shape, dtype=self.dtype, device=self.device))
+        """A cache with room for `capacity` positions, its blocks taken from the pool."""
+        return self.pool.allocate(capacity)
+
+    def resize_pool(self, blocks: int) -> None:
+        """A new pool of `blocks` blocks; only while no cache holds blocks of the current one."""
+        if self.pool.free_blocks != self.pool.blocks:
+            raise RuntimeError("the KV pool is resized while caches hold blocks")
+        self.pool = None  # the old pool's memory goes before the new one is allocated
+        self.pool = self._new_pool(blocks)
+
+    def _new_pool(self, blocks: int) -> KvPool:
+        return KvPool(self.n_layers, self.kv_heads, self.head_dim, self.block_tokens, blocks, self.dtype,
+                      self.device)
 
     def padded_size(self, rows: int) -> int:
         """Smallest calibrated batch size >= rows (rows itself when none was calibrated or fits)."""
@@ -100,9 +102,11 @@ class LlamaRunner:
         """One step over a ragged batch: every segment appends its tokens to its row's cache.
 
         A segment is a prompt chunk (prefill, from the row's cache length on) or one token (decode).
-        Their tokens are stacked into one [N, hidden] matrix for the dense layers; attention runs per
-        row. Returns float32 logits of each segment's last token [R, V]. Cache lengths advance only after the whole step
-        succeeded, so a step that fails midway (out of memory) can be retried as is.
+        Their tokens are stacked into one [N, hidden] matrix for the dense layers; their keys and values
+        go to their blocks in one index_copy per layer; attention runs for all decode rows at once and
+        per row for prompt chunks. Returns float32 logits of each segment's last token [R, V]. Cache
+        lengths advance only after the whole step succeeded, so a step that fails midway (out of
+        memory) can be retried as is.
         """
         core = self.model.model
         lens = [len(s.tokens) for s in segments]
@@ -120,6 +124,15 @@ class LlamaRunner:
         if self.lora is not None and any(s.slot for s in segments):
             lora = self.lora.step([s.slot for s, n in zip(segments, lens) for _ in range(n)], padded, self.device)
         attn_out = torch.zeros(padded, self.heads * self.head_dim, dtype=x.dtype, device=self.device)
+        pool = self.pool
+        slots = torch.tensor([p for s, st, n in zip(segments, starts, lens) for p in pool.slots(s.cache, st, n)],
+                             dtype=torch.long, device=self.device)
+        decoding = [r for r, n in enumerate(lens) if n == 1]
+        if decoding:
+            dec_tokens = torch.tensor([offsets[r] for r in decoding], device=self.device)
+            table, masked = self._decode_view([segments[r].cache for r in decoding])
+        chunks = [(offsets[r], n, starts[r], self._blocks(segments[r].cache, starts[r] + n))
+                  for r, n in enumerate(lens) if n > 1]
         for i, layer in enumerate(core.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -128,23 +141,20 @@ class LlamaRunner:
             k = _rope(lora.linear(i, "k_proj", attn.k_proj, h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim),
                       cos, sin)
             v = lora.linear(i, "v_proj", attn.v_proj, h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
-            for seg, o, n, st in zip(segments, offsets, lens, starts):
-                keys, values = seg.cache.keys[i], seg.cache.values[i]  # [KV, capacity, D]
-                keys[:, st:st + n] = k[o:o + n].transpose(0, 1)
-                values[:, st:st + n] = v[o:o + n].transpose(0, 1)
-                if n == 1:
-                    # The G query heads that share a KV head attend together: q [1, KV, G, D].
-                    out = F.scaled_dot_product_attention(
-                        q[o].view(1, self.kv_heads, self.groups, self.head_dim),
-                        keys[None, :, :st + 1], values[None, :, :st + 1], scale=self.scale)
-                    attn_out[o] = out.reshape(-1)
-                else:
-                    # A prompt chunk at positions st..st+n-1 attends causally to everything cached so far.
-                    mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
-                    out = F.scaled_dot_product_attention(
-                        q[o:o + n].transpose(0, 1)[None], keys[None, :, :st + n], values[None, :, :st + n],
-                        attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
-                    attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
+            flat_k, flat_v = pool.layer(i)  # [KV, blocks * block_tokens, D]
+            flat_k.index_copy_(1, slots, k.transpose(0, 1))
+            flat_v.index_copy_(1, slots, v.transpose(0, 1))
+            if decoding:
+                attn_out[dec_tokens] = self._decode_attention(i, q[dec_tokens], table, masked)
+            for o, n, st, blocks in chunks:
+                # A prompt chunk (one row) at positions st..st+n-1 attends causally to everything cached so far.
+                keys = pool.keys[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]  # [1, KV, st+n, D]
+                values = pool.values[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]
+                mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
+                out = F.scaled_dot_product_attention(
+                    q[o:o + n].transpose(0, 1)[None], keys, values,
+                    attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
+                attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
             x = x + lora.linear(i, "o_proj", attn.o_proj, attn_out)
             h, mlp = layer.post_attention_layernorm(x), layer.mlp  # llama.MLP.forward, with the LoRA term
             up = F.silu(lora.linear(i, "gate_proj", mlp.gate_proj, h)) * lora.linear(i, "up_proj", mlp.up_proj, h)
@@ -156,6 +166,44 @@ class LlamaRunner:
         h_last = torch.zeros(self.padded_size(rows), x.shape[1], dtype=x.dtype, device=self.device)
         h_last[:rows] = x[last]
         return self.model.lm_head(core.norm(h_last)).float()[:rows]
+
+    def _blocks(self, cache: RowCache, positions: int) -> torch.Tensor:
+        """Ids of the blocks holding the cache's first `positions` positions."""
+        return torch.tensor(cache.blocks[:self.pool.blocks_for(positions)], dtype=torch.long, device=self.device)
+
+    def _decode_view(self, caches: list[RowCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables of the decode rows, each padded with the padding block to the longest one's
+        blocks, flattened [B * blocks]; and the mask [1, B, 1, capacity] of the positions past each
+        row's length once this step's token is in (True = not attended).
+
+        The capacity follows the batch's longest row block by block: rounding it further (to a power of
+        two) changes no bits but copies more (measured: bench/bench_kvpool.py, docs/BENCHMARKS.md)."""
+        used = [self.pool.blocks_for(c.length + 1) for c in caches]
+        width = max(used)
+        table = torch.tensor([b for c, u in zip(caches, used) for b in c.blocks[:u] + [PAD_BLOCK] * (width - u)],
+                             dtype=torch.long, device=self.device)
+        lengths = torch.tensor([c.length + 1 for c in caches], device=self.device)
+        masked = torch.arange(width * self.block_tokens, device=self.device)[None, :] >= lengths[:, None]
+        return table, masked[None, :, None, :]
+
+    def _decode_attention(self, i: int, q: torch.Tensor, table: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention for B one-token rows at once: q [B, H, D] -> [B, H * D].
+
+        The G query heads sharing a KV head attend together: q is viewed [KV, B, G, D] against keys and
+        values gathered [KV, B, capacity, D]. Scores are one matmul (each element a dot product over D),
+        masked to -inf past a row's length, softmaxed in float32 along the row's own positions, then
+        multiplied with the values (a sum along those positions, in position order; the padded ones add
+        exact zeros: weight 0 times a finite value). Nothing mixes rows, and the padding only appends
+        zero terms at the end of each sum, so a row gets the same bits in any batch and any capacity
+        (tested; bench/bench_kvpool.py shows it on the host at hand).
+        """
+        b = q.shape[0]
+        keys = self.pool.keys[i].index_select(1, table).view(self.kv_heads, b, -1, self.head_dim)
+        values = self.pool.values[i].index_select(1, table).view(self.kv_heads, b, -1, self.head_dim)
+        qg = q.view(b, self.kv_heads, self.groups, self.head_dim).transpose(0, 1)  # [KV, B, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale   # [KV, B, G, capacity]
+        probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.heads * self.head_dim)
 
     @torch.inference_mode()
     def calibrate_invariant_sizes(self, max_batch: int, seed: int = 0) -> tuple[int, ...]:

@@ -235,8 +235,7 @@ class StepLoop:
         """Copy the cached blocks the prompt starts with into the row's cache; its prefill resumes after them."""
         b = self.prefix.block_tokens
         for i, (keys, values) in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
-            row.cache.keys[:, :, i * b:(i + 1) * b] = keys
-            row.cache.values[:, :, i * b:(i + 1) * b] = values
+            row.cache.write(i * b, keys, values)
             row.cache.length = row.prefilled = (i + 1) * b
 
     def _keep_prefix_blocks(self, chunks: list[tuple[Row, int, int]]) -> None:
@@ -244,8 +243,7 @@ class StepLoop:
         b = self.prefix.block_tokens
         for row, start, n in chunks:
             if n == b and row.prefilled == start + n:
-                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b,
-                                  row.cache.keys[:, :, start:start + n], row.cache.values[:, :, start:start + n])
+                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b, *row.cache.read(start, n))
 
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""

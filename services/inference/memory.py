@@ -86,11 +86,13 @@ def static_bytes(*models: torch.nn.Module) -> int:
 class MemoryModel:
     """Predicted peak bytes of one request with P prompt tokens and room for M generated tokens:
 
-        decode_bytes_per_token * (P + M) + max(fixed_bytes, activation_bytes_per_token * P)
+        decode_bytes_per_token * blocks(P + M) * block_tokens
+            + max(fixed_bytes, activation_bytes_per_token * P)
 
-    The request's cache for P + M positions is allocated when it starts (one cache slot per position:
-    decode_bytes_per_token). On top of it, the largest transient is either the prefill's activations,
-    which grow with the prompt, or a constant: the logits and sampling buffers of a step.
+    The request's cache for P + M positions is taken from the KV pool when it starts, in whole blocks
+    of block_tokens positions (decode_bytes_per_token per position, so a block costs block_tokens of
+    them). On top of it, the largest transient is either the prefill's activations, which grow with
+    the prompt, or a constant: the logits and sampling buffers of a step.
     So a prompt token costs prefill_bytes_per_token while it is prefilled, a generated one
     decode_bytes_per_token.
     """
@@ -101,22 +103,36 @@ class MemoryModel:
     decode_bytes_per_token: float
     kv_bytes_per_token: int  # cache bytes per position computed from the config, to compare with the fit
     fit_max_rel_error: float = 0.0
+    block_tokens: int = 1    # positions per KV block (engine.kv_block_tokens)
 
     @property
     def prefill_bytes_per_token(self) -> float:
         return self.decode_bytes_per_token + self.activation_bytes_per_token
 
+    def cache_positions(self, tokens: int) -> int:
+        """Positions a cache for `tokens` tokens holds: whole blocks."""
+        return -(-tokens // self.block_tokens) * self.block_tokens
+
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """Predicted bytes one request adds on top of static while it runs (its peak)."""
         transient = max(self.fixed_bytes, self.activation_bytes_per_token * prompt_tokens)
-        return int(self.decode_bytes_per_token * (prompt_tokens + max_tokens) + transient)
+        return int(self.decode_bytes_per_token * self.cache_positions(prompt_tokens + max_tokens) + transient)
 
     def max_total_tokens(self, budget_bytes: int) -> int:
         """Largest prompt + max_tokens that fits an otherwise empty engine, however it is split."""
         room = budget_bytes - self.static_bytes
         by_fixed = (room - self.fixed_bytes) / self.decode_bytes_per_token
         by_prefill = room / self.prefill_bytes_per_token
-        return max(0, int(min(by_fixed, by_prefill)))
+        n = max(0, int(min(by_fixed, by_prefill)))
+        while n > 0 and self.request_bytes(n, 0) > room:  # the last block may round past the room
+            n -= 1
+        return n
+
+    def pool_blocks(self, budget_bytes: int) -> int:
+        """KV blocks the budget could ever lend at once: every request is charged its blocks, so more
+        than this many are never reserved together."""
+        room = budget_bytes - self.static_bytes
+        return max(0, int(room // (self.decode_bytes_per_token * self.block_tokens)))
 
     def merged(self, other: MemoryModel) -> MemoryModel:
         """Element-wise worst case of two models (primary and fallback runners)."""
@@ -125,14 +141,14 @@ class MemoryModel:
             max(self.activation_bytes_per_token, other.activation_bytes_per_token),
             max(self.decode_bytes_per_token, other.decode_bytes_per_token),
             max(self.kv_bytes_per_token, other.kv_bytes_per_token),
-            max(self.fit_max_rel_error, other.fit_max_rel_error))
+            max(self.fit_max_rel_error, other.fit_max_rel_error), self.block_tokens)
 
     def as_dict(self) -> dict:
         return {"static_bytes": self.static_bytes, "fixed_bytes": round(self.fixed_bytes),
                 "prefill_bytes_per_token": round(self.prefill_bytes_per_token, 1),
                 "decode_bytes_per_token": round(self.decode_bytes_per_token, 1),
                 "activation_bytes_per_token": round(self.activation_bytes_per_token, 1),
-                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "block_tokens": self.block_tokens,
                 "fit_max_rel_error": round(self.fit_max_rel_error, 4)}
 
 
@@ -142,7 +158,7 @@ class Probe:
 
     prompt_tokens: int
     max_tokens: int
-    cache_bytes: int    # allocated for prompt + max_tokens positions
+    cache_bytes: int    # the blocks taken for prompt + max_tokens positions
     prefill_peak: int   # during the prefill forward pass
     sample_peak: int    # while the first token is sampled (prefill logits still live)
     decode_peak: int    # one decode step plus its sampling
@@ -152,9 +168,10 @@ class Probe:
         return self.cache_bytes + max(self.prefill_peak, self.sample_peak, self.decode_peak)
 
 
-def fit(probes: list[Probe], static: int, kv_bytes_per_token: int) -> MemoryModel:
+def fit(probes: list[Probe], static: int, kv_bytes_per_token: int, block_tokens: int = 1) -> MemoryModel:
     """Fit the model: cache slope by least squares, activations from the longest prompt, fixed = max."""
-    positions = np.array([[1.0, p.prompt_tokens + p.max_tokens] for p in probes])
+    rounded = [-(-(p.prompt_tokens + p.max_tokens) // block_tokens) * block_tokens for p in probes]
+    positions = np.array([[1.0, n] for n in rounded])
     (_, per_position), *_ = np.linalg.lstsq(positions, np.array([p.cache_bytes for p in probes], float),
                                             rcond=None)
     longest = max(probes, key=lambda p: p.prompt_tokens)
@@ -163,7 +180,7 @@ def fit(probes: list[Probe], static: int, kv_bytes_per_token: int) -> MemoryMode
         fixed_bytes=float(max(max(p.sample_peak, p.decode_peak) for p in probes)),
         activation_bytes_per_token=longest.prefill_peak / longest.prompt_tokens,
         decode_bytes_per_token=float(per_position),
-        kv_bytes_per_token=kv_bytes_per_token)
+        kv_bytes_per_token=kv_bytes_per_token, block_tokens=block_tokens)
     errors = [model.request_bytes(p.prompt_tokens, p.max_tokens) / p.total_peak - 1 for p in probes]
     model = MemoryModel(**{**model.__dict__, "fit_max_rel_error": max(map(abs, errors))})
     log.info("memory model fitted", extra={"memory_model": model.as_dict()})

@@ -15,7 +15,7 @@ from shared.errors import DeadlineExpired
 from services.inference.admission import Admission, Ticket
 from services.inference.breaker import Policy
 from services.inference.faults import RowFaults
-from services.inference.forward import RowCache
+from services.inference.kvpool import RowCache
 
 
 @dataclass(eq=False)
@@ -142,8 +142,10 @@ class Scheduler:
         self.rows.append(row)
 
     def remove(self, row: Row) -> None:
+        """The row leaves: its blocks go back to the pool and its reservation to admission."""
         if row in self.rows:
             self.rows.remove(row)
+            row.cache.release()
             self.admission.release(row.ticket)
 
     def drain_all(self) -> list[Ticket]:

@@ -44,14 +44,15 @@ def set_deterministic(device: str) -> None:
 
 
 def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module], formats: Iterable[str],
-                  device: str, max_batch: int, batch_invariant: bool) -> dict[str, LlamaRunner]:
+                  device: str, max_batch: int, batch_invariant: bool, block_tokens: int) -> dict[str, LlamaRunner]:
     """One runner per weight format, keyed by it: `model`'s own, then each of `formats` (taken from
     `others` when loaded there, else converted from `model`). A format used by several variants, or
     by a variant and the breaker's fallback, is one model in memory."""
-    runners = {model_dtype(model): LlamaRunner(model, device)}
+    runners = {model_dtype(model): LlamaRunner(model, device, block_tokens)}
     for fmt in formats:
         if fmt not in runners:
-            runners[fmt] = LlamaRunner(others[fmt] if fmt in others else convert_model(model, fmt, device), device)
+            runners[fmt] = LlamaRunner(others[fmt] if fmt in others else convert_model(model, fmt, device), device,
+                                       block_tokens)
     for name, runner in runners.items():
         sizes = runner.calibrate_invariant_sizes(max_batch) if batch_invariant else ()
         log.info("batch-invariant sizes for %s: %s", name, sizes or "none",
@@ -62,8 +63,8 @@ def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module],
 def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str) -> tuple[Probe, float]:
     """Measure one request alone, phase by phase; also returns the decode step's wall time."""
     ids = [3 + (i * 7919) % (runner.vocab_size - 3) for i in range(prompt_tokens)]
-    with PeakMeter(device) as alloc:
-        cache = runner.new_cache(prompt_tokens + max_tokens)
+    cache = runner.new_cache(prompt_tokens + max_tokens)  # blocks of the pool: allocates nothing
+    cache_bytes = cache.nbytes
     with PeakMeter(device) as forward:
         logits = runner.prefill(ids, cache)
     with PeakMeter(device) as sample:
@@ -73,8 +74,8 @@ def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str)
     with PeakMeter(device) as decode:
         pick(runner.decode([first.token_id], [cache])[0], 1.0, 0.9, 0, 0, prompt_tokens + 1)
     step_s = time.perf_counter() - t0
-    del cache
-    return Probe(prompt_tokens, max_tokens, cache_bytes=alloc.final, prefill_peak=forward.peak,
+    cache.release()
+    return Probe(prompt_tokens, max_tokens, cache_bytes=cache_bytes, prefill_peak=forward.peak,
                  sample_peak=forward.final + sample.peak, decode_peak=decode.peak), step_s
 
 
@@ -91,6 +92,6 @@ def measure_memory(runners: dict[str, LlamaRunner], prompt_lengths: tuple[int, .
             result, step_s = probe(runner, p, m, device)
             probes.append(result)
             step_times.append(step_s)
-        model = fit(probes, static, runner.kv_bytes_per_token)
+        model = fit(probes, static, runner.kv_bytes_per_token, runner.block_tokens)
         merged = model if merged is None else merged.merged(model)
     return merged, 1.0 / max(min(step_times), 1e-6)

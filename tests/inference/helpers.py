@@ -9,9 +9,18 @@ import torch
 from safetensors.torch import save_file
 
 from services.inference.engine import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
+from services.inference.kvpool import RowCache
 
 # Long enough prompts that the tiny model's activations, not its fixed buffers, set the prefill peak.
 TINY_PROBES = (16, 256, 1024)
+
+
+def clone_cache(cache: RowCache) -> RowCache:
+    """A cache of its own in the same pool with the same contents and length (a row replayed alone)."""
+    copy = cache.pool.allocate(cache.capacity)
+    copy.write(0, *cache.read(0, cache.capacity))
+    copy.length = cache.length
+    return copy
 
 
 def tiny_config(**overrides) -> EngineConfig:

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from services.inference.forward import LlamaRunner, RowCache, Segment
+from services.inference.forward import LlamaRunner, Segment
 from services.inference.lora.peftconfig import parse
 from services.inference.lora.slots import LoraSlots, read_weights
-from tests.inference.helpers import prompt
+from tests.inference.helpers import clone_cache, prompt
 from tests.inference.lora_fixtures import make_adapter, peft_logits
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -53,10 +53,6 @@ def test_matches_peft_unmerged_forward_at_every_position(tiny, runner, adapters)
         assert not torch.allclose(ref[-1], runner.forward([Segment(runner.new_cache(16), ids)])[0], atol=1e-3)
 
 
-def _clone(c: RowCache) -> RowCache:
-    return RowCache(c.keys.clone(), c.values.clone(), c.length)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_alone_equals_the_same_row_in_a_mixed_batch_of_16(runner, threads):
     old = torch.get_num_threads()
@@ -70,7 +66,7 @@ def test_a_row_alone_equals_the_same_row_in_a_mixed_batch_of_16(runner, threads)
                   enumerate(zip(caches, slots))]
         same = compared = 0
         for _ in range(13):
-            alone = [runner.forward([Segment(_clone(c), [t], s)])[0] for c, t, s in zip(caches, tokens, slots)]
+            alone = [runner.forward([Segment(clone_cache(c), [t], s)])[0] for c, t, s in zip(caches, tokens, slots)]
             batch = runner.forward([Segment(c, [t], s) for c, t, s in zip(caches, tokens, slots)])
             same += sum(torch.equal(a, b) for a, b in zip(alone, batch))
             compared += len(slots)
@@ -129,7 +125,7 @@ def test_adapters_on_other_weight_formats_stay_batch_invariant(tiny, adapters, f
     slots = [i % 5 for i in range(16)]
     caches = [r.new_cache(16) for _ in slots]
     r.forward([Segment(c, prompt(i, 4), s) for i, (c, s) in enumerate(zip(caches, slots))])
-    alone = [r.forward([Segment(_clone(c), [7], s)])[0] for c, s in zip(caches, slots)]
+    alone = [r.forward([Segment(clone_cache(c), [7], s)])[0] for c, s in zip(caches, slots)]
     batch = r.forward([Segment(c, [7], s) for c, s in zip(caches, slots)])
     assert all(torch.equal(a, b) for a, b in zip(alone, batch))
     same_prompt = [r.forward([Segment(r.new_cache(8), prompt(0, 4), s)])[0] for s in (0, 1)]

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.forward import LlamaRunner, RowCache, Segment
+from services.inference.forward import LlamaRunner, Segment
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import check_adapters, running_base
 from services.inference.model import load_model
 from services.inference.warmcache import model_sha256
+from tests.inference.helpers import clone_cache
 from tests.inference.lora_fixtures import make_adapter, peft_logits, tokenizer
 from tests.inference.test_lora_forward import load
 
@@ -56,7 +57,7 @@ def test_rows_alone_equal_rows_in_a_mixed_batch_of_16_on_the_real_weights(real):
               for i, (c, s) in enumerate(zip(caches, slots))]
     same = total = 0
     for _ in range(2):
-        alone = [runner.forward([Segment(RowCache(c.keys.clone(), c.values.clone(), c.length), [t], s)])[0]
+        alone = [runner.forward([Segment(clone_cache(c), [t], s)])[0]
                  for c, t, s in zip(caches, tokens, slots)]
         batch = runner.forward([Segment(c, [t], s) for c, t, s in zip(caches, tokens, slots)])
         same += sum(torch.equal(a, b) for a, b in zip(alone, batch))

@@ -15,7 +15,7 @@ POLICY = Policy(level=0, temperature_cap=None, logit_clamp=None, max_batch_size=
 def scheduler(prefill_tokens: int = 100, budget: int = 10**9) -> Scheduler:
     memory = MemoryModel(static_bytes=0, fixed_bytes=0, activation_bytes_per_token=0, decode_bytes_per_token=1,
                          kv_bytes_per_token=1)
-    return Scheduler(Admission(memory, budget, QueueLimits(64, 10**6, 30_000)), prefill_tokens)
+    return Scheduler(Admission(memory, budget, QueueLimits(64, 10**6, 30_000), budget), prefill_tokens)
 
 
 def ticket(rid: str, prompt_len: int, max_tokens: int = 10) -> Ticket:
