@@ -95,6 +95,10 @@ class EngineConfig:
         if not 0 <= self.prefix_cache_bytes < self.memory_budget_bytes:
             raise InvalidInput("EngineConfig.prefix_cache_bytes must be >= 0 and below memory_budget_bytes",
                                reason="INVALID_CONFIG", metadata={"field": "prefix_cache_bytes"})
+        if self.prefix_cache_bytes and self.prefill_tokens_per_iteration % self.kv_block_tokens:
+            raise InvalidInput("EngineConfig.prefill_tokens_per_iteration must be a multiple of kv_block_tokens "
+                               "when the prefix cache is on (a cached prompt block is whole KV blocks)",
+                               reason="INVALID_CONFIG", metadata={"field": "prefill_tokens_per_iteration"})
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             raise InvalidInput("EngineConfig.intra_op_threads must be >= 1", reason="INVALID_CONFIG",
                                metadata={"field": "intra_op_threads"})
@@ -156,10 +160,11 @@ class Engine:
                 f"({self.memory.static_bytes} B static)", reason="BUDGET_TOO_SMALL",
                 metadata={"static_bytes": self.memory.static_bytes})
         # Every runner's pool gets as many blocks as the budget could lend at once; admission reserves
-        # them per request across all pools together, so none of them can run out.
+        # them per request across all pools together, so none of them can run out. The prefix cache's
+        # room comes on top: blocks it holds are never counted against a reservation (prefix.py).
         pool_blocks = self.memory.pool_blocks(cfg.memory_budget_bytes - cfg.prefix_cache_bytes)
         for runner in runners.values():
-            runner.resize_pool(pool_blocks)
+            runner.resize_pool(pool_blocks + cfg.prefix_cache_bytes // runner.block_bytes)
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
         self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, pool_blocks, cfg.prefix_cache_bytes)
         self._vocab_size = runners[cfg.dtype].vocab_size

@@ -70,6 +70,10 @@ class LlamaRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_tokens
+
     def new_cache(self, capacity: int) -> RowCache:
         """A cache with room for `capacity` positions, its blocks taken from the pool."""
         return self.pool.allocate(capacity)

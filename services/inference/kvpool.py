@@ -12,8 +12,11 @@ never a former owner's values nor uninitialised memory (a NaN there would surviv
 The pool tensors are allocated once (`torch.empty`: the OS backs a page only when it is first written)
 for as many blocks as the memory budget could ever lend; admission reserves a request's blocks
 (prompt + max_tokens) before it runs, so a running row never asks for a block it cannot get.
-Blocks are lent lowest id first, so the memory written stays compact. The step loop thread is the
-only user.
+Blocks are lent lowest id first, so the memory written stays compact. A block may have several
+holders (a row and the prefix cache, prefix.py, or several rows that start with the same prompt
+blocks): the pool counts them, and a block is free again when its last holder releases it. A shared
+block is never written: it holds full prompt positions that every holder has already computed.
+The step loop thread is the only user.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class KvPool:
         self.keys[:, :, PAD_BLOCK] = 0
         self.values[:, :, PAD_BLOCK] = 0
         self._free = list(range(1, blocks + 1))  # a heap: the lowest free id is lent first
+        self._holders = [0] * (blocks + 1)        # per block id: rows and prefix entries holding it
 
     @property
     def blocks(self) -> int:
@@ -64,14 +68,26 @@ class KvPool:
         if n > len(self._free):
             raise PoolExhausted(f"KV pool: {n} blocks asked for, {len(self._free)} free")
         blocks = [heapq.heappop(self._free) for _ in range(n)]
+        for b in blocks:
+            self._holders[b] = 1
         index = torch.tensor(blocks, device=self.keys.device)
         self.keys.index_fill_(2, index, 0)
         self.values.index_fill_(2, index, 0)
         return RowCache(self, blocks)
 
-    def release(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of these lent blocks."""
         for b in blocks:
-            heapq.heappush(self._free, b)
+            if self._holders[b] < 1:
+                raise ValueError(f"KV pool: block {b} is shared while free")
+            self._holders[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """One holder less for each block; a block nobody holds is free again."""
+        for b in blocks:
+            self._holders[b] -= 1
+            if self._holders[b] == 0:
+                heapq.heappush(self._free, b)
 
     def slots(self, cache: RowCache, start: int, n: int) -> list[int]:
         """Flat positions (block * block_tokens + offset) of the cache's positions start..start+n-1."""
@@ -106,20 +122,13 @@ class RowCache:
     def nbytes(self) -> int:
         return len(self.blocks) * self.pool.block_bytes
 
-    def read(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the keys and values at positions start..start+n-1, [layers, KV, n, D] each."""
-        index = torch.tensor(self.pool.slots(self, start, n), device=self.pool.keys.device)
-        layers = [self.pool.layer(i) for i in range(self.pool.keys.shape[0])]
-        return (torch.stack([k.index_select(1, index) for k, _ in layers]),
-                torch.stack([v.index_select(1, index) for _, v in layers]))
-
-    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys and values [layers, KV, n, D] at positions start..start+n-1 (length is unchanged)."""
-        index = torch.tensor(self.pool.slots(self, start, keys.shape[2]), device=keys.device)
-        for i in range(keys.shape[0]):
-            k, v = self.pool.layer(i)
-            k.index_copy_(1, index, keys[i])
-            v.index_copy_(1, index, values[i])
+    def adopt(self, first: int, blocks: list[int]) -> None:
+        """Hold `blocks` (lent to another holder, with the same contents this row would compute) as this
+        row's blocks first, first+1, ...; the row's own blocks there go back to the pool."""
+        own = self.blocks[first:first + len(blocks)]
+        self.pool.share(blocks)
+        self.blocks[first:first + len(blocks)] = blocks  # in place: the finalizer releases this list
+        self.pool.release(own)
 
     def release(self) -> None:
         """Give the blocks back to the pool (idempotent)."""

@@ -232,18 +232,23 @@ class StepLoop:
         self.scheduler.add(row)
 
     def _reuse_prefix(self, row: Row) -> None:
-        """Copy the cached blocks the prompt starts with into the row's cache; its prefill resumes after them."""
+        """Hold the cached blocks the prompt starts with in the row's block table (its own blocks there
+        go back to the pool); its prefill resumes after them."""
         b = self.prefix.block_tokens
-        for i, (keys, values) in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
-            row.cache.write(i * b, keys, values)
+        per = b // row.cache.pool.block_tokens
+        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
+            row.cache.adopt(i * per, blocks)
             row.cache.length = row.prefilled = (i + 1) * b
 
     def _keep_prefix_blocks(self, chunks: list[tuple[Row, int, int]]) -> None:
-        """Store each full prompt block this step computed (rows whose chunk was committed)."""
+        """Let the prefix cache hold each full prompt block this step computed (rows whose chunk was committed)."""
         b = self.prefix.block_tokens
         for row, start, n in chunks:
             if n == b and row.prefilled == start + n:
-                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b, *row.cache.read(start, n))
+                per = b // row.cache.pool.block_tokens
+                first = start // b * per
+                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b, row.cache.pool,
+                                  row.cache.blocks[first:first + per])
 
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""

@@ -4,8 +4,11 @@ A block is one prefill chunk (`prefill_tokens_per_iteration` tokens, starting at
 a request that finds its first j blocks here starts its prefill at chunk j, exactly where a request
 without a hit would start that chunk with the same cache contents: the answer is bitwise the same.
 Blocks are keyed by a hash chain (block i's key covers the runner and every token of blocks 0..i), so
-a block is only found after the same whole prefix. Entries are copies owned by the cache, evicted least
-recently used to stay within `capacity_bytes` (room the engine keeps aside from its memory budget).
+a block is only found after the same whole prefix. An entry holds the KV pool blocks (kvpool.py) the
+row that computed it wrote: the pool counts the entry as one more holder, and a row with a hit holds
+the same blocks in its block table, so a hit copies nothing. Entries are evicted least recently used
+to stay within `capacity_bytes`, room the engine keeps aside from its memory budget and adds to each
+pool beyond what admission lends; an evicted block stays lent while a row still holds it.
 The step loop thread is the only user.
 """
 from __future__ import annotations
@@ -14,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
+from services.inference.kvpool import KvPool
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class PrefixCache:
     def __init__(self, block_tokens: int, capacity_bytes: int):
         self.block_tokens = block_tokens
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[KvPool, list[int]]] = OrderedDict()  # key -> pool, block ids
         self.bytes = 0
         self._prompt_tokens = 0
         self._hit_tokens = 0
@@ -47,8 +50,8 @@ class PrefixCache:
             keys.append(h)
         return keys
 
-    def lookup(self, runner: str, prompt: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The longest run of cached blocks the prompt starts with ([layers, KV, block, D] K and V each).
+    def lookup(self, runner: str, prompt: list[int]) -> list[list[int]]:
+        """The pool block ids of the longest run of cached blocks the prompt starts with, block by block.
 
         At least one prompt token is always left to compute: it gives the logits of the first token.
         """
@@ -58,21 +61,23 @@ class PrefixCache:
             if entry is None:
                 break
             self._entries.move_to_end(key)
-            found.append(entry)
+            found.append(entry[1])
         self._prompt_tokens += len(prompt)
         self._hit_tokens += len(found) * self.block_tokens
         return found
 
-    def store(self, runner: str, prompt: list[int], index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep a copy of block `index` of the prompt, evicting the least recently used blocks for room."""
+    def store(self, runner: str, prompt: list[int], index: int, pool: KvPool, blocks: list[int]) -> None:
+        """Hold the pool blocks of block `index` of the prompt, evicting the least recently used for room."""
         key = self.chain(runner, prompt, index + 1)[-1]
-        size = keys.nbytes + values.nbytes
+        size = len(blocks) * pool.block_bytes
         if key in self._entries or size > self.capacity_bytes:
             return
         while self.bytes + size > self.capacity_bytes:
-            _, (k, v) = self._entries.popitem(last=False)
-            self.bytes -= k.nbytes + v.nbytes
-        self._entries[key] = (keys.clone(), values.clone())
+            _, (old_pool, old) = self._entries.popitem(last=False)
+            old_pool.release(old)
+            self.bytes -= len(old) * old_pool.block_bytes
+        pool.share(blocks)
+        self._entries[key] = (pool, list(blocks))
         self.bytes += size
 
     def stats(self) -> PrefixStats:

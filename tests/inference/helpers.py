@@ -15,10 +15,29 @@ from services.inference.kvpool import RowCache
 TINY_PROBES = (16, 256, 1024)
 
 
+def read_cache(cache: RowCache, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the keys and values at positions start..start+n-1, [layers, KV, n, D] each."""
+    pool = cache.pool
+    index = torch.tensor(pool.slots(cache, start, n))
+    layers = [pool.layer(i) for i in range(pool.keys.shape[0])]
+    return (torch.stack([k.index_select(1, index) for k, _ in layers]),
+            torch.stack([v.index_select(1, index) for _, v in layers]))
+
+
+def write_cache(cache: RowCache, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Store keys and values [layers, KV, n, D] at positions start..start+n-1 (the length is unchanged)."""
+    pool = cache.pool
+    index = torch.tensor(pool.slots(cache, start, keys.shape[2]))
+    for i in range(keys.shape[0]):
+        k, v = pool.layer(i)
+        k.index_copy_(1, index, keys[i])
+        v.index_copy_(1, index, values[i])
+
+
 def clone_cache(cache: RowCache) -> RowCache:
     """A cache of its own in the same pool with the same contents and length (a row replayed alone)."""
     copy = cache.pool.allocate(cache.capacity)
-    copy.write(0, *cache.read(0, cache.capacity))
+    write_cache(copy, 0, *read_cache(cache, 0, cache.capacity))
     copy.length = cache.length
     return copy
 

@@ -8,7 +8,7 @@ import torch
 from services.inference.forward import LlamaRunner, Segment
 from services.inference.model import convert_model, load_model, model_dtype, tiny_model
 from shared.errors import InvalidInput
-from tests.inference.helpers import prompt
+from tests.inference.helpers import prompt, read_cache
 
 
 def test_prefill_logits_match_the_whole_pass(tiny):
@@ -76,7 +76,7 @@ def test_chunked_prefill_is_reproducible_and_close_to_a_whole_one_but_not_bitwis
     chunked, cache = chunked_prefill(runner, ids, 64)
     again, _ = chunked_prefill(runner, ids, 64)
     assert cache.length == 300 and torch.equal(chunked, again)
-    assert torch.equal(cache.read(0, 300)[0][0], whole_cache.read(0, 300)[0][0])
+    assert torch.equal(read_cache(cache, 0, 300)[0][0], read_cache(whole_cache, 0, 300)[0][0])
     assert int(chunked.argmax()) == int(whole.argmax())
     assert 0 < (chunked - whole).abs().max() < 1e-4
 

@@ -13,7 +13,7 @@ from services.inference.kvpool import PAD_BLOCK, KvPool, PoolExhausted
 from services.inference.memory import MemoryModel
 from services.inference.model import convert_model
 from shared.errors import NumericalInstability
-from tests.inference.helpers import collect, prompt, request
+from tests.inference.helpers import collect, prompt, read_cache, request, write_cache
 
 
 def small_pool(blocks: int = 6) -> KvPool:
@@ -25,12 +25,12 @@ def test_blocks_are_lent_zeroed_and_come_back():
     pool = small_pool()
     a = pool.allocate(9)                       # 3 blocks of 4 positions
     assert len(a.blocks) == 3 and a.capacity == 12 and pool.free_blocks == 3 and PAD_BLOCK not in a.blocks
-    a.write(0, torch.full((2, 2, 12, 4), float("nan")), torch.full((2, 2, 12, 4), float("nan")))
+    write_cache(a, 0, torch.full((2, 2, 12, 4), float("nan")), torch.full((2, 2, 12, 4), float("nan")))
     a.release()
     a.release()                                # idempotent
     assert pool.free_blocks == 6
     b = pool.allocate(12)                      # the same blocks, lowest id first, zeroed again
-    keys, values = b.read(0, 12)
+    keys, values = read_cache(b, 0, 12)
     assert keys.abs().sum() == 0 and values.abs().sum() == 0
     with pytest.raises(PoolExhausted):
         pool.allocate(13)
@@ -43,10 +43,10 @@ def test_write_and_read_address_positions_across_blocks():
     pool = small_pool()
     cache = pool.allocate(10)
     keys = torch.arange(2 * 2 * 7 * 4, dtype=torch.float32).view(2, 2, 7, 4)
-    cache.write(3, keys, -keys)               # positions 3..9 span all three blocks
-    got_k, got_v = cache.read(3, 7)
+    write_cache(cache, 3, keys, -keys)               # positions 3..9 span all three blocks
+    got_k, got_v = read_cache(cache, 3, 7)
     assert torch.equal(got_k, keys) and torch.equal(got_v, -keys)
-    assert cache.read(0, 3)[0].abs().sum() == 0
+    assert read_cache(cache, 0, 3)[0].abs().sum() == 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -121,7 +121,8 @@ async def test_the_prefix_cache_never_hands_base_blocks_to_an_adapter(tiny, regi
         want = ids((await collect(plain, request("w", p, 6, adapter="alpha")))[0])
     finally:
         await plain.stop(grace_s=0)
-    cached = await _engine(tiny, registry[0], prefix_cache_bytes=50_000_000, prefill_tokens_per_iteration=8)
+    cached = await _engine(tiny, registry[0], prefix_cache_bytes=50_000_000, prefill_tokens_per_iteration=8,
+                          kv_block_tokens=8)
     try:
         await collect(cached, request("b", p, 6))  # stores the base model's blocks of p
         assert ids((await collect(cached, request("x", p, 6, adapter="alpha")))[0]) == want
