@@ -4,7 +4,8 @@ Runs on the stage's torch thread. A warm start (same engine fingerprint as a sto
 verification probe gives the same bits) loads the recorded format and hands the engine its stored
 calibration; a cold start resolves the format (formats.py), measures everything and stores the
 record. Before either, `auto` gates the candidates that have no stored gate result (startgate.py), so
-the fingerprint, which includes the stored results, already sees them. Each phase's duration is logged, so a slow start says where its time went.
+the fingerprint, which includes the stored results, already sees them. Each phase's duration is
+logged, so a slow start says where its time went.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Which weight format the stage serves: an explicit one checked against its quality gate, or `auto`.
 
 * An explicit format other than float32 (the reference) must have passed the gate for this very model
-  (results stored by `bench/gate_formats.py` under var/gate/, keyed by the hash of the weights); a
+  (results stored under var/gate/, keyed by the hash of the weights, by `bench/gate_formats.py` or by
+  the gate `auto` runs at start, startgate.py); a
   format that failed, or was never gated, stops the stage with a ConfigError (exit 2) unless
   `formats.force` is set.
 * `auto` keeps the candidates that pass the gate (float32 always does) and whose linear layers give a
