@@ -1,11 +1,14 @@
 """The quality gate of every weight format on the real model; stores the results the stage reads at start.
 
-Probe set: the 200 chat prompts of bench/bench_inference.py (10 forms x 20 subjects, chat template).
-Every format reads the same sequences (teacher forcing) and is compared with float32 at each position
-from the first token of the user's text to the end of the assistant header (services/inference/gate.py). Results go to var/gate/<model sha256>.json (KEEL_VAR_DIR);
-thresholds come from config/inference.yaml (formats.gate).
+Probe set: services/inference/gate_probes.json, the 200 chat prompts of bench/bench_inference.py
+(10 forms x 20 subjects, chat template) as token ids (services/inference/gateprobes.py). Every format
+reads the same sequences (teacher forcing) and is compared with float32 at each position from the
+first token of the user's text to the end of the assistant header (services/inference/gate.py).
+Results go to var/gate/<model sha256>.json (KEEL_VAR_DIR), where the stage's own gate at first start
+(formats.gate_at_start) stores them too; thresholds come from config/inference.yaml (formats.gate).
 
-Run: .venv/bin/python bench/gate_formats.py [--prompts 200] [--threads 2]
+Run: .venv/bin/python bench/gate_formats.py [--prompts N] [--threads 2]
+     .venv/bin/python bench/gate_formats.py --write-probes   # re-render the probe file (needs the tokenizer)
 """
 from __future__ import annotations
 
@@ -17,23 +20,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from bench.bench_inference import MODEL, prompts  # noqa: E402
 from services.inference import config as inf_config  # noqa: E402
-from services.inference import gate  # noqa: E402
+from services.inference import gate, gateprobes  # noqa: E402
 from services.inference.formats import gate_path  # noqa: E402
 from services.inference.model import convert_model, load_model  # noqa: E402
 from services.inference.warmcache import model_sha256  # noqa: E402
 
+PROBES = 200
 
-def sequences(tok, ids: list[list[int]]) -> list[gate.Sequence]:
-    """Each chat prompt, scored from the first token of the user's text (the shared system preamble
-    before it says nothing about a format) to the end of the assistant header."""
+
+def render_probes() -> list[gate.Sequence]:
+    """The first PROBES chat prompts, each scored from the first token of the user's text (the shared
+    system preamble before it says nothing about a format) to the end of the assistant header."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))  # nosec B615 (local directory, no hub)
     empty = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)
     empty = list(empty["input_ids"] if hasattr(empty, "keys") else empty)
     out = []
-    for p in ids:
+    for p in prompts(tok, PROBES):
         start = next(i for i, (a, b) in enumerate(zip(p, empty)) if a != b)
         out.append(gate.Sequence(tuple(p), max(1, start)))
     return out
@@ -41,24 +47,28 @@ def sequences(tok, ids: list[list[int]]) -> list[gate.Sequence]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=None, help="the first N probes (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     # float16 is left out by default: this CPU has no fp16 GEMM and one pass takes seconds.
     ap.add_argument("--formats", default="bfloat16,int8,int4")
+    ap.add_argument("--write-probes", action="store_true", help=f"write {gateprobes.PROBES_FILE.name} and exit")
     args = ap.parse_args(argv)
+    if args.write_probes:
+        seqs = render_probes()
+        gateprobes.write(seqs)
+        print(f"{len(seqs)} sequences, sha256 {gateprobes.digest(seqs)}, written to {gateprobes.PROBES_FILE}")
+        return 0
     torch.set_num_threads(args.threads)
     limits = inf_config.load().formats.gate
-    tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))  # nosec B615 (local directory, no hub)
     reference = load_model(MODEL, "float32")
     t0 = time.perf_counter()
-    seqs = sequences(tok, prompts(tok, args.prompts))
+    seqs = gateprobes.load(args.prompts)
     candidates = {f: convert_model(reference, f) for f in args.formats.split(",")}
     results = gate.evaluate(reference, candidates, seqs,
                             lambda i: i % 20 or print(f"scored {i}/{len(seqs)}", flush=True))
     sha = model_sha256(MODEL)
     path = gate_path(sha)
-    gate.store(path, sha, results, f"{len(seqs)} chat prompts of bench/bench_inference.py, teacher-forced, "
-                                   "scored from the user's text to the assistant header")
+    gate.store(path, sha, results, gateprobes.describe(len(seqs)))
     print(f"\n{len(seqs)} sequences, {results[0].positions} scored positions, {time.perf_counter() - t0:.0f} s; "
           f"stored in {path}\n")
     print("| format | mean KL (nats) | p95 KL | greedy agreement | gate |")

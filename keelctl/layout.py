@@ -57,7 +57,7 @@ class Layout:
     redis: RedisLayout = field(default_factory=RedisLayout)
     stages: StagesLayout = field(default_factory=StagesLayout)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    ready_timeout_s: float = 180.0
+    ready_timeout_s: float = 600.0  # the inference stage's first start may run the quality gate
     metrics_port: int = 0
 
     def stage(self, name: str) -> StageLayout:

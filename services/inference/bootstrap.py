@@ -3,7 +3,9 @@
 Runs on the stage's torch thread. A warm start (same engine fingerprint as a stored record, and the
 verification probe gives the same bits) loads the recorded format and hands the engine its stored
 calibration; a cold start resolves the format (formats.py), measures everything and stores the
-record. Each phase's duration is logged, so a slow start says where its time went.
+record. Before either, `auto` gates the candidates that have no stored gate result (startgate.py), so
+the fingerprint, which includes the stored results, already sees them. Each phase's duration is
+logged, so a slow start says where its time went.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from services.inference import formats, gate, warmcache
+from services.inference import formats, gate, startgate, warmcache
 from services.inference.config import InferenceConfig
 from services.inference.engine import ENGINE_VERSION, Engine
 from services.inference.lora.startup import check_adapters
@@ -76,9 +78,18 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     if e.intra_op_threads is not None:
         torch.set_num_threads(e.intra_op_threads)
     set_deterministic(e.device)
+    reference = None  # the float32 model, once loaded for the gate or for auto
+    gating = e.dtype == AUTO and cfg.formats.gate_at_start
+    ungated = startgate.pending(cfg.formats, model_sha, e.device) if gating else ()
+    if ungated:
+        reference = load_model(cfg.model_dir, "float32", e.device)
+        phases.mark("load_reference")
+        startgate.run(reference, model_sha, ungated, cfg.formats, e.device)
+        phases.mark("quality_gate")
     fp = fingerprint(cfg, model_sha)
     record = warmcache.load(fp) if cfg.warm_restart else None
     if record is not None:
+        reference = None
         model = load_model(cfg.model_dir, record.format, e.device)
         phases.mark("load_model")
         ok = warmcache.probe_digest(model) == record.probe_digest
@@ -95,8 +106,9 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
                     extra={"format": record.format})
         del model
     if e.dtype == AUTO:
-        reference = load_model(cfg.model_dir, "float32", e.device)
-        phases.mark("load_model")
+        if reference is None:
+            reference = load_model(cfg.model_dir, "float32", e.device)
+            phases.mark("load_model")
         choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device)
         del reference
         phases.mark("choose_format")

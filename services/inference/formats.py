@@ -1,7 +1,8 @@
 """Which weight format the stage serves: an explicit one checked against its quality gate, or `auto`.
 
 * An explicit format other than float32 (the reference) must have passed the gate for this very model
-  (results stored by `bench/gate_formats.py` under var/gate/, keyed by the hash of the weights); a
+  (results stored under var/gate/, keyed by the hash of the weights, by `bench/gate_formats.py` or by
+  the gate `auto` runs at start, startgate.py); a
   format that failed, or was never gated, stops the stage with a ConfigError (exit 2) unless
   `formats.force` is set.
 * `auto` keeps the candidates that pass the gate (float32 always does) and whose linear layers give a
@@ -43,8 +44,13 @@ class FormatsConfig:
     gate: GateThresholds = field(default_factory=GateThresholds)
     force: bool = False  # serve an explicit format even when it failed or never ran the gate
     auto_candidates: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4")
+    # engine.dtype auto: a candidate with no stored gate result is gated at start (startgate.py)
+    gate_at_start: bool = True
+    gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them
 
     def __post_init__(self):
+        if self.gate_prompts is not None and self.gate_prompts < 1:
+            raise ValueError(f"gate_prompts must be >= 1 or null, got {self.gate_prompts}")
         unknown = [c for c in self.auto_candidates if c not in DTYPES]
         if unknown or not self.auto_candidates:
             raise ValueError(f"auto_candidates must be a non-empty subset of {DTYPES}, got {unknown or 'none'}")
@@ -67,7 +73,8 @@ def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) ->
         return True, "float32 is the reference the gate compares with"
     result = results.get(fmt)
     if result is None:
-        return False, f"{fmt} has no gate result for this model (run bench/gate_formats.py)"
+        return False, (f"{fmt} has no gate result for this model (run `make gate`, or start with "
+                       "engine.dtype auto and formats.gate_at_start)")
     failures = result.failures(limits)
     if failures:
         return False, f"{fmt} fails the quality gate: " + "; ".join(failures)

@@ -5,8 +5,9 @@ greedy answer), and at every answer position we compare the two next-token distr
   * KL(float32 || candidate) in nats, the mean and the 95th percentile over all scored positions;
   * greedy agreement, the share of positions where both put their maximum on the same token.
 Teacher forcing keeps one early disagreement from derailing the rest of a sequence, so each position
-is judged on its own. The full gate over 200 prompts of the real model is run once by
-`bench/gate_formats.py`, which stores the results with `store()`; the stage reads them at start.
+is judged on its own. The gate over the 200 probes of gate_probes.json is run by `bench/gate_formats.py`
+(`make gate`) or, for the `auto` candidates still lacking a result, by the stage at start
+(startgate.py); both store the results with `store()`, and every start reads them.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class Sequence:
 @torch.inference_mode()
 def _log_probs(model: torch.nn.Module, seq: Sequence) -> torch.Tensor:
     """float32 log-probabilities of the next token at each scored position [n, V]."""
-    ids = torch.tensor([seq.ids[:-1]])
+    ids = torch.tensor([seq.ids[:-1]], device=model.device)
     logits = model(ids).logits[0, seq.score_from - 1:].float()
     return torch.log_softmax(logits, dim=-1)
 

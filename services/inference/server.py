@@ -11,7 +11,7 @@ import grpc
 
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
-from services.inference import formats
+from services.inference import formats, gateprobes
 from services.inference.bootstrap import start_engine
 from services.inference.engine import ENGINE_VERSION, Engine
 from services.inference.model import AUTO
@@ -106,6 +106,8 @@ def build() -> tuple[InferenceStage, ServerConfig]:
     model_sha = model_sha256(cfg.model_dir)
     if cfg.engine.dtype != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
         formats.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
+    elif cfg.formats.gate_at_start:  # so does a corrupted probe set the gate at start would read
+        gateprobes.load(cfg.formats.gate_prompts)
     for name, fmt in cfg.engine.variants.items():  # so does a variant's
         formats.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
     return InferenceStage(cfg, model_sha), cfg.server

@@ -69,7 +69,11 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
     env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp / "keel.json"), KEEL_VAR_DIR=str(tmp / "var"),
                KEEL_TRACES_DIR=str(tmp / "traces"), KEEL_VALIDATOR_QUARANTINE__SPILL_PATH=str(tmp / "spill.jsonl"),
                # the feedback stage's rotation webhook, off the default port other meshes may hold
-               KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT=str(free_port()))
+               KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT=str(free_port()),
+               # every mesh has a fresh var/: gating the auto candidates at start would cost each one
+               # ~100 s, so the meshes serve what auto picks without stored results (float32);
+               # tests/inference/test_gate_at_start.py tests the gate at start
+               KEEL_INFERENCE_FORMATS__GATE_AT_START="false")
     env.update(extra_env or {})
     env.pop("KEEL_MESH_TOKEN", None)
     return layout, ports, redis_port, env

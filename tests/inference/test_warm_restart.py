@@ -30,7 +30,8 @@ def var_dir(tmp_path, monkeypatch):
 
 def _cfg(model_dir, **engine) -> InferenceConfig:
     return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"dtype": "float32", **engine}),
-                           formats=FormatsConfig(auto_candidates=("float32", "bfloat16")))
+                           # no gate at start: these tests are about the record, not the gate (test_gate_at_start.py)
+                           formats=FormatsConfig(auto_candidates=("float32", "bfloat16"), gate_at_start=False))
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
