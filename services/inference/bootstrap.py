@@ -123,7 +123,10 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     record = WarmRecord(choice.format, choice.reason, choice.gate, engine.calibration,
                         warmcache.probe_digest(model))
     if cfg.warm_restart:
-        warmcache.store(fp, record)
+        try:
+            warmcache.store(fp, record)
+        except OSError as exc:  # a read-only var/ still serves; every start then measures again
+            log.warning("warm-start record not stored", extra={"error": str(exc)})
     phases.mark("store_record")
     log.info("cold start: format chosen and engine measured", extra={"format": choice.format,
                                                                      "reason": choice.reason,

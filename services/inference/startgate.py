@@ -12,6 +12,7 @@ reports NOT_SERVING meanwhile (~100 s for three formats of SmolLM2-135M on 2 cor
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 
 import torch
@@ -40,16 +41,30 @@ def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
 
 def run(reference: torch.nn.Module, model_sha: str, fmts: tuple[str, ...], cfg: FormatsConfig,
         device: str) -> None:
-    """Gate `fmts` against `reference` (float32) and add their results to the model's stored ones."""
+    """Gate `fmts` against `reference` (float32) and add their results to the model's stored ones.
+
+    Skipped, with a warning, when the results could not be stored (a read-only var/): `auto` then
+    chooses among the stored results, and a gate run would be lost work at every start."""
     sequences = gateprobes.load(cfg.gate_prompts)
+    path = gate_path(model_sha)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as exc:
+        log.warning("quality gate not run at start: its results could not be stored",
+                    extra={"formats": list(fmts), "error": str(exc)})
+        return
     log.info("running the quality gate at start (no stored result for these formats)",
              extra={"formats": list(fmts), "prompts": len(sequences)})
     t0 = time.perf_counter()
     results = gate.evaluate(reference, {f: convert_model(reference, f, device) for f in fmts}, sequences)
-    path = gate_path(model_sha)
     stored = gate.load(path, model_sha)
-    gate.store(path, model_sha, [*(r for f, r in stored.items() if f not in fmts), *results],
-               gateprobes.describe(len(sequences)))
+    try:
+        gate.store(path, model_sha, [*(r for f, r in stored.items() if f not in fmts), *results],
+                   gateprobes.describe(len(sequences)))
+    except OSError as exc:
+        log.warning("gate results not stored; the next start runs the gate again", extra={"error": str(exc)})
+        return
     verdicts = {r.format: "fails: " + "; ".join(r.failures(cfg.gate)) if r.failures(cfg.gate) else "passes"
                 for r in results}
     log.info("quality gate run at start", extra={

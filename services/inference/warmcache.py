@@ -57,7 +57,10 @@ def model_sha256(model_dir: Path) -> str:
             changed = True
         total.update(f"{path.name}:{entry['sha256']}\n".encode())
     if changed:
-        write_json(cache_path, cache)
+        try:
+            write_json(cache_path, cache)
+        except OSError:  # a read-only var/: the next start hashes the files again
+            pass
     return total.hexdigest()
 
 

@@ -83,6 +83,8 @@ def test_pods_are_non_root_read_only_with_requests_and_limits(rendered, overlay,
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
     assert "emptyDir" in volumes[mounts["/app/var/run"]["name"]]
+    if stage == "inference":  # it stores the gate's results and its warm-start records under var/
+        assert all("emptyDir" in volumes[mounts[p]["name"]] for p in ("/app/var/gate", "/app/var/warm"))
     config = mounts["/etc/keel"]
     assert config["readOnly"] is True and volumes[config["name"]]["configMap"]["name"].startswith("keel-config-")
     assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "keel"

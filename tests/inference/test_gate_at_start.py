@@ -156,3 +156,17 @@ def test_the_stored_probes_hash_to_their_digest_and_are_the_full_set():
 def test_a_bad_gate_setting_names_its_field(key, value, field):
     with pytest.raises(ConfigError, match=field):
         inf_config.load(environ={f"KEEL_INFERENCE_FORMATS__{key}": value})
+
+
+def test_a_read_only_var_serves_without_gating_or_storing(var_dir, model_dir, gate_runs, caplog):
+    """Where var/ cannot be written (a read-only root), a gate run would be lost at every start: the
+    stage skips it, warns, chooses among the stored results (none: float32) and still serves."""
+    var_dir.mkdir(parents=True)
+    (var_dir / "gate").write_text("a file where the folder would go")  # mkdir fails, as on a read-only root
+    (var_dir / "warm").write_text("a file where the folder would go")
+    with caplog.at_level(logging.WARNING):
+        started = _start(_cfg(model_dir))
+    assert gate_runs == [] and started.record.format == "float32" and not started.warm
+    messages = {r.getMessage() for r in caplog.records}
+    assert {"quality gate not run at start: its results could not be stored",
+            "warm-start record not stored"} <= messages
