@@ -60,8 +60,8 @@ def freeze_heap() -> None:
 
 
 async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> None:
-    """``freeze``: freeze the heap once warmed up (``freeze_heap``); the process entry does, a
-    test that serves in its own process need not."""
+    """``freeze``: freeze the heap once warmed up and SERVING (``freeze_heap``); the process entry
+    does, a test that serves in its own process need not."""
     ready = False
     serving_gauge = metrics.metrics_for(stage.name).gauge("keel_stage_serving").labels(service=stage.name)
     # Only the public gateway authenticates clients itself; every other stage demands the mesh token.
@@ -110,8 +110,6 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
             log.error("warm-up failed; exiting", exc_info=warm.exception())
             await server.stop(0)
             raise SystemExit(1)
-        if freeze:
-            freeze_heap()
         ready = True
         # READY=1 before SERVING: whoever sees this process SERVING, its supervisor knows it served
         # (and restarts it at once if it dies; keelctl/supervisor.py).
@@ -120,6 +118,8 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         serving_gauge.set(1)
         log.info("serving", extra={"address": f"{cfg.host}:{port}"})
+        if freeze:  # after SERVING: its one full collection does not delay a restarted stage's return
+            freeze_heap()
         await stop.wait()
     log.info("draining", extra={"grace_s": cfg.drain_grace_s})
     ready = False
