@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from shared import errors, meshauth, metrics, tracing
@@ -27,6 +28,7 @@ TRACE_ID_KEY = "x-keel-trace-id"
 _EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 NOT_SERVING_RETRY_MS = 1000  # the hint on UNAVAILABLE from a stage warming up or shutting down
 CUT_WAIT_S = 1.0  # how long the drain waits for cut calls to send their status
+_NEW_TRACE = otel_context.Context()  # a span started in it is the root of a new trace
 
 
 class MalformedRequest:
@@ -116,19 +118,30 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         self._cut: set[asyncio.Task] = set()    # the ones the drain is ending
         self._idle = asyncio.Event()
         m = metrics.metrics_for(service)
-        self._requests = m.counter("keel_requests_total")
-        self._duration = m.histogram("keel_request_duration_seconds")
+        self.requests = m.counter("keel_requests_total")
+        self.duration = m.histogram("keel_request_duration_seconds")
+        self._wrapped: dict[str, tuple] = {}  # method -> (its handler, that handler wrapped)
 
     async def intercept_service(self, continuation, details):
+        # grpc.aio runs this for every call; the wrapped handler is made once per method (and
+        # again only if the servicer's handler for it changes).
         handler = await continuation(details)
         if handler is None or details.method.startswith(_EXEMPT):
             return handler
-        method = details.method
+        known = self._wrapped.get(details.method)
+        if known is None or known[0] is not handler:
+            known = (handler, self._wrap(details.method, handler))
+            self._wrapped[details.method] = known
+        return known[1]
+
+    def _wrap(self, method: str, handler):
+        """``handler`` inside ``_scope``, with the request parsed tolerantly."""
+        names = _MethodNames(self, method)
         if handler.unary_unary:
             behavior = handler.unary_unary
 
             async def unary(request, context):
-                async with self._scope(method, request, context):
+                async with self._scope(names, request, context):
                     return await behavior(request, context)
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=tolerant(handler.request_deserializer),
@@ -137,7 +150,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             stream = handler.unary_stream
 
             async def unary_stream(request, context):
-                async with self._scope(method, request, context):
+                async with self._scope(names, request, context):
                     async for item in stream(request, context):
                         yield item
             return grpc.unary_stream_rpc_method_handler(
@@ -147,7 +160,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             bidi = handler.stream_stream
 
             async def stream_stream(request_iterator, context):
-                async with self._scope(method, None, context):
+                async with self._scope(names, None, context):
                     async for item in bidi(_parsed(request_iterator), context):
                         yield item
             return grpc.stream_stream_rpc_method_handler(
@@ -155,12 +168,12 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _admit(self, md: Mapping[str, str], request, context) -> None:
+    def _admit(self, pairs: tuple, md: Mapping[str, str], request, context) -> None:
         if self.mesh_token is not None:
             meshauth.check(self.mesh_token, md)
         elif self.authenticate is not None:
             # Every metadata pair (a repeated header must stay visible) and the caller's address.
-            self.authenticate(context.invocation_metadata() or (), context.peer())
+            self.authenticate(pairs, context.peer())
         if self.draining:
             raise self._shutting_down("is shutting down; send the call to another replica")
         if not self.is_ready():
@@ -170,8 +183,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
     def _parent(self, md: Mapping[str, str]):
         """The caller's trace context; a public stage logs and drops an invalid ``traceparent``."""
-        parent = tracing.extract(md.items())
-        if self.public and "traceparent" in md and not trace.get_current_span(parent).get_span_context().is_valid:
+        if "traceparent" not in md:  # nothing to join (tracestate alone means nothing): a new trace
+            return None
+        parent = tracing.extract_from(md)
+        if self.public and not trace.get_current_span(parent).get_span_context().is_valid:
             log.warning("ignoring an invalid traceparent; starting a new trace",
                         extra={"traceparent": md["traceparent"][:128]})
             return None
@@ -203,23 +218,23 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             await asyncio.wait(self._cut, timeout=CUT_WAIT_S)
 
     @contextlib.asynccontextmanager
-    async def _scope(self, method: str, request, context):
+    async def _scope(self, names: _MethodNames, request, context):
         self.inflight += 1
         task = asyncio.current_task()
         self._calls.add(task)
-        md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        pairs = context.invocation_metadata() or ()
+        md = {k: v for k, v in pairs if isinstance(v, str)}
         parent = self._parent(md)
-        name = method.rsplit("/", 1)[-1]
         start = time.perf_counter()
         code = "OK"
         with tracing.tracer().start_as_current_span(
-                f"{self.service}/{name}", context=parent, kind=trace.SpanKind.SERVER) as span:
-            trace_id = tracing.current_trace_id()
-            tokens = (trace_id_var.set(trace_id), rpc_var.set(method))
+                names.span, context=parent or _NEW_TRACE, kind=trace.SpanKind.SERVER) as span:
+            trace_id = tracing.trace_id_of(span)
+            tokens = (trace_id_var.set(trace_id), rpc_var.set(names.method))
             try:
                 if trace_id:
                     await context.send_initial_metadata(((TRACE_ID_KEY, trace_id),))
-                self._admit(md, request, context)
+                self._admit(pairs, md, request, context)
                 yield
                 context.set_trailing_metadata(((TRACE_ID_KEY, trace_id),))
             except errors.KeelError as err:
@@ -251,10 +266,28 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 self._calls.discard(task)
                 if not self.inflight:
                     self._idle.set()
-                self._requests.labels(service=self.service, method=name, code=code).inc()
-                self._duration.labels(service=self.service, method=name).observe(time.perf_counter() - start)
+                names.requests(code).inc()
+                names.duration.observe(time.perf_counter() - start)
                 trace_id_var.reset(tokens[0])
                 rpc_var.reset(tokens[1])
+
+
+class _MethodNames:
+    """What a method's calls share, made once: its span name and its metric series."""
+
+    def __init__(self, interceptor: ServerInterceptor, method: str):
+        name = method.rsplit("/", 1)[-1]
+        self.method, self.span = method, f"{interceptor.service}/{name}"
+        self._requests = {}
+        self._counter = lambda code: interceptor.requests.labels(service=interceptor.service, method=name, code=code)
+        self.duration = interceptor.duration.labels(service=interceptor.service, method=name)
+
+    def requests(self, code: str):
+        """The request counter of this method and ``code``."""
+        child = self._requests.get(code)
+        if child is None:
+            child = self._requests[code] = self._counter(code)
+        return child
 
 
 def _record_error(span: trace.Span, err: errors.KeelError) -> None:

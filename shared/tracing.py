@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -26,6 +26,7 @@ from shared.config import VAR_DIR
 
 TRACES_DIR = Path(os.environ.get("KEEL_TRACES_DIR", VAR_DIR / "traces"))
 _propagator = TraceContextTextMapPropagator()
+_getter = DefaultGetter()
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -112,8 +113,12 @@ def tracer(name: str = "keel") -> trace.Tracer:
 
 def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
     """Context carried by an incoming call's ``traceparent`` metadata (empty context if none)."""
-    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
-    return _propagator.extract(carrier, getter=DefaultGetter())
+    return extract_from({k: v for k, v in (metadata or ()) if isinstance(v, str)})
+
+
+def extract_from(carrier: Mapping[str, str]) -> otel_context.Context:
+    """``extract`` of metadata already gathered into a mapping (text values only)."""
+    return _propagator.extract(carrier, getter=_getter)
 
 
 def inject() -> list[tuple[str, str]]:
@@ -124,5 +129,10 @@ def inject() -> list[tuple[str, str]]:
 
 
 def current_trace_id() -> str:
-    ctx = trace.get_current_span().get_span_context()
+    return trace_id_of(trace.get_current_span())
+
+
+def trace_id_of(span: trace.Span) -> str:
+    """``span``'s trace id as 32 hex characters ("" for a span that records nothing)."""
+    ctx = span.get_span_context()
     return f"{ctx.trace_id:032x}" if ctx.is_valid else ""

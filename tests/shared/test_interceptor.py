@@ -111,3 +111,69 @@ async def test_invalid_pushback_is_marked_invalid():
     assert _retry_hint({"grpc-retry-pushback-ms": "-5"}, None) == ("invalid", None)
     assert _retry_hint({"grpc-retry-pushback-ms": "soon"}, None) == ("invalid", None)
     assert _retry_hint({}, None) == ("absent", None)
+
+
+def _requests(code: str) -> float:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value("keel_requests_total",
+                                     {"service": "tokenizer", "method": "Decode", "code": code}) or 0.0
+
+
+@pytest.mark.asyncio
+async def test_every_call_is_counted_under_its_own_code(server):
+    servicer, ch = server
+    ok, bad = _requests("OK"), _requests("INVALID_ARGUMENT")
+    await call(ch)
+    await call(ch)
+    servicer.error = errors.InvalidInput("no", reason="EMPTY_PROMPT")
+    with pytest.raises(grpc.aio.AioRpcError):
+        await call(ch)
+    servicer.error = None
+    await call(ch)
+    assert (_requests("OK") - ok, _requests("INVALID_ARGUMENT") - bad) == (3, 1)
+
+
+class _Details:
+    def __init__(self, method: str):
+        self.method, self.invocation_metadata = method, ()
+
+
+class _Context:
+    """The few calls the interceptor makes on a grpc.aio servicer context."""
+
+    def invocation_metadata(self):
+        return ((MESH_TOKEN_KEY, "s3cret"),)
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    async def send_initial_metadata(self, metadata):
+        pass
+
+    def set_trailing_metadata(self, metadata):
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_method_whose_handler_changes_gets_the_new_one():
+    """The wrapped handler is made once per method, but never outlives the handler it wraps."""
+    interceptor = ServerInterceptor("tokenizer", mesh_token="s3cret")
+    seen = []
+
+    def handler(tag):
+        async def behaviour(request, context):
+            seen.append(tag)
+        return grpc.unary_unary_rpc_method_handler(behaviour)
+
+    current = handler("first")
+
+    async def continuation(details):
+        return current
+
+    method = "/keel.tokenizer.v1.Tokenizer/Decode"
+    wrapped = await interceptor.intercept_service(continuation, _Details(method))
+    await wrapped.unary_unary(tokenizer_pb2.DecodeRequest(), _Context())
+    current = handler("second")
+    wrapped = await interceptor.intercept_service(continuation, _Details(method))
+    await wrapped.unary_unary(tokenizer_pb2.DecodeRequest(), _Context())
+    assert seen == ["first", "second"]

@@ -52,3 +52,32 @@ async def test_an_idle_client_connection_is_closed():
             assert ch.get_state() == grpc.ChannelConnectivity.IDLE
     finally:
         await stop(server)
+
+
+@pytest.mark.asyncio
+async def test_a_warmed_up_stage_keeps_its_startup_heap_out_of_the_collector():
+    """What the process entry asks for (``freeze``): once SERVING, the objects alive at the end of
+    warm-up are frozen, so a full collection under load no longer walks them (and stops the loop)."""
+    import gc
+    gc.unfreeze()
+    port = free_port()
+    server = asyncio.create_task(serve(HangingStage(), ServerConfig(port=port, drain_grace_s=0), freeze=True))
+    try:
+        await asyncio.wait_for(serving(port), 30)
+        assert gc.get_freeze_count() > 1000
+    finally:
+        await stop(server)
+        gc.unfreeze()
+
+
+@pytest.mark.asyncio
+async def test_a_stage_served_without_freeze_leaves_the_heap_to_the_collector():
+    import gc
+    gc.unfreeze()
+    port = free_port()
+    server = asyncio.create_task(serve(HangingStage(), ServerConfig(port=port, drain_grace_s=0)))
+    try:
+        await asyncio.wait_for(serving(port), 30)
+        assert gc.get_freeze_count() == 0
+    finally:
+        await stop(server)
