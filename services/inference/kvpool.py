@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.inference.llama import unfilled
+
 PAD_BLOCK = 0
 
 
@@ -38,8 +40,9 @@ class KvPool:
                  dtype: torch.dtype, device: torch.device):
         shape = (n_layers, kv_heads, blocks + 1, block_tokens, head_dim)  # + the padding block
         self.block_tokens = block_tokens
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        with unfilled():  # never NaN-filled: that would write (and make resident) the whole pool
+            self.keys = torch.empty(shape, dtype=dtype, device=device)
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         self.keys[:, :, PAD_BLOCK] = 0
         self.values[:, :, PAD_BLOCK] = 0
         self._free = list(range(1, blocks + 1))  # a heap: the lowest free id is lent first

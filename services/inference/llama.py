@@ -19,6 +19,7 @@ Shapes: B batch, T tokens, E hidden size, H query heads, KV key/value heads, D h
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
@@ -215,17 +216,24 @@ class LlamaForCausalLM(nn.Module):
         return CausalLMOutput(self.lm_head(core.norm(x)))
 
 
-def uninitialised(config: LlamaConfig) -> LlamaForCausalLM:
-    """The module with its parameters' memory allocated but never written (the caller fills it).
+@contextmanager
+def unfilled():
+    """torch.empty leaves memory unwritten inside this block.
 
-    In deterministic mode torch fills every torch.empty with NaN, a pass over the whole model's
-    memory that the weights would overwrite at once; that fill is switched off while building."""
+    In deterministic mode torch fills every torch.empty with NaN: a pass over all of the memory,
+    which makes every page of it resident. Use it only for memory the caller writes before reading."""
     fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.utils.deterministic.fill_uninitialized_memory = False
     try:
-        return LlamaForCausalLM(config)
+        yield
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def uninitialised(config: LlamaConfig) -> LlamaForCausalLM:
+    """The module with its parameters' memory allocated but never written (the loader fills it)."""
+    with unfilled():
+        return LlamaForCausalLM(config)
 
 
 def load(path: Path) -> LlamaForCausalLM:

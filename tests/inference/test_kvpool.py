@@ -164,3 +164,21 @@ def test_the_memory_model_charges_caches_in_whole_blocks():
     n = model.max_total_tokens(budget)
     assert model.static_bytes + model.request_bytes(n, 0) <= budget < model.static_bytes + model.request_bytes(n + 1, 0)
     assert model.static_bytes + model.request_bytes(1, n - 1) <= budget
+
+
+def test_the_pool_is_not_written_at_allocation_in_deterministic_mode():
+    """Deterministic mode NaN-fills torch.empty; the pool must stay unwritten (pages not resident)
+    except for the padding block, which is zero."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        # 134 MB per tensor: beyond malloc's largest mmap threshold (32 MB), so fresh pages, never
+        # memory an earlier test wrote
+        pool = KvPool(n_layers=2, kv_heads=2, head_dim=64, block_tokens=16, blocks=8192, dtype=torch.float32,
+                      device=torch.device("cpu"))
+        assert torch.utils.deterministic.fill_uninitialized_memory  # the flag is restored
+    finally:
+        torch.use_deterministic_algorithms(old)
+    lent = pool.keys[:, :, 1:]
+    assert not lent.isnan().all()                # a NaN fill would have written every position
+    assert pool.keys[:, :, PAD_BLOCK].abs().sum() == 0
