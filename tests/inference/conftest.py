@@ -9,7 +9,7 @@ import torch
 
 from services.inference.engine import Engine
 from services.inference.model import tiny_model
-from tests.inference.helpers import tiny_config
+from tests.inference.helpers import save_model, tiny_config
 
 # The tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine an
 # OpenMP team of 2 stalls whenever another process holds a core. Invariant batch sizes are
@@ -57,3 +57,9 @@ def shared_engine(tiny):
     asyncio.run(engine.start())
     yield engine
     asyncio.run(engine.stop(grace_s=0))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny):
+    """The tiny model saved as `make model` leaves the real one (config.json + model.safetensors)."""
+    return save_model(tiny, tmp_path_factory.mktemp("tiny-model"))

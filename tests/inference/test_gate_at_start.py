@@ -14,17 +14,10 @@ from services.inference.config import InferenceConfig
 from services.inference.formats import FormatsConfig
 from services.inference.gate import GateThresholds
 from shared.config import ConfigError
-from tests.inference.helpers import save_model, tiny_config
+from tests.inference.helpers import tiny_config
 
 LENIENT = GateThresholds(kl_mean_max=1e9, kl_p95_max=1e9, greedy_agreement_min=0)  # every format passes
 STRICT = GateThresholds(kl_mean_max=0, kl_p95_max=0, greedy_agreement_min=1)  # only bit-equal ones pass
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny):
-    path = tmp_path_factory.mktemp("tiny-model")
-    save_model(tiny, path)
-    return path
 
 
 @pytest.fixture

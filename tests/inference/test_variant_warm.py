@@ -7,13 +7,7 @@ import pytest
 from services.inference import bootstrap, warmcache
 from services.inference.config import InferenceConfig
 from services.inference.formats import FormatsConfig
-from tests.inference.helpers import collect, ids, prompt, request, save_model, tiny_config
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny):
-    path = tmp_path_factory.mktemp("tiny-model")
-    return save_model(tiny, path)
+from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 
 @pytest.fixture

@@ -15,13 +15,6 @@ from services.inference.model import tiny_model
 from tests.inference.helpers import save_model, tiny_config
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny):
-    path = tmp_path_factory.mktemp("tiny-model")
-    save_model(tiny, path)
-    return path
-
-
 @pytest.fixture
 def var_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
