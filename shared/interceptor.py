@@ -185,7 +185,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         """The caller's trace context; a public stage logs and drops an invalid ``traceparent``."""
         if "traceparent" not in md:  # nothing to join (tracestate alone means nothing): a new trace
             return None
-        parent = tracing.extract_from(md)
+        parent = tracing.extract(md)
         if self.public and not trace.get_current_span(parent).get_span_context().is_valid:
             log.warning("ignoring an invalid traceparent; starting a new trace",
                         extra={"traceparent": md["traceparent"][:128]})

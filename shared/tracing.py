@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -111,13 +111,9 @@ def tracer(name: str = "keel") -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
-    """Context carried by an incoming call's ``traceparent`` metadata (empty context if none)."""
-    return extract_from({k: v for k, v in (metadata or ()) if isinstance(v, str)})
-
-
-def extract_from(carrier: Mapping[str, str]) -> otel_context.Context:
-    """``extract`` of metadata already gathered into a mapping (text values only)."""
+def extract(carrier: Mapping[str, str]) -> otel_context.Context:
+    """Context carried by an incoming call's ``traceparent`` (its text metadata as a mapping; an
+    empty context if none)."""
     return _propagator.extract(carrier, getter=_getter)
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from services.inference.jsonfile import write_json
+
 
 @dataclass(frozen=True)
 class GateThresholds:
@@ -98,12 +100,8 @@ def evaluate(reference: torch.nn.Module, candidates: dict[str, torch.nn.Module],
 
 def store(path: Path, model_sha256: str, results: list[GateResult], probe_set: str) -> None:
     """Write the results of one model (by the hash of its weights) to `path`, atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"model_sha256": model_sha256, "probe_set": probe_set,
-            "formats": {r.format: asdict(r) for r in results}}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write_json(path, {"model_sha256": model_sha256, "probe_set": probe_set,
+                      "formats": {r.format: asdict(r) for r in results}})
 
 
 def load(path: Path, model_sha256: str) -> dict[str, GateResult]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from shared.config import var_dir
 
 from services.inference.gate import GateResult
+from services.inference.jsonfile import write_json
 from services.inference.memory import MemoryModel
 from services.inference.warmup import Calibration
 
@@ -142,10 +142,3 @@ def probe_digest(model: torch.nn.Module) -> str:
     """sha256 of the float32 logits of one short forward pass: changes if weights, format or kernels do."""
     logits = model(torch.tensor([PROBE_IDS], device=model.device)).logits.float().cpu()
     return hashlib.sha256(logits.numpy().tobytes()).hexdigest()
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)  # atomic: a start killed mid-write leaves the old record or none

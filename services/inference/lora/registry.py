@@ -27,6 +27,7 @@ from shared.config import var_dir
 from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
 
 from services.inference.forward import LlamaRunner
+from services.inference.jsonfile import write_json
 from services.inference.lora import fingerprint, manifest, peftconfig, probes, startcache
 from services.inference.lora.manifest import Manifest
 from services.inference.lora.probes import ProbeRow, ProbeSet
@@ -230,9 +231,6 @@ def load_registry(cfg: LoraConfig, base: Base, cache: startcache.StartCache | No
 
 def _write_base(root: Path, base: Base) -> None:
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / ".base.json.tmp"
-        tmp.write_text(json.dumps({"fingerprint": base.digest, "fields": base.fields}, indent=1, sort_keys=True))
-        tmp.replace(root / "base.json")
+        write_json(root / "base.json", {"fingerprint": base.digest, "fields": base.fields}, sort_keys=True)
     except OSError as exc:  # a read-only registry still serves; offline tools then lack the running base
         log.warning("cannot record the running base in the registry", extra={"error": str(exc)})
