@@ -18,7 +18,16 @@ from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
+from shared import errors
+
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+RETRY_AFTER_MS = 1000  # the hint a caller gets while the database is unavailable
+
+
+def unavailable(exc: Exception) -> errors.NotReady:
+    """A database failure a retry may cure (server down, connection lost, SQLite file locked)."""
+    return errors.NotReady(f"the feedback database is unavailable: {getattr(exc, 'orig', None) or exc}",
+                           reason="DATABASE_UNAVAILABLE", retry_after_ms=RETRY_AFTER_MS)
 
 metadata = sa.MetaData()
 

@@ -17,9 +17,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from services.feedback import db
 from services.feedback.records import Feedback, dumps
+from services.feedback.upsert import FeedbackUpsert
 from shared import errors
-
-RETRY_AFTER_MS = 1000
 
 
 def now_ms() -> int:
@@ -30,22 +29,7 @@ class Store:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-        # Built once with bound parameters, so SQLAlchemy compiles each only once.
-        f, r = db.feedback.c, db.replay_records.c
-        self._traces_known = sa.select(r.trace_id).where(r.trace_id.in_(sa.bindparam("ids", expanding=True)))
-        self._feedback_known = sa.select(f.feedback_id).where(f.feedback_id.in_(sa.bindparam("ids", expanding=True)))
-        # Plain SQL, the same on SQLite (>= 3.24) and PostgreSQL: SQLAlchemy 2.0 does not cache the
-        # compiled form of its dialects' on_conflict_do_update, and compiling it on every call cost
-        # as much CPU as the database work. created_ms stays as first written; an update changes
-        # everything else.
-        self._upsert_feedback = sa.text(
-            "INSERT INTO feedback (feedback_id, trace_id, error_type, severity, expected_keywords, comment,"
-            " created_ms, updated_ms) VALUES (:feedback_id, :trace_id, :error_type, :severity,"
-            " :expected_keywords, :comment, :created_ms, :updated_ms)"
-            " ON CONFLICT (feedback_id) DO UPDATE SET trace_id = excluded.trace_id,"
-            " error_type = excluded.error_type, severity = excluded.severity,"
-            " expected_keywords = excluded.expected_keywords, comment = excluded.comment,"
-            " updated_ms = excluded.updated_ms")
+        self._upsert = FeedbackUpsert(engine)
 
     def insert(self, table: sa.Table):
         """The dialect's INSERT (it has ON CONFLICT on both SQLite and PostgreSQL)."""
@@ -63,8 +47,11 @@ class Store:
             with self.engine.begin() as conn:
                 yield conn
         except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
-            raise errors.NotReady(f"the feedback database is unavailable: {exc.orig or exc}",
-                                  reason="DATABASE_UNAVAILABLE", retry_after_ms=RETRY_AFTER_MS) from exc
+            raise db.unavailable(exc) from exc
+
+    def close(self) -> None:
+        self._upsert.close()
+        self.engine.dispose()
 
     def put_records(self, bodies: list[dict]) -> int:
         """Insert stored-form records; a trace_id already present is skipped. Returns rows inserted."""
@@ -102,27 +89,15 @@ class Store:
         NotReady for the whole batch while the database is unavailable: then nothing is written."""
         for fb in items:
             fb.check()
-        t = now_ms()
+        known, existing = self._upsert(items, now_ms())
         results: list[bool | errors.KeelError] = []
-        rows: dict[str, dict] = {}
-        with self._tx() as conn:
-            known = set(conn.execute(self._traces_known, {"ids": sorted({fb.trace_id for fb in items})}).scalars())
-            existing = set(conn.execute(self._feedback_known,
-                                        {"ids": sorted({fb.feedback_id for fb in items})}).scalars())
-            for fb in items:
-                if fb.trace_id not in known:
-                    results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
-                                                   reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
-                    continue
-                results.append(fb.feedback_id not in existing)
-                existing.add(fb.feedback_id)
-                rows.pop(fb.feedback_id, None)  # the later item of one feedback_id is the one kept
-                rows[fb.feedback_id] = {
-                    "feedback_id": fb.feedback_id, "trace_id": fb.trace_id, "error_type": fb.error_type,
-                    "severity": fb.severity, "comment": fb.comment, "created_ms": t, "updated_ms": t,
-                    "expected_keywords": json.dumps(list(fb.expected_keywords), ensure_ascii=False)}
-            if rows:
-                conn.execute(self._upsert_feedback, list(rows.values()))
+        for fb in items:
+            if fb.trace_id not in known:
+                results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
+                                               reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
+                continue
+            results.append(fb.feedback_id not in existing)
+            existing.add(fb.feedback_id)
         return results
 
     def list_feedback(self, since_ms: int = 0, *, severities=None, error_types=None,
@@ -160,8 +135,7 @@ def open_store(url: str, *, connect_timeout_s: int = 2, pool_size: int = 5) -> S
     engine = db.make_engine(url, connect_timeout_s=connect_timeout_s, pool_size=pool_size)
     try:
         db.migrate(engine)
+        return Store(engine)
     except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
         engine.dispose()
-        raise errors.NotReady(f"the feedback database is unavailable: {exc.orig or exc}",
-                              reason="DATABASE_UNAVAILABLE", retry_after_ms=RETRY_AFTER_MS) from exc
-    return Store(engine)
+        raise db.unavailable(exc) from exc

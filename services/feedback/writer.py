@@ -43,7 +43,7 @@ class RecordWriter(SpillReplayer):
     def close(self) -> None:
         self._stop_replay()
         if self._store is not None:
-            self._store.engine.dispose()
+            self._store.close()
 
     def store(self) -> Store:
         """The open store, for reads and feedback writes; NotReady while the database is down."""

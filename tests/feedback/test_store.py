@@ -8,6 +8,7 @@ from services.feedback import db
 from services.feedback.records import Feedback, ids_sha256, stored_body
 from services.feedback.store import open_store
 from shared import errors
+from tests.feedback.pg import PgServer
 from tests.feedback.records import record
 
 
@@ -85,8 +86,38 @@ def test_a_batch_is_answered_per_item_as_if_sent_one_after_the_other(db_url):
     assert rows["old"]["comment"] == "edited"
 
 
+def test_an_id_sent_again_on_an_unknown_trace_keeps_its_earlier_item_of_the_batch(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32), True)])
+    results = store.upsert_feedback([fb(feedback_id="x", comment="kept"), fb(trace_id="c" * 32, feedback_id="x")])
+    assert results[0] is True and isinstance(results[1], errors.NotFound)
+    [row] = store.list_feedback()
+    assert (row["feedback_id"], row["trace_id"], row["comment"]) == ("x", "a" * 32, "kept")
+
+
+def test_a_feedback_write_after_postgresql_restarted_reconnects(tmp_path):
+    server = PgServer().init()
+    server.start()
+    try:
+        store = open_store(server.url, connect_timeout_s=1)
+        store.put_records([stored_body(record("a" * 32), True)])
+        assert store.upsert_feedback([fb(feedback_id="before")]) == [True]
+        server.kill()
+        with pytest.raises(errors.NotReady) as exc:  # the held connection is gone, and so is the server
+            store.upsert_feedback([fb(feedback_id="down")])
+        assert exc.value.reason == "DATABASE_UNAVAILABLE" and exc.value.retry_after_ms > 0
+        server.start()
+        assert store.upsert_feedback([fb(feedback_id="after")]) == [True]
+        assert {r["feedback_id"] for r in store.list_feedback()} == {"before", "after"}
+        store.close()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("field,kw", [("error_type", {"error_type": "typo"}), ("severity", {"severity": "fatal"}),
-                                      ("feedback_id", {"feedback_id": " "}), ("trace_id", {"trace_id": ""})])
+                                      ("feedback_id", {"feedback_id": " "}), ("trace_id", {"trace_id": ""}),
+                                      ("comment", {"comment": "a\x00b"}), ("feedback_id", {"feedback_id": "x\x00"}),
+                                      ("expected_keywords", {"expected_keywords": ("ok", "\x00")})])
 def test_a_bad_field_is_invalid_input_naming_it(field, kw):
     with pytest.raises(errors.InvalidInput) as exc:
         fb(**kw).check()

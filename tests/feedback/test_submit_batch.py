@@ -233,15 +233,19 @@ def test_submit_batch_answers_each_item_after_its_commit_and_a_bad_item_fails_al
         stub.Record(feedback_pb2.RecordRequest(records=[replay_record(TRACE)]), metadata=MD)
         bad_enum = request("bad-enum")
         bad_enum.error_type = "typo"
-        items = [request("ok-1"), request(""), request("ok-2", "c" * 32), bad_enum, request("ok-1", severity="minor")]
+        nul = request("nul")
+        nul.comment = "a\x00b"  # PostgreSQL's text cannot hold it: refused here, not failing the batch's write
+        items = [request("ok-1"), request(""), request("ok-2", "c" * 32), bad_enum, nul,
+                 request("ok-1", severity="minor")]
         results = stub.SubmitBatch(feedback_pb2.SubmitBatchRequest(items=items), metadata=MD, timeout=30).results
         rows = {r["feedback_id"]: r for r in open_store(db_url).list_feedback()}   # read after the answer
-    assert [r.feedback_id for r in results] == ["ok-1", "", "ok-2", "bad-enum", "ok-1"]
-    assert [r.HasField("error") for r in results] == [False, True, True, True, False]
-    assert results[0].created and not results[4].created            # the repeated id updated its item
+    assert [r.feedback_id for r in results] == ["ok-1", "", "ok-2", "bad-enum", "nul", "ok-1"]
+    assert [r.HasField("error") for r in results] == [False, True, True, True, True, False]
+    assert results[0].created and not results[5].created            # the repeated id updated its item
     assert (results[1].error.code, results[1].error.reason, dict(results[1].error.metadata)) == (
         "INVALID_ARGUMENT", "INVALID_FEEDBACK_FIELD", {"field": "feedback_id"})
     assert (results[2].error.code, results[2].error.reason) == ("NOT_FOUND", "TRACE_NOT_FOUND")
     assert dict(results[3].error.metadata) == {"field": "error_type"} and "typo" in results[3].error.message
-    assert not any(r.error.HasField("retry_after_ms") for r in results[1:4])
+    assert (results[4].error.code, dict(results[4].error.metadata)) == ("INVALID_ARGUMENT", {"field": "comment"})
+    assert not any(r.error.HasField("retry_after_ms") for r in results[1:5])
     assert set(rows) == {"ok-1"} and rows["ok-1"]["severity"] == "minor"

@@ -1,0 +1,139 @@
+"""The feedback upsert, SubmitFeedback's write, on a driver connection of its own.
+
+A batch sent through SQLAlchemy's pool and Core paid for a pre-ping, BEGIN, two lookups, the
+insert and COMMIT: six round trips to PostgreSQL and Core's per-statement work on each
+(``bench/bench_feedback.py --sections store`` measures both paths). Here the store holds one
+driver connection outside the pool, opened with the store and reopened after a failure, and sends:
+
+- PostgreSQL: one statement in autocommit mode (atomic by itself). It looks up which traces are
+  known and which feedback ids exist, and upserts, per feedback_id, the batch's last item among
+  those whose trace is known. Every part of one statement reads the same snapshot, so the lookups
+  see the table as it was before the upsert.
+- SQLite: BEGIN IMMEDIATE, one lookup, the upsert, COMMIT, all in-process.
+
+Either way the answer is (known trace ids, feedback ids that existed before the batch).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from services.feedback import db
+from services.feedback.records import Feedback
+
+Found = tuple[set[str], set[str]]  # (known trace ids, feedback ids that existed before the batch)
+
+# created_ms stays as first written; an update changes everything else. The batch travels as one
+# array per column (one statement text whatever the batch size, so the server parses it once);
+# WITH ORDINALITY keeps the items' order for DISTINCT ON.
+_POSTGRESQL = (
+    "WITH item AS (SELECT * FROM unnest(%(feedback_id)s::text[], %(trace_id)s::text[], %(error_type)s::text[],"
+    " %(severity)s::text[], %(expected_keywords)s::text[], %(comment)s::text[]) WITH ORDINALITY"
+    " AS i(feedback_id, trace_id, error_type, severity, expected_keywords, comment, n)),"
+    " known AS (SELECT trace_id FROM replay_records WHERE trace_id = ANY(%(trace_id)s::text[])),"
+    " existing AS (SELECT feedback_id FROM feedback WHERE feedback_id = ANY(%(feedback_id)s::text[])),"
+    " written AS (INSERT INTO feedback"
+    " (feedback_id, trace_id, error_type, severity, expected_keywords, comment, created_ms, updated_ms)"
+    " SELECT DISTINCT ON (feedback_id) feedback_id, trace_id, error_type, severity, expected_keywords, comment,"
+    " %(now)s::bigint, %(now)s::bigint FROM item WHERE trace_id IN (SELECT trace_id FROM known)"
+    " ORDER BY feedback_id, n DESC"
+    " ON CONFLICT (feedback_id) DO UPDATE SET trace_id = excluded.trace_id, error_type = excluded.error_type,"
+    " severity = excluded.severity, expected_keywords = excluded.expected_keywords, comment = excluded.comment,"
+    " updated_ms = excluded.updated_ms)"
+    " SELECT 'trace', trace_id FROM known UNION ALL SELECT 'feedback', feedback_id FROM existing")
+
+_SQLITE_FOUND = ("SELECT 'trace', trace_id FROM replay_records WHERE trace_id IN (SELECT value FROM json_each(?))"
+                 " UNION ALL SELECT 'feedback', feedback_id FROM feedback"
+                 " WHERE feedback_id IN (SELECT value FROM json_each(?))")
+SQLITE_UPSERT = (
+    "INSERT INTO feedback"
+    " (feedback_id, trace_id, error_type, severity, expected_keywords, comment, created_ms, updated_ms)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (feedback_id) DO UPDATE SET trace_id = excluded.trace_id, error_type = excluded.error_type,"
+    " severity = excluded.severity, expected_keywords = excluded.expected_keywords, comment = excluded.comment,"
+    " updated_ms = excluded.updated_ms")
+
+
+def _keywords(fb: Feedback) -> str:
+    return json.dumps(list(fb.expected_keywords), ensure_ascii=False)
+
+
+def _found(rows: Sequence[tuple[str, str]]) -> Found:
+    return {v for k, v in rows if k == "trace"}, {v for k, v in rows if k == "feedback"}
+
+
+def _postgresql(conn, items: list[Feedback], now: int) -> Found:
+    params = {"feedback_id": [fb.feedback_id for fb in items], "trace_id": [fb.trace_id for fb in items],
+              "error_type": [fb.error_type for fb in items], "severity": [fb.severity for fb in items],
+              "expected_keywords": [_keywords(fb) for fb in items], "comment": [fb.comment for fb in items],
+              "now": now}
+    return _found(conn.execute(_POSTGRESQL, params).fetchall())
+
+
+def _sqlite(conn, items: list[Feedback], now: int) -> Found:
+    conn.execute("BEGIN IMMEDIATE")  # the writer's lock from the lookup on: nothing changes in between
+    try:
+        known, existing = _found(conn.execute(_SQLITE_FOUND, (json.dumps([fb.trace_id for fb in items]),
+                                                              json.dumps([fb.feedback_id for fb in items]))).fetchall())
+        last = {fb.feedback_id: fb for fb in items if fb.trace_id in known}  # the later item of an id wins
+        conn.executemany(SQLITE_UPSERT, [(fb.feedback_id, fb.trace_id, fb.error_type, fb.severity, _keywords(fb),
+                                           fb.comment, now, now) for fb in last.values()])
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.rollback()
+        raise
+    return known, existing
+
+
+class FeedbackUpsert:
+    """The store's feedback write; a database failure a retry may cure raises NotReady
+    (DATABASE_UNAVAILABLE) and drops the connection, and the next call opens a new one."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        dbapi = engine.dialect.loaded_dbapi
+        self._failures = (sa.exc.OperationalError, sa.exc.InterfaceError, dbapi.OperationalError, dbapi.InterfaceError)
+        self._write: Callable[..., Found] = _postgresql if engine.dialect.name == "postgresql" else _sqlite
+        self._lock = threading.Lock()  # one batch at a time on the connection
+        self._conn = self._open()
+
+    def _open(self):
+        pooled = self._engine.raw_connection()  # the pool's connect hooks run (SQLite's pragmas)
+        driver = pooled.driver_connection
+        pooled.detach()  # ours alone: it never goes back to the pool, and closing it closes it
+        if self._engine.dialect.name == "postgresql":
+            driver.autocommit = True
+            # A plan per execution, from the tables' current statistics. A cached generic plan is
+            # made once, from the statistics of its day: made on a new, empty table, it scans the
+            # whole feedback table for the lookup of existing ids, slower with every row.
+            driver.execute("SET plan_cache_mode = force_custom_plan")
+        else:
+            driver.isolation_level = None  # transactions only where BEGIN says so
+        return driver
+
+    def __call__(self, items: list[Feedback], now: int) -> Found:
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = self._open()
+                return self._write(self._conn, items, now)
+            except self._failures as exc:
+                self._close()
+                raise db.unavailable(exc) from exc
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except self._failures:
+                pass  # already broken: nothing to close cleanly
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
