@@ -13,8 +13,8 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    sending less during it). Peers: the gateway's own Generate of one token, the cheapest call
    that crosses the same gateway, measured in the same mesh; and with `--forwarding both`, a
    mesh whose gateway sends every SubmitFeedback on alone (`replay.submit_batch: 1`, one
-   SubmitBatch call per item: the forwarding before coalescing) next to the default one, where
-   concurrent calls share SubmitBatch calls (services/gateway/submits.py).
+   message per item: the forwarding before coalescing) next to the default one, where
+   concurrent calls share batches (services/gateway/submits.py).
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each

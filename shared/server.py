@@ -35,6 +35,8 @@ class Stage(Protocol):
     name: str            # "tokenizer"
     service_name: str    # "keel.tokenizer.v1.Tokenizer"
     # optional: authenticate(metadata pairs, peer) -> principal, raising Unauthenticated (gateway only)
+    # optional: begin_drain() -> None: end long-lived calls (the feedback stage's SubmitStream), so
+    #   that the drain does not wait them out; their callers go on elsewhere
 
     def register(self, server: grpc.aio.Server) -> None: ...
     async def warmup(self) -> None: ...
@@ -124,6 +126,8 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
     log.info("draining", extra={"grace_s": cfg.drain_grace_s})
     ready = False
     interceptor.begin_drain()
+    if hasattr(stage, "begin_drain"):
+        stage.begin_drain()
     serving_gauge.set(0)
     await health_servicer.enter_graceful_shutdown()
     # New calls now get UNAVAILABLE SHUTTING_DOWN; in-flight ones finish within the grace period.

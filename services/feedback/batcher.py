@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from services.feedback.records import Feedback
 from shared import errors
@@ -24,6 +24,7 @@ from shared import errors
 log = logging.getLogger("keel.feedback")
 
 Result = bool | errors.KeelError  # True created, False updated, or the item's own error
+STREAM_WINDOW = 64  # batches of one stream taken ahead of their answers; then the stream waits
 
 
 class SubmitBatcher:
@@ -31,6 +32,7 @@ class SubmitBatcher:
         self._write, self._max = write, max_batch
         self._queue: asyncio.Queue[tuple[Feedback, asyncio.Future]] = asyncio.Queue(queue_size)
         self._task: asyncio.Task | None = None
+        self._draining = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -44,6 +46,47 @@ class SubmitBatcher:
             if not fut.done():
                 fut.set_exception(errors.NotReady("the feedback stage is shutting down",
                                                   reason=errors.SHUTTING_DOWN, retry_after_ms=1000))
+
+    def begin_drain(self) -> None:
+        """Streams stop taking batches, answer the ones they took, and end (see ``answer_stream``)."""
+        self._draining.set()
+
+    async def answer_stream(self, batches: AsyncIterator[list[Feedback]]
+                            ) -> AsyncIterator[tuple[list[Feedback], list[Result]]]:
+        """Each batch with its results (as ``submit_many``), in the order the batches came. A batch is taken
+        while earlier ones are still being written, so consecutive batches share commits; at most
+        ``STREAM_WINDOW`` wait for their answers, and then no further batch is taken until one is
+        answered. Once the stage drains, no further batch is taken: the ones taken are answered,
+        then NotReady SHUTTING_DOWN ends the stream (whatever was not taken was not written)."""
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        answers: asyncio.Queue[tuple[list[Feedback], asyncio.Task] | None] = asyncio.Queue()  # <= the window
+
+        async def take() -> None:
+            try:
+                async for items in batches:
+                    await window.acquire()
+                    answers.put_nowait((items, asyncio.create_task(self.submit_many(items))))
+            finally:
+                answers.put_nowait(None)
+        reader = asyncio.create_task(take())
+        drain = asyncio.create_task(self._draining.wait())
+        drain.add_done_callback(lambda _: reader.cancel())
+        try:
+            while (taken := await answers.get()) is not None:
+                results = await taken[1]
+                window.release()
+                yield taken[0], results
+            if self._draining.is_set():
+                raise errors.NotReady("the feedback stage is shutting down; send the rest to another replica",
+                                      reason=errors.SHUTTING_DOWN, retry_after_ms=1000)
+            reader.result()  # the request stream's own failure, if it broke
+        finally:
+            drain.cancel()
+            reader.cancel()
+            while not answers.empty():
+                taken = answers.get_nowait()
+                if taken is not None:
+                    taken[1].cancel()
 
     async def submit(self, fb: Feedback) -> bool:
         """True when created, False when updated; the item's error (InvalidInput, NotFound, NotReady) raised."""

@@ -91,6 +91,9 @@ class FeedbackStage:
         self._retention = asyncio.create_task(self._retention_loop())
         await self.rotation.start()
 
+    def begin_drain(self) -> None:
+        self.core.submits.begin_drain()
+
     async def _retention_loop(self) -> None:
         while True:
             try:

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import asyncio
-
+import collections
 import json
+import time
 
 from google.protobuf import json_format
+from opentelemetry import trace
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.feedback.batcher import Result
 from services.feedback.records import Feedback
 from services.feedback.rotation import alerts
-from shared import errors
+from shared import errors, tracing
 
 
 def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
@@ -76,6 +78,26 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
         items = [feedback_from_proto(f) for f in request.items]
         results = await self.core.submits.submit_many(items)
         return feedback_pb2.SubmitBatchResponse(results=[result_to_proto(fb, r) for fb, r in zip(items, results)])
+
+    async def SubmitStream(self, request_iterator, context):
+        # One span per message, a child of the sender's span for that batch: from the message's
+        # arrival to its answer (the call's own span lasts as long as the stream).
+        spans: collections.deque[trace.Span] = collections.deque()
+
+        async def batches():
+            async for request in request_iterator:
+                parent = tracing.extract({"traceparent": request.traceparent}) if request.traceparent else None
+                spans.append(tracing.tracer().start_span(
+                    "feedback/SubmitStream.batch", context=parent, kind=trace.SpanKind.SERVER,
+                    attributes={"items": len(request.items)}, start_time=time.time_ns()))
+                yield [feedback_from_proto(f) for f in request.items]
+        try:
+            async for items, results in self.core.submits.answer_stream(batches()):
+                spans.popleft().end()
+                yield feedback_pb2.SubmitStreamResponse(results=[result_to_proto(fb, r) for fb, r in zip(items, results)])
+        finally:
+            for span in spans:  # taken, never answered
+                span.end()
 
     async def RotationStatus(self, request, context):
         st = await self.rotation.status()

@@ -8,7 +8,8 @@ A full queue or a feedback stage that stays unreachable drops records, each coun
 once a record reached the feedback stage is that stage's job: it spills while its database is down.)
 
 ``FeedbackForwarder.submit`` carries a client's SubmitFeedback to the feedback stage, coalesced
-with the other calls in flight into SubmitBatch calls (services/gateway/submits.py). A client
+with the other calls in flight into batches (services/gateway/submits.py), sent on one
+long-lived SubmitStream call (services/gateway/submitstream.py). A client
 may send feedback right after its answer, before the record left this gateway's queue: submit
 first waits (briefly) for that trace's record to be delivered, so it is not NOT_FOUND by a race.
 """
@@ -26,6 +27,7 @@ from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.gateway.pipeline import Served
 from services.gateway.submits import SubmitCoalescer
+from services.gateway.submitstream import SubmitStream
 from shared import client, errors, metrics
 
 log = logging.getLogger("keel.gateway")
@@ -39,8 +41,9 @@ class ReplayConfig:
     send_timeout_ms: int = 2000
     attempts: int = 5              # per batch, 100 ms apart doubling, before it is dropped
     feedback_wait_ms: int = 2000   # SubmitFeedback waits this long for its trace's record to be sent
-    submit_batch: int = 64         # SubmitFeedback items per SubmitBatch call to the feedback stage
-    submit_inflight: int = 1       # SubmitBatch calls on the wire at once; items arriving meanwhile form the next
+    submit_batch: int = 64         # SubmitFeedback items per batch sent to the feedback stage
+    submit_inflight: int = 1       # batches on the wire at once; items arriving meanwhile form the next
+    submit_stream_age_s: float = 60.0  # the batches' SubmitStream call is replaced once this old
 
 
 def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
@@ -153,8 +156,9 @@ class ReplayRecorder:
 
 class FeedbackForwarder:
     def __init__(self, stub: Callable[[], feedback_pb2_grpc.FeedbackStub], recorder: ReplayRecorder):
-        self._stub, self._recorder = stub, recorder
-        self._batches = SubmitCoalescer(self._send, max_batch=recorder.cfg.submit_batch,
+        self._recorder = recorder
+        self._stream = SubmitStream(stub, max_age_s=recorder.cfg.submit_stream_age_s)
+        self._batches = SubmitCoalescer(self._stream.send, max_batch=recorder.cfg.submit_batch,
                                         max_inflight=recorder.cfg.submit_inflight)
 
     async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResult:
@@ -165,16 +169,7 @@ class FeedbackForwarder:
 
     async def close(self) -> None:
         await self._batches.close()
-
-    async def _send(self, request: feedback_pb2.SubmitBatchRequest,
-                    timeout_s: float) -> feedback_pb2.SubmitBatchResponse:
-        try:
-            return await self._stub().SubmitBatch(request, timeout=timeout_s, metadata=client.mesh_metadata())
-        except grpc.aio.AioRpcError as exc:
-            err = client.translate(exc)
-            if isinstance(err, errors.NotReady) and err.retry_after_ms is None:
-                err.retry_after_ms = 1000  # the feedback stage itself is unreachable: worth a retry
-            raise err from None
+        await self._stream.close()
 
 
 class FeedbackDisabled:

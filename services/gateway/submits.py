@@ -1,9 +1,10 @@
-"""SubmitFeedback calls coalesced into SubmitBatch calls to the feedback stage.
+"""SubmitFeedback calls coalesced into batches for the feedback stage.
 
-Forwarding each SubmitFeedback as a gRPC call of its own would cost both processes a call's worth
-of CPU (HTTP/2 frames, the interceptor, a span, a log context) per item. ``SubmitCoalescer`` queues
-each item and sends whatever is queued as one ``SubmitBatch``, at most ``max_batch`` items, with at
-most ``max_inflight`` batches on the wire at once. There is no timer: a lone item on an idle gateway
+Forwarding each SubmitFeedback as a message of its own would cost both processes a message's
+worth of CPU (the send, the read, a span) per item. ``SubmitCoalescer`` queues each item and sends
+whatever is queued as one batch (a ``SubmitStreamRequest``, sent by ``send``: on the gateway, a
+message of its SubmitStream call), at most ``max_batch`` items, with at most ``max_inflight``
+batches on the wire at once. There is no timer: a lone item on an idle gateway
 goes at once; under load the items that arrive while batches are in flight form the next one.
 
 Each caller gets its own item's result: created/updated, or the item's own error (a bad field, an
@@ -31,7 +32,7 @@ from shared import client, errors, tracing
 
 log = logging.getLogger("keel.gateway")
 
-Send = Callable[[feedback_pb2.SubmitBatchRequest, float], Awaitable[feedback_pb2.SubmitBatchResponse]]
+Send = Callable[[feedback_pb2.SubmitStreamRequest, float], Awaitable[feedback_pb2.SubmitStreamResponse]]
 
 
 @dataclass
@@ -110,11 +111,13 @@ class SubmitCoalescer:
 
     async def _results(self, batch: list[_Pending]) -> list[feedback_pb2.SubmitResult | errors.KeelError]:
         timeout = max(0.001, max(p.deadline for p in batch) - time.monotonic())
-        request = feedback_pb2.SubmitBatchRequest(items=[p.item for p in batch])
-        # One span per batch, with an OpenTelemetry link to each caller's span.
+        # One span per batch, with an OpenTelemetry link to each caller's span; the batch carries
+        # its context (the feedback stage's span for the batch is a child of it).
         with tracing.tracer().start_as_current_span(
                 "gateway/SubmitBatch", kind=trace.SpanKind.CLIENT, attributes={"items": len(batch)},
                 links=[trace.Link(p.caller) for p in batch if p.caller.is_valid]):
+            request = feedback_pb2.SubmitStreamRequest(items=[p.item for p in batch],
+                                                      traceparent=dict(tracing.inject()).get("traceparent", ""))
             response = await self._send(request, timeout)
         if len(response.results) != len(batch):
             raise RuntimeError(f"the feedback stage answered {len(response.results)} results for {len(batch)} items")

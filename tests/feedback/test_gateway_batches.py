@@ -1,5 +1,5 @@
 """SubmitFeedback through a real gateway process to a real feedback stage process (SQLite and a real
-PostgreSQL): the gateway sends concurrent calls on as shared SubmitBatch calls, every caller gets
+PostgreSQL): the gateway sends concurrent calls on as shared batches of its SubmitStream call, every caller gets
 its own status with its own ErrorInfo reason, and a feedback stage killed mid-load answers the
 calls in flight UNAVAILABLE with a retry hint while every acknowledged item is in the database."""
 from __future__ import annotations
@@ -120,11 +120,15 @@ def test_concurrent_calls_share_batches_and_each_gets_its_own_status_and_reason(
             assert a.metadata["field"] == ("feedback_id" if kind == 4 else "severity")
     stored = {r["feedback_id"] for r in open_store(db_url).list_feedback()}
     assert stored == {f"fb-{i}" for i in range(60) if i % 6 < 3}
-    wait_until(lambda: len(p.spans("feedback/SubmitBatch")) >= 1 and len(p.spans("gateway/SubmitFeedback")) >= 60,
+    wait_until(lambda: len(p.spans("gateway/SubmitBatch")) >= 1 and len(p.spans("gateway/SubmitFeedback")) >= 60
+               and len(p.spans("feedback/SubmitStream.batch")) >= len(p.spans("gateway/SubmitBatch")),
                30, "spans written")
     batches = p.spans("gateway/SubmitBatch")
     assert sum(s["attributes"]["items"] for s in batches) == 60
-    assert len(batches) < 60                                          # in fewer calls than items
+    assert len(batches) < 60                                          # in fewer messages than items
+    # The feedback stage's span of each batch is a child of the gateway's, in the same trace.
+    received = {(s["trace_id"], s["parent_id"]): s["attributes"]["items"] for s in p.spans("feedback/SubmitStream.batch")}
+    assert {(s["trace_id"], s["span_id"]): s["attributes"]["items"] for s in batches} == received
 
 
 def test_a_feedback_stage_killed_mid_load_answers_unavailable_with_a_hint_and_loses_no_acknowledged_item(

@@ -249,3 +249,36 @@ def test_submit_batch_answers_each_item_after_its_commit_and_a_bad_item_fails_al
     assert (results[4].error.code, dict(results[4].error.metadata)) == ("INVALID_ARGUMENT", {"field": "comment"})
     assert not any(r.error.HasField("retry_after_ms") for r in results[1:5])
     assert set(rows) == {"ok-1"} and rows["ok-1"]["severity"] == "minor"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_submit_stream_answers_each_message_in_order_and_a_draining_stage_ends_it_with_a_retry_hint(stage_on, db_url):
+    target, start = stage_on
+    proc = start()
+
+    async def run() -> tuple[list, errors.KeelError, float]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = feedback_pb2_grpc.FeedbackStub(ch)
+            await stub.Record(feedback_pb2.RecordRequest(records=[replay_record(TRACE)]), metadata=MD)
+            call = stub.SubmitStream(metadata=MD)
+            # Three messages written before any answer is read: they are answered in the order sent.
+            for batch in ([request("s-1"), request("s-2", "c" * 32)], [request("s-1", severity="minor")],
+                          [request("")]):
+                await call.write(feedback_pb2.SubmitStreamRequest(items=batch))
+            answers = [await call.read() for _ in range(3)]
+            proc.send_signal(signal.SIGTERM)  # drain: the stream ends long before the 10 s grace
+            t0 = time.monotonic()
+            try:
+                while True:
+                    await call.read()
+            except grpc.aio.AioRpcError as exc:
+                return answers, client.translate(exc), time.monotonic() - t0
+    answers, ended, took = asyncio.run(run())
+    assert [[r.feedback_id for r in a.results] for a in answers] == [["s-1", "s-2"], ["s-1"], [""]]
+    assert answers[0].results[0].created and not answers[1].results[0].created   # the second updated the first
+    assert answers[0].results[1].error.reason == "TRACE_NOT_FOUND"
+    assert answers[2].results[0].error.reason == "INVALID_FEEDBACK_FIELD"
+    assert isinstance(ended, errors.NotReady) and ended.reason == errors.SHUTTING_DOWN and ended.retry_after_ms
+    assert took < 5
+    proc.wait(30)
+    assert {r["feedback_id"]: r["severity"] for r in open_store(db_url).list_feedback()} == {"s-1": "minor"}

@@ -36,10 +36,34 @@ class FakeFeedbackStub:
                                        details="down")
         self.batches.append(list(request.records))
 
-    async def SubmitBatch(self, request, timeout, metadata):
+    def SubmitStream(self, metadata):
+        return FakeStreamCall(self.answer)
+
+    async def answer(self, request):
         self.submitted += [(item.trace_id, sum(len(b) for b in self.batches)) for item in request.items]
-        return feedback_pb2.SubmitBatchResponse(results=[
+        return feedback_pb2.SubmitStreamResponse(results=[
             feedback_pb2.SubmitResult(feedback_id=item.feedback_id, created=True) for item in request.items])
+
+
+class FakeStreamCall:
+    """A SubmitStream call: each message written is answered in order by ``answer(request)``."""
+
+    def __init__(self, answer):
+        self._answer = answer
+        self._requests: asyncio.Queue = asyncio.Queue()
+
+    async def write(self, request):
+        self._requests.put_nowait(request)
+
+    async def done_writing(self):
+        self._requests.put_nowait(None)
+
+    def cancel(self):
+        self._requests.put_nowait(None)
+
+    async def __aiter__(self):
+        while (request := await self._requests.get()) is not None:
+            yield await self._answer(request)
 
 
 def dropped(reason: str) -> float:
@@ -133,7 +157,7 @@ async def test_feedback_waits_for_its_trace_record_to_leave_the_queue():
 @pytest.mark.asyncio
 async def test_an_unreachable_feedback_stage_is_unavailable_with_a_retry_hint():
     class Down(FakeFeedbackStub):
-        async def SubmitBatch(self, request, timeout, metadata):
+        async def answer(self, request):
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        details="connection refused")
     stub = Down()

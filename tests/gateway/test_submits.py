@@ -23,14 +23,14 @@ class ScriptedSend:
         self.timeouts: list[float] = []
         self.gate, self.fail = gate, None
 
-    async def __call__(self, request: feedback_pb2.SubmitBatchRequest, timeout: float):
+    async def __call__(self, request: feedback_pb2.SubmitStreamRequest, timeout: float):
         self.batches.append([i.feedback_id for i in request.items])
         self.timeouts.append(timeout)
         if self.gate is not None:
             await self.gate.wait()
         if self.fail is not None:
             raise self.fail
-        return feedback_pb2.SubmitBatchResponse(results=[
+        return feedback_pb2.SubmitStreamResponse(results=[
             feedback_pb2.SubmitResult(feedback_id=i.feedback_id, error=feedback_pb2.SubmitItemError(
                 code="NOT_FOUND", reason="TRACE_NOT_FOUND", message="no such trace",
                 metadata={"trace_id": i.trace_id}))
@@ -104,7 +104,7 @@ async def test_a_batch_that_fails_as_a_whole_answers_each_caller_with_the_error_
 @pytest.mark.asyncio
 async def test_a_broken_answer_is_an_internal_error_for_its_callers_never_a_hang():
     async def short(request, timeout):
-        return feedback_pb2.SubmitBatchResponse()   # no results for the items
+        return feedback_pb2.SubmitStreamResponse()   # no results for the items
     co = SubmitCoalescer(short, max_batch=64, max_inflight=1)
     with pytest.raises(errors.Fatal):
         await asyncio.wait_for(co.submit(item("x"), 30), 5)
