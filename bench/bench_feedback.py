@@ -172,15 +172,15 @@ def gateway_section(backend: str, forwarding: str, args, extra_env: dict) -> lis
         with grpc.insecure_channel(mesh.gateway) as ch:
             trace_id = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request("Name a colour.", max_tokens=2),
                                                                 metadata=MD, timeout=60).trace_id
-        closed = with_cpu(mesh, args.submits, lambda: asyncio.run(
-            submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, forwarding)))
-        opened = with_cpu(mesh, args.submits, lambda: asyncio.run(
-            submit_open(mesh.gateway, trace_id, args.submits, args.rate, forwarding)))
+        runs = [("closed", f"{args.concurrency} clients", with_cpu(mesh, args.submits, lambda: asyncio.run(
+            submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, forwarding))))]
+        for r in range(args.open_runs):
+            runs.append(("open", f"{args.rate:g}/s", with_cpu(mesh, args.submits, lambda: asyncio.run(
+                submit_open(mesh.gateway, trace_id, args.submits, args.rate, f"{forwarding}-{r}")))))
     finally:
         stop_mesh(mesh)
     rows = []
-    for mode, offered, ((wall, lat, errors), cpu) in (("closed", f"{args.concurrency} clients", closed),
-                                                       ("open", f"{args.rate:g}/s", opened)):
+    for mode, offered, ((wall, lat, errors), cpu) in runs:
         rows.append(f"| {backend} | {forwarding} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
                     f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | {cpu['gateway']:.3f} | "
                     f"{cpu['feedback']:.3f} | {statistics.median(gen):.1f} |")
@@ -338,6 +338,7 @@ def main() -> int:
     ap.add_argument("--submits", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rate", type=float, default=500.0, help="submits per second of the open-loop run")
+    ap.add_argument("--open-runs", type=int, default=1, help="open-loop runs, one after another on the same mesh")
     ap.add_argument("--backends", default="sqlite,postgresql", help="comma list: sqlite,postgresql")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--sections", default="record,gateway", help="comma list: record,store,gateway")

@@ -27,6 +27,7 @@ from shared.stages import SERVICE_NAMES
 log = logging.getLogger("keel.feedback")
 DAY_MS = 86_400_000
 RETENTION_EVERY_S = 3600.0
+CHECKPOINT_EVERY_S = 1.0  # SQLite: the write-ahead log grows by a few MB a second at most between them
 DRAIN_ON_CLOSE_S = 2.0
 
 
@@ -47,8 +48,8 @@ class FeedbackCore:
                                    batch=cfg.replay.replay_batch,
                                    on_count=lambda path, n: records.labels(path=path).inc(n))
         m.gauge("keel_feedback_spill_backlog").set_function(self.writer.backlog)
-        self.submits = SubmitBatcher(self.write_feedback, max_batch=cfg.submit.max_batch,
-                                     queue_size=cfg.submit.queue_size)
+        self.submits = SubmitBatcher(self.write_feedback, self.write_feedback_now,
+                                     max_batch=cfg.submit.max_batch, queue_size=cfg.submit.queue_size)
 
     def record(self, records: list[dict]) -> tuple[int, int]:
         for r in records:
@@ -61,11 +62,22 @@ class FeedbackCore:
 
     def write_feedback(self, items: list[Feedback]) -> list[Result]:
         """One transaction for a batch of feedback items (SubmitBatcher calls it from a thread)."""
-        results = self.writer.store().upsert_feedback(items)
+        return self._counted(items, self.writer.store().upsert_feedback(items))
+
+    def write_feedback_now(self, items: list[Feedback]) -> list[Result] | None:
+        """``write_feedback`` done at once, or None where it would wait (SubmitBatcher calls it on
+        the event loop, and hands the batch to ``write_feedback`` in a thread on None)."""
+        results = self.writer.store().upsert_feedback_now(items)
+        return None if results is None else self._counted(items, results)
+
+    def _counted(self, items: list[Feedback], results: list[Result]) -> list[Result]:
         for fb, result in zip(items, results):
             if result is True:
                 self._feedback.labels(error_type=fb.error_type, severity=fb.severity).inc()
         return results
+
+    def checkpoint(self) -> None:
+        self.writer.store().checkpoint()
 
     def purge_expired(self) -> int:
         cutoff = now_ms() - self.cfg.replay.retention_days * DAY_MS
@@ -81,6 +93,7 @@ class FeedbackStage:
         self.core = FeedbackCore(cfg)
         self.rotation = Rotation(cfg, self.core.writer.store)
         self._retention: asyncio.Task | None = None
+        self._checkpoints: asyncio.Task | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         feedback_pb2_grpc.add_FeedbackServicer_to_server(FeedbackServicer(self.core, self.rotation), server)
@@ -89,6 +102,7 @@ class FeedbackStage:
         await asyncio.to_thread(self.core.writer.start)
         self.core.submits.start()
         self._retention = asyncio.create_task(self._retention_loop())
+        self._checkpoints = asyncio.create_task(self._checkpoint_loop())
         await self.rotation.start()
 
     def begin_drain(self) -> None:
@@ -103,9 +117,18 @@ class FeedbackStage:
                 pass  # the database is down: the next round purges
             await asyncio.sleep(RETENTION_EVERY_S)
 
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_EVERY_S)
+            try:
+                await asyncio.to_thread(self.core.checkpoint)
+            except errors.NotReady:
+                pass  # the database is down or busy: the next round checkpoints
+
     async def close(self) -> None:
-        if self._retention is not None:
-            self._retention.cancel()
+        for task in (self._retention, self._checkpoints):
+            if task is not None:
+                task.cancel()
         await self.rotation.close()
         await self.core.submits.close()
         # A database that is up gets the spilled records now; else they wait in the file for the next start.

@@ -86,19 +86,27 @@ class Store:
         batch). Per item, in order: True when created, False when updated, or NotFound
         TRACE_NOT_FOUND for an unknown trace_id (that item alone is not written). An item whose
         feedback_id came earlier in the same batch updates it, as if sent one after the other.
-        NotReady for the whole batch while the database is unavailable: then nothing is written."""
+        NotReady for the whole batch while the database is unavailable: then nothing is written.
+        Waits for the database's lock (call it from a thread)."""
         for fb in items:
             fb.check()
-        known, existing = self._upsert(items, now_ms())
-        results: list[bool | errors.KeelError] = []
+        return _results(items, self._upsert(items, now_ms()))
+
+    def upsert_feedback_now(self, items: list[Feedback]) -> list[bool | errors.KeelError] | None:
+        """``upsert_feedback`` done at once on the calling thread (the event loop may call it), or
+        None where it would have to wait (PostgreSQL, the SQLite lock held elsewhere)."""
         for fb in items:
-            if fb.trace_id not in known:
-                results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
-                                               reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
-                continue
-            results.append(fb.feedback_id not in existing)
-            existing.add(fb.feedback_id)
-        return results
+            fb.check()
+        found = self._upsert.now(items, now_ms())
+        return None if found is None else _results(items, found)
+
+    def checkpoint(self) -> None:
+        """SQLite: copy the write-ahead log into the database file (PASSIVE: it waits for no one).
+        The feedback write's connection never does (it may run on the event loop); a thread of
+        the stage calls this. PostgreSQL: nothing to do."""
+        if self.engine.dialect.name == "sqlite":
+            with self._tx() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
 
     def list_feedback(self, since_ms: int = 0, *, severities=None, error_types=None,
                       limit: int | None = None) -> list[dict]:
@@ -128,6 +136,19 @@ class Store:
             body = json.loads(item.pop("body"))
             item["expected_keywords"] = json.loads(item["expected_keywords"])
             yield item, body
+
+
+def _results(items: list[Feedback], found: tuple[set[str], set[str]]) -> list[bool | errors.KeelError]:
+    known, existing = found
+    results: list[bool | errors.KeelError] = []
+    for fb in items:
+        if fb.trace_id not in known:
+            results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
+                                           reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
+            continue
+        results.append(fb.feedback_id not in existing)
+        existing.add(fb.feedback_id)
+    return results
 
 
 def open_store(url: str, *, connect_timeout_s: int = 2, pool_size: int = 5) -> Store:

@@ -12,6 +12,14 @@ driver connection outside the pool, opened with the store and reopened after a f
 - SQLite: BEGIN IMMEDIATE, one lookup, the upsert, COMMIT, all in-process.
 
 Either way the answer is (known trace ids, feedback ids that existed before the batch).
+
+On SQLite the write is ~0.1 ms of in-process work: ``now`` does it on the calling thread (the
+stage's event loop) when that cannot wait, and says None otherwise (the connection is busy in
+another thread, or another writer holds the database's lock), and the caller then hands the batch
+to a thread (``__call__``), which waits for the lock up to the busy timeout. Nothing on this
+connection waits on the disk: SQLite in WAL mode with ``synchronous=NORMAL`` syncs only at
+checkpoints, and this connection's commits never checkpoint; ``Store.checkpoint`` runs one from a
+thread of the stage.
 """
 from __future__ import annotations
 
@@ -95,11 +103,13 @@ class FeedbackUpsert:
     (DATABASE_UNAVAILABLE) and drops the connection, and the next call opens a new one."""
 
     def __init__(self, engine: Engine):
-        self._engine = engine
-        dbapi = engine.dialect.loaded_dbapi
-        self._failures = (sa.exc.OperationalError, sa.exc.InterfaceError, dbapi.OperationalError, dbapi.InterfaceError)
-        self._write: Callable[..., Found] = _postgresql if engine.dialect.name == "postgresql" else _sqlite
+        self._engine, self._dbapi = engine, engine.dialect.loaded_dbapi
+        self._failures = (sa.exc.OperationalError, sa.exc.InterfaceError,
+                          self._dbapi.OperationalError, self._dbapi.InterfaceError)
+        self._sqlite = engine.dialect.name == "sqlite"
+        self._write: Callable[..., Found] = _sqlite if self._sqlite else _postgresql
         self._lock = threading.Lock()  # one batch at a time on the connection
+        self._wait_ms = self._busy_ms = 0  # SQLite: the busy timeout of a waiting write / set now
         self._conn = self._open()
 
     def _open(self):
@@ -114,17 +124,46 @@ class FeedbackUpsert:
             driver.execute("SET plan_cache_mode = force_custom_plan")
         else:
             driver.isolation_level = None  # transactions only where BEGIN says so
+            driver.execute("PRAGMA wal_autocheckpoint = 0")  # see the module's docstring
+            self._wait_ms = self._busy_ms = driver.execute("PRAGMA busy_timeout").fetchone()[0]
         return driver
 
+    def _busy_timeout(self, ms: int) -> None:
+        if self._busy_ms != ms:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(ms)}")
+            self._busy_ms = ms
+
     def __call__(self, items: list[Feedback], now: int) -> Found:
+        """The write, waiting for the database's lock up to the busy timeout (call it from a thread)."""
         with self._lock:
             try:
                 if self._conn is None:
                     self._conn = self._open()
+                if self._sqlite:
+                    self._busy_timeout(self._wait_ms)
                 return self._write(self._conn, items, now)
             except self._failures as exc:
                 self._close()
                 raise db.unavailable(exc) from exc
+
+    def now(self, items: list[Feedback], now: int) -> Found | None:
+        """The write done at once on the calling thread, or None where it would have to wait:
+        PostgreSQL (a server's round trip), the connection in use or closed, the lock held by
+        another writer."""
+        if not self._sqlite or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._conn is None:
+                return None  # reopening is the waiting path's work
+            self._busy_timeout(0)
+            return self._write(self._conn, items, now)
+        except self._dbapi.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF == self._dbapi.SQLITE_BUSY:  # refused before anything was written
+                return None
+            self._close()
+            raise db.unavailable(exc) from exc
+        finally:
+            self._lock.release()
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None

@@ -1,6 +1,8 @@
 """The feedback database on SQLite and on a real PostgreSQL: migrations, records, feedback upserts."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import sqlalchemy as sa
 
@@ -112,6 +114,40 @@ def test_a_feedback_write_after_postgresql_restarted_reconnects(tmp_path):
         store.close()
     finally:
         server.stop()
+
+
+def test_a_write_that_would_wait_for_the_lock_is_not_done_at_once(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32), True)])
+    if store.engine.dialect.name == "postgresql":
+        assert store.upsert_feedback_now([fb()]) is None       # a server round trip: always the thread's
+        return
+    assert store.upsert_feedback_now([fb(feedback_id="now")]) == [True]
+    holder = db.make_engine(db_url).connect()
+    holder.exec_driver_sql("BEGIN IMMEDIATE")                 # another writer holds the lock
+    try:
+        t0 = time.monotonic()
+        assert store.upsert_feedback_now([fb(feedback_id="later")]) is None
+        assert time.monotonic() - t0 < 1.0                    # at once, not after the 2 s busy timeout
+    finally:
+        holder.rollback()
+        holder.close()
+    assert store.upsert_feedback_now([fb(feedback_id="later")]) == [True]
+    assert {r["feedback_id"] for r in store.list_feedback()} == {"now", "later"}
+
+
+def test_feedback_writes_never_checkpoint_sqlite_and_the_stage_does_it_apart(tmp_path):
+    path = tmp_path / "f.db"
+    store = open_store(f"sqlite:///{path}")
+    store.put_records([stored_body(record("a" * 32), True)])
+    store.checkpoint()
+    before = path.stat().st_size
+    for i in range(400):  # > 1000 pages of log: SQLite's own rule would have checkpointed by now
+        assert store.upsert_feedback_now([fb(feedback_id=f"x{i}")]) == [True]
+    assert (tmp_path / "f.db-wal").stat().st_size > 1000 * 4096
+    assert path.stat().st_size == before       # all of it still in the log: no write checkpointed
+    store.checkpoint()
+    assert path.stat().st_size > before
 
 
 @pytest.mark.parametrize("field,kw", [("error_type", {"error_type": "typo"}), ("severity", {"severity": "fatal"}),
