@@ -283,7 +283,7 @@ def server_cpu_ms() -> float:
     return total
 
 
-def store_rows(backend: str, url: str, items_total: int) -> list[str]:
+async def store_rows(backend: str, url: str, items_total: int) -> list[str]:
     """Per batch: wall ms, the stage's CPU ms and the database server's CPU ms, for the store's own
     upsert and for the Core peer, alternating blocks, batches of 1, 2 and 16."""
     from services.feedback.records import Feedback, stored_body
@@ -291,8 +291,12 @@ def store_rows(backend: str, url: str, items_total: int) -> list[str]:
     from tests.feedback.records import record
     store = open_store(url)
     store.put_records([stored_body(record("a" * 32), True)])
-    paths = {"store (own connection)": lambda items: store.upsert_feedback(items),
-             "peer: SQLAlchemy Core": CoreUpsert(store)}
+    await store.open_writes()
+    peer = CoreUpsert(store)
+
+    async def core(items):  # blocks the loop: nothing else runs on it here
+        peer(items)
+    paths = {"store (own connection)": store.upsert_feedback, "peer: SQLAlchemy Core": core}
     rows = []
     for size in (1, 2, 16):
         n = max(1, items_total // size)
@@ -303,7 +307,7 @@ def store_rows(backend: str, url: str, items_total: int) -> list[str]:
                                      "bench") for j in range(size)] for i in range(n // 3)]
                 t0, c0, s0 = time.perf_counter(), time.process_time(), server_cpu_ms()  # 0 on SQLite
                 for items in batches:
-                    write(items)
+                    await write(items)
                 if rnd:
                     got[name][0] += (time.perf_counter() - t0) * 1e3
                     got[name][1] += (time.process_time() - c0) * 1e3
@@ -313,6 +317,7 @@ def store_rows(backend: str, url: str, items_total: int) -> list[str]:
         for name, (wall, cpu, server) in per.items():
             rows.append(f"| {backend} | {size} | {name} | {wall:.3f} | {cpu:.3f} | "
                         f"{server:.3f} | {(cpu + server) / (own[1] + own[2]):.2f}x |")
+    await store.close_writes()
     store.close()
     return rows
 
@@ -322,12 +327,12 @@ def store_section(args) -> str:
     on SQLite and on a real PostgreSQL (Debian's server, started here)."""
     out = ["| database | items per batch | path | wall ms/batch | stage CPU ms/batch | database server CPU ms/batch "
            "| CPU vs the store's |", "|---|---|---|---|---|---|---|"]
-    out += store_rows("sqlite", f"sqlite:///{Path(tempfile.mkdtemp(prefix='keel-bench-store-')) / 'feedback.db'}",
-                      args.submits)
+    out += asyncio.run(store_rows("sqlite", f"sqlite:///{Path(tempfile.mkdtemp(prefix='keel-bench-store-')) / 'feedback.db'}",
+                                  args.submits))
     pg = PgServer().init()
     pg.start()
     try:
-        out += store_rows("postgresql", pg.url, args.submits)
+        out += asyncio.run(store_rows("postgresql", pg.url, args.submits))
     finally:
         pg.stop()
     return "\n".join(out)

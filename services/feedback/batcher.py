@@ -1,9 +1,8 @@
 """Group commit of feedback items: many Submit calls written by one transaction, off the event loop.
 
 Each call puts its item on a bounded queue and waits for its own result. One task takes what is
-queued (up to ``max_batch`` items) and writes it, one transaction and one commit for the lot:
-``write_now`` on the event loop where the write need not wait (it returns None otherwise), else
-``write`` in a worker thread; while that commit runs, new items gather for the next one. Under load
+queued (up to ``max_batch`` items) and writes it with ``write`` (services/feedback/upsert.py:
+what would block runs in a worker thread), one transaction and one commit for the lot; while that commit runs, new items gather for the next one. Under load
 a commit serves many calls; a lone item on an idle stage is written at once (there is no timer to
 wait for). A call is answered only after the transaction that holds its item committed, so a
 reply means the row is in the database; when the write fails, every call of the batch gets the
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from services.feedback.records import Feedback
 from shared import errors
@@ -29,9 +28,8 @@ STREAM_WINDOW = 64  # batches of one stream taken ahead of their answers; then t
 
 
 class SubmitBatcher:
-    def __init__(self, write: Callable[[list[Feedback]], list[Result]],
-                 write_now: Callable[[list[Feedback]], list[Result] | None], *, max_batch: int, queue_size: int):
-        self._write, self._write_now, self._max = write, write_now, max_batch
+    def __init__(self, write: Callable[[list[Feedback]], Awaitable[list[Result]]], *, max_batch: int, queue_size: int):
+        self._write, self._max = write, max_batch
         self._queue: asyncio.Queue[tuple[Feedback, asyncio.Future]] = asyncio.Queue(queue_size)
         self._task: asyncio.Task | None = None
         self._draining = asyncio.Event()
@@ -128,9 +126,7 @@ class SubmitBatcher:
                 continue
             items = [fb for fb, _ in batch]
             try:
-                results = self._write_now(items)  # on the loop when it need not wait: no thread hop
-                if results is None:
-                    results = await asyncio.to_thread(self._write, items)
+                results = await self._write(items)
             except errors.KeelError as exc:
                 results = [exc] * len(batch)
             except Exception as exc:  # noqa: BLE001 - a dead batcher would hang every later call

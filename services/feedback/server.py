@@ -48,8 +48,8 @@ class FeedbackCore:
                                    batch=cfg.replay.replay_batch,
                                    on_count=lambda path, n: records.labels(path=path).inc(n))
         m.gauge("keel_feedback_spill_backlog").set_function(self.writer.backlog)
-        self.submits = SubmitBatcher(self.write_feedback, self.write_feedback_now,
-                                     max_batch=cfg.submit.max_batch, queue_size=cfg.submit.queue_size)
+        self.submits = SubmitBatcher(self.write_feedback, max_batch=cfg.submit.max_batch,
+                                     queue_size=cfg.submit.queue_size)
 
     def record(self, records: list[dict]) -> tuple[int, int]:
         for r in records:
@@ -60,17 +60,9 @@ class FeedbackCore:
                 b["created_ms"] = now_ms()
         return self.writer.put(bodies)
 
-    def write_feedback(self, items: list[Feedback]) -> list[Result]:
-        """One transaction for a batch of feedback items (SubmitBatcher calls it from a thread)."""
-        return self._counted(items, self.writer.store().upsert_feedback(items))
-
-    def write_feedback_now(self, items: list[Feedback]) -> list[Result] | None:
-        """``write_feedback`` done at once, or None where it would wait (SubmitBatcher calls it on
-        the event loop, and hands the batch to ``write_feedback`` in a thread on None)."""
-        results = self.writer.store().upsert_feedback_now(items)
-        return None if results is None else self._counted(items, results)
-
-    def _counted(self, items: list[Feedback], results: list[Result]) -> list[Result]:
+    async def write_feedback(self, items: list[Feedback]) -> list[Result]:
+        """One transaction for a batch of feedback items (SubmitBatcher's write)."""
+        results = await self.writer.store().upsert_feedback(items)
         for fb, result in zip(items, results):
             if result is True:
                 self._feedback.labels(error_type=fb.error_type, severity=fb.severity).inc()
@@ -100,6 +92,10 @@ class FeedbackStage:
 
     async def warmup(self) -> None:
         await asyncio.to_thread(self.core.writer.start)
+        try:
+            await self.core.writer.store().open_writes()
+        except errors.NotReady:
+            pass  # the database is down: the first write after it is back opens the connection
         self.core.submits.start()
         self._retention = asyncio.create_task(self._retention_loop())
         self._checkpoints = asyncio.create_task(self._checkpoint_loop())
@@ -131,6 +127,10 @@ class FeedbackStage:
                 task.cancel()
         await self.rotation.close()
         await self.core.submits.close()
+        try:
+            await self.core.writer.store().close_writes()
+        except errors.NotReady:
+            pass  # never opened: the database was down
         # A database that is up gets the spilled records now; else they wait in the file for the next start.
         await asyncio.to_thread(self.core.writer.wait_drained, DRAIN_ON_CLOSE_S)
         await asyncio.to_thread(self.core.writer.close)

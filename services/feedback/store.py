@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from services.feedback import db
 from services.feedback.records import Feedback, dumps
-from services.feedback.upsert import FeedbackUpsert
+from services.feedback.upsert import feedback_upsert
 from shared import errors
 
 
@@ -26,10 +26,10 @@ def now_ms() -> int:
 
 
 class Store:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, connect_timeout_s: int):
         self.engine = engine
         self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
-        self._upsert = FeedbackUpsert(engine)
+        self._upsert = feedback_upsert(engine, connect_timeout_s)
 
     def insert(self, table: sa.Table):
         """The dialect's INSERT (it has ON CONFLICT on both SQLite and PostgreSQL)."""
@@ -49,8 +49,15 @@ class Store:
         except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
             raise db.unavailable(exc) from exc
 
+    async def open_writes(self) -> None:
+        """Open the feedback write's own connection (PostgreSQL: on the calling event loop)."""
+        await self._upsert.open()
+
+    async def close_writes(self) -> None:
+        """Close it (on the event loop that wrote); ``close`` for the rest."""
+        await self._upsert.aclose()
+
     def close(self) -> None:
-        self._upsert.close()
         self.engine.dispose()
 
     def put_records(self, bodies: list[dict]) -> int:
@@ -81,24 +88,25 @@ class Store:
             return conn.execute(sa.delete(db.replay_records)
                                 .where(db.replay_records.c.created_ms < older_than_ms)).rowcount or 0
 
-    def upsert_feedback(self, items: list[Feedback]) -> list[bool | errors.KeelError]:
+    async def upsert_feedback(self, items: list[Feedback]) -> list[bool | errors.KeelError]:
         """Create or update each item by feedback_id, all in one transaction (one commit for the
         batch). Per item, in order: True when created, False when updated, or NotFound
         TRACE_NOT_FOUND for an unknown trace_id (that item alone is not written). An item whose
         feedback_id came earlier in the same batch updates it, as if sent one after the other.
         NotReady for the whole batch while the database is unavailable: then nothing is written.
-        Waits for the database's lock (call it from a thread)."""
+        Runs on the stage's event loop (what would block goes to a worker thread)."""
         for fb in items:
             fb.check()
-        return _results(items, self._upsert(items, now_ms()))
-
-    def upsert_feedback_now(self, items: list[Feedback]) -> list[bool | errors.KeelError] | None:
-        """``upsert_feedback`` done at once on the calling thread (the event loop may call it), or
-        None where it would have to wait (PostgreSQL, the SQLite lock held elsewhere)."""
+        known, existing = await self._upsert(items, now_ms())
+        results: list[bool | errors.KeelError] = []
         for fb in items:
-            fb.check()
-        found = self._upsert.now(items, now_ms())
-        return None if found is None else _results(items, found)
+            if fb.trace_id not in known:
+                results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
+                                               reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
+                continue
+            results.append(fb.feedback_id not in existing)
+            existing.add(fb.feedback_id)
+        return results
 
     def checkpoint(self) -> None:
         """SQLite: copy the write-ahead log into the database file (PASSIVE: it waits for no one).
@@ -138,25 +146,12 @@ class Store:
             yield item, body
 
 
-def _results(items: list[Feedback], found: tuple[set[str], set[str]]) -> list[bool | errors.KeelError]:
-    known, existing = found
-    results: list[bool | errors.KeelError] = []
-    for fb in items:
-        if fb.trace_id not in known:
-            results.append(errors.NotFound(f"no served request has trace_id {fb.trace_id[:64]!r}",
-                                           reason="TRACE_NOT_FOUND", metadata={"trace_id": fb.trace_id[:64]}))
-            continue
-        results.append(fb.feedback_id not in existing)
-        existing.add(fb.feedback_id)
-    return results
-
-
 def open_store(url: str, *, connect_timeout_s: int = 2, pool_size: int = 5) -> Store:
     """Engine + migrations to the newest version; raises NotReady while the database is unreachable."""
     engine = db.make_engine(url, connect_timeout_s=connect_timeout_s, pool_size=pool_size)
     try:
         db.migrate(engine)
-        return Store(engine)
+        return Store(engine, connect_timeout_s)
     except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
         engine.dispose()
         raise db.unavailable(exc) from exc

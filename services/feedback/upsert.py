@@ -1,31 +1,31 @@
-"""The feedback upsert, SubmitFeedback's write, on a driver connection of its own.
+"""The feedback upsert, SubmitFeedback's write, on a connection of its own.
 
 A batch sent through SQLAlchemy's pool and Core paid for a pre-ping, BEGIN, two lookups, the
 insert and COMMIT: six round trips to PostgreSQL and Core's per-statement work on each
-(``bench/bench_feedback.py --sections store`` measures both paths). Here the store holds one
-driver connection outside the pool, opened with the store and reopened after a failure, and sends:
+(``bench/bench_feedback.py --sections store`` measures both paths), and a hop to a worker thread
+and back. Here the store holds one connection outside the pool and sends:
 
-- PostgreSQL: one statement in autocommit mode (atomic by itself). It looks up which traces are
-  known and which feedback ids exist, and upserts, per feedback_id, the batch's last item among
-  those whose trace is known. Every part of one statement reads the same snapshot, so the lookups
-  see the table as it was before the upsert.
-- SQLite: BEGIN IMMEDIATE, one lookup, the upsert, COMMIT, all in-process.
+- PostgreSQL: one statement in autocommit mode (atomic by itself), from the stage's event loop
+  (psycopg's asyncio connection). It looks up which traces are known and which feedback ids
+  exist, and upserts, per feedback_id, the batch's last item among those whose trace is known.
+  Every part of one statement reads the same snapshot, so the lookups see the table as it was
+  before the upsert.
+- SQLite: BEGIN IMMEDIATE, one lookup, the upsert, COMMIT: ~0.1 ms of in-process work, done on
+  the event loop when it cannot wait, else in a worker thread (``SqliteUpsert``). Nothing on this
+  connection waits on the disk: SQLite in WAL mode with ``synchronous=NORMAL`` syncs only at
+  checkpoints, and this connection's commits never checkpoint; ``Store.checkpoint`` runs one from
+  a thread of the stage.
 
-Either way the answer is (known trace ids, feedback ids that existed before the batch).
-
-On SQLite the write is ~0.1 ms of in-process work: ``now`` does it on the calling thread (the
-stage's event loop) when that cannot wait, and says None otherwise (the connection is busy in
-another thread, or another writer holds the database's lock), and the caller then hands the batch
-to a thread (``__call__``), which waits for the lock up to the busy timeout. Nothing on this
-connection waits on the disk: SQLite in WAL mode with ``synchronous=NORMAL`` syncs only at
-checkpoints, and this connection's commits never checkpoint; ``Store.checkpoint`` runs one from a
-thread of the stage.
+Either way the answer is (known trace ids, feedback ids that existed before the batch). A database
+failure a retry may cure raises NotReady (DATABASE_UNAVAILABLE) and drops the connection; the
+next batch opens a new one.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -74,14 +74,6 @@ def _found(rows: Sequence[tuple[str, str]]) -> Found:
     return {v for k, v in rows if k == "trace"}, {v for k, v in rows if k == "feedback"}
 
 
-def _postgresql(conn, items: list[Feedback], now: int) -> Found:
-    params = {"feedback_id": [fb.feedback_id for fb in items], "trace_id": [fb.trace_id for fb in items],
-              "error_type": [fb.error_type for fb in items], "severity": [fb.severity for fb in items],
-              "expected_keywords": [_keywords(fb) for fb in items], "comment": [fb.comment for fb in items],
-              "now": now}
-    return _found(conn.execute(_POSTGRESQL, params).fetchall())
-
-
 def _sqlite(conn, items: list[Feedback], now: int) -> Found:
     conn.execute("BEGIN IMMEDIATE")  # the writer's lock from the lookup on: nothing changes in between
     try:
@@ -98,65 +90,50 @@ def _sqlite(conn, items: list[Feedback], now: int) -> Found:
     return known, existing
 
 
-class FeedbackUpsert:
-    """The store's feedback write; a database failure a retry may cure raises NotReady
-    (DATABASE_UNAVAILABLE) and drops the connection, and the next call opens a new one."""
+class SqliteUpsert:
+    """SQLite: one driver connection of its own. ``__call__`` writes on the event loop when that
+    cannot wait (busy timeout 0: the lock held by another writer refuses at once, before anything
+    is written) and otherwise in a worker thread, which waits for the lock up to the busy timeout."""
 
     def __init__(self, engine: Engine):
         self._engine, self._dbapi = engine, engine.dialect.loaded_dbapi
         self._failures = (sa.exc.OperationalError, sa.exc.InterfaceError,
                           self._dbapi.OperationalError, self._dbapi.InterfaceError)
-        self._sqlite = engine.dialect.name == "sqlite"
-        self._write: Callable[..., Found] = _sqlite if self._sqlite else _postgresql
         self._lock = threading.Lock()  # one batch at a time on the connection
-        self._wait_ms = self._busy_ms = 0  # SQLite: the busy timeout of a waiting write / set now
+        self._wait_ms = self._busy_ms = 0  # the busy timeout of a write in a thread / the one set now
         self._conn = self._open()
 
     def _open(self):
-        pooled = self._engine.raw_connection()  # the pool's connect hooks run (SQLite's pragmas)
+        pooled = self._engine.raw_connection()  # the pool's connect hooks run (the WAL pragmas)
         driver = pooled.driver_connection
         pooled.detach()  # ours alone: it never goes back to the pool, and closing it closes it
-        if self._engine.dialect.name == "postgresql":
-            driver.autocommit = True
-            # A plan per execution, from the tables' current statistics. A cached generic plan is
-            # made once, from the statistics of its day: made on a new, empty table, it scans the
-            # whole feedback table for the lookup of existing ids, slower with every row.
-            driver.execute("SET plan_cache_mode = force_custom_plan")
-        else:
-            driver.isolation_level = None  # transactions only where BEGIN says so
-            driver.execute("PRAGMA wal_autocheckpoint = 0")  # see the module's docstring
-            self._wait_ms = self._busy_ms = driver.execute("PRAGMA busy_timeout").fetchone()[0]
+        driver.isolation_level = None  # transactions only where BEGIN says so
+        driver.execute("PRAGMA wal_autocheckpoint = 0")  # see the module's docstring
+        self._wait_ms = self._busy_ms = driver.execute("PRAGMA busy_timeout").fetchone()[0]
         return driver
+
+    async def open(self) -> None:
+        """Opened with the store already (an in-process file)."""
 
     def _busy_timeout(self, ms: int) -> None:
         if self._busy_ms != ms:
             self._conn.execute(f"PRAGMA busy_timeout = {int(ms)}")
             self._busy_ms = ms
 
-    def __call__(self, items: list[Feedback], now: int) -> Found:
-        """The write, waiting for the database's lock up to the busy timeout (call it from a thread)."""
-        with self._lock:
-            try:
-                if self._conn is None:
-                    self._conn = self._open()
-                if self._sqlite:
-                    self._busy_timeout(self._wait_ms)
-                return self._write(self._conn, items, now)
-            except self._failures as exc:
-                self._close()
-                raise db.unavailable(exc) from exc
+    async def __call__(self, items: list[Feedback], now: int) -> Found:
+        found = self._at_once(items, now)
+        return found if found is not None else await asyncio.to_thread(self._waiting, items, now)
 
-    def now(self, items: list[Feedback], now: int) -> Found | None:
-        """The write done at once on the calling thread, or None where it would have to wait:
-        PostgreSQL (a server's round trip), the connection in use or closed, the lock held by
-        another writer."""
-        if not self._sqlite or not self._lock.acquire(blocking=False):
+    def _at_once(self, items: list[Feedback], now: int) -> Found | None:
+        """The write on the calling thread, or None where it would have to wait (the connection
+        in use or closed, the lock held by another writer)."""
+        if not self._lock.acquire(blocking=False):
             return None
         try:
             if self._conn is None:
                 return None  # reopening is the waiting path's work
             self._busy_timeout(0)
-            return self._write(self._conn, items, now)
+            return _sqlite(self._conn, items, now)
         except self._dbapi.OperationalError as exc:
             if exc.sqlite_errorcode & 0xFF == self._dbapi.SQLITE_BUSY:  # refused before anything was written
                 return None
@@ -164,6 +141,17 @@ class FeedbackUpsert:
             raise db.unavailable(exc) from exc
         finally:
             self._lock.release()
+
+    def _waiting(self, items: list[Feedback], now: int) -> Found:
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = self._open()
+                self._busy_timeout(self._wait_ms)
+                return _sqlite(self._conn, items, now)
+            except self._failures as exc:
+                self._close()
+                raise db.unavailable(exc) from exc
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -173,6 +161,59 @@ class FeedbackUpsert:
             except self._failures:
                 pass  # already broken: nothing to close cleanly
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         with self._lock:
             self._close()
+
+
+class PostgresUpsert:
+    """PostgreSQL: one connection of its own on the stage's event loop (psycopg's AsyncConnection),
+    in autocommit mode: the batch's one statement is atomic by itself. Opened by ``open`` at the
+    stage's start (or by the first write after a failure dropped it)."""
+
+    def __init__(self, engine: Engine, connect_timeout_s: int):
+        self._psycopg = engine.dialect.loaded_dbapi
+        self._failures = (self._psycopg.OperationalError, self._psycopg.InterfaceError)
+        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._timeout_s = connect_timeout_s
+        self._conn = None
+
+    async def open(self) -> None:
+        try:
+            await self._connected()
+        except self._failures as exc:
+            raise db.unavailable(exc) from exc
+
+    async def _connected(self):
+        if self._conn is None or self._conn.closed:
+            self._conn = await self._psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, connect_timeout=self._timeout_s)
+            # A plan per execution, from the tables' current statistics. A cached generic plan is
+            # made once, from the statistics of its day: made on a new, empty table, it scans the
+            # whole feedback table for the lookup of existing ids, slower with every row.
+            await self._conn.execute("SET plan_cache_mode = force_custom_plan")
+        return self._conn
+
+    async def __call__(self, items: list[Feedback], now: int) -> Found:
+        params = {"feedback_id": [fb.feedback_id for fb in items], "trace_id": [fb.trace_id for fb in items],
+                  "error_type": [fb.error_type for fb in items], "severity": [fb.severity for fb in items],
+                  "expected_keywords": [_keywords(fb) for fb in items], "comment": [fb.comment for fb in items],
+                  "now": now}
+        try:
+            cur = await (await self._connected()).execute(_POSTGRESQL, params)
+            return _found(await cur.fetchall())
+        except self._failures as exc:
+            await self.aclose()
+            raise db.unavailable(exc) from exc
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                await conn.close()
+            except self._failures:
+                pass  # already broken: nothing to close cleanly
+
+
+def feedback_upsert(engine: Engine, connect_timeout_s: int) -> SqliteUpsert | PostgresUpsert:
+    return SqliteUpsert(engine) if engine.dialect.name == "sqlite" else PostgresUpsert(engine, connect_timeout_s)

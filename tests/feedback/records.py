@@ -1,5 +1,8 @@
-"""Builds replay records as the feedback stage receives them (plain dicts, see services/feedback/servicer.py)."""
+"""Builds replay records as the feedback stage receives them (plain dicts, see services/feedback/servicer.py),
+and writes feedback from synchronous test code."""
 from __future__ import annotations
+
+import asyncio
 
 
 def record(trace_id: str, *, created_ms: int = 1_700_000_000_000, prompt=(1, 2, 3), output=(7, 8, 9),
@@ -10,3 +13,14 @@ def record(trace_id: str, *, created_ms: int = 1_700_000_000_000, prompt=(1, 2, 
             "domain": "", "source": "", "output_ids": list(output), "finish_reason": "stop",
             "engine": {"dtype": "float32"}, "input_fingerprint": "f" * 64,
             "validation": {"passed": True, "verdicts": [], "probes": {"entropy_mean": 0.5}, "low_confidence": False}}
+
+
+def upsert(store, items: list) -> list:
+    """``store.upsert_feedback`` from synchronous code: an event loop per call, the write's own
+    connection closed with it (a PostgreSQL asyncio connection belongs to the loop that opened it)."""
+    async def once():
+        try:
+            return await store.upsert_feedback(items)
+        finally:
+            await store.close_writes()
+    return asyncio.run(once())

@@ -10,14 +10,14 @@ from services.feedback.config import EtlConfig
 from services.feedback.etl import in_val, run
 from services.feedback.records import Feedback, stored_body
 from services.feedback.store import open_store
-from tests.feedback.records import record
+from tests.feedback.records import record, upsert
 
 
 def fill(store, n: int, start: int = 0, *, store_prompts: bool = True) -> None:
     store.put_records([stored_body(record(f"{i:032x}", prompt=(i, i + 1), content=f"q{i}"), store_prompts)
                        for i in range(start, start + n)])
     for i in range(start, start + n):
-        store.upsert_feedback([Feedback(f"{i:032x}", f"fb-{i}", "fact_error", "severe", (f"k{i}",), "wrong")])
+        upsert(store, [Feedback(f"{i:032x}", f"fb-{i}", "fact_error", "severe", (f"k{i}",), "wrong")])
 
 
 def files(out) -> dict[str, bytes]:
@@ -39,8 +39,8 @@ def test_examples_carry_lineage_and_only_the_selected_feedback(tmp_path):
     store = open_store(f"sqlite:///{tmp_path / 'f.db'}")
     fill(store, 3)
     store.put_records([stored_body(record("e" * 32, prompt=(99,)), True)])
-    store.upsert_feedback([Feedback("e" * 32, "minor-one", "fact_error", "minor")])
-    store.upsert_feedback([Feedback("e" * 32, "logic-one", "logic_error", "severe")])
+    upsert(store, [Feedback("e" * 32, "minor-one", "fact_error", "minor")])
+    upsert(store, [Feedback("e" * 32, "logic-one", "logic_error", "severe")])
     manifest = run(store, tmp_path / "out", 0, EtlConfig(val_percent=0))
     lines = [json.loads(x) for x in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert manifest["counts"]["examples"] == 3 and len(lines) == 3
@@ -53,8 +53,8 @@ def test_duplicate_inputs_become_one_example_with_merged_keywords(tmp_path):
     store = open_store(f"sqlite:///{tmp_path / 'f.db'}")
     store.put_records([stored_body(record("a" * 32, prompt=(5, 6)), True),
                        stored_body(record("b" * 32, prompt=(5, 6)), True)])
-    store.upsert_feedback([Feedback("a" * 32, "x", "fact_error", "severe", ("Paris",))])
-    store.upsert_feedback([Feedback("b" * 32, "y", "fact_error", "severe", ("France", "Paris"))])
+    upsert(store, [Feedback("a" * 32, "x", "fact_error", "severe", ("Paris",))])
+    upsert(store, [Feedback("b" * 32, "y", "fact_error", "severe", ("France", "Paris"))])
     manifest = run(store, tmp_path / "out", 0, EtlConfig(val_percent=0))
     (ex,) = [json.loads(x) for x in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert ex["expected_keywords"] == ["Paris", "France"] and ex["source_feedback_ids"] == ["x", "y"]

@@ -1,6 +1,7 @@
 """The feedback database on SQLite and on a real PostgreSQL: migrations, records, feedback upserts."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from services.feedback.records import Feedback, ids_sha256, stored_body
 from services.feedback.store import open_store
 from shared import errors
 from tests.feedback.pg import PgServer
-from tests.feedback.records import record
+from tests.feedback.records import record, upsert
 
 
 def fb(trace_id="a" * 32, feedback_id="fb-1", **kw) -> Feedback:
@@ -57,8 +58,8 @@ def test_store_prompts_false_keeps_hashes_only(db_url):
 def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
     store = open_store(db_url)
     store.put_records([stored_body(record("a" * 32), True)])
-    assert store.upsert_feedback([fb()]) == [True]
-    assert store.upsert_feedback([fb(severity="minor", comment="on second thought")]) == [False]
+    assert upsert(store, [fb()]) == [True]
+    assert upsert(store, [fb(severity="minor", comment="on second thought")]) == [False]
     rows = store.list_feedback()
     assert len(rows) == 1
     assert rows[0]["severity"] == "minor" and rows[0]["comment"] == "on second thought"
@@ -68,7 +69,7 @@ def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
 
 def test_feedback_on_an_unknown_trace_is_not_found(db_url):
     store = open_store(db_url)
-    [result] = store.upsert_feedback([fb(trace_id="c" * 32)])
+    [result] = upsert(store, [fb(trace_id="c" * 32)])
     assert isinstance(result, errors.NotFound) and result.reason == "TRACE_NOT_FOUND"
     assert store.list_feedback() == []
 
@@ -76,8 +77,8 @@ def test_feedback_on_an_unknown_trace_is_not_found(db_url):
 def test_a_batch_is_answered_per_item_as_if_sent_one_after_the_other(db_url):
     store = open_store(db_url)
     store.put_records([stored_body(record("a" * 32), True), stored_body(record("b" * 32), True)])
-    assert store.upsert_feedback([fb(feedback_id="old")]) == [True]
-    results = store.upsert_feedback([fb(feedback_id="new"), fb(trace_id="c" * 32, feedback_id="lost"),
+    assert upsert(store, [fb(feedback_id="old")]) == [True]
+    results = upsert(store, [fb(feedback_id="new"), fb(trace_id="c" * 32, feedback_id="lost"),
                                      fb(feedback_id="old", comment="edited"),
                                      fb(trace_id="b" * 32, feedback_id="new", severity="minor")])
     assert results[0] is True and results[2] is False and results[3] is False
@@ -91,59 +92,64 @@ def test_a_batch_is_answered_per_item_as_if_sent_one_after_the_other(db_url):
 def test_an_id_sent_again_on_an_unknown_trace_keeps_its_earlier_item_of_the_batch(db_url):
     store = open_store(db_url)
     store.put_records([stored_body(record("a" * 32), True)])
-    results = store.upsert_feedback([fb(feedback_id="x", comment="kept"), fb(trace_id="c" * 32, feedback_id="x")])
+    results = upsert(store, [fb(feedback_id="x", comment="kept"), fb(trace_id="c" * 32, feedback_id="x")])
     assert results[0] is True and isinstance(results[1], errors.NotFound)
     [row] = store.list_feedback()
     assert (row["feedback_id"], row["trace_id"], row["comment"]) == ("x", "a" * 32, "kept")
 
 
-def test_a_feedback_write_after_postgresql_restarted_reconnects(tmp_path):
+@pytest.mark.asyncio
+async def test_a_feedback_write_after_postgresql_restarted_reconnects(tmp_path):
     server = PgServer().init()
     server.start()
     try:
         store = open_store(server.url, connect_timeout_s=1)
         store.put_records([stored_body(record("a" * 32), True)])
-        assert store.upsert_feedback([fb(feedback_id="before")]) == [True]
+        await store.open_writes()
+        assert await store.upsert_feedback([fb(feedback_id="before")]) == [True]
         server.kill()
         with pytest.raises(errors.NotReady) as exc:  # the held connection is gone, and so is the server
-            store.upsert_feedback([fb(feedback_id="down")])
+            await store.upsert_feedback([fb(feedback_id="down")])
         assert exc.value.reason == "DATABASE_UNAVAILABLE" and exc.value.retry_after_ms > 0
         server.start()
-        assert store.upsert_feedback([fb(feedback_id="after")]) == [True]
+        assert await store.upsert_feedback([fb(feedback_id="after")]) == [True]
         assert {r["feedback_id"] for r in store.list_feedback()} == {"before", "after"}
+        await store.close_writes()
         store.close()
     finally:
         server.stop()
 
 
-def test_a_write_that_would_wait_for_the_lock_is_not_done_at_once(db_url):
-    store = open_store(db_url)
+@pytest.mark.asyncio
+async def test_a_sqlite_write_that_waits_for_the_lock_waits_off_the_event_loop(tmp_path):
+    url = f"sqlite:///{tmp_path / 'f.db'}"
+    store = open_store(url)
     store.put_records([stored_body(record("a" * 32), True)])
-    if store.engine.dialect.name == "postgresql":
-        assert store.upsert_feedback_now([fb()]) is None       # a server round trip: always the thread's
-        return
-    assert store.upsert_feedback_now([fb(feedback_id="now")]) == [True]
-    holder = db.make_engine(db_url).connect()
+    assert await store.upsert_feedback([fb(feedback_id="now")]) == [True]
+    holder = db.make_engine(url).connect()
     holder.exec_driver_sql("BEGIN IMMEDIATE")                 # another writer holds the lock
     try:
+        write = asyncio.create_task(store.upsert_feedback([fb(feedback_id="later")]))
         t0 = time.monotonic()
-        assert store.upsert_feedback_now([fb(feedback_id="later")]) is None
-        assert time.monotonic() - t0 < 1.0                    # at once, not after the 2 s busy timeout
+        await asyncio.sleep(0.3)
+        assert time.monotonic() - t0 < 1.0                    # the loop ran on: not stuck in a 2 s busy wait
+        assert not write.done()
     finally:
         holder.rollback()
         holder.close()
-    assert store.upsert_feedback_now([fb(feedback_id="later")]) == [True]
+    assert await write == [True]
     assert {r["feedback_id"] for r in store.list_feedback()} == {"now", "later"}
 
 
-def test_feedback_writes_never_checkpoint_sqlite_and_the_stage_does_it_apart(tmp_path):
+@pytest.mark.asyncio
+async def test_feedback_writes_never_checkpoint_sqlite_and_the_stage_does_it_apart(tmp_path):
     path = tmp_path / "f.db"
     store = open_store(f"sqlite:///{path}")
     store.put_records([stored_body(record("a" * 32), True)])
     store.checkpoint()
     before = path.stat().st_size
     for i in range(400):  # > 1000 pages of log: SQLite's own rule would have checkpointed by now
-        assert store.upsert_feedback_now([fb(feedback_id=f"x{i}")]) == [True]
+        assert await store.upsert_feedback([fb(feedback_id=f"x{i}")]) == [True]
     assert (tmp_path / "f.db-wal").stat().st_size > 1000 * 4096
     assert path.stat().st_size == before       # all of it still in the log: no write checkpointed
     store.checkpoint()

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,10 +29,6 @@ MD = (("x-keel-mesh-token", TOKEN),)
 TRACE = "a" * 32
 
 
-def NEVER_NOW(items):  # noqa: N802 - a constant's role: every batch goes to the thread's write
-    return None
-
-
 def fb(feedback_id: str, trace_id: str = TRACE, **kw) -> Feedback:
     return Feedback(trace_id=trace_id, feedback_id=feedback_id, error_type=kw.get("error_type", "fact_error"),
                     severity=kw.get("severity", "severe"))
@@ -45,13 +40,13 @@ class FakeWrite:
 
     def __init__(self, fail: Exception | None = None):
         self.batches: list[list[str]] = []
-        self.release = threading.Event()
+        self.release = asyncio.Event()
         self.fail = fail
 
-    def __call__(self, items):
+    async def __call__(self, items):
         self.batches.append([i.feedback_id for i in items])
         if len(self.batches) == 1:
-            self.release.wait(10)
+            await asyncio.wait_for(self.release.wait(), 10)
         if self.fail is not None:
             raise self.fail
         return [errors.NotFound("unknown", reason="TRACE_NOT_FOUND") if i.trace_id != TRACE else True
@@ -61,7 +56,7 @@ class FakeWrite:
 @pytest.mark.asyncio
 async def test_submits_queued_behind_a_commit_share_the_next_one_and_keep_their_own_answers():
     write = FakeWrite()
-    batcher = SubmitBatcher(write, NEVER_NOW, max_batch=100, queue_size=100)
+    batcher = SubmitBatcher(write, max_batch=100, queue_size=100)
     batcher.start()
     first = asyncio.create_task(batcher.submit(fb("first")))
     while not write.batches:
@@ -79,32 +74,10 @@ async def test_submits_queued_behind_a_commit_share_the_next_one_and_keep_their_
 
 
 @pytest.mark.asyncio
-async def test_a_batch_is_written_on_the_loop_when_that_need_not_wait_and_in_a_thread_otherwise():
-    loop_thread = threading.get_ident()
-    wrote_on: list[tuple[str, bool]] = []
-
-    def now(items):
-        if items[0].feedback_id.startswith("wait"):
-            return None                        # would wait (the lock held elsewhere): the thread's turn
-        wrote_on.append(("now", threading.get_ident() == loop_thread))
-        return [True] * len(items)
-
-    def write(items):
-        wrote_on.append(("thread", threading.get_ident() == loop_thread))
-        return [False] * len(items)
-    batcher = SubmitBatcher(write, now, max_batch=100, queue_size=100)
-    batcher.start()
-    assert await batcher.submit(fb("at-once")) is True
-    assert await batcher.submit(fb("wait-1")) is False
-    assert wrote_on == [("now", True), ("thread", False)]
-    await batcher.close()
-
-
-@pytest.mark.asyncio
 async def test_a_failed_write_fails_every_call_of_its_batch_with_a_retry_hint_and_later_ones_still_run():
     write = FakeWrite(fail=errors.NotReady("down", reason="DATABASE_UNAVAILABLE", retry_after_ms=1000))
     write.release.set()
-    batcher = SubmitBatcher(write, NEVER_NOW, max_batch=4, queue_size=100)
+    batcher = SubmitBatcher(write, max_batch=4, queue_size=100)
     batcher.start()
     results = await asyncio.gather(*(batcher.submit(fb(f"x{i}")) for i in range(10)), return_exceptions=True)
     assert all(isinstance(r, errors.NotReady) and r.retry_after_ms == 1000 for r in results)
@@ -120,7 +93,7 @@ async def test_a_failed_write_fails_every_call_of_its_batch_with_a_retry_hint_an
 @pytest.mark.asyncio
 async def test_a_malformed_item_is_refused_before_it_is_queued():
     write = FakeWrite()
-    batcher = SubmitBatcher(write, NEVER_NOW, max_batch=4, queue_size=1)
+    batcher = SubmitBatcher(write, max_batch=4, queue_size=1)
     with pytest.raises(errors.InvalidInput):      # not started: nothing would ever answer a queued item
         await batcher.submit(fb(" "))
     assert write.batches == []
@@ -129,7 +102,7 @@ async def test_a_malformed_item_is_refused_before_it_is_queued():
 @pytest.mark.asyncio
 async def test_a_caller_that_gave_up_while_queued_is_left_out_and_close_answers_the_rest():
     write = FakeWrite()
-    batcher = SubmitBatcher(write, NEVER_NOW, max_batch=100, queue_size=100)
+    batcher = SubmitBatcher(write, max_batch=100, queue_size=100)
     batcher.start()
     first = asyncio.create_task(batcher.submit(fb("first")))
     while not write.batches:
@@ -160,7 +133,7 @@ async def test_a_caller_that_gave_up_while_queued_is_left_out_and_close_answers_
 async def test_submit_many_answers_each_item_in_order_and_a_malformed_one_alone_without_queueing_it():
     write = FakeWrite()
     write.release.set()
-    batcher = SubmitBatcher(write, NEVER_NOW, max_batch=100, queue_size=100)
+    batcher = SubmitBatcher(write, max_batch=100, queue_size=100)
     batcher.start()
     results = await batcher.submit_many([fb("a"), fb(""), fb("b", trace_id="b" * 32), fb("a", severity="minor")])
     assert results[0] is True and results[3] is True
