@@ -243,6 +243,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 log.log(logging.ERROR if code == "INTERNAL" else logging.INFO, "rpc failed",
                         extra={"code": code, "reason": err.reason, "detail": err.message, "metadata": err.metadata})
                 await context.abort(*to_status(err, trace_id, public=self.public))
+            except GeneratorExit:
+                # A streaming call ended (cancelled, cut) while grpc was writing one of its messages:
+                # grpc then closes the handler's generator at its yield instead of cancelling it.
+                code = "CANCELLED"
+                raise
             except asyncio.CancelledError:
                 if task not in self._cut:
                     code = "CANCELLED"

@@ -1,6 +1,8 @@
 """The one error mapping, both sides: KeelError -> status + ErrorInfo (+ retry hint) -> KeelError."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import pytest_asyncio
@@ -177,3 +179,38 @@ async def test_a_method_whose_handler_changes_gets_the_new_one():
     wrapped = await interceptor.intercept_service(continuation, _Details(method))
     await wrapped.unary_unary(tokenizer_pb2.DecodeRequest(), _Context())
     assert seen == ["first", "second"]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_cancelled_while_its_answer_is_written_is_counted_cancelled():
+    """A client that cancels while grpc is writing a message finds the handler's generator at
+    its yield: grpc closes it (GeneratorExit), it is not cancelled. Still a CANCELLED call."""
+    from prometheus_client import REGISTRY
+
+    async def endless(request, context):
+        while True:  # never awaits: the cancel lands while a message is being written
+            yield tokenizer_pb2.DecodeResponse(text="x" * 4000)
+    handler = grpc.method_handlers_generic_handler("keel.test.v1.Streams", {"Endless": grpc.unary_stream_rpc_method_handler(
+        endless, tokenizer_pb2.DecodeRequest.FromString, tokenizer_pb2.DecodeResponse.SerializeToString)})
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("tokenizer", mesh_token="s3cret")])
+    srv.add_generic_rpc_handlers((handler,))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+
+    def count(code: str) -> float:
+        return REGISTRY.get_sample_value("keel_requests_total",
+                                         {"service": "tokenizer", "method": "Endless", "code": code}) or 0.0
+    before = count("CANCELLED"), count("OK")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        for _ in range(3):
+            call = ch.unary_stream("/keel.test.v1.Streams/Endless", tokenizer_pb2.DecodeRequest.SerializeToString,
+                                   tokenizer_pb2.DecodeResponse.FromString)(tokenizer_pb2.DecodeRequest(), metadata=MESH)
+            for _ in range(3):
+                await call.read()
+            call.cancel()
+    for _ in range(100):
+        if count("CANCELLED") - before[0] == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert (count("CANCELLED") - before[0], count("OK") - before[1]) == (3, 0)
+    await srv.stop(None)
