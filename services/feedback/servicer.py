@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import time
 
 from google.protobuf import json_format
 from opentelemetry import trace
@@ -89,7 +88,7 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
                 parent = tracing.extract({"traceparent": request.traceparent}) if request.traceparent else None
                 spans.append(tracing.tracer().start_span(
                     "feedback/SubmitStream.batch", context=parent, kind=trace.SpanKind.SERVER,
-                    attributes={"items": len(request.items)}, start_time=time.time_ns()))
+                    attributes={"items": len(request.items)}))
                 yield [feedback_from_proto(f) for f in request.items]
         try:
             async for items, results in self.core.submits.answer_stream(batches()):

@@ -43,6 +43,11 @@ class _Pending:
     caller: trace.SpanContext  # the caller's span: the batch's span links to it
 
 
+def no_answer() -> errors.DeadlineExpired:
+    """What a caller gets when the feedback stage did not answer within its deadline."""
+    return errors.DeadlineExpired("the feedback stage did not answer within the call's deadline", retry_after_ms=1000)
+
+
 def item_error(e: feedback_pb2.SubmitItemError) -> errors.KeelError:
     """The KeelError one item of a batch failed with (the feedback stage's SubmitItemError)."""
     return client.error_from(e.code, e.message, reason=e.reason, metadata=dict(e.metadata),
@@ -67,8 +72,7 @@ class SubmitCoalescer:
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            raise errors.DeadlineExpired("the feedback stage did not answer within the call's deadline",
-                                         retry_after_ms=1000) from None
+            raise no_answer() from None
 
     async def close(self) -> None:
         if self._task is not None:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import grpc
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
+from services.gateway.submits import no_answer
 from shared import client, errors, meshauth
 
 UNREACHABLE_RETRY_MS = 1000  # the hint when the feedback stage ended the call without one
@@ -65,8 +66,7 @@ class SubmitStream:
         try:
             return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
         except TimeoutError:
-            raise errors.DeadlineExpired("the feedback stage did not answer within the call's deadline",
-                                         retry_after_ms=1000) from None
+            raise no_answer() from None
 
     async def _call(self) -> _Call:
         current = self._current

@@ -67,6 +67,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def one_waiting() -> tuple[ScriptedStub, SubmitStream, asyncio.Task]:
+    """A stream with one batch written and waiting for its answer."""
+    stub = ScriptedStub()
+    stream = SubmitStream(lambda: stub, max_age_s=60)
+    waiting = asyncio.create_task(stream.send(batch("x"), 5))
+    await settle()
+    return stub, stream, waiting
+
+
 @pytest.mark.asyncio
 async def test_answers_reach_their_own_batches_and_a_batch_given_up_on_does_not_shift_the_rest():
     stub = ScriptedStub()
@@ -107,10 +116,7 @@ async def test_a_call_that_ends_fails_its_waiting_batches_with_a_retry_hint_and_
 
 @pytest.mark.asyncio
 async def test_a_stream_the_stage_ends_without_an_error_fails_what_waits_with_a_retry_hint():
-    stub = ScriptedStub()
-    stream = SubmitStream(lambda: stub, max_age_s=60)
-    waiting = asyncio.create_task(stream.send(batch("x"), 5))
-    await settle()
+    stub, stream, waiting = await one_waiting()
     stub.calls[0].end()
     with pytest.raises(errors.NotReady) as exc:
         await waiting
@@ -137,10 +143,7 @@ async def test_an_old_call_is_closed_for_writing_and_its_last_answers_still_arri
 
 @pytest.mark.asyncio
 async def test_close_answers_the_waiting_batches_shutting_down():
-    stub = ScriptedStub()
-    stream = SubmitStream(lambda: stub, max_age_s=60)
-    waiting = asyncio.create_task(stream.send(batch("x"), 5))
-    await settle()
+    _, stream, waiting = await one_waiting()
     await stream.close()
     with pytest.raises(errors.NotReady) as exc:
         await waiting
