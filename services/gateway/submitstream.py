@@ -95,7 +95,12 @@ class SubmitStream:
                     answer.set_result(response)
         except grpc.aio.AioRpcError as exc:
             err = client.translate(exc)
-            if isinstance(err, errors.NotReady) and err.retry_after_ms is None:
+            if "grpc-status-details-bin" not in dict(exc.trailing_metadata() or ()):
+                # No status from the stage: the transport ended the call (the stage died or
+                # restarted, the connection broke; grpc may call that INTERNAL). Worth a retry.
+                err = client.error_from("UNAVAILABLE", f"the feedback stream broke: {exc.details()}",
+                                        reason="UNAVAILABLE", metadata={}, retry_after_ms=UNREACHABLE_RETRY_MS)
+            elif isinstance(err, errors.NotReady) and err.retry_after_ms is None:
                 err.retry_after_ms = UNREACHABLE_RETRY_MS  # the stage itself is unreachable: worth a retry
         except asyncio.CancelledError:
             err = errors.NotReady("the gateway is shutting down", reason=errors.SHUTTING_DOWN,

@@ -148,3 +148,14 @@ async def test_close_answers_the_waiting_batches_shutting_down():
     with pytest.raises(errors.NotReady) as exc:
         await waiting
     assert exc.value.reason == errors.SHUTTING_DOWN
+
+
+@pytest.mark.asyncio
+async def test_a_stream_the_transport_ends_with_internal_fails_what_waits_unavailable_with_a_retry_hint():
+    stub, stream, waiting = await one_waiting()
+    stub.calls[0].end(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="Internal error from Core"))
+    with pytest.raises(errors.NotReady) as exc:
+        await waiting
+    assert exc.value.code == "UNAVAILABLE" and exc.value.retry_after_ms > 0
+    await stream.close()
