@@ -98,8 +98,8 @@ class SubmitStream:
             if "grpc-status-details-bin" not in dict(exc.trailing_metadata() or ()):
                 # No status from the stage: the transport ended the call (the stage died or
                 # restarted, the connection broke; grpc may call that INTERNAL). Worth a retry.
-                err = client.error_from("UNAVAILABLE", f"the feedback stream broke: {exc.details()}",
-                                        reason="UNAVAILABLE", metadata={}, retry_after_ms=UNREACHABLE_RETRY_MS)
+                err = errors.NotReady(f"the feedback stream broke: {exc.details()}", reason=errors.CONNECTION_LOST,
+                                      retry_after_ms=UNREACHABLE_RETRY_MS)
             elif isinstance(err, errors.NotReady) and err.retry_after_ms is None:
                 err.retry_after_ms = UNREACHABLE_RETRY_MS  # the stage itself is unreachable: worth a retry
         except asyncio.CancelledError:
