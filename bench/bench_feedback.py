@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
      [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
-     [--forwarding coalesced|per-item|both]
+     [--forwarding coalesced,no-linger,per-item] [--open-runs N]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
    SQLite and then on a real PostgreSQL (Debian's server, started here), two ways:
@@ -11,10 +11,12 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    other clients); "open": `--submits` upserts sent at a fixed `--rate` per second whatever the
    answers do, each latency counted from its scheduled send time (so a stall is not hidden by
    sending less during it). Peers: the gateway's own Generate of one token, the cheapest call
-   that crosses the same gateway, measured in the same mesh; and with `--forwarding both`, a
-   mesh whose gateway sends every SubmitFeedback on alone (`replay.submit_batch: 1`, one
-   message per item: the forwarding before coalescing) next to the default one, where
-   concurrent calls share batches (services/gateway/submits.py).
+   that crosses the same gateway, measured in the same mesh; and the forwardings named in
+   `--forwarding`, a mesh each, all up at once, their open-loop windows alternating:
+   "coalesced" (the default: concurrent calls share batches, services/gateway/submits.py),
+   "no-linger" (coalesced, but a batch never waits for more items: `replay.submit_linger_ms: 0`)
+   and "per-item" (every SubmitFeedback sent on alone: the forwarding before coalescing).
+   "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import random
 import statistics
@@ -167,32 +170,63 @@ def with_cpu(mesh, n: int, run) -> tuple:
 
 # per-item: one item per SubmitBatch call and up to 64 calls in flight, as the forwarding before
 # coalescing sent each SubmitFeedback on at once (one call in flight would serialise them).
+# no-linger: coalesced, but a batch never waits for more items (replay.submit_linger_ms: 0).
 FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1", "KEEL_GATEWAY_REPLAY__SUBMIT_INFLIGHT": "64"},
+              "no-linger": {"KEEL_GATEWAY_REPLAY__SUBMIT_LINGER_MS": "0"},
               "coalesced": {}}
 
 
-def gateway_section(backend: str, forwarding: str, args, extra_env: dict) -> list[str]:
-    tmp = Path(tempfile.mkdtemp(prefix=f"keel-bench-fb-{backend}-"))
-    mesh = start_mesh(tmp, extra_env={"KEEL_GATEWAY_RATE_LIMITS__DEFAULT": NO_RATE_LIMIT, **FORWARDING[forwarding],
-                                      **extra_env})
+def batches_sent(mesh) -> tuple[int, int]:
+    """(batches, items) the mesh's gateway has sent to the feedback stage so far, from its spans."""
+    batches = items = 0
+    for path in (mesh.tmp / "traces").glob("gateway-*.jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if '"gateway/SubmitBatch"' in line:
+                    batches += 1
+                    items += json.loads(line)["attributes"].get("items", 0)
+    return batches, items
+
+
+def open_window(mesh, trace_id: str, args, tag: str) -> tuple:
+    """One open-loop window with its CPU per submit and the gateway's items per batch in it."""
+    sent = batches_sent(mesh)
+    result = with_cpu(mesh, args.submits, lambda: asyncio.run(
+        submit_open(mesh.gateway, trace_id, args.submits, args.rate, tag)))
+    time.sleep(0.5)  # the gateway's span exporter writes every 200 ms
+    now = batches_sent(mesh)
+    return result, (now[1] - sent[1]) / max(1, now[0] - sent[0])
+
+
+def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict) -> list[str]:
+    """A mesh per forwarding, all up at once; their open-loop windows alternate, so that each
+    forwarding meets the machine's other work in the same minutes."""
+    meshes, gens, trace_ids, runs = {}, {}, {}, {f: [] for f in forwardings}
     try:
-        gen = generate_ms(mesh.gateway, 5)
-        trace_id = None
-        with grpc.insecure_channel(mesh.gateway) as ch:
-            trace_id = gateway_pb2_grpc.GatewayStub(ch).Generate(build_request("Name a colour.", max_tokens=2),
-                                                                metadata=MD, timeout=60).trace_id
-        runs = [("closed", f"{args.concurrency} clients", with_cpu(mesh, args.submits, lambda: asyncio.run(
-            submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, forwarding))))]
+        for forwarding in forwardings:
+            tmp = Path(tempfile.mkdtemp(prefix=f"keel-bench-fb-{backend}-"))
+            mesh = meshes[forwarding] = start_mesh(tmp, extra_env={
+                "KEEL_GATEWAY_RATE_LIMITS__DEFAULT": NO_RATE_LIMIT, **FORWARDING[forwarding], **extra_env})
+            gens[forwarding] = generate_ms(mesh.gateway, 5)
+            with grpc.insecure_channel(mesh.gateway) as ch:
+                trace_ids[forwarding] = gateway_pb2_grpc.GatewayStub(ch).Generate(
+                    build_request("Name a colour.", max_tokens=2), metadata=MD, timeout=60).trace_id
+            runs[forwarding].append(("closed", f"{args.concurrency} clients", (with_cpu(mesh, args.submits, lambda: asyncio.run(
+                submit_load(mesh.gateway, trace_ids[forwarding], args.submits, args.concurrency, forwarding))), None)))
         for r in range(args.open_runs):
-            runs.append(("open", f"{args.rate:g}/s", with_cpu(mesh, args.submits, lambda: asyncio.run(
-                submit_open(mesh.gateway, trace_id, args.submits, args.rate, f"{forwarding}-{r}")))))
+            for forwarding in (forwardings if r % 2 == 0 else forwardings[::-1]):
+                runs[forwarding].append(("open", f"{args.rate:g}/s", open_window(
+                    meshes[forwarding], trace_ids[forwarding], args, f"{forwarding}-{r}")))
     finally:
-        stop_mesh(mesh)
+        for mesh in meshes.values():
+            stop_mesh(mesh)
     rows = []
-    for mode, offered, ((wall, lat, errors), cpu) in runs:
-        rows.append(f"| {backend} | {forwarding} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
-                    f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | {cpu['gateway']:.3f} | "
-                    f"{cpu['feedback']:.3f} | {statistics.median(gen):.1f} |")
+    for forwarding in forwardings:
+        for mode, offered, (((wall, lat, errors), cpu), per_batch) in runs[forwarding]:
+            rows.append(f"| {backend} | {forwarding} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
+                        f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | "
+                        f"{'' if per_batch is None else f'{per_batch:.2f}'} | {cpu['gateway']:.3f} | "
+                        f"{cpu['feedback']:.3f} | {statistics.median(gens[forwarding]):.1f} |")
     return rows
 
 
@@ -267,7 +301,6 @@ class CoreUpsert:
             " :expected_keywords, :comment, :created_ms, :updated_ms)"))
 
     def __call__(self, items) -> None:
-        import json
         with self.store.engine.begin() as conn:
             known = set(conn.execute(self.traces, {"ids": sorted({i.trace_id for i in items})}).scalars())
             conn.execute(self.ids, {"ids": sorted({i.feedback_id for i in items})}).all()
@@ -356,8 +389,9 @@ def main() -> int:
     ap.add_argument("--backends", default="sqlite,postgresql", help="comma list: sqlite,postgresql")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--sections", default="record,gateway", help="comma list: record,store,gateway")
-    ap.add_argument("--forwarding", default="coalesced", choices=("coalesced", "per-item", "both"),
-                    help="how the gateway forwards SubmitFeedback (both: a mesh each, per-item first)")
+    ap.add_argument("--forwarding", default="coalesced",
+                    help=f"how the gateway forwards SubmitFeedback, a comma list of {', '.join(FORWARDING)}: "
+                         "a mesh each, up at once, their open-loop windows alternating")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "record" in sections:
@@ -366,21 +400,20 @@ def main() -> int:
         print(store_section(args), flush=True)
     if "gateway" not in sections:
         return 0
-    print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | "
+    print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | items per batch | "
           "gateway CPU ms/submit | feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    backends = args.backends.split(",")
-    forwardings = ("per-item", "coalesced") if args.forwarding == "both" else (args.forwarding,)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    backends, forwardings = args.backends.split(","), args.forwarding.split(",")
+    if unknown := set(forwardings) - set(FORWARDING):
+        ap.error(f"--forwarding: unknown {', '.join(sorted(unknown))}")
     if "sqlite" in backends:
-        for forwarding in forwardings:
-            print("\n".join(gateway_section("sqlite", forwarding, args, {})), flush=True)
+        print("\n".join(gateway_section("sqlite", forwardings, args, {})), flush=True)
     if "postgresql" in backends:
         pg = PgServer().init()
         pg.start()
         try:
-            for forwarding in forwardings:
-                print("\n".join(gateway_section("postgresql", forwarding, args,
-                                                {"KEEL_FEEDBACK_DATABASE__URL": pg.url})), flush=True)
+            print("\n".join(gateway_section("postgresql", forwardings, args,
+                                            {"KEEL_FEEDBACK_DATABASE__URL": pg.url})), flush=True)
         finally:
             pg.stop()
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
