@@ -16,7 +16,8 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    "coalesced" (the default: concurrent calls share batches, services/gateway/submits.py),
    "no-linger" (coalesced, but a batch never waits for more items: `replay.submit_linger_ms: 0`)
    and "per-item" (every SubmitFeedback sent on alone: the forwarding before coalescing).
-   "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window.
+   "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
+   "host probe ms" times a fixed pure-Python loop just before it (the machine's speed then).
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
@@ -188,14 +189,24 @@ def batches_sent(mesh) -> tuple[int, int]:
     return batches, items
 
 
+def host_probe_ms() -> float:
+    """Wall ms of a fixed pure-Python loop while the meshes are idle: how fast this (shared,
+    virtual) machine runs at the moment; the same code's latency moves with it."""
+    t0 = time.perf_counter()
+    sum(range(2_000_000))
+    return (time.perf_counter() - t0) * 1e3
+
+
 def open_window(mesh, trace_id: str, args, tag: str) -> tuple:
-    """One open-loop window with its CPU per submit and the gateway's items per batch in it."""
+    """One open-loop window with the host probe before it, its CPU per submit and the gateway's
+    items per batch in it."""
+    probe = host_probe_ms()
     sent = batches_sent(mesh)
     result = with_cpu(mesh, args.submits, lambda: asyncio.run(
         submit_open(mesh.gateway, trace_id, args.submits, args.rate, tag)))
     time.sleep(0.5)  # the gateway's span exporter writes every 200 ms
     now = batches_sent(mesh)
-    return result, (now[1] - sent[1]) / max(1, now[0] - sent[0])
+    return result, ((now[1] - sent[1]) / max(1, now[0] - sent[0]), probe)
 
 
 def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict) -> list[str]:
@@ -212,7 +223,7 @@ def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict)
                 trace_ids[forwarding] = gateway_pb2_grpc.GatewayStub(ch).Generate(
                     build_request("Name a colour.", max_tokens=2), metadata=MD, timeout=60).trace_id
             runs[forwarding].append(("closed", f"{args.concurrency} clients", (with_cpu(mesh, args.submits, lambda: asyncio.run(
-                submit_load(mesh.gateway, trace_ids[forwarding], args.submits, args.concurrency, forwarding))), None)))
+                submit_load(mesh.gateway, trace_ids[forwarding], args.submits, args.concurrency, forwarding))), (None, None))))
         for r in range(args.open_runs):
             for forwarding in (forwardings if r % 2 == 0 else forwardings[::-1]):
                 runs[forwarding].append(("open", f"{args.rate:g}/s", open_window(
@@ -222,10 +233,11 @@ def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict)
             stop_mesh(mesh)
     rows = []
     for forwarding in forwardings:
-        for mode, offered, (((wall, lat, errors), cpu), per_batch) in runs[forwarding]:
+        for mode, offered, (((wall, lat, errors), cpu), (per_batch, probe)) in runs[forwarding]:
             rows.append(f"| {backend} | {forwarding} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
                         f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | "
-                        f"{'' if per_batch is None else f'{per_batch:.2f}'} | {cpu['gateway']:.3f} | "
+                        f"{'' if per_batch is None else f'{per_batch:.2f}'} | {'' if probe is None else f'{probe:.0f}'} | "
+                        f"{cpu['gateway']:.3f} | "
                         f"{cpu['feedback']:.3f} | {statistics.median(gens[forwarding]):.1f} |")
     return rows
 
@@ -400,9 +412,9 @@ def main() -> int:
         print(store_section(args), flush=True)
     if "gateway" not in sections:
         return 0
-    print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | items per batch | "
+    print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | items per batch | host probe ms | "
           "gateway CPU ms/submit | feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     backends, forwardings = args.backends.split(","), args.forwarding.split(",")
     if unknown := set(forwardings) - set(FORWARDING):
         ap.error(f"--forwarding: unknown {', '.join(sorted(unknown))}")
