@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
      [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
-     [--forwarding coalesced,no-linger,per-item] [--open-runs N]
+     [--forwarding coalesced,per-item] [--open-runs N]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
    SQLite and then on a real PostgreSQL (Debian's server, started here), two ways:
@@ -13,9 +13,8 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    sending less during it). Peers: the gateway's own Generate of one token, the cheapest call
    that crosses the same gateway, measured in the same mesh; and the forwardings named in
    `--forwarding`, a mesh each, all up at once, their open-loop windows alternating:
-   "coalesced" (the default: concurrent calls share batches, services/gateway/submits.py),
-   "no-linger" (coalesced, but a batch never waits for more items: `replay.submit_linger_ms: 0`)
-   and "per-item" (every SubmitFeedback sent on alone: the forwarding before coalescing).
+   "coalesced" (the default: concurrent calls share batches, services/gateway/submits.py) and
+   "per-item" (every SubmitFeedback sent on alone: the forwarding before coalescing).
    "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
    "host probe ms" times a fixed pure-Python loop just before it (the machine's speed then).
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import random
@@ -53,6 +51,7 @@ from services.gateway.contract import Ask, Limits  # noqa: E402
 from services.gateway.pipeline import Call, Pipeline  # noqa: E402
 from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
 from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
+from bench.openloop import at_rate  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
 from tests.feedback.pg import PgServer  # noqa: E402
@@ -120,23 +119,7 @@ async def submit_open(target: str, trace_id: str, n: int, rate: float, tag: str)
             except grpc.aio.AioRpcError:
                 errors += 1
             lat.append((time.perf_counter() - due) * 1e3)
-        # The load generator's own pauses would count as the mesh's latency: its heap so far is
-        # frozen out of the collector's walks, and it keeps only the calls still in flight.
-        gc.collect()
-        gc.freeze()
-        t0 = time.perf_counter()
-        pending: set[asyncio.Task] = set()
-        for i in range(n):
-            due = t0 + i / rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(one(i, due))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.wait(pending)
-        gc.unfreeze()
+        t0 = await at_rate(one, n, rate)
         return time.perf_counter() - t0, lat, errors
 
 
@@ -171,9 +154,7 @@ def with_cpu(mesh, n: int, run) -> tuple:
 
 # per-item: one item per SubmitBatch call and up to 64 calls in flight, as the forwarding before
 # coalescing sent each SubmitFeedback on at once (one call in flight would serialise them).
-# no-linger: coalesced, but a batch never waits for more items (replay.submit_linger_ms: 0).
 FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1", "KEEL_GATEWAY_REPLAY__SUBMIT_INFLIGHT": "64"},
-              "no-linger": {"KEEL_GATEWAY_REPLAY__SUBMIT_LINGER_MS": "0"},
               "coalesced": {}}
 
 

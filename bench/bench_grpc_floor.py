@@ -28,6 +28,7 @@ import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.openloop import at_rate  # noqa: E402
 from keel.feedback.v1 import feedback_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -94,23 +95,11 @@ async def load(target: str, mode: str, calls: int, rate: float) -> tuple[list[fl
         while len(lat) < WARM:
             await asyncio.sleep(0.01)
         lat.clear()
-        gc.collect()
-        gc.freeze()
-        c0, t0 = time.process_time(), time.perf_counter()
-        pending: set[asyncio.Task] = set()
-        for i in range(calls):
-            due = t0 + i / rate
-            if (delay := due - time.perf_counter()) > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(one(i, due))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.wait(pending)
+        c0 = time.process_time()
+        await at_rate(one, calls, rate)
         while len(lat) < calls:
             await asyncio.sleep(0.001)
         cpu = (time.process_time() - c0) * 1e3 / calls
-        gc.unfreeze()
         if mode == "stream":
             await call.done_writing()
             await reader

@@ -43,7 +43,6 @@ class ReplayConfig:
     feedback_wait_ms: int = 2000   # SubmitFeedback waits this long for its trace's record to be sent
     submit_batch: int = 64         # SubmitFeedback items per batch sent to the feedback stage
     submit_inflight: int = 1       # batches on the wire at once; items arriving meanwhile form the next
-    submit_linger_ms: float = 3.0  # under steady load a batch waits this long from its oldest item for more
     submit_stream_age_s: float = 60.0  # the batches' SubmitStream call is replaced once this old
 
 
@@ -160,8 +159,7 @@ class FeedbackForwarder:
         self._recorder = recorder
         self._stream = SubmitStream(stub, max_age_s=recorder.cfg.submit_stream_age_s)
         self._batches = SubmitCoalescer(self._stream.send, max_batch=recorder.cfg.submit_batch,
-                                        max_inflight=recorder.cfg.submit_inflight,
-                                        linger_s=recorder.cfg.submit_linger_ms / 1000)
+                                        max_inflight=recorder.cfg.submit_inflight)
 
     async def submit(self, item: feedback_pb2.SubmitRequest, timeout_s: float) -> feedback_pb2.SubmitResult:
         started = time.monotonic()

@@ -4,14 +4,8 @@ Forwarding each SubmitFeedback as a message of its own would cost both processes
 worth of CPU (the send, the read, a span) per item. ``SubmitCoalescer`` queues each item and sends
 whatever is queued as one batch (a ``SubmitStreamRequest``, sent by ``send``: on the gateway, a
 message of its SubmitStream call), at most ``max_batch`` items, with at most ``max_inflight``
-batches on the wire at once. The items that arrive while batches are in flight form the next one.
-
-While items arrive closer together than ``linger_s`` (a moving average of the gaps between them),
-a batch also waits until its oldest item has been queued ``linger_s``, so that more items share it:
-each batch costs both processes a message's worth of CPU whatever its size, and at a steady few
-hundred items per second most batches would otherwise carry one item. An item therefore waits at
-most ``linger_s`` for its batch to leave (longer only while every slot is busy). When items come
-further apart there is no wait: a lone item on a quiet gateway goes at once.
+batches on the wire at once. There is no timer: a lone item on an idle gateway
+goes at once; under load the items that arrive while batches are in flight form the next one.
 
 Each caller gets its own item's result: created/updated, or the item's own error (a bad field, an
 unknown trace) raised as the KeelError the feedback stage named, so one bad item fails alone. A
@@ -45,7 +39,6 @@ Send = Callable[[feedback_pb2.SubmitStreamRequest, float], Awaitable[feedback_pb
 class _Pending:
     item: feedback_pb2.SubmitRequest
     future: asyncio.Future
-    queued: float  # time.monotonic() when it was queued
     deadline: float  # time.monotonic() by which its caller wants an answer
     caller: trace.SpanContext  # the caller's span: the batch's span links to it
 
@@ -61,14 +54,9 @@ def item_error(e: feedback_pb2.SubmitItemError) -> errors.KeelError:
                              retry_after_ms=e.retry_after_ms if e.HasField("retry_after_ms") else None)
 
 
-GAP_WEIGHT = 0.2  # weight of the newest gap between two items in their moving average
-
-
 class SubmitCoalescer:
-    def __init__(self, send: Send, *, max_batch: int, max_inflight: int, linger_s: float):
-        self._send, self._max, self._linger = send, max_batch, linger_s
-        self._last: float | None = None  # when the latest item was queued
-        self._gap: float | None = None  # moving average of the gaps between items, seconds
+    def __init__(self, send: Send, *, max_batch: int, max_inflight: int):
+        self._send, self._max = send, max_batch
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()  # bounded by the calls in flight
         self._slots = asyncio.Semaphore(max_inflight)
         self._task: asyncio.Task | None = None
@@ -79,12 +67,7 @@ class SubmitCoalescer:
         if self._task is None:  # outside any caller's context: a batch belongs to no one caller's trace
             self._task = asyncio.create_task(self._run(), context=contextvars.Context())
         future: asyncio.Future[feedback_pb2.SubmitResult] = asyncio.get_running_loop().create_future()
-        now = time.monotonic()
-        if self._last is not None:
-            gap = now - self._last
-            self._gap = gap if self._gap is None else self._gap + GAP_WEIGHT * (gap - self._gap)
-        self._last = now
-        self._queue.put_nowait(_Pending(item, future, now, now + timeout_s,
+        self._queue.put_nowait(_Pending(item, future, time.monotonic() + timeout_s,
                                         trace.get_current_span().get_span_context()))
         try:
             return await asyncio.wait_for(future, timeout_s)
@@ -101,10 +84,6 @@ class SubmitCoalescer:
         while True:
             batch = [await self._queue.get()]
             await self._slots.acquire()  # while every slot is busy, the queue gathers the next batch
-            if self._gap is not None and self._gap < self._linger and self._queue.qsize() + 1 < self._max:
-                wait = batch[0].queued + self._linger - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
             while len(batch) < self._max and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             batch = [p for p in batch if not p.future.done()]  # callers that gave up are left out

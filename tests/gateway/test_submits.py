@@ -1,11 +1,9 @@
 """The gateway's SubmitFeedback coalescing (services/gateway/submits.py) on a scripted send: calls
-that arrive while a batch is on the wire share the next SubmitBatch, calls that come close
-together also wait out the linger to share one, each caller gets its own item's result or error,
-and a failed or broken batch answers every caller instead of hanging."""
+that arrive while a batch is on the wire share the next SubmitBatch, each caller gets its own
+item's result or error, and a failed or broken batch answers every caller instead of hanging."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -22,13 +20,11 @@ class ScriptedSend:
 
     def __init__(self, gate: asyncio.Event | None = None):
         self.batches: list[list[str]] = []
-        self.sent_at: list[float] = []  # time.monotonic() of each batch
         self.timeouts: list[float] = []
         self.gate, self.fail = gate, None
 
     async def __call__(self, request: feedback_pb2.SubmitStreamRequest, timeout: float):
         self.batches.append([i.feedback_id for i in request.items])
-        self.sent_at.append(time.monotonic())
         self.timeouts.append(timeout)
         if self.gate is not None:
             await self.gate.wait()
@@ -59,7 +55,7 @@ async def until(pred) -> None:
 async def test_calls_during_a_batch_share_the_next_one_and_a_bad_item_fails_alone_with_its_reason():
     gate = asyncio.Event()
     send = ScriptedSend(gate)
-    co = SubmitCoalescer(send, max_batch=64, max_inflight=1, linger_s=0)
+    co = SubmitCoalescer(send, max_batch=64, max_inflight=1)
     first = asyncio.create_task(co.submit(item("first"), 10))
     await until(lambda: send.batches)
     assert send.batches == [["first"]]            # a lone item goes at once: no timer to wait for
@@ -81,7 +77,7 @@ async def test_calls_during_a_batch_share_the_next_one_and_a_bad_item_fails_alon
 async def test_a_batch_is_at_most_max_batch_items_and_its_deadline_is_its_latest_callers():
     gate = asyncio.Event()
     send = ScriptedSend(gate)
-    co = SubmitCoalescer(send, max_batch=3, max_inflight=1, linger_s=0)
+    co = SubmitCoalescer(send, max_batch=3, max_inflight=1)
     calls = [asyncio.create_task(co.submit(item(f"x{i}"), 5 if i < 4 else 30)) for i in range(7)]
     await until(lambda: send.batches)
     gate.set()
@@ -95,7 +91,7 @@ async def test_a_batch_is_at_most_max_batch_items_and_its_deadline_is_its_latest
 async def test_a_batch_that_fails_as_a_whole_answers_each_caller_with_the_error_and_its_retry_hint():
     send = ScriptedSend()
     send.fail = errors.NotReady("feedback stage restarting", reason=errors.SHUTTING_DOWN, retry_after_ms=1000)
-    co = SubmitCoalescer(send, max_batch=64, max_inflight=1, linger_s=0)
+    co = SubmitCoalescer(send, max_batch=64, max_inflight=1)
     results = await asyncio.gather(*(co.submit(item(f"x{i}"), 10) for i in range(5)), return_exceptions=True)
     assert all(isinstance(r, errors.NotReady) and r.reason == errors.SHUTTING_DOWN and r.retry_after_ms == 1000
                for r in results)
@@ -109,7 +105,7 @@ async def test_a_batch_that_fails_as_a_whole_answers_each_caller_with_the_error_
 async def test_a_broken_answer_is_an_internal_error_for_its_callers_never_a_hang():
     async def short(request, timeout):
         return feedback_pb2.SubmitStreamResponse()   # no results for the items
-    co = SubmitCoalescer(short, max_batch=64, max_inflight=1, linger_s=0)
+    co = SubmitCoalescer(short, max_batch=64, max_inflight=1)
     with pytest.raises(errors.Fatal):
         await asyncio.wait_for(co.submit(item("x"), 30), 5)
     await co.close()
@@ -119,7 +115,7 @@ async def test_a_broken_answer_is_an_internal_error_for_its_callers_never_a_hang
 async def test_a_caller_that_gave_up_while_queued_is_left_out_and_a_slow_batch_is_deadline_exceeded():
     gate = asyncio.Event()
     send = ScriptedSend(gate)
-    co = SubmitCoalescer(send, max_batch=64, max_inflight=1, linger_s=0)
+    co = SubmitCoalescer(send, max_batch=64, max_inflight=1)
     first = asyncio.create_task(co.submit(item("first"), 10))
     await until(lambda: send.batches)
     gave_up = asyncio.create_task(co.submit(item("gave-up"), 10))
@@ -133,33 +129,4 @@ async def test_a_caller_that_gave_up_while_queued_is_left_out_and_a_slow_batch_i
     with pytest.raises(errors.DeadlineExpired):
         await co.submit(item("slow"), 0.1)
     gate.set()
-    await co.close()
-
-
-@pytest.mark.asyncio
-async def test_items_closer_together_than_the_linger_wait_for_it_and_share_a_batch():
-    send = ScriptedSend()
-    co = SubmitCoalescer(send, max_batch=64, max_inflight=1, linger_s=0.3)
-    assert (await co.submit(item("a"), 10)).created  # no gaps seen yet: it goes at once
-    queued = time.monotonic()
-    later = [asyncio.create_task(co.submit(item("b"), 10))]
-    for name in ("c", "d"):
-        await asyncio.sleep(0.05)
-        later.append(asyncio.create_task(co.submit(item(name), 10)))
-    await asyncio.gather(*later)
-    assert send.batches == [["a"], ["b", "c", "d"]]  # without the linger: ["b"], ["c"], ["d"]
-    assert send.sent_at[1] - queued >= 0.29          # it left once its oldest item was 0.3 s old
-    await co.close()
-
-
-@pytest.mark.asyncio
-async def test_items_further_apart_than_the_linger_go_at_once():
-    send = ScriptedSend()
-    co = SubmitCoalescer(send, max_batch=64, max_inflight=1, linger_s=1.0)
-    await co.submit(item("a"), 10)
-    await asyncio.sleep(1.2)
-    queued = time.monotonic()
-    await co.submit(item("b"), 10)
-    assert send.batches == [["a"], ["b"]]
-    assert send.sent_at[1] - queued < 0.5            # sent without waiting out the 1-s linger
     await co.close()
