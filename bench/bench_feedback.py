@@ -383,8 +383,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--sections", default="record,gateway", help="comma list: record,store,gateway")
     ap.add_argument("--forwarding", default="coalesced",
-                    help=f"how the gateway forwards SubmitFeedback, a comma list of {', '.join(FORWARDING)}: "
-                         "a mesh each, up at once, their open-loop windows alternating")
+                    help=f"how the gateway forwards SubmitFeedback, a comma list of {', '.join(FORWARDING)} "
+                         "(both: per-item,coalesced): a mesh each, up at once, their open-loop windows alternating")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "record" in sections:
@@ -396,7 +396,8 @@ def main() -> int:
     print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | items per batch | host probe ms | "
           "gateway CPU ms/submit | feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    backends, forwardings = args.backends.split(","), args.forwarding.split(",")
+    backends = args.backends.split(",")
+    forwardings = ["per-item", "coalesced"] if args.forwarding == "both" else args.forwarding.split(",")
     if unknown := set(forwardings) - set(FORWARDING):
         ap.error(f"--forwarding: unknown {', '.join(sorted(unknown))}")
     if "sqlite" in backends:
