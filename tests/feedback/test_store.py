@@ -67,6 +67,15 @@ def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
     assert store.list_feedback(severities=["severe"]) == []
 
 
+def test_text_fields_round_trip_exactly_whatever_their_characters(db_url):
+    store = open_store(db_url)
+    store.put_records([stored_body(record("a" * 32), True)])
+    odd = 'say "no", {not} [an] array\\n\tline\u2028 é 中文 🙂 \\u0041 NULL \'q\''
+    assert upsert(store, [fb(feedback_id=odd, comment=odd, expected_keywords=(odd, "", "a,b"))]) == [True]
+    [row] = store.list_feedback()
+    assert (row["feedback_id"], row["comment"], row["expected_keywords"]) == (odd, odd, [odd, "", "a,b"])
+
+
 def test_feedback_on_an_unknown_trace_is_not_found(db_url):
     store = open_store(db_url)
     [result] = upsert(store, [fb(trace_id="c" * 32)])
