@@ -16,7 +16,7 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    "coalesced" (the default: concurrent calls share batches, services/gateway/submits.py) and
    "per-item" (every SubmitFeedback sent on alone: the forwarding before coalescing).
    "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
-   "host probe ms" times a fixed pure-Python loop just before it (the machine's speed then).
+   "host probe ms" times a fixed loop just before it (the machine's speed then).
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -38,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -47,10 +47,12 @@ sys.path.insert(0, str(ROOT))
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl import health  # noqa: E402
 from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
+from keelctl.trace import iter_spans  # noqa: E402
 from services.gateway.contract import Ask, Limits  # noqa: E402
 from services.gateway.pipeline import Call, Pipeline  # noqa: E402
 from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
 from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
+from bench.feedback_store import store_section  # noqa: E402
 from bench.openloop import at_rate  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
@@ -158,42 +160,58 @@ FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1", "KEEL_GATEW
               "coalesced": {}}
 
 
+@dataclass
+class Window:
+    """One load run on a mesh: what the load generator saw, and the stages' CPU per submit."""
+    mode: str  # closed | open
+    offered: str
+    wall_s: float
+    lat_ms: list[float]
+    errors: int
+    cpu: dict[str, float]  # stage -> CPU ms per submit
+    per_batch: float | None = None  # items per batch the gateway sent (open windows)
+    probe_ms: float | None = None  # host_probe_ms() before it (open windows)
+
+
 def batches_sent(mesh) -> tuple[int, int]:
     """(batches, items) the mesh's gateway has sent to the feedback stage so far, from its spans."""
-    batches = items = 0
-    for path in (mesh.tmp / "traces").glob("gateway-*.jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if '"gateway/SubmitBatch"' in line:
-                    batches += 1
-                    items += json.loads(line)["attributes"].get("items", 0)
-    return batches, items
+    spans = [s for s in iter_spans(mesh.tmp / "traces", '"gateway/SubmitBatch"', "gateway-*.jsonl")
+             if s["name"] == "gateway/SubmitBatch"]
+    return len(spans), sum(s["attributes"].get("items", 0) for s in spans)
 
 
 def host_probe_ms() -> float:
-    """Wall ms of a fixed pure-Python loop while the meshes are idle: how fast this (shared,
-    virtual) machine runs at the moment; the same code's latency moves with it."""
+    """Wall ms of a fixed loop (a sum over a range) while the meshes are idle: how fast this
+    (shared, virtual) machine runs at the moment; the same code's latency moves with it."""
     t0 = time.perf_counter()
     sum(range(2_000_000))
     return (time.perf_counter() - t0) * 1e3
 
 
-def open_window(mesh, trace_id: str, args, tag: str) -> tuple:
+def closed_window(mesh, trace_id: str, args, tag: str) -> Window:
+    (wall, lat, errors), cpu = with_cpu(mesh, args.submits, lambda: asyncio.run(
+        submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, tag)))
+    return Window("closed", f"{args.concurrency} clients", wall, lat, errors, cpu)
+
+
+def open_window(mesh, trace_id: str, args, tag: str) -> Window:
     """One open-loop window with the host probe before it, its CPU per submit and the gateway's
     items per batch in it."""
     probe = host_probe_ms()
     sent = batches_sent(mesh)
-    result = with_cpu(mesh, args.submits, lambda: asyncio.run(
+    (wall, lat, errors), cpu = with_cpu(mesh, args.submits, lambda: asyncio.run(
         submit_open(mesh.gateway, trace_id, args.submits, args.rate, tag)))
     time.sleep(0.5)  # the gateway's span exporter writes every 200 ms
     now = batches_sent(mesh)
-    return result, ((now[1] - sent[1]) / max(1, now[0] - sent[0]), probe)
+    return Window("open", f"{args.rate:g}/s", wall, lat, errors, cpu,
+                  (now[1] - sent[1]) / max(1, now[0] - sent[0]), probe)
 
 
 def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict) -> list[str]:
     """A mesh per forwarding, all up at once; their open-loop windows alternate, so that each
     forwarding meets the machine's other work in the same minutes."""
-    meshes, gens, trace_ids, runs = {}, {}, {}, {f: [] for f in forwardings}
+    meshes, gens, trace_ids = {}, {}, {}
+    runs: dict[str, list[Window]] = {f: [] for f in forwardings}
     try:
         for forwarding in forwardings:
             tmp = Path(tempfile.mkdtemp(prefix=f"keel-bench-fb-{backend}-"))
@@ -203,24 +221,22 @@ def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict)
             with grpc.insecure_channel(mesh.gateway) as ch:
                 trace_ids[forwarding] = gateway_pb2_grpc.GatewayStub(ch).Generate(
                     build_request("Name a colour.", max_tokens=2), metadata=MD, timeout=60).trace_id
-            runs[forwarding].append(("closed", f"{args.concurrency} clients", (with_cpu(mesh, args.submits, lambda: asyncio.run(
-                submit_load(mesh.gateway, trace_ids[forwarding], args.submits, args.concurrency, forwarding))), (None, None))))
+            runs[forwarding].append(closed_window(mesh, trace_ids[forwarding], args, forwarding))
         for r in range(args.open_runs):
             for forwarding in (forwardings if r % 2 == 0 else forwardings[::-1]):
-                runs[forwarding].append(("open", f"{args.rate:g}/s", open_window(
-                    meshes[forwarding], trace_ids[forwarding], args, f"{forwarding}-{r}")))
+                runs[forwarding].append(open_window(meshes[forwarding], trace_ids[forwarding], args,
+                                                    f"{forwarding}-{r}"))
     finally:
         for mesh in meshes.values():
             stop_mesh(mesh)
-    rows = []
-    for forwarding in forwardings:
-        for mode, offered, (((wall, lat, errors), cpu), (per_batch, probe)) in runs[forwarding]:
-            rows.append(f"| {backend} | {forwarding} | {mode} | {args.submits} | {offered} | {args.submits / wall:.0f} | "
-                        f"{statistics.median(lat):.2f} | {pct(lat, 0.99):.2f} | {errors} | "
-                        f"{'' if per_batch is None else f'{per_batch:.2f}'} | {'' if probe is None else f'{probe:.0f}'} | "
-                        f"{cpu['gateway']:.3f} | "
-                        f"{cpu['feedback']:.3f} | {statistics.median(gens[forwarding]):.1f} |")
-    return rows
+
+    def opt(value: float | None, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+    return [f"| {backend} | {forwarding} | {w.mode} | {args.submits} | {w.offered} | {args.submits / w.wall_s:.0f} | "
+            f"{statistics.median(w.lat_ms):.2f} | {pct(w.lat_ms, 0.99):.2f} | {w.errors} | {opt(w.per_batch, '.2f')} | "
+            f"{opt(w.probe_ms, '.0f')} | {w.cpu['gateway']:.3f} | {w.cpu['feedback']:.3f} | "
+            f"{statistics.median(gens[forwarding]):.1f} |"
+            for forwarding in forwardings for w in runs[forwarding]]
 
 
 async def record_cost(requests: int, target: str) -> tuple[list[float], list[float], float, float]:
@@ -274,103 +290,6 @@ def record_section(args) -> str:
             f"block of {args.requests} requests, wall per request incl. the worker's build + send: "
             f"off {block_off:.3f} ms, on {block_on:.3f} ms, ratio {block_on / block_off:.2f}x, "
             f"added {block_on - block_off:.3f} ms")
-
-
-class CoreUpsert:
-    """The peer: the same batch through SQLAlchemy's pool and Core, as the store wrote it before it
-    had a connection of its own (services/feedback/upsert.py): statements built once, then per batch
-    a pre-ping, BEGIN, the two lookups, the insert of the known items, COMMIT."""
-
-    def __init__(self, store):
-        import sqlalchemy as sa
-        from services.feedback import db, upsert
-        f, r = db.feedback.c, db.replay_records.c
-        self.store = store
-        self.traces = sa.select(r.trace_id).where(r.trace_id.in_(sa.bindparam("ids", expanding=True)))
-        self.ids = sa.select(f.feedback_id).where(f.feedback_id.in_(sa.bindparam("ids", expanding=True)))
-        # The store's SQLite upsert with named parameters (the same text on both databases).
-        self.insert = sa.text(upsert.SQLITE_UPSERT.replace(
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", "VALUES (:feedback_id, :trace_id, :error_type, :severity,"
-            " :expected_keywords, :comment, :created_ms, :updated_ms)"))
-
-    def __call__(self, items) -> None:
-        with self.store.engine.begin() as conn:
-            known = set(conn.execute(self.traces, {"ids": sorted({i.trace_id for i in items})}).scalars())
-            conn.execute(self.ids, {"ids": sorted({i.feedback_id for i in items})}).all()
-            rows = {i.feedback_id: {"feedback_id": i.feedback_id, "trace_id": i.trace_id, "error_type": i.error_type,
-                                    "severity": i.severity, "comment": i.comment, "created_ms": 1, "updated_ms": 1,
-                                    "expected_keywords": json.dumps(list(i.expected_keywords))}
-                    for i in items if i.trace_id in known}
-            conn.execute(self.insert, list(rows.values()))
-
-
-def server_cpu_ms() -> float:
-    """CPU time (user + system, ms) of every process of the `postgres` user (Linux /proc)."""
-    import pwd
-    uid, total = pwd.getpwnam("postgres").pw_uid, 0.0
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and d.stat().st_uid == uid:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total
-
-
-async def store_rows(backend: str, url: str, items_total: int) -> list[str]:
-    """Per batch: wall ms, the stage's CPU ms and the database server's CPU ms, for the store's own
-    upsert and for the Core peer, alternating blocks, batches of 1, 2 and 16."""
-    from services.feedback.records import Feedback, stored_body
-    from services.feedback.store import open_store
-    from tests.feedback.records import record
-    store = open_store(url)
-    store.put_records([stored_body(record("a" * 32), True)])
-    await store.open_writes()
-    peer = CoreUpsert(store)
-
-    async def core(items):  # blocks the loop: nothing else runs on it here
-        peer(items)
-    paths = {"store (own connection)": store.upsert_feedback, "peer: SQLAlchemy Core": core}
-    rows = []
-    for size in (1, 2, 16):
-        n = max(1, items_total // size)
-        got = {name: [0.0, 0.0, 0.0] for name in paths}
-        for rnd in range(4):  # alternating blocks; the first round warms up and is not counted
-            for name, write in paths.items():
-                batches = [[Feedback("a" * 32, f"{name[:4]}{size}-{rnd}-{i}-{j}", "fact_error", "severe", ("Paris",),
-                                     "bench") for j in range(size)] for i in range(n // 3)]
-                t0, c0, s0 = time.perf_counter(), time.process_time(), server_cpu_ms()  # 0 on SQLite
-                for items in batches:
-                    await write(items)
-                if rnd:
-                    got[name][0] += (time.perf_counter() - t0) * 1e3
-                    got[name][1] += (time.process_time() - c0) * 1e3
-                    got[name][2] += server_cpu_ms() - s0
-        per = {name: [v / (3 * (n // 3)) for v in vals] for name, vals in got.items()}
-        own = per["store (own connection)"]
-        for name, (wall, cpu, server) in per.items():
-            rows.append(f"| {backend} | {size} | {name} | {wall:.3f} | {cpu:.3f} | "
-                        f"{server:.3f} | {(cpu + server) / (own[1] + own[2]):.2f}x |")
-    await store.close_writes()
-    store.close()
-    return rows
-
-
-def store_section(args) -> str:
-    """The database write alone, in-process: the store's upsert against the SQLAlchemy Core peer,
-    on SQLite and on a real PostgreSQL (Debian's server, started here)."""
-    out = ["| database | items per batch | path | wall ms/batch | stage CPU ms/batch | database server CPU ms/batch "
-           "| CPU vs the store's |", "|---|---|---|---|---|---|---|"]
-    out += asyncio.run(store_rows("sqlite", f"sqlite:///{Path(tempfile.mkdtemp(prefix='keel-bench-store-')) / 'feedback.db'}",
-                                  args.submits))
-    pg = PgServer().init()
-    pg.start()
-    try:
-        out += asyncio.run(store_rows("postgresql", pg.url, args.submits))
-    finally:
-        pg.stop()
-    return "\n".join(out)
 
 
 def main() -> int:

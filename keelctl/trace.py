@@ -9,20 +9,24 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from shared.tracing import TRACES_DIR
 
 
-def load_spans(trace_id: str, directory: Path) -> list[dict]:
-    spans = []
-    for path in sorted(directory.glob("*.jsonl")):
+def iter_spans(directory: Path, needle: str, pattern: str = "*.jsonl") -> Iterator[dict]:
+    """The spans in ``directory``'s files matching ``pattern`` whose line contains ``needle``
+    (a cheap filter before parsing; callers check the field they meant)."""
+    for path in sorted(directory.glob(pattern)):
         with open(path, encoding="utf-8") as f:
             for line in f:
-                if trace_id in line:
-                    rec = json.loads(line)
-                    if rec.get("trace_id") == trace_id:
-                        spans.append(rec)
+                if needle in line:
+                    yield json.loads(line)
+
+
+def load_spans(trace_id: str, directory: Path) -> list[dict]:
+    spans = [rec for rec in iter_spans(directory, trace_id) if rec.get("trace_id") == trace_id]
     return sorted(spans, key=lambda s: s["start_ns"])
 
 
