@@ -56,9 +56,13 @@ vocab: .venv/.stamp
 # postgresql (the feedback database's tests; Debian keeps its binaries off PATH, hence the full path).
 SYSPKGS := redis-server:redis-server prometheus:promtool prometheus-alertmanager:prometheus-alertmanager \
 	nodejs:node npm:npm postgresql:/usr/lib/postgresql/15/bin/pg_ctl
+# Debian's packages of a list of package:file whose file (a command or a path) is missing.
+define apt-need
+@need=""; for p in $(1); do { command -v $${p#*:} || [ -e $${p#*:} ]; } >/dev/null || need="$$need $${p%%:*}"; done; \
+if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$need; fi
+endef
 syspkgs:
-	@need=""; for p in $(SYSPKGS); do command -v $${p#*:} >/dev/null || need="$$need $${p%%:*}"; done; \
-	if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$need; fi
+	$(call apt-need,$(SYSPKGS))
 
 # The Node client test's packages, exactly as tests/node/package-lock.json pins them.
 node: tests/node/node_modules/.stamp
@@ -70,9 +74,13 @@ tests/node/node_modules/.stamp: tests/node/package.json tests/node/package-lock.
 certs: .venv/.stamp
 	$(PY) -m keelctl certs --out var/certs
 
-# The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE).
+# The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE), and the gRPC C++
+# toolchain that bench/native_loadgen.py builds its load generator with.
+BENCH_SYSPKGS := g++:g++ pkg-config:pkg-config protobuf-compiler-grpc:grpc_cpp_plugin \
+	libgrpc++-dev:/usr/include/grpcpp/grpcpp.h libprotobuf-dev:/usr/include/google/protobuf/message.h
 bench-deps: .venv/.stamp
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q --no-deps -r <(grep '# bench-only' requirements.lock)
+	$(call apt-need,$(BENCH_SYSPKGS))
 
 # Known vulnerabilities of every pin in the lock (pip-audit queries PyPI's vulnerability data, so it
 # needs the network; --strict fails when any pin could not be checked: no silent pass offline).

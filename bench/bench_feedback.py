@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
      [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
-     [--forwarding coalesced,per-item] [--open-runs N]
+     [--forwarding coalesced,per-item] [--loadgen python,native] [--open-runs N]
 
 1. SubmitFeedback through the gateway of a real mesh (`keel up`, the real model), on the embedded
    SQLite and then on a real PostgreSQL (Debian's server, started here), two ways:
@@ -17,6 +17,10 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    "per-item" (every SubmitFeedback sent on alone: the forwarding before coalescing).
    "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
    "host probe ms" times a fixed loop just before it (the machine's speed then).
+   `--loadgen` names the open-loop senders, their windows alternating on each mesh: "python" (this
+   process, grpc.aio) and "native" (bench/loadgen/submit_loadgen.cc, the same calls from C++ at a
+   fraction of the CPU, so the sender takes less of the cores the mesh runs on); "client CPU"
+   is the sender's own CPU per submit.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
@@ -52,6 +56,7 @@ from services.gateway.contract import Ask, Limits  # noqa: E402
 from services.gateway.pipeline import Call, Pipeline  # noqa: E402
 from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
 from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
+from bench import native_loadgen  # noqa: E402
 from bench.feedback_store import store_section  # noqa: E402
 from bench.openloop import at_rate  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
@@ -163,12 +168,13 @@ FORWARDING = {"per-item": {"KEEL_GATEWAY_REPLAY__SUBMIT_BATCH": "1", "KEEL_GATEW
 @dataclass
 class Window:
     """One load run on a mesh: what the load generator saw, and the stages' CPU per submit."""
+    client: str  # the load generator: python | native
     mode: str  # closed | open
     offered: str
     wall_s: float
     lat_ms: list[float]
     errors: int
-    cpu: dict[str, float]  # stage -> CPU ms per submit
+    cpu: dict[str, float]  # stage -> CPU ms per submit ("client": the load generator's)
     per_batch: float | None = None  # items per batch the gateway sent (open windows)
     probe_ms: float | None = None  # host_probe_ms() before it (open windows)
 
@@ -188,22 +194,35 @@ def host_probe_ms() -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def python_client(run):
+    """``run()``'s result with this process's CPU ms during it added: the Python sender's."""
+    cpu0 = time.process_time()
+    result = run()
+    return (*result, (time.process_time() - cpu0) * 1e3)
+
+
 def closed_window(mesh, trace_id: str, args, tag: str) -> Window:
-    (wall, lat, errors), cpu = with_cpu(mesh, args.submits, lambda: asyncio.run(
-        submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, tag)))
-    return Window("closed", f"{args.concurrency} clients", wall, lat, errors, cpu)
+    (wall, lat, errors, client), cpu = with_cpu(mesh, args.submits, lambda: python_client(lambda: asyncio.run(
+        submit_load(mesh.gateway, trace_id, args.submits, args.concurrency, tag))))
+    return Window("python", "closed", f"{args.concurrency} clients", wall, lat, errors,
+                  {**cpu, "client": client / args.submits})
 
 
-def open_window(mesh, trace_id: str, args, tag: str) -> Window:
-    """One open-loop window with the host probe before it, its CPU per submit and the gateway's
-    items per batch in it."""
+def open_window(mesh, trace_id: str, args, client: str, tag: str) -> Window:
+    """One open-loop window from the sender ``client`` with the host probe before it, the CPU per
+    submit and the gateway's items per batch in it."""
     probe = host_probe_ms()
     sent = batches_sent(mesh)
-    (wall, lat, errors), cpu = with_cpu(mesh, args.submits, lambda: asyncio.run(
-        submit_open(mesh.gateway, trace_id, args.submits, args.rate, tag)))
+    if client == "native":
+        run = lambda: native_loadgen.submit_open_native(  # noqa: E731
+            args.native_exe, mesh.gateway, DEV_API_KEY, trace_id, args.submits, args.rate, tag)
+    else:
+        run = lambda: python_client(lambda: asyncio.run(  # noqa: E731
+            submit_open(mesh.gateway, trace_id, args.submits, args.rate, tag)))
+    (wall, lat, errors, client_ms), cpu = with_cpu(mesh, args.submits, run)
     time.sleep(0.5)  # the gateway's span exporter writes every 200 ms
     now = batches_sent(mesh)
-    return Window("open", f"{args.rate:g}/s", wall, lat, errors, cpu,
+    return Window(client, "open", f"{args.rate:g}/s", wall, lat, errors, {**cpu, "client": client_ms / args.submits},
                   (now[1] - sent[1]) / max(1, now[0] - sent[0]), probe)
 
 
@@ -222,19 +241,21 @@ def gateway_section(backend: str, forwardings: list[str], args, extra_env: dict)
                 trace_ids[forwarding] = gateway_pb2_grpc.GatewayStub(ch).Generate(
                     build_request("Name a colour.", max_tokens=2), metadata=MD, timeout=60).trace_id
             runs[forwarding].append(closed_window(mesh, trace_ids[forwarding], args, forwarding))
+        pairs = [(f, c) for f in forwardings for c in args.loadgen]
         for r in range(args.open_runs):
-            for forwarding in (forwardings if r % 2 == 0 else forwardings[::-1]):
-                runs[forwarding].append(open_window(meshes[forwarding], trace_ids[forwarding], args,
-                                                    f"{forwarding}-{r}"))
+            for forwarding, client in (pairs if r % 2 == 0 else pairs[::-1]):
+                runs[forwarding].append(open_window(meshes[forwarding], trace_ids[forwarding], args, client,
+                                                    f"{forwarding}-{client}-{r}"))
     finally:
         for mesh in meshes.values():
             stop_mesh(mesh)
 
     def opt(value: float | None, spec: str) -> str:
         return "" if value is None else format(value, spec)
-    return [f"| {backend} | {forwarding} | {w.mode} | {args.submits} | {w.offered} | {args.submits / w.wall_s:.0f} | "
-            f"{statistics.median(w.lat_ms):.2f} | {pct(w.lat_ms, 0.99):.2f} | {w.errors} | {opt(w.per_batch, '.2f')} | "
-            f"{opt(w.probe_ms, '.0f')} | {w.cpu['gateway']:.3f} | {w.cpu['feedback']:.3f} | "
+    return [f"| {backend} | {forwarding} | {w.client} | {w.mode} | {args.submits} | {w.offered} | "
+            f"{args.submits / w.wall_s:.0f} | {statistics.median(w.lat_ms):.2f} | {pct(w.lat_ms, 0.99):.2f} | "
+            f"{w.errors} | {opt(w.per_batch, '.2f')} | {opt(w.probe_ms, '.0f')} | {w.cpu['gateway']:.3f} | "
+            f"{w.cpu['feedback']:.3f} | {w.cpu['client']:.3f} | "
             f"{statistics.median(gens[forwarding]):.1f} |"
             for forwarding in forwardings for w in runs[forwarding]]
 
@@ -304,7 +325,12 @@ def main() -> int:
     ap.add_argument("--forwarding", default="coalesced",
                     help=f"how the gateway forwards SubmitFeedback, a comma list of {', '.join(FORWARDING)} "
                          "(both: per-item,coalesced): a mesh each, up at once, their open-loop windows alternating")
+    ap.add_argument("--loadgen", default="python", type=lambda s: s.split(","),
+                    help="the open-loop senders, a comma list of python, native (C++): their windows alternate")
     args = ap.parse_args()
+    if unknown := set(args.loadgen) - {"python", "native"}:
+        ap.error(f"--loadgen: unknown {', '.join(sorted(unknown))}")
+    args.native_exe = native_loadgen.build() if "native" in args.loadgen else None
     sections = args.sections.split(",")
     if "record" in sections:
         print(record_section(args), flush=True)
@@ -312,9 +338,10 @@ def main() -> int:
         print(store_section(args), flush=True)
     if "gateway" not in sections:
         return 0
-    print("| database | forwarding | mode | submits | offered | per s | p50 ms | p99 ms | errors | items per batch | host probe ms | "
-          "gateway CPU ms/submit | feedback CPU ms/submit | peer: Generate(1 token) p50 ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| database | forwarding | load generator | mode | submits | offered | per s | p50 ms | p99 ms | errors | "
+          "items per batch | host probe ms | gateway CPU ms/submit | feedback CPU ms/submit | client CPU ms/submit | "
+          "peer: Generate(1 token) p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     backends = args.backends.split(",")
     forwardings = ["per-item", "coalesced"] if args.forwarding == "both" else args.forwarding.split(",")
     if unknown := set(forwardings) - set(FORWARDING):
