@@ -95,15 +95,20 @@ class Admission:
         return self.predicted_bytes + ticket.cost_bytes <= self.budget and \
             self.reserved_blocks + ticket.blocks <= self.pool_blocks
 
+    def queue_full(self, depth: int, queued_tokens: int, ticket: Ticket, retry_after_ms: int) -> Overloaded | None:
+        """The refusal of `ticket` by a queue holding `depth` requests of `queued_tokens` tokens, or None
+        when it has room. Reads only the fixed limits, so any thread may ask it about published counts."""
+        lim = self.limits
+        if depth < lim.max_queued_requests and queued_tokens + ticket.total_tokens <= lim.max_queued_tokens:
+            return None
+        return Overloaded(f"inference queue is full ({depth} requests, {queued_tokens} tokens)",
+                          reason="QUEUE_FULL", retry_after_ms=retry_after_ms,
+                          metadata={"queued_requests": depth, "queued_tokens": queued_tokens})
+
     def enqueue(self, ticket: Ticket, retry_after_ms: int) -> None:
         """Queue the ticket or raise Overloaded when the queue is at its limits."""
-        lim = self.limits
-        if len(self.queue) >= lim.max_queued_requests or \
-                self.queued_tokens + ticket.total_tokens > lim.max_queued_tokens:
-            raise Overloaded(
-                f"inference queue is full ({len(self.queue)} requests, {self.queued_tokens} tokens)",
-                reason="QUEUE_FULL", retry_after_ms=retry_after_ms,
-                metadata={"queued_requests": len(self.queue), "queued_tokens": self.queued_tokens})
+        if err := self.queue_full(len(self.queue), self.queued_tokens, ticket, retry_after_ms):
+            raise err
         self.queue.append(ticket)
         self.queued_tokens += ticket.total_tokens
 

@@ -279,6 +279,19 @@ class Engine:
             reason = {"draining": "DRAINING", "stopped": "SHUTTING_DOWN"}.get(self._state, "WARMING_UP")
             raise NotReady(f"inference engine is {self._state}", reason=reason, retry_after_ms=1000)
 
+    def _refuse_if_queue_full(self, ticket: Ticket) -> None:
+        """Refuse now a request that could only join a queue already at its limits, rather than after
+        the loop's current step (seconds, for a long prefill). Judged on the loop's last published
+        state, which is published before and after each step: while requests wait a newcomer cannot
+        overtake them, and only the loop's next iteration takes any out (bar the moments of its own
+        drain, when the state it publishes next may already have room). A queue that was empty is
+        left to the loop, which may admit the request at once."""
+        stats = self._loop.stats()
+        if stats.queue_depth and (err := self._admission.queue_full(
+                stats.queue_depth, stats.queued_tokens, ticket, stats.retry_after_ms)):
+            self._loop.refused(err)
+            raise err
+
     def _submit(self, req: GenerationRequest) -> Ticket:
         self._check_serving()
         cfg = self.config
@@ -298,6 +311,7 @@ class Engine:
         self._admission.check_fits_ever(req)  # the memory model is fixed after warmup: safe on any thread
         ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue(),
                         slot=slot, adapter=adapter, blocks=self._admission.blocks(req))
+        self._refuse_if_queue_full(ticket)
         self._loop.submit(ticket)
         self._tickets[req.request_id] = ticket
         return ticket

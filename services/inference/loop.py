@@ -1,6 +1,6 @@
 """The step loop: one thread owns the rows, the queue, the counters and the OOM cap, and runs every step.
 
-Each iteration: drain the inbox (submit, cancel, variant switch, stop sent by other threads), end cancelled and expired
+Each iteration: drain the inbox (submit, cancel, variant switch, a refusal to count, stop sent by other threads), end cancelled and expired
 requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a cache, then for each batch of the plan
 `runner.execute(batch)` -> logits and `OutputProcessor.update(batch, logits)` -> events. It then
 publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
@@ -78,6 +78,10 @@ class StepLoop:
     def submit(self, ticket: Ticket) -> None:
         self.inbox.put(("submit", ticket))
 
+    def refused(self, err: KeelError) -> None:
+        """Count a request the engine refused without submitting it (its counters are this loop's)."""
+        self.inbox.put(("refused", err))
+
     def cancel(self, ticket: Ticket) -> None:
         """Queued: removed at the next iteration. Running: removed (cache freed) before its next step."""
         ticket.cancelled = True
@@ -149,6 +153,8 @@ class StepLoop:
                 self._admit_or_queue(arg)
             elif kind == "variant":
                 self._switch(*arg)
+            elif kind == "refused":
+                self.counters.fail(arg.reason)
             else:
                 self.scheduler.cancel(arg)
             try:
@@ -330,7 +336,7 @@ class StepLoop:
     def _publish(self) -> None:
         adm = self.scheduler.admission
         self._stats = EngineStats(
-            queue_depth=len(adm.queue), queued_tokens=adm.queued_tokens,
+            queue_depth=len(adm.queue), queued_tokens=adm.queued_tokens, retry_after_ms=self._retry_after_ms(),
             running_batch_size=len(self.scheduler.rows), pending_prefill=len(self.scheduler.pending),
             oom_cap=self.oom.cap,
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),

@@ -67,6 +67,7 @@ class EngineStats:
     state: str = "created"            # created | warm | serving | draining | stopped
     queue_depth: int = 0
     queued_tokens: int = 0
+    retry_after_ms: int = 0           # the hint a request refused now would get (Scheduler.retry_after_ms)
     running_batch_size: int = 0
     pending_prefill: int = 0          # admitted, waiting for their prefill
     batch_cap: int = 0                # current cap (config, breaker level 2, OOM halving)

@@ -193,3 +193,27 @@ def test_model_dtype_must_match_config(tiny):
     with pytest.raises(InvalidInput) as e:
         Engine(tiny, tiny_config(dtype="bfloat16"))
     assert e.value.reason == "DTYPE_MISMATCH"
+
+
+@pytest.mark.asyncio
+async def test_full_queue_refuses_without_waiting_for_the_running_step(budget_engine):
+    """Each step of the running request sleeps 2 s; a request that finds the queue full is refused
+    within the step, not after it (no step ends in between: the streamed-token count is unchanged)."""
+    engine = await budget_engine(1.5, 20, 300, max_queued_requests=1, fault_injection_enabled=True)
+    first = engine.generate(request("a", prompt(1, 20), max_tokens=300, faults=FaultSpec(slow_step_ms=2000)))
+    await first.__anext__()
+    waiting = asyncio.create_task(collect(engine, request("b", prompt(2, 20), max_tokens=5)))
+    for _ in range(500):  # b is queued at the loop's next iteration
+        if engine.stats().queue_depth == 1:
+            break
+        await asyncio.sleep(0.01)
+    before = engine.stats()
+    assert before.queue_depth == 1 and before.retry_after_ms >= 50
+    with pytest.raises(Overloaded) as e:
+        await collect(engine, request("c", prompt(3, 20), max_tokens=5))
+    assert engine.stats().counters.tokens == before.counters.tokens, "the refusal waited for a step"
+    assert e.value.reason == "QUEUE_FULL" and e.value.retry_after_ms == before.retry_after_ms
+    assert e.value.metadata == {"queued_requests": "1", "queued_tokens": "25"}
+    await first.aclose()
+    assert len((await waiting)[0]) == 5
+    assert engine.stats().counters.failed["QUEUE_FULL"] == 1
