@@ -55,6 +55,13 @@ _POSTGRESQL = (
     " updated_ms = excluded.updated_ms)"
     " SELECT 'trace', trace_id FROM known UNION ALL SELECT 'feedback', feedback_id FROM existing")
 
+# The statement is prepared on the connection and planned once: planning it again for every batch
+# took the server more time than running it (bench_feedback.py --sections store). A generic plan does
+# not follow the tables' statistics, and one made while they were new and empty would scan them
+# whole for the lookups, slower with every row; with sequential scans off on this connection (its
+# only statement is this one) the plan looks both tables up by their primary keys whenever it was made.
+_SESSION = ("SET plan_cache_mode = force_generic_plan", "SET enable_seqscan = off")
+
 _SQLITE_FOUND = ("SELECT 'trace', trace_id FROM replay_records WHERE trace_id IN (SELECT value FROM json_each(?))"
                  " UNION ALL SELECT 'feedback', feedback_id FROM feedback"
                  " WHERE feedback_id IN (SELECT value FROM json_each(?))")
@@ -189,17 +196,15 @@ class PostgresUpsert:
         if self._conn is None or self._conn.closed:
             self._conn = await self._psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, connect_timeout=self._timeout_s)
-            # A plan per execution, from the tables' current statistics. A cached generic plan is
-            # made once, from the statistics of its day: made on a new, empty table, it scans the
-            # whole feedback table for the lookup of existing ids, slower with every row.
-            await self._conn.execute("SET plan_cache_mode = force_custom_plan")
+            for setting in _SESSION:
+                await self._conn.execute(setting)
         return self._conn
 
     async def __call__(self, items: list[Feedback], now: int) -> Found:
         rows = [[fb.feedback_id, fb.trace_id, fb.error_type, fb.severity, _keywords(fb), fb.comment] for fb in items]
         params = {"items": json.dumps(rows, ensure_ascii=False), "now": now}
         try:
-            cur = await (await self._connected()).execute(_POSTGRESQL, params)
+            cur = await (await self._connected()).execute(_POSTGRESQL, params, prepare=True)
             return _found(await cur.fetchall())
         except self._failures as exc:
             await self.aclose()

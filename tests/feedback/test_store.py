@@ -195,3 +195,40 @@ def test_a_locked_sqlite_file_is_database_unavailable(tmp_path):
     finally:
         holder.rollback()
         holder.close()
+
+
+def _scans(url: str) -> dict[str, tuple[int, int]]:
+    """(sequential scans, index scans) so far per table, from PostgreSQL's statistics."""
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT relname, seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables"
+                                    " WHERE relname IN ('feedback', 'replay_records')")).all()
+    engine.dispose()
+    return {name: (seq, idx) for name, seq, idx in rows}
+
+
+@pytest.mark.asyncio
+async def test_postgresql_writes_look_rows_up_by_key_however_the_tables_grew(pg_url):
+    """The write's plan is made once per connection, here while the tables are all but empty; after
+    they grow it still finds rows through the primary keys, never by reading a table whole."""
+    store = open_store(pg_url)
+    store.put_records([stored_body(record("a" * 32), True)])
+    await store.open_writes()
+    assert await store.upsert_feedback([fb(feedback_id="first")]) == [True]
+    store.put_records([stored_body(record(f"{i:032x}"), True) for i in range(2000)])
+    with store.engine.begin() as conn:  # grown without ANALYZE: nothing tells the cached plan
+        conn.execute(db.feedback.insert(), [
+            {"feedback_id": f"grown-{i}", "trace_id": "a" * 32, "error_type": "fact_error", "severity": "severe",
+             "expected_keywords": "[]", "comment": "", "created_ms": 1, "updated_ms": 1} for i in range(5000)])
+    before = _scans(pg_url)
+    for i in range(20):
+        assert await store.upsert_feedback([fb(feedback_id=f"next-{i}"), fb(feedback_id="grown-7")]) == [True, False]
+    await store.close_writes()  # a connection's statistics reach the server's view when it ends
+    for _ in range(100):
+        after = _scans(pg_url)
+        if after["feedback"][1] > before["feedback"][1]:
+            break
+        await asyncio.sleep(0.1)
+    assert after["feedback"][1] - before["feedback"][1] >= 20, "the writes' index lookups were not counted"
+    assert after["feedback"][0] == before["feedback"][0] and after["replay_records"][0] == before["replay_records"][0]
+    store.close()
