@@ -18,8 +18,8 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
    "host probe ms" times a fixed loop just before it (the machine's speed then).
    `--loadgen` names the open-loop senders, their windows alternating on each mesh: "python" (this
-   process, grpc.aio) and "native" (bench/loadgen/submit_loadgen.cc, the same calls from C++ at a
-   fraction of the CPU, so the sender takes less of the cores the mesh runs on); "client CPU"
+   process, grpc.aio) and "native" (bench/loadgen/submit_loadgen.cc, the same calls from C++ at about
+   half the CPU, so the sender takes less of the cores the mesh runs on); "client CPU"
    is the sender's own CPU per submit.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
    upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
