@@ -2,9 +2,8 @@
 
 Each iteration: drain the inbox (submit, cancel, variant switch, a refusal to count, stop sent by other
 threads), end cancelled and expired requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a
-cache, then for each batch of the plan
-`runner.execute(batch)` -> logits and `OutputProcessor.update(batch, logits)` -> events. It then
-publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
+cache, then for each batch of the plan `runner.execute(batch)` -> logits and
+`OutputProcessor.update(batch, logits)` -> events. It then publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
 consumers' asyncio loops. Nothing here is shared with the asyncio side but the inbox (a thread-safe
 queue), the tickets' `cancelled` flags and the published snapshot.
 """
