@@ -1,0 +1,136 @@
+"""Keel's CPU kernels: matmul over GGUF-quantized weight blocks (``gguf_mm.cpp``).
+
+    from services.inference.kernels import load, KernelUnavailable, SUPPORTED_TYPES
+    k = load()                  # builds on first use, then loads the cached library
+    y = k.matmul(x, w, 3, n)    # x [M, K] float32, w [n, K/32*20] uint8 Q4_1 blocks -> y [M, n]
+
+The library is compiled once per source (torch.utils.cpp_extension, -O3, no -march=native: the
+SIMD paths are chosen at run time) and cached under ``ROOT_DIR/build/kernels/<hash>/``, the hash
+covering the source, the flags and the torch version. A build happens in a private temporary folder
+that is renamed into place, so two processes building at once cannot leave a half-written cache; a
+later process only loads the ``.so``. ``python -m services.inference.kernels`` builds it ahead of time.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from shared.config import ROOT_DIR
+
+__all__ = ["BLOCK", "ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
+
+
+class QuantType(NamedTuple):
+    name: str
+    block_bytes: int  # bytes per block of BLOCK weights
+
+
+BLOCK = 32  # weights per ggml block, along the input dimension K
+SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20), 8: QuantType("Q8_0", 34)}
+ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in keel::gguf_mm's isa
+
+SOURCE = Path(__file__).with_name("gguf_mm.cpp")
+LIB_NAME = "keel_gguf_mm"
+CFLAGS = ("-O3", "-ffp-contract=off")  # no fused multiply-adds the source did not write
+CACHE_DIR = ROOT_DIR / "build" / "kernels"
+
+
+class KernelUnavailable(Exception):
+    """The kernel library cannot be built or loaded on this host; ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library. ``isas``: the paths this host can run, best first; ``isa``: the default."""
+
+    isas: tuple[str, ...]
+    path: Path  # the .so
+
+    @property
+    def isa(self) -> str:
+        return self.isas[0]
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, n: int, isa: str | None = None) -> torch.Tensor:
+        """y [M, n] = x [M, K] @ dequant(w [n, K/32*bytes]).T; ``isa`` None runs the best path."""
+        if isa is not None and isa not in ISAS:
+            raise ValueError(f"unknown isa {isa!r}; known: {', '.join(ISAS)}")
+        return torch.ops.keel.gguf_mm(x, w, ggml_type, n, -1 if isa is None else ISAS.index(isa))
+
+
+_lock = threading.Lock()
+_loaded: Kernels | None = None
+
+
+def load() -> Kernels:
+    """The kernels, built if this source has no cached build yet. Raises KernelUnavailable."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+        return _loaded
+
+
+def _digest() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(repr((CFLAGS, torch.__version__)).encode())
+    return h.hexdigest()[:24]
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.keel.gguf_mm
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _load() -> Kernels:
+    final = CACHE_DIR / _digest()
+    so = final / f"{LIB_NAME}.so"
+    if not _registered():
+        if not so.exists():
+            _build(final, so)  # loads the library it builds
+        if not _registered():
+            try:
+                torch.ops.load_library(str(so))
+            except OSError as e:
+                raise KernelUnavailable(f"cannot load {so}: {e}") from None
+    return Kernels(isas=tuple(torch.ops.keel.gguf_isas()), path=so)
+
+
+def _build(final: Path, so: Path) -> None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise KernelUnavailable(f"no C++ compiler: {cxx!r} is not on PATH")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot create a build folder under {final.parent}: {e}") from None
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=LIB_NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                           build_directory=str(tmp), is_python_module=False, verbose=False)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process renamed its build into place first: keep that one
+            if not so.exists():
+                raise
+    except Exception as e:  # compiler errors, ninja missing, unwritable cache: the caller gets a reason
+        tail = "\n".join(str(e).strip().splitlines()[-20:])
+        raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {tail}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
