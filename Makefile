@@ -5,7 +5,7 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model gate vocab adapters syspkgs setup node bench-deps certs lock clean audit
+.PHONY: run test venv proto model gate vocab kernels adapters syspkgs setup node bench-deps certs lock clean audit
 
 run: setup
 	$(PY) -m keelctl up --demo
@@ -13,7 +13,7 @@ run: setup
 test: setup
 	$(PY) -m pytest tests
 
-setup: syspkgs venv proto model vocab node
+setup: syspkgs venv proto model vocab kernels node
 
 venv: .venv/.stamp
 .venv/.stamp: requirements.lock pyproject.toml
@@ -46,6 +46,12 @@ adapters: model
 gate: model
 	$(PY) bench/gate_formats.py
 
+# Keel's C++ kernel of the gguf weight format (services/inference/kernels), built once per source hash
+# under build/kernels/ (~20 s). A host that cannot build it still sets up: the inference stage then
+# serves another format and says why (the leading '-').
+kernels: .venv/.stamp
+	-$(PY) -m services.inference.kernels
+
 # The compiler skips the work when var/vocab.kvoc already matches the GGUF and the format version.
 vocab: .venv/.stamp
 	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
@@ -53,9 +59,10 @@ vocab: .venv/.stamp
 # Debian packages the mesh and the tests run for real: redis-server (quarantine), prometheus (promtool
 # for the rule tests, the prometheus server for the rotation e2e test), prometheus-alertmanager (amtool,
 # and the alertmanager of the rotation e2e test), node and npm (the Node client test, tests/node);
-# postgresql (the feedback database's tests; Debian keeps its binaries off PATH, hence the full path).
+# postgresql (the feedback database's tests; Debian keeps its binaries off PATH, hence the full path);
+# g++ and ninja-build (torch.utils.cpp_extension builds the gguf kernel with them).
 SYSPKGS := redis-server:redis-server prometheus:promtool prometheus-alertmanager:prometheus-alertmanager \
-	nodejs:node npm:npm postgresql:/usr/lib/postgresql/15/bin/pg_ctl
+	nodejs:node npm:npm postgresql:/usr/lib/postgresql/15/bin/pg_ctl g++:g++ ninja-build:ninja
 # Debian's packages of a list of package:file whose file (a command or a path) is missing.
 define apt-need
 @need=""; for p in $(1); do { command -v $${p#*:} || [ -e $${p#*:} ]; } >/dev/null || need="$$need $${p%%:*}"; done; \

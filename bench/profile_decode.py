@@ -35,7 +35,7 @@ def matmul_only(runner: LlamaRunner, batch: int):
     """The decode step's floor: each layer's seven linear modules on a [padded batch, in] input
     of the runner's dtype, then lm_head on the batch's rows (the modules the step calls, any format)."""
     core, rows = runner.model.model, runner.padded_size(batch)
-    hidden = torch.randn(rows, core.embed_tokens.weight.shape[1]).to(runner.dtype)
+    hidden = torch.randn(rows, runner.model.config.hidden_size).to(runner.dtype)
     wide = torch.randn(rows, core.layers[0].mlp.down_proj.in_features).to(runner.dtype)
 
     def run() -> None:

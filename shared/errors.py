@@ -255,6 +255,8 @@ REASONS: dict[str, Reason] = {
     "DTYPE_MISMATCH": Reason(InvalidInput, "start-up: model weights and configured dtype disagree"),
     "UNKNOWN_DTYPE": Reason(InvalidInput, "start-up: the configured dtype is unknown"),
     "UNSUPPORTED_DTYPE": Reason(InvalidInput, "start-up: the dtype is not supported on this device"),
+    "KERNEL_UNAVAILABLE": Reason(InvalidInput, "start-up: the gguf format's C++ kernel cannot be built or loaded"),
+    "UNSUPPORTED_BLOCK_TYPE": Reason(InvalidInput, "start-up: the GGUF holds a block type the gguf format does not compute on"),
     "MODEL_NOT_FOUND": Reason(InvalidInput, "start-up: var/model is missing"),
     "UNSUPPORTED_MODEL": Reason(InvalidInput, "start-up: var/model is not a Llama model Keel implements (config or weights)"),
     "BUDGET_TOO_SMALL": Reason(InvalidInput, "start-up: the memory budget does not fit the model"),

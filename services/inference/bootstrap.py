@@ -15,12 +15,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from services.inference import formats, gate, startgate, warmcache
+from services.inference import blocks, formats, gate, startgate, warmcache
 from services.inference.config import InferenceConfig
 from services.inference.engine import ENGINE_VERSION, Engine
 from services.inference.lora.startup import check_adapters
-from services.inference.model import AUTO, load_model
-from services.inference.quant import QUANTIZED
+from services.inference.model import AUTO, FROM_FILE_ONLY, load_model
 from services.inference.warmcache import WarmRecord
 from services.inference.warmup import set_deterministic
 
@@ -84,7 +83,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     if ungated:
         reference = load_model(cfg.model_dir, "float32", e.device)
         phases.mark("load_reference")
-        startgate.run(reference, model_sha, ungated, cfg.formats, e.device)
+        startgate.run(reference, model_sha, ungated, cfg.formats, e.device, cfg.model_dir)
         phases.mark("quality_gate")
     fp = fingerprint(cfg, model_sha)
     record = warmcache.load(fp) if cfg.warm_restart else None
@@ -109,7 +108,8 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         if reference is None:
             reference = load_model(cfg.model_dir, "float32", e.device)
             phases.mark("load_model")
-        choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device)
+        choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
+                                            cfg.model_dir)
         del reference
         phases.mark("choose_format")
     else:
@@ -135,9 +135,9 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
 
 
 def _other_models(cfg: InferenceConfig, served: str) -> dict[str, torch.nn.Module]:
-    """The variants' and the breaker's formats, loaded from the weight files when the served model is
-    quantized (it cannot be converted to another format); otherwise the engine converts it at warm-up."""
-    if served not in QUANTIZED:
-        return {}
+    """The variants' and the breaker's formats the engine cannot convert from the served model at warm-up,
+    loaded from the weight files: every one when the served model is quantized or gguf (it converts to
+    nothing else), and gguf whatever serves (it is read from the GGUF, never converted)."""
     e = cfg.engine
-    return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats() if fmt != served}
+    return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats()
+            if fmt != served and (served in FROM_FILE_ONLY or fmt == blocks.FORMAT)}

@@ -29,7 +29,7 @@ from shared.errors import InvalidInput
 from services.inference import gate
 from services.inference.forward import LlamaRunner
 from services.inference.gate import GateResult, GateThresholds
-from services.inference.model import DTYPES, check_dtype, convert_model
+from services.inference.model import DTYPES, check_dtype, model_in_format, residual_dtype
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ STEP_DECODES = 6
 class FormatsConfig:
     gate: GateThresholds = field(default_factory=GateThresholds)
     force: bool = False  # serve an explicit format even when it failed or never ran the gate
-    auto_candidates: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4")
+    auto_candidates: tuple[str, ...] = ("float32", "bfloat16", "int8", "gguf")
     # engine.dtype auto: a candidate with no stored gate result is gated at start (startgate.py)
     gate_at_start: bool = True
     gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them
@@ -104,7 +104,7 @@ def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
     gen = torch.Generator().manual_seed(seed)
     layer = model.model.layers[0]
     dense = (layer.self_attn.q_proj, layer.mlp.down_proj, model.lm_head)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = residual_dtype(model)
     refs = []
     for lin in dense:
         xs = torch.randn(INVARIANCE_ROWS, lin.in_features, generator=gen).to(dtype)
@@ -155,7 +155,7 @@ def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
 
 
 def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, max_batch: int,
-                device: str) -> tuple[FormatChoice, torch.nn.Module]:
+                device: str, model_dir: Path) -> tuple[FormatChoice, torch.nn.Module]:
     """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted."""
     results = gate.load(gate_path(model_sha), model_sha)
     report, best = {}, None
@@ -172,7 +172,7 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
         else:
             report[fmt] = why
     for fmt in gated:
-        model = convert_model(reference, fmt, device)
+        model = model_in_format(reference, fmt, model_dir, device)
         sizes = invariant_sizes(model)
         if fmt != REFERENCE and len(sizes) < INVARIANCE_ROWS:
             report[fmt] = f"rows not batch-invariant at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"

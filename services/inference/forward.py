@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from services.inference.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.llama import rotate_half
 from services.inference.lora.slots import NO_LORA, LoraSlots
-from services.inference.model import model_dtype
+from services.inference.model import model_dtype, residual_dtype
 
 
 @dataclass
@@ -58,8 +58,8 @@ class LlamaRunner:
         self.groups = self.heads // self.kv_heads
         self.vocab_size = cfg.vocab_size
         self.scale = self.head_dim ** -0.5
-        # int8 models keep float embeddings; the residual stream dtype follows them.
-        self.dtype = model.model.embed_tokens.weight.dtype
+        # int8 and gguf models keep a float32 residual stream (embeddings, norms, attention).
+        self.dtype = residual_dtype(model)
         self.dtype_name = model_dtype(model)
         self.invariant_sizes: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
@@ -140,11 +140,10 @@ class LlamaRunner:
         for i, layer in enumerate(core.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = _rope(lora.linear(i, "q_proj", attn.q_proj, h)[:n_tok].view(n_tok, self.heads, self.head_dim),
-                      cos, sin)
-            k = _rope(lora.linear(i, "k_proj", attn.k_proj, h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim),
-                      cos, sin)
-            v = lora.linear(i, "v_proj", attn.v_proj, h)[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
+            q, k, v = _projections(i, attn, ("q_proj", "k_proj", "v_proj"), getattr(attn, "qkv", None), h, lora)
+            q = _rope(q[:n_tok].view(n_tok, self.heads, self.head_dim), cos, sin)
+            k = _rope(k[:n_tok].view(n_tok, self.kv_heads, self.head_dim), cos, sin)
+            v = v[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
             flat_k, flat_v = pool.layer(i)  # [KV, blocks * block_tokens, D]
             flat_k.index_copy_(1, slots, k.transpose(0, 1))
             flat_v.index_copy_(1, slots, v.transpose(0, 1))
@@ -161,7 +160,8 @@ class LlamaRunner:
                 attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
             x = x + lora.linear(i, "o_proj", attn.o_proj, attn_out)
             h, mlp = layer.post_attention_layernorm(x), layer.mlp  # llama.MLP.forward, with the LoRA term
-            up = F.silu(lora.linear(i, "gate_proj", mlp.gate_proj, h)) * lora.linear(i, "up_proj", mlp.up_proj, h)
+            gate, up = _projections(i, mlp, ("gate_proj", "up_proj"), getattr(mlp, "gate_up", None), h, lora)
+            up = F.silu(gate) * up
             x = x + lora.linear(i, "down_proj", mlp.down_proj, up)
         for seg, n in zip(segments, lens):
             seg.cache.length += n
@@ -244,6 +244,16 @@ class LlamaRunner:
         if small in sizes and all(invariant(lin, m, 1100) for lin in dense for m in large):
             self.invariant_sizes = tuple(sizes)
         return self.invariant_sizes
+
+
+def _projections(i: int, parent: torch.nn.Module, names: tuple[str, ...], fused: torch.nn.Module | None,
+                 h: torch.Tensor, lora) -> list[torch.Tensor]:
+    """parent.<name>(h) for each name, with their LoRA terms: one call of the `fused` module (the rows of
+    every projection stacked, gguf models) split by columns, or one call per projection."""
+    if fused is None:
+        return [lora.linear(i, name, getattr(parent, name), h) for name in names]
+    parts = fused(h).split([getattr(parent, name).out_features for name in names], dim=-1)
+    return [lora.add(i, name, y, h) for name, y in zip(names, parts)]
 
 
 def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:

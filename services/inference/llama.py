@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
         """input_ids [B, T] (every row from position 0, no padding) -> logits [B, T, V]."""

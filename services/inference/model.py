@@ -1,7 +1,9 @@
 """Load the serving model in one weight format and build a tiny random one for tests.
 
 Formats: float32, bfloat16, float16 (the whole model cast), int8 and int4 (weight-only: every Linear,
-lm_head included, swapped for a quantized module from quant.py; the rest stays float32). The engine
+lm_head included, swapped for a quantized module from quant.py; the rest stays float32), and gguf (the
+model file's own Q4_1/Q8_0 blocks on Keel's C++ kernel, blocks.py; read from the GGUF, never
+converted from another format; the rest stays float32). The engine
 only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj, mlp,
 input/post_attention_layernorm, norm, rotary_emb, lm_head) and calls the modules; see forward.py.
 The module is Keel's own (llama.py): the serving process never imports transformers.
@@ -17,11 +19,13 @@ import torch
 
 from shared.errors import InvalidInput
 
-from services.inference import llama
+from services.inference import blocks, kernels, llama
 from services.inference.llama import LlamaConfig
 from services.inference.quant import QUANTIZED, quantize_linears, weight_format
 
-DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED
+DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED + (blocks.FORMAT,)
+# Formats whose models cannot be converted to another format: the others are loaded from the files.
+FROM_FILE_ONLY = QUANTIZED + (blocks.FORMAT,)
 AUTO = "auto"  # the stage picks a format at start (formats.py); a model is never "auto"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,10 +37,17 @@ def check_dtype(dtype: str, device: str = "cpu", allow_auto: bool = False) -> No
         expected = ((AUTO,) if allow_auto else ()) + DTYPES
         raise InvalidInput(f"unknown dtype {dtype!r}; expected one of {expected}", reason="UNKNOWN_DTYPE",
                            metadata={"dtype": dtype})
-    if dtype in QUANTIZED and device != "cpu":
-        # The weight-only kernels used here (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) are CPU ones.
+    if dtype in FROM_FILE_ONLY and device != "cpu":
+        # The weight-only kernels used here (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, Keel's
+        # gguf_mm) are CPU ones; on another device the dequantized formats (float32, bfloat16) serve.
         raise InvalidInput(f"{dtype} runs on CPU only", reason="UNSUPPORTED_DTYPE",
                            metadata={"dtype": dtype, "device": device})
+    if dtype == blocks.FORMAT:
+        try:
+            kernels.load()
+        except kernels.KernelUnavailable as exc:
+            raise InvalidInput(f"gguf needs Keel's C++ kernel, which is unavailable here: {exc.reason}",
+                               reason="KERNEL_UNAVAILABLE", metadata={"dtype": dtype}) from exc
 
 
 def convert_model(model: torch.nn.Module, dtype: str, device: str = "cpu") -> torch.nn.Module:
@@ -44,15 +55,27 @@ def convert_model(model: torch.nn.Module, dtype: str, device: str = "cpu") -> to
     check_dtype(dtype, device)
     if model_dtype(model) == dtype:
         return model
-    if model_dtype(model) in QUANTIZED:
-        raise InvalidInput(f"a {model_dtype(model)} model cannot be converted to another format",
+    if model_dtype(model) in FROM_FILE_ONLY or dtype == blocks.FORMAT:
+        raise InvalidInput(f"a {model_dtype(model)} model cannot be converted to {dtype} (load it from the files)",
                            reason="UNSUPPORTED_DTYPE", metadata={"dtype": dtype})
     return _to_format(copy.deepcopy(model), dtype, device)
 
 
+def model_in_format(reference: torch.nn.Module, dtype: str, model_dir: Path, device: str = "cpu") -> torch.nn.Module:
+    """`reference` (float32) in `dtype`: converted, or for gguf read from the model's GGUF."""
+    return load_model(model_dir, dtype, device) if dtype == blocks.FORMAT else convert_model(reference, dtype, device)
+
+
 def model_dtype(model: torch.nn.Module) -> str:
     """The format name load_model would use for this model."""
-    return weight_format(model) or {v: k for k, v in _TORCH_DTYPES.items()}[model.model.embed_tokens.weight.dtype]
+    if blocks.is_block_model(model):
+        return blocks.FORMAT
+    return weight_format(model) or {v: k for k, v in _TORCH_DTYPES.items()}[residual_dtype(model)]
+
+
+def residual_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the residual stream (embeddings, norms, attention): the norms' weights' dtype."""
+    return model.model.norm.weight.dtype
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
@@ -62,6 +85,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     if not (path / "config.json").exists():
         raise InvalidInput(f"no model at {path} (config.json missing); run `make model`",
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
+    if dtype == blocks.FORMAT:
+        return blocks.load(path)
     return _to_format(llama.load(path), dtype, device)
 
 

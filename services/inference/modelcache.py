@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from services.inference import ggufindex
 from shared.modelfile import gguf_path
 
 DEFAULT_OUT = Path("var/model")
@@ -23,6 +24,7 @@ def convert(out: Path) -> Path:
     src = gguf_path()
     marker = out / "keel-source.json"
     if marker.exists() and json.loads(marker.read_text()).get("gguf") == str(src):
+        ggufindex.index(out, src)  # the gguf format's tensor table (kept while it matches the file)
         return out
     # bandit B615 does not apply: local GGUF.
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615
@@ -35,6 +37,7 @@ def convert(out: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615
     tokenizer.save_pretrained(out / "hf-tokenizer")
     marker.write_text(json.dumps({"gguf": str(src)}))
+    ggufindex.index(out, src)
     return out
 
 

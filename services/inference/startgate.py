@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,7 +22,7 @@ from shared.errors import InvalidInput
 
 from services.inference import gate, gateprobes
 from services.inference.formats import REFERENCE, FormatsConfig, gate_path
-from services.inference.model import check_dtype, convert_model
+from services.inference.model import check_dtype, model_in_format
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
 
 
 def run(reference: torch.nn.Module, model_sha: str, fmts: tuple[str, ...], cfg: FormatsConfig,
-        device: str) -> None:
+        device: str, model_dir: Path) -> None:
     """Gate `fmts` against `reference` (float32) and add their results to the model's stored ones.
 
     Skipped, with a warning, when the results could not be stored (a read-only var/): `auto` then
@@ -57,7 +58,8 @@ def run(reference: torch.nn.Module, model_sha: str, fmts: tuple[str, ...], cfg: 
     log.info("running the quality gate at start (no stored result for these formats)",
              extra={"formats": list(fmts), "prompts": len(sequences)})
     t0 = time.perf_counter()
-    results = gate.evaluate(reference, {f: convert_model(reference, f, device) for f in fmts}, sequences)
+    results = gate.evaluate(reference, {f: model_in_format(reference, f, model_dir, device) for f in fmts},
+                            sequences)
     stored = gate.load(path, model_sha)
     try:
         gate.store(path, model_sha, [*(r for f, r in stored.items() if f not in fmts), *results],

@@ -25,6 +25,7 @@ import torch
 
 from shared.config import var_dir
 
+from services.inference import ggufindex
 from services.inference.gate import GateResult
 from services.inference.jsonfile import write_json
 from services.inference.memory import MemoryModel
@@ -44,7 +45,9 @@ def model_sha256(model_dir: Path) -> str:
         cache = {}
     total = hashlib.sha256()
     changed = False
-    for path in sorted(p for p in Path(model_dir).iterdir() if p.suffix in (".json", ".safetensors")):
+    files = (p for p in Path(model_dir).iterdir()
+             if p.suffix in (".json", ".safetensors") and p.name != ggufindex.INDEX_NAME)  # the index is derived
+    for path in sorted(files):
         st = path.stat()
         key = str(path.resolve())
         entry = cache.get(key)

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_passing_and_reference_formats_are_served(var_dir):
 
 def test_auto_never_picks_a_format_that_fails_or_was_not_gated(var_dir, tiny):
     _store({"int8": (0.01, 0.05, 0.97), "int4": (0.5, 2.0, 0.6)})  # bfloat16: never gated
-    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu")
+    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))
     assert choice.format in ("float32", "int8") and model_dtype(model) == choice.format
     assert "int4 fails the quality gate" in choice.reason and "bfloat16 has no gate result" in choice.reason
     assert "decode pass" in choice.reason  # the eligible ones were timed
@@ -107,7 +108,7 @@ def test_auto_never_picks_a_format_that_fails_or_was_not_gated(var_dir, tiny):
 def test_auto_with_only_quantized_candidates_that_pass_serves_one_of_them(var_dir, tiny):
     _store({"int8": (0.01, 0.05, 0.97), "int4": (0.01, 0.05, 0.97)})
     cfg = FormatsConfig(auto_candidates=("int8", "int4"))
-    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu")
+    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu", model_dir=Path("unused"))
     assert choice.format in ("int8", "int4") and choice.gate.format == choice.format
 
 
@@ -115,7 +116,7 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
     def refuse(*args, **kwargs):
         raise AssertionError("timed a format with nothing to compare it with")
     monkeypatch.setattr(formats, "decode_pass_s", refuse)
-    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu")  # no gate results
+    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))  # no gate results
     assert choice.format == "float32" and model is tiny
     assert choice.reason.startswith("auto: float32 is the only eligible format")
     assert "bfloat16 has no gate result" in choice.reason
@@ -123,7 +124,7 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
 
 def test_auto_with_no_eligible_candidate_stops_the_stage(var_dir, tiny):
     with pytest.raises(ConfigError, match="auto_candidates"):
-        formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu")
+        formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu", model_dir=Path("unused"))
 
 
 def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(tiny):
@@ -149,6 +150,7 @@ class _BatchDependentNorm(torch.nn.Module):
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
         self.norm = norm
+        self.weight = norm.weight  # the residual stream's dtype is read off the final norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) + 1e-2 * (x.shape[0] > 1)
@@ -160,15 +162,15 @@ def test_weight_only_decode_steps_are_batch_invariant_on_the_tiny_model(tiny):
 
 def test_auto_skips_a_format_whose_decode_steps_depend_on_the_batch(var_dir, tiny, monkeypatch):
     _store({"int8": (0.01, 0.05, 0.97)})
-    real = formats.convert_model
+    real = formats.model_in_format
 
-    def convert(reference, fmt, device):
-        model = real(reference, fmt, device)
+    def convert(reference, fmt, model_dir, device):
+        model = real(reference, fmt, model_dir, device)
         if fmt == "int8":
             model.model.norm = _BatchDependentNorm(model.model.norm)
         return model
-    monkeypatch.setattr(formats, "convert_model", convert)
+    monkeypatch.setattr(formats, "model_in_format", convert)
     cfg = FormatsConfig(auto_candidates=("float32", "int8"))
-    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu")
+    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu", model_dir=Path("unused"))
     assert choice.format == "float32" and model is tiny
     assert "int8: a decode step gives a row other bits" in choice.reason

@@ -115,10 +115,12 @@ def test_an_adapter_gives_the_same_bits_whatever_else_is_loaded(tiny, adapters, 
         assert torch.equal(want, runner.forward([Segment(runner.new_cache(16), ids, slot)])[0])
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
-def test_adapters_on_other_weight_formats_stay_batch_invariant(tiny, adapters, fmt):
-    from services.inference.model import convert_model
-    model = convert_model(tiny, fmt)
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "gguf"])
+def test_adapters_on_other_weight_formats_stay_batch_invariant(tiny, adapters, fmt, tmp_path):
+    """gguf: unmerged beside the quantized blocks, the LoRA term added to the fused projections' parts."""
+    from services.inference.model import convert_model, load_model
+    from tests.inference.gguf_fixtures import write_tiny_gguf
+    model = load_model(write_tiny_gguf(tiny, tmp_path), "gguf") if fmt == "gguf" else convert_model(tiny, fmt)
     r = LlamaRunner(model)
     r.calibrate_invariant_sizes(16)
     r.lora = load(model, adapters)

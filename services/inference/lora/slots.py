@@ -157,7 +157,11 @@ class LoraStep:
 
     def linear(self, layer: int, name: str, module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         """module(h) plus, for every token whose adapter targets this projection, its LoRA term."""
-        y = module(h)
+        return self.add(layer, name, module(h), h)
+
+    def add(self, layer: int, name: str, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """y (the projection's output for h, possibly a column view of a fused one) with the LoRA term
+        of every token whose adapter targets this projection added in place."""
         for rank in self.lora.module_ranks.get(name, ()):
             stacks = self.lora.stacks.get((layer, name, rank))
             if stacks is None:
@@ -179,6 +183,10 @@ class NoLora:
     @staticmethod
     def linear(layer: int, name: str, module: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         return module(h)
+
+    @staticmethod
+    def add(layer: int, name: str, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return y
 
 
 NO_LORA = NoLora()
