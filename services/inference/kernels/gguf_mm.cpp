@@ -271,7 +271,7 @@ void run(const Problem& p, const Tiling& t) {
   const int64_t mt = (p.M + t.mr - 1) / t.mr, nt = (p.N + t.nr - 1) / t.nr;
   // Tiles are numbered n-tile-major so a thread's consecutive tiles reuse the same weight rows
   // (from L1) across the M tiles. A thread gets at least ~32 KiB of weight blocks.
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (t.nr * p.row_bytes)) * mt;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, t.nr * p.row_bytes)) * mt;
   at::parallel_for(0, mt * nt, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = (i % mt) * t.mr, n0 = (i / mt) * t.nr;
