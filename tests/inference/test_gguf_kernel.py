@@ -193,6 +193,7 @@ def test_errors_are_clear(k):
     with pytest.raises(ValueError, match="unknown isa 'sse'"):
         k.matmul(x, w, Q4_1, 8, "sse")
     assert k.matmul(x[:0], w, Q4_1, 8).shape == (0, 8)
+    assert torch.equal(k.matmul(torch.ones(2, 0), torch.ones(8, 0, dtype=torch.uint8), Q4_1, 8), torch.zeros(2, 8))
 
 
 def test_a_later_process_loads_the_cached_build_quickly(k):

@@ -124,6 +124,7 @@ def _build(final: Path, so: Path) -> None:
 
         cpp_extension.load(name=LIB_NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
                            build_directory=str(tmp), is_python_module=False, verbose=False)
+        tmp.chmod(0o755)  # mkdtemp made it private
         try:
             tmp.rename(final)
         except OSError:  # another process renamed its build into place first: keep that one

@@ -143,22 +143,25 @@ KEEL_AVX2 inline float hsum8(__m256 s8) {  // s8 = lanes l + l+8; finish the tre
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// Half h of a block (elements 16h .. 16h+15) as lanes 0-7 (lo) and 8-15 (hi).
+// A whole block as 4 ymm: elements 0-7, 8-15, 16-23, 24-31. Lanes 0-7 live in the accumulator for
+// q[0] and q[2], lanes 8-15 in the one for q[1] and q[3].
 template <int T>
-KEEL_AVX2 inline void deq_avx2(const uint8_t* b, int h, __m256& lo, __m256& hi) {
+KEEL_AVX2 inline void deq_avx2(const uint8_t* b, __m256* w) {
   const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
   if constexpr (T == Q4_1) {
     const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
     const __m256i q0 = _mm256_cvtepu8_epi32(q), q1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q, q));
     const __m256i nib = _mm256_set1_epi32(15);
-    const int s = 4 * h;
-    lo = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q0, s), nib)), m);
-    hi = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q1, s), nib)), m);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q0, nib)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q1, nib)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), m);
   } else {
-    const uint8_t* q = b + 2 + 16 * h;
-    lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
-    hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))));
+    for (int k = 0; k < 4; ++k) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * k));
+      w[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
   }
 }
 
@@ -167,22 +170,21 @@ KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t n0) {
   constexpr int BB = block_bytes(T);
   const uint8_t* w[NR];
   for (int j = 0; j < NR; ++j) w[j] = weight_row(p, n0 + j);
-  __m256 lo[MR][NR], hi[MR][NR];
+  __m256 lo[MR][NR], hi[MR][NR];  // lanes 0-7 and 8-15
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
   const uint8_t* ahead = p.w + (n0 + kPrefetchTiles * NR) * p.row_bytes;
   for (int64_t b = 0; b < p.nb; ++b) {
     prefetch_step(ahead, NR * BB, b);
-    for (int h = 0; h < 2; ++h) {  // lane l takes element l (h = 0), then element l + 16 (h = 1)
-      __m256 wl[NR], wh[NR];
-      for (int j = 0; j < NR; ++j) deq_avx2<T>(w[j] + b * BB, h, wl[j], wh[j]);
-      for (int i = 0; i < MR; ++i) {
-        const float* x = p.x + (m0 + i) * p.K + b * QK + 16 * h;
-        const __m256 xl = _mm256_loadu_ps(x), xh = _mm256_loadu_ps(x + 8);
-        for (int j = 0; j < NR; ++j) {
-          lo[i][j] = _mm256_fmadd_ps(xl, wl[j], lo[i][j]);
-          hi[i][j] = _mm256_fmadd_ps(xh, wh[j], hi[i][j]);
-        }
+    __m256 wv[NR][4];
+    for (int j = 0; j < NR; ++j) deq_avx2<T>(w[j] + b * BB, wv[j]);
+    for (int i = 0; i < MR; ++i) {
+      const float* x = p.x + (m0 + i) * p.K + b * QK;
+      for (int j = 0; j < NR; ++j) {  // lane l: element l, then element l + 16
+        lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x), wv[j][0], lo[i][j]);
+        hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), wv[j][1], hi[i][j]);
+        lo[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), wv[j][2], lo[i][j]);
+        hi[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), wv[j][3], hi[i][j]);
       }
     }
   }
@@ -252,13 +254,16 @@ struct Tiling {
   TileFn tile[4];
 };
 
+// The tile shape changes speed only, never bits (each output element's order is the same in all).
 template <int T>
-Tiling tiling(int isa) {
-  // Register budget: AVX-512 has 32 zmm (16 accumulators + 8 weights + 2 x), AVX2 16 ymm
-  // (8 accumulators + 4 weights + 2 x).
+Tiling tiling(int isa, int64_t M) {
+  // AVX-512, 32 zmm: 16 accumulators + 8 weight vectors + 2 x. AVX2, 16 ymm: 4 activation rows
+  // share each dequantized block of one weight row (8 accumulators + 4 weight vectors); a single
+  // row instead runs 2 weight rows at once, so that 4 independent fma chains hide fma latency.
   if (isa == AVX512)
     return {4, 4, {tile_avx512<T, 1, 4>, tile_avx512<T, 2, 4>, tile_avx512<T, 3, 4>, tile_avx512<T, 4, 4>}};
-  if (isa == AVX2) return {2, 2, {tile_avx2<T, 1, 2>, tile_avx2<T, 2, 2>}};
+  if (isa == AVX2 && M == 1) return {1, 2, {tile_avx2<T, 1, 2>}};
+  if (isa == AVX2) return {4, 1, {tile_avx2<T, 1, 1>, tile_avx2<T, 2, 1>, tile_avx2<T, 3, 1>, tile_avx2<T, 4, 1>}};
   return {4, 4, {tile_portable<T, 1, 4>, tile_portable<T, 2, 4>, tile_portable<T, 3, 4>, tile_portable<T, 4, 4>}};
 }
 
@@ -266,7 +271,7 @@ void run(const Problem& p, const Tiling& t) {
   const int64_t mt = (p.M + t.mr - 1) / t.mr, nt = (p.N + t.nr - 1) / t.nr;
   // Tiles are numbered n-tile-major so a thread's consecutive tiles reuse the same weight rows
   // (from L1) across the M tiles. A thread gets at least ~32 KiB of weight blocks.
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (t.nr * p.row_bytes)) * mt;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, t.nr * p.row_bytes)) * mt;
   at::parallel_for(0, mt * nt, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = (i % mt) * t.mr, n0 = (i / mt) * t.nr;
@@ -304,7 +309,7 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   const Problem p{x.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, K / QK, row_bytes};
-  run(p, ggml_type == Q4_1 ? tiling<Q4_1>(path) : tiling<Q8_0>(path));
+  run(p, ggml_type == Q4_1 ? tiling<Q4_1>(path, M) : tiling<Q8_0>(path, M));
   return y;
 }
 
