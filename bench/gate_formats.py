@@ -25,7 +25,7 @@ from bench.bench_inference import MODEL, prompts  # noqa: E402
 from services.inference import config as inf_config  # noqa: E402
 from services.inference import gate, gateprobes  # noqa: E402
 from services.inference.formats import gate_path  # noqa: E402
-from services.inference.model import convert_model, load_model  # noqa: E402
+from services.inference.model import load_model, model_in_format  # noqa: E402
 from services.inference.warmcache import model_sha256  # noqa: E402
 
 PROBES = 200
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="the first N probes (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     # float16 is left out by default: this CPU has no fp16 GEMM and one pass takes seconds.
-    ap.add_argument("--formats", default="bfloat16,int8,int4")
+    ap.add_argument("--formats", default="bfloat16,int8,int4,gguf")
     ap.add_argument("--write-probes", action="store_true", help=f"write {gateprobes.PROBES_FILE.name} and exit")
     args = ap.parse_args(argv)
     if args.write_probes:
@@ -63,12 +63,13 @@ def main(argv=None) -> int:
     reference = load_model(MODEL, "float32")
     t0 = time.perf_counter()
     seqs = gateprobes.load(args.prompts)
-    candidates = {f: convert_model(reference, f) for f in args.formats.split(",")}
+    candidates = {f: model_in_format(reference, f, MODEL) for f in args.formats.split(",")}
     results = gate.evaluate(reference, candidates, seqs,
                             lambda i: i % 20 or print(f"scored {i}/{len(seqs)}", flush=True))
     sha = model_sha256(MODEL)
     path = gate_path(sha)
-    gate.store(path, sha, results, gateprobes.describe(len(seqs)))
+    kept = [r for f, r in gate.load(path, sha).items() if f not in candidates]  # other formats' results stay
+    gate.store(path, sha, [*kept, *results], gateprobes.describe(len(seqs)))
     print(f"\n{len(seqs)} sequences, {results[0].positions} scored positions, {time.perf_counter() - t0:.0f} s; "
           f"stored in {path}\n")
     print("| format | mean KL (nats) | p95 KL | greedy agreement | gate |")
