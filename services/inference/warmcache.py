@@ -25,7 +25,7 @@ import torch
 
 from shared.config import var_dir
 
-from services.inference import ggufindex
+from services.inference import blocks, ggufindex, kernels
 from services.inference.gate import GateResult
 from services.inference.jsonfile import write_json
 from services.inference.memory import MemoryModel
@@ -75,7 +75,16 @@ def fingerprint(model_sha: str, requested_format: str, engine_version: int, sett
             "build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
             "parallel": torch.__config__.parallel_info().splitlines()[0:3],
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "engine_version": engine_version, "settings": settings}))
+            "engine_version": engine_version, "kernel": kernel_identity(), "settings": settings}))
+
+
+def kernel_identity() -> str:
+    """Keel's gguf kernel on this host: the path it runs and its build's hash ("" where it cannot load)."""
+    try:
+        k = kernels.load()
+    except kernels.KernelUnavailable:
+        return ""
+    return f"{k.isa}/{k.path.parent.name}"
 
 
 def serving_facts(model_sha: str, served_format: str, engine_version: int) -> dict[str, str]:
@@ -84,7 +93,8 @@ def serving_facts(model_sha: str, served_format: str, engine_version: int) -> di
     return {"weights_sha256": model_sha, "format": served_format, "torch": torch.__version__,
             "blas_build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
             "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
-            "threads": str(torch.get_num_threads()), "engine_version": str(engine_version)}
+            "threads": str(torch.get_num_threads()), "engine_version": str(engine_version),
+            **({"kernel": kernel_identity()} if served_format == blocks.FORMAT else {})}
 
 
 def fingerprint_key(fp: dict) -> str:
