@@ -1,9 +1,12 @@
 """Where one decode step of the inference engine spends its time: a batch of B rows with P-token
 contexts, one token each, timed against its floor (the same step's linear layers alone: every
 projection and MLP layer at the step's padded batch, lm_head on its rows, nothing else), then
-profiled by operator (torch.profiler).
+profiled by operator (torch.profiler). At batch 1 it also sets the step's effective memory bandwidth
+(bytes of weights it reads, blocks for gguf, plus the KV cache it attends over, divided by the step's
+time) against a STREAM-like copy timed in the same run (a 256 MiB tensor copied; read + write
+counted): a batch-1 step is bound by bandwidth, so the copy is its physical limit.
 
-Run: .venv/bin/python bench/profile_decode.py [--dtype bfloat16] [--batch 16] [--context 40] [--steps 20]
+Run: .venv/bin/python bench/profile_decode.py [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.bench_inference import machine  # noqa: E402
 from services.inference.forward import LlamaRunner  # noqa: E402
+from services.inference.memory import static_bytes  # noqa: E402
 from services.inference.model import load_model  # noqa: E402
 
 
@@ -41,21 +45,37 @@ def matmul_only(runner: LlamaRunner, batch: int):
     def run() -> None:
         for layer in core.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj):
+            fused = [m for m in (getattr(attn, "qkv", None), getattr(mlp, "gate_up", None)) if m is not None]
+            separate = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj) if not fused else ()
+            for lin in (*fused, *separate, attn.o_proj):  # the calls the step makes (gguf fuses two groups)
                 lin(hidden)
             mlp.down_proj(wide)
         runner.model.lm_head(hidden)  # the step's lm_head sees its padded rows too
     return run
 
 
+def copy_gb_s(repeats: int = 5) -> float:
+    """A STREAM-like copy: GB/s of a 256 MiB float32 tensor copied (read + write), best of `repeats`."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    best = min(timed_ms(lambda: dst.copy_(src), 1) for _ in range(repeats))
+    return 2 * src.nbytes / (best / 1e3) / 1e9
+
+
+def step_bytes(runner: LlamaRunner, context: int) -> int:
+    """Bytes one batch-1 decode step reads: every weight once, and its row's keys and values."""
+    return static_bytes(runner.model) + context * runner.kv_bytes_per_token
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="gguf")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=40)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     runner = LlamaRunner(load_model(ROOT / "var/model", dtype=args.dtype))
     if args.dtype == "float32":
         runner.calibrate_invariant_sizes(args.batch)  # as the engine does: padded to an invariant size
@@ -76,6 +96,11 @@ def main() -> int:
     print(f"{args.dtype}, batch {args.batch}, context {args.context}: {ms:.1f} ms per decode step "
           f"({args.batch / ms * 1e3:.0f} tok/s); its linear layers alone {floor:.1f} ms: step / matmul-only "
           f"{ms / floor:.2f}x. Machine: {machine()}")
+    if args.batch == 1:
+        moved = step_bytes(runner, args.context)
+        copy = copy_gb_s()
+        print(f"batch 1: {moved / 1e6:.1f} MB read per step -> {moved / (ms / 1e3) / 1e9:.2f} GB/s; a 256 MiB copy "
+              f"in the same run: {copy:.2f} GB/s; step / copy bandwidth {moved / (ms / 1e3) / 1e9 / copy:.0%}")
     print("| operator | share of self CPU time | calls per step |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
         print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.count // 5} |")
