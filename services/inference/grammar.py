@@ -116,20 +116,28 @@ class Grammars:
             if pending is None:
                 pending = asyncio.wrap_future(self._pool.submit(self._compile, fmt))
                 self._compiling[key] = pending
-                pending.add_done_callback(lambda _: self._compiling.pop(key, None))
+                pending.add_done_callback(lambda done: self._compiled(key, done))
             try:
                 template = await asyncio.wait_for(asyncio.shield(pending), self.limits.compile_timeout_s)
             except TimeoutError:
                 raise InvalidInput(f"{field} did not compile within {self.limits.compile_timeout_s} s",
                                    reason="RESPONSE_FORMAT_TOO_COMPLEX", metadata={"field": field}) from None
-            self._cache[key] = template  # a document that fails is kept too: refused again at no cost
-            while len(self._cache) > self.limits.cache_entries:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
+        if key in self._cache:
+            self._cache.move_to_end(key)
         if template.is_error():
             raise InvalidInput(f"{field} does not compile: {template.get_error()[:300]}",
                                reason="RESPONSE_FORMAT_INVALID", metadata={"field": field})
         return template.deep_copy()
+
+    def _compiled(self, key: str, done: asyncio.Future) -> None:
+        """Cache a finished compile, even one every waiter gave up on (a document that fails is kept
+        too: refused again at no cost)."""
+        self._compiling.pop(key, None)
+        if done.cancelled() or done.exception() is not None:
+            return
+        self._cache[key] = done.result()
+        while len(self._cache) > self.limits.cache_entries:
+            self._cache.popitem(last=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

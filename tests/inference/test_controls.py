@@ -15,7 +15,7 @@ from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
 from services.inference.controls import RowControls
-from services.inference.grammar import GrammarLimits, Vocabulary
+from services.inference.grammar import GrammarLimits, Grammars, Vocabulary
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -149,3 +149,17 @@ async def test_mixed_rows_are_bit_identical_alone_and_in_batches(engine):
                and (fa.finish_reason, fa.completion_tokens) == (fb.finish_reason, fb.completion_tokens)
                for (a, fa), (b, fb) in zip(alone, together))
     assert same == 200
+
+
+@pytest.mark.asyncio
+async def test_a_compile_given_up_on_is_cached_once_done(vocab):
+    grammars = Grammars(vocab, GrammarLimits(compile_timeout_s=0))
+    fmt = ResponseFormat("regex", "[0-9]{2}")
+    with pytest.raises(InvalidInput):
+        await grammars.matcher(fmt)
+    for _ in range(200):
+        if fmt.digest in grammars._cache:
+            break
+        await asyncio.sleep(0.01)
+    assert (await grammars.matcher(fmt)).consume_tokens(vocab.tokenizer.tokenize_str("42"))  # no wait any more
+    grammars.close()
