@@ -4,6 +4,8 @@
     keel down                     stop the mesh (drains in-flight calls), and any process it left
     keel status                   health of every process of the running mesh
     keel ask "PROMPT" [--max-tokens N] [--temperature T] [--seed S] [--adapter ID[@VERSION]] [--json]
+             [--stop S]... [--json-schema FILE | --regex R | --choice A...] [--logprobs N]
+             [--repetition-penalty P] [--frequency-penalty P] [--presence-penalty P]   (docs/generation.md)
     keel trace TRACE_ID           the whole chain of one request, across every stage's trace files
                                   (--format chrome: a Chrome Trace Event file)
     keel tokenize | detokenize    JSON lines on stdin -> stdout, in-process
@@ -185,7 +187,7 @@ def cmd_ask(args) -> int:
     from keelctl import ask
     return ask.main(_gateway(load_layout()), prompt=args.prompt, max_tokens=args.max_tokens,
                     temperature=args.temperature, seed=args.seed, as_json=args.json, domain=args.domain,
-                    adapter=args.adapter)
+                    adapter=args.adapter, controls=ask.controls_from_args(args))
 
 
 def cmd_certs(args) -> int:
@@ -210,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--domain", default="")
     a.add_argument("--adapter", default="", help='LoRA adapter: "id" or "id@version" (default: the base model)')
     a.add_argument("--json", action="store_true")
+    a.add_argument("--stop", action="append", help="stop string (repeatable)")
+    fmt = a.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", help="constrain the answer to this JSON Schema")
+    fmt.add_argument("--regex", help="constrain the answer to this regular expression")
+    fmt.add_argument("--choice", action="append", help="the answer is one of these (repeatable)")
+    a.add_argument("--logprobs", type=int, metavar="N", help="print each token's logprob and N alternatives (0-5)")
+    a.add_argument("--repetition-penalty", type=float, default=1.0)
+    a.add_argument("--frequency-penalty", type=float, default=0.0)
+    a.add_argument("--presence-penalty", type=float, default=0.0)
     c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
     c.add_argument("--days", type=int, default=365)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import grpc
+from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, push_to_gateway, write_to_textfile
 
 from keel.common.v1 import common_pb2
@@ -29,11 +30,17 @@ RECORD_WAIT_S = 30.0
 
 def request_of(record: dict) -> gateway_pb2.GenerateRequest:
     s = record["sampling"]
-    sampling = common_pb2.SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                                         top_k=s["top_k"], seed=s["seed"])
+    # Records older than the generation controls lack their keys: those answers had none.
+    sampling = common_pb2.SamplingParams(
+        max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=s["seed"],
+        stop=s.get("stop", []), repetition_penalty=s.get("repetition_penalty", 0.0),
+        frequency_penalty=s.get("frequency_penalty", 0.0), presence_penalty=s.get("presence_penalty", 0.0),
+        logprobs=s.get("logprobs", False), top_logprobs=s.get("top_logprobs", 0))
     # The adapter as it served ("id@version"), so a newer version registered since is not picked up.
     req = gateway_pb2.GenerateRequest(sampling=sampling, domain=record["domain"], source=record["source"],
                                       adapter=record.get("adapter", ""))
+    if record.get("response_format"):
+        json_format.ParseDict(record["response_format"], req.response_format)
     req.chat.messages.extend(common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in record["messages"])
     return req
 

@@ -22,7 +22,12 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
     return {"trace_id": r.trace_id, "created_ms": r.created_unix_ms, "prompt_ids": list(r.prompt_ids),
             "messages": [{"role": m.role, "content": m.content} for m in r.messages],
             "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                         "top_k": s.top_k, "seed": s.seed},
+                         "top_k": s.top_k, "seed": s.seed, "stop": list(s.stop),
+                         "repetition_penalty": s.repetition_penalty, "frequency_penalty": s.frequency_penalty,
+                         "presence_penalty": s.presence_penalty, "logprobs": s.logprobs,
+                         "top_logprobs": s.top_logprobs},
+            "response_format": json_format.MessageToDict(r.response_format, preserving_proto_field_name=True)
+            if r.HasField("response_format") else None,
             "domain": r.domain, "source": r.source, "output_ids": list(r.output_ids),
             "finish_reason": r.finish_reason, "engine": dict(r.engine), "input_fingerprint": r.input_fingerprint,
             "vocab_sha256": r.vocab_sha256, "chat_template_sha256": r.chat_template_sha256,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared import adapters, errors
+from shared.controls import Controls, check_controls
 
 ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
@@ -41,6 +42,7 @@ class Ask:
     source: str = ""
     raw_prompt: str | None = None  # set when the client sent a bare prompt
     adapter: str = ""  # "" = the base model
+    controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (shared/controls.py)
 
 
 def check_ask(ask: Ask, limits: Limits) -> None:
@@ -80,6 +82,7 @@ def check_ask(ask: Ask, limits: Limits) -> None:
         raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
                                   metadata={"limit": SEED_MAX, "actual": ask.seed})
     check_adapter(ask.adapter)
+    check_controls(ask.controls)
 
 
 def check_adapter(adapter: str) -> None:

@@ -24,6 +24,7 @@ from shared import errors, tracing
 from shared.clip import clip_payload
 from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask
 from services.gateway.retry import RetryExecutor
+from services.gateway.stops import StopText
 from services.gateway.streamtext import DecodeStream, StreamedText
 
 log = logging.getLogger("keel.gateway")
@@ -39,9 +40,17 @@ class Encoded:
 
 @dataclass(frozen=True)
 class Step:
-    """One streamed token (id + its entropy)."""
+    """One streamed token (id + its entropy; its logprobs when the request asked for them)."""
     token_id: int
     entropy: float
+    logprobs: common_pb2.TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of streamed text, with the logprobs of the tokens it comes from."""
+    text: str
+    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class Answer:
     trace_id: str = ""
     system_fingerprint: str = ""
     adapter: str = ""  # as the engine answered: "id@version", "" = the base model
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # with controls.logprobs
 
 
 class Upstreams(Protocol):
@@ -136,10 +146,13 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Generated:
-    """The model's answer before output validation: its text, token ids and their entropies."""
+    """The model's answer before output validation: its text (cut before any stop string), token
+    ids, their entropies and their logprobs (when asked for)."""
     raw: str
     ids: list[int]
     entropies: list[float]
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    stopped: bool = False  # a stop string ended it
 
 
 class Pipeline:
@@ -241,10 +254,14 @@ class Pipeline:
         steps, done = await self._call("inference", "Generate", run_generation, call)
         ids = [s.token_id for s in steps]
         raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
-        return await self.finish(ask, prep, done, Generated(raw, ids, [s.entropy for s in steps]), call)
+        stops = StopText(ask.controls.stop)
+        raw = stops.whole(raw)
+        return await self.finish(ask, prep, done, Generated(raw, ids, [s.entropy for s in steps],
+                                                            [s.logprobs for s in steps if s.logprobs], stops.cut), call)
 
-    async def stream(self, ask: Ask, call: Call) -> AsyncIterator[str | Answer]:
-        """Text deltas as they become decodable, then the validated Answer.
+    async def stream(self, ask: Ask, call: Call) -> AsyncIterator[Delta | Answer]:
+        """Text deltas as they become decodable (text that may begin a stop string waits for what
+        follows it), then the validated Answer.
 
         Retries cover opening the stream (until the first event); after tokens reached the
         client a failure ends the call with its status, since a retry would repeat text.
@@ -263,7 +280,10 @@ class Pipeline:
         arrived: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(_pump(ev, events, arrived))
         streamed = StreamedText(self.up.decode_stream)
+        stops = StopText(ask.controls.stop)
         entropies: list[float] = []
+        logprobs: list[common_pb2.TokenLogprob] = []
+        unsent = 0  # logprobs not yet sent with a delta
         done, failure = None, None
         try:
             while done is None and failure is None:
@@ -278,13 +298,20 @@ class Pipeline:
                     if isinstance(item, Step):
                         new.append(item.token_id)
                         entropies.append(item.entropy)
+                        if item.logprobs is not None:
+                            logprobs.append(item.logprobs)
                     else:
                         done = item if isinstance(item, Done) else False
                 finish = isinstance(done, Done)
+                text = ""
                 if new or (finish and streamed.ids):
-                    text = await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish), call)
-                    if text:
-                        yield text
+                    text = stops.feed(await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish),
+                                                       call))
+                if finish:
+                    text += stops.flush()
+                if text or (finish and unsent < len(logprobs)):
+                    yield Delta(text, tuple(logprobs[unsent:]))
+                    unsent = len(logprobs)
         finally:
             reader.cancel()
             streamed.close()
@@ -292,7 +319,9 @@ class Pipeline:
             raise failure
         if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
-        yield await self.finish(ask, prep, done, Generated(streamed.text, list(streamed.ids), entropies), call)
+        raw = StopText(ask.controls.stop).whole(streamed.text)
+        yield await self.finish(ask, prep, done, Generated(raw, list(streamed.ids), entropies, logprobs, stops.cut),
+                                call)
 
     async def finish(self, ask: Ask, prep: Prepared, done: Done, out: Generated, call: Call) -> Answer:
         text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
@@ -309,10 +338,11 @@ class Pipeline:
         trace.get_current_span().set_attribute("adapter.served", done.adapter)
         if self._on_served is not None:
             self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
-        return Answer(text=text, finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
+        return Answer(text=text, finish_reason="stop" if out.stopped else done.finish_reason,
+                      prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=prep.enc.truncated,
                       input_flags=prep.flags, validation=result, trace_id=call.trace_id,
-                      system_fingerprint=done.system_fingerprint, adapter=done.adapter)
+                      system_fingerprint=done.system_fingerprint, adapter=done.adapter, logprobs=out.logprobs)
 
 
 def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:

@@ -7,8 +7,9 @@ from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Answer, Call, Pipeline, deadline_from
+from services.gateway.pipeline import Answer, Call, Delta, Pipeline, deadline_from
 from shared import errors, tracing
+from shared.controls import controls_of
 
 
 def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
@@ -23,7 +24,8 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
     return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw,
-               adapter=req.adapter)
+               adapter=req.adapter,
+               controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
 
 
 def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
@@ -31,7 +33,7 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
         text=a.text, trace_id=a.trace_id, finish_reason=a.finish_reason, seed=a.seed,
         usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
         validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags,
-        system_fingerprint=a.system_fingerprint, adapter=a.adapter)
+        system_fingerprint=a.system_fingerprint, adapter=a.adapter, logprobs=a.logprobs)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -50,8 +52,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def GenerateStream(self, request, context):
         async for item in self.pipeline.stream(to_ask(request, self.limits), self._call(context)):
-            if isinstance(item, str):
-                yield gateway_pb2.GenerateStreamResponse(delta=item)
+            if isinstance(item, Delta):
+                yield gateway_pb2.GenerateStreamResponse(delta=item.text, logprobs=item.logprobs)
             else:
                 yield gateway_pb2.GenerateStreamResponse(done=to_response(item))
 

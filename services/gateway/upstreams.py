@@ -24,6 +24,7 @@ from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
 from services.gateway.pipeline import Done, Encoded, Step
 from shared import client, errors
+from shared.controls import fill_sampling, format_pb
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 
 log = logging.getLogger("keel.gateway.upstreams")
@@ -210,17 +211,18 @@ class MeshUpstreams:
                        resp.vocab_sha256, resp.chat_template_sha256)
 
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
-        sampling = common_pb2.SamplingParams(max_tokens=ask.max_tokens, temperature=ask.temperature,
-                                             top_p=ask.top_p, top_k=ask.top_k, seed=seed)
+        sampling = fill_sampling(ask.controls, common_pb2.SamplingParams(
+            max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed))
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint,
-                                            adapter=ask.adapter)
+                                            adapter=ask.adapter, response_format=format_pb(ask.controls.response_format))
         pool = self.pools["inference"]
         target, timeout = await pool.pick_for(timeout)
         call = pool.stub(target).Generate(req, timeout=timeout, metadata=_md(md))
         try:
             async for ev in call:
                 if ev.HasField("token"):
-                    yield Step(ev.token.id, ev.token.entropy)
+                    yield Step(ev.token.id, ev.token.entropy,
+                               ev.token.logprobs if ev.token.HasField("logprobs") else None)
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
@@ -256,8 +258,10 @@ class MeshUpstreams:
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]:
         prompt = next((c for r, c in reversed(ask.messages) if r == "user"), "")
+        fmt = ask.controls.response_format
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
-                                                  token_entropies=entropies, prompt=prompt)
+                                                  token_entropies=entropies, prompt=prompt,
+                                                  json_schema=fmt.document if fmt and fmt.kind == "json_schema" else "")
         resp = await self.pools["validator"].call(
             timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))
         return resp.text, resp.result

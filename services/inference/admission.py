@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
 
 from services.inference.api import GenerationRequest, TokenEvent
+from services.inference.controls import RowControls
 from services.inference.memory import MemoryModel
 
 
@@ -42,6 +43,7 @@ class Ticket:
     blocks: int = 0       # KV blocks reserved for prompt + max_tokens positions
     slot: int = 0         # adapter slot the request runs with (0 = the base model; lora/registry.py)
     adapter: str = ""     # that adapter as "id@version" ("" = the base model)
+    controls: RowControls | None = None  # the request's penalties, grammar, stops, logprobs (controls.py)
 
     @property
     def total_tokens(self) -> int:

@@ -4,7 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shared.controls import Controls, check_controls
 from shared.errors import InvalidInput, PermissionDenied
+
+from services.inference.controls import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class GenerationRequest:
     fingerprint: str = ""  # digest of the input, logged when this request fails numerically
     faults: FaultSpec | None = None
     adapter: str = ""  # LoRA adapter "id" or "id@version"; "" = the base model (lora/registry.py resolves it)
+    controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (controls.py)
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,14 @@ class TokenEvent:
     logprob: float   # log-probability of token_id under the model's distribution
     entropy: float   # predictive entropy (nats) of that distribution
     index: int       # 0-based position in the completion
+    logprobs: TokenLogprobs | None = None  # with controls.logprobs (controls.py says of which distribution)
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" (eos or a stop id; not streamed as a token) | "length"
+    # "stop" (eos or a stop id, not streamed as a token; or a stop string or a complete grammar,
+    # whose last token is streamed) | "length"
+    finish_reason: str
     prompt_tokens: int
     completion_tokens: int  # tokens streamed
     seed: int
@@ -106,6 +113,7 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, f
         raise bad(f"adapter must be a string, got {type(req.adapter).__name__}", "INVALID_ADAPTER_NAME")
     if req.deadline is not None and not _finite_number(req.deadline):
         raise bad("deadline must be a finite time.monotonic() value", "INVALID_DEADLINE")
+    check_controls(req.controls)
     if req.faults is not None:
         if not faults_enabled:
             raise PermissionDenied("fault injection is disabled on this engine", reason="FAULT_INJECTION_DISABLED",

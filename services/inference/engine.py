@@ -22,13 +22,16 @@ from types import MappingProxyType
 
 import torch
 
-from shared.errors import DeadlineExpired, InvalidInput, NotReady
+from shared.controls import Controls, check_controls
+from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
 
 from services.inference.admission import Admission, QueueLimits, Ticket
 from services.inference.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
 from services.inference.breaker import BreakerBoard, BreakerConfig
+from services.inference.controls import RowControls
 from services.inference.faults import FaultInjectingRunner
 from services.inference.forward import LlamaRunner
+from services.inference.grammar import GrammarLimits, Grammars, Vocabulary
 from services.inference.lora.registry import AdapterTable
 from services.inference.loop import LoopSettings, StepLoop
 from services.inference.memory import MemoryModel
@@ -133,6 +136,8 @@ class Engine:
         self._loop: StepLoop | None = None
         self._runners: dict[str, LlamaRunner] = {}
         self.adapters = AdapterTable()  # LoRA adapters (install_adapters); resolved at submit
+        self.vocabulary: Vocabulary | None = None  # token bytes for stop strings, logprobs and grammars
+        self._grammars: Grammars | None = None
         self._tickets: dict[str, Ticket] = {}
         self._state = "created"  # created -> warm -> serving -> draining -> stopped
 
@@ -207,6 +212,14 @@ class Engine:
                                               fixed_bytes=m.fixed_bytes + table.slots.transient_bytes)
             self._loop.set_memory(self.memory)
 
+    def install_vocabulary(self, vocab: Vocabulary, limits: GrammarLimits = GrammarLimits()) -> None:
+        """Serve stop strings, logprobs' token text and response formats over `vocab` (before start)."""
+        if vocab.size > self._vocab_size:
+            raise InvalidInput(f"the vocabulary has {vocab.size} tokens, the model {self._vocab_size}",
+                               reason="INVALID_CONFIG", metadata={"field": "vocabulary"})
+        self.vocabulary = vocab
+        self._grammars = Grammars(vocab, limits)
+
     async def start(self, thread: TorchThread | None = None) -> None:
         """Start the batching loop, on `thread` when the caller keeps all torch work on one."""
         if self._state != "warm":
@@ -216,7 +229,12 @@ class Engine:
         self._state = "serving"
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
-        ticket = self._submit(req)
+        matcher = None
+        if req.controls.response_format is not None:  # compiled off the step loop (grammar.py)
+            self._check_serving()
+            check_controls(req.controls)
+            matcher = await self._require_vocabulary().matcher(req.controls.response_format)
+        ticket = self._submit(req, matcher)
         done = False
         try:
             while True:
@@ -272,6 +290,8 @@ class Engine:
         err = NotReady("inference engine shut down before the request finished", reason="SHUTTING_DOWN",
                        retry_after_ms=1000)
         await asyncio.get_running_loop().run_in_executor(None, self._loop.shutdown, err)
+        if self._grammars is not None:
+            self._grammars.close()
         self._state = "stopped"
 
     def _check_serving(self) -> None:
@@ -292,7 +312,13 @@ class Engine:
             self._loop.refused(err)
             raise err
 
-    def _submit(self, req: GenerationRequest) -> Ticket:
+    def _require_vocabulary(self) -> Grammars:
+        if self._grammars is None:
+            raise PreconditionFailed("this engine has no vocabulary for stop strings or response formats",
+                                     reason="VOCABULARY_NOT_LOADED")
+        return self._grammars
+
+    def _submit(self, req: GenerationRequest, matcher=None) -> Ticket:
         self._check_serving()
         cfg = self.config
         validate(req, self._vocab_size, cfg.max_context_tokens, cfg.fault_injection_enabled)
@@ -309,8 +335,12 @@ class Engine:
         slot, adapter = self.adapters.resolve(req.adapter)  # unknown or refused: an error, never the base
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         self._admission.check_fits_ever(req)  # the memory model is fixed after warmup: safe on any thread
+        if req.controls.stop:
+            self._require_vocabulary()
+        controls = None if req.controls == Controls() else RowControls(req.controls, req.prompt_ids,
+                                                                         self.vocabulary, matcher)
         ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue(),
-                        slot=slot, adapter=adapter, blocks=self._admission.blocks(req))
+                        slot=slot, adapter=adapter, blocks=self._admission.blocks(req), controls=controls)
         self._refuse_if_queue_full(ticket)
         self._loop.submit(ticket)
         self._tickets[req.request_id] = ticket

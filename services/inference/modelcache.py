@@ -31,7 +31,8 @@ def convert(out: Path) -> Path:
     model.hf_quantizer = None  # the weights are already dequantized; save plain tensors
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    # The reference tokenizer is kept beside the weights for parity tests only; the tokenizer stage
+    # The reference tokenizer is kept beside the weights for parity tests, and for the inference
+    # stage's grammar vocabulary (grammar.py: llguidance reads tokenizer.json); the tokenizer stage
     # reads the GGUF itself and never uses this.
     # bandit B615 does not apply: local GGUF.
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615

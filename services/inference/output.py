@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import Fatal, NumericalInstability
+from shared.errors import Fatal, KeelError, NumericalInstability
 
 from services.inference.admission import Ticket
 from services.inference.api import Finished, TokenEvent
@@ -64,10 +64,16 @@ class OutputProcessor:
             metadata={"request_id": req.request_id, "fingerprint": req.fingerprint, "step": row.step}), out)
 
     def _advance(self, row: Row, logits: torch.Tensor, policy: Policy, out: Update) -> None:
-        req = row.ticket.req
+        req, ctl = row.ticket.req, row.ticket.controls
+        temperature = clamp_temperature(req.temperature, policy.temperature_cap)
         try:
-            p = pick(logits, clamp_temperature(req.temperature, policy.temperature_cap), req.top_p, req.top_k,
-                     row.ticket.seed, len(req.prompt_ids) + row.generated, policy.logit_clamp)
+            p = pick(logits, temperature, req.top_p, req.top_k, row.ticket.seed, len(req.prompt_ids) + row.generated,
+                     policy.logit_clamp, ctl.scores if ctl is not None else None)
+            logprobs = ctl.logprobs(p.scores, p.token_id, temperature) if ctl is not None else None
+            ends = ctl is not None and ctl.accept(p.token_id)
+        except KeelError as err:  # the row's grammar gave out (its reason says so): this row only
+            self._fail(row, err, out)
+            return
         except Exception as exc:  # a sampling bug fails this row only, never its batch-mates
             log.exception("sampling failed", extra={"request_id": req.request_id, "step": row.step})
             self._fail(row, Fatal(f"sampling failed: {type(exc).__name__}: {exc}", reason="SAMPLING_FAILED",
@@ -81,16 +87,19 @@ class OutputProcessor:
             self._finish(row, "stop", out)
             return
         self.counters.tokens += 1
-        out.events.append((row.ticket, TokenEvent(p.token_id, p.logprob, p.entropy, row.generated - 1)))
-        if row.generated >= req.max_tokens:
+        out.events.append((row.ticket, TokenEvent(p.token_id, p.logprob, p.entropy, row.generated - 1, logprobs)))
+        if ends:  # a stop string or a complete grammar: the token that ended it is part of the answer
+            self._finish(row, "stop", out, streamed=True)
+        elif row.generated >= req.max_tokens:
             self._finish(row, "length", out)
 
-    def _finish(self, row: Row, reason: str, out: Update) -> None:
+    def _finish(self, row: Row, reason: str, out: Update, streamed: bool = False) -> None:
+        """`streamed`: the last token was sent (a "stop" by eos or a stop id is not)."""
         t = row.ticket
         self.counters.completed += 1
         out.ended.append(row)
         out.events.append((t, Finished(
-            reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" else 0), t.seed,
+            reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" and not streamed else 0), t.seed,
             queue_ms=(row.started - t.submitted) * 1000, ttft_ms=(row.first_token_at - t.submitted) * 1000,
             dtype=self.dtype_names[row.runner], breaker_level=row.breaker_level, variant=row.variant,
             adapter=t.adapter)))

@@ -15,6 +15,7 @@ sampling settings.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ class Pick:
     token_id: int
     logprob: float
     entropy: float
+    scores: torch.Tensor  # what the token was drawn from (the logits, or what `shape` made of them)
 
 
 def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
@@ -38,20 +40,24 @@ def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int,
-         clamp: float | None = None) -> Pick:
+         clamp: float | None = None, shape: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Pick:
     """Choose a token from finite float32 logits [V]; temperature 0 means greedy (lowest id on ties).
 
     `position` is the absolute position of the token being drawn (prompt length + its completion index).
+    `shape` (the row's generation controls: penalties, the grammar's mask) turns the clamped logits
+    into the scores the token is drawn from; some may be -inf, never all. logprob and entropy stay
+    those of the model's distribution.
     """
     if clamp is not None:
         logits = logits.clamp(-clamp, clamp)
     logp = torch.log_softmax(logits, dim=-1)
     entropy = float(-(logp.exp() * logp).sum())
+    scores = shape(logits) if shape is not None else logits
     if temperature <= 0.0:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(scores))
     else:
-        token = _sample(logits, temperature, top_p, top_k, seed, position)
-    return Pick(token, float(logp[token]), max(0.0, entropy))
+        token = _sample(scores, temperature, top_p, top_k, seed, position)
+    return Pick(token, float(logp[token]), max(0.0, entropy), scores)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int) -> int:

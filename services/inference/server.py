@@ -13,7 +13,9 @@ from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
 from services.inference import formats, gateprobes
 from services.inference.bootstrap import start_engine
+from services.inference import grammar
 from services.inference.engine import ENGINE_VERSION, Engine
+from services.inference.grammar import Vocabulary
 from services.inference.model import AUTO
 from services.inference.servicer import InferenceServicer
 from services.inference.torchthread import TorchThread
@@ -47,9 +49,11 @@ class InferenceStage:
     async def warmup(self) -> None:
         started = await self.torch.run(start_engine, self.cfg, self.model_sha)
         engine = started.engine
+        engine.install_vocabulary(await asyncio.to_thread(
+            Vocabulary, self.cfg.model_dir / "hf-tokenizer" / "tokenizer.json", self.cfg.engine.eos_token_ids))
         # read on the torch thread (its thread count) before the batching loop takes it over
-        self.servicer.facts = await self.torch.run(warmcache.serving_facts, self.model_sha, started.record.format,
-                                                   ENGINE_VERSION)
+        facts = await self.torch.run(warmcache.serving_facts, self.model_sha, started.record.format, ENGINE_VERSION)
+        self.servicer.facts = {**facts, "grammar": grammar.version()}
         await engine.start(self.torch)
         log.info("engine warm", extra={"memory_model": engine.memory.as_dict(), "format": started.record.format,
                                        "format_reason": started.record.reason, "warm_start": started.warm,

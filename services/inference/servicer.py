@@ -13,8 +13,10 @@ from opentelemetry import trace
 
 from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.inference.controls import TokenLogprobs
 from services.inference.engine import Engine, FaultSpec, Finished, GenerationRequest, TokenEvent
 from shared import errors, tracing
+from shared.controls import controls_of
 
 # Breaker kinds a caller may report (the others the engine sees itself: numerical, oom, timeout).
 REPORTABLE_KINDS = ("output_limit",)
@@ -38,7 +40,12 @@ def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> Ge
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(req.stop_token_ids),
         deadline=deadline, trace_id=tracing.current_trace_id(), fingerprint=req.input_fingerprint, faults=faults,
-        adapter=req.adapter)
+        adapter=req.adapter, controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
+
+
+def logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token=lp.token, token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
+        common_pb2.TopLogprob(token=a.token, token_id=a.token_id, logprob=a.logprob) for a in lp.top])
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -89,7 +96,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     first_ns = time.time_ns()
                 last = now
                 yield inference_pb2.GenerateEvent(token=inference_pb2.Token(
-                    id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index))
+                    id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index,
+                    logprobs=logprobs_pb(ev.logprobs) if ev.logprobs is not None else None))
             elif isinstance(ev, Finished):
                 if ev.dtype != self.engine.variants[ev.variant]:  # run by the breaker's fallback format
                     self._fallbacks.inc()

@@ -6,8 +6,11 @@ matching uses the probe report's normalised text (NFKC, casefolded), so ``ｌｐ
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
+
+import jsonschema
 
 from services.validator.linear import compile_linear
 from services.validator.plugins import OutputContext, Verdict
@@ -131,3 +134,23 @@ class NormalizeWhitespace:
     def process(self, text: str) -> str:
         lines = "\n".join(line.rstrip() for line in text.strip().splitlines())
         return self._blank_runs.sub("\n\n", lines)
+
+
+class JsonSchemaOutput:
+    """Fails ("format_error") unless the output is JSON that validates against the JSON Schema the
+    request constrained its answer to (draft 2020-12); passes when the request had none."""
+
+    def validate(self, output: str, context: OutputContext) -> Verdict | None:
+        if not context.json_schema:
+            return None
+        try:
+            schema = json.loads(context.json_schema)
+            jsonschema.validate(json.loads(output), schema, cls=jsonschema.Draft202012Validator)
+        except json.JSONDecodeError as exc:
+            return Verdict(f"format_error: not JSON: {exc.msg} at {exc.pos}", details={"error": "format_error"})
+        except jsonschema.ValidationError as exc:
+            return Verdict(f"format_error: {exc.message[:200]}", details={"error": "format_error"})
+        except jsonschema.SchemaError as exc:
+            return Verdict(f"format_error: the schema is invalid: {exc.message[:200]}",
+                           details={"error": "format_error"})
+        return None

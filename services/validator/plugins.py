@@ -31,7 +31,7 @@ class OutputContext:
     """What a validator may know about the request besides the output text.
 
     The caller sets domain, trace_id, token_entropies (one entropy in nats per generated token,
-    from inference), prompt and source; the pipeline adds ``probes`` (the
+    from inference), prompt, source and json_schema; the pipeline adds ``probes`` (the
     :class:`~services.validator.probes.ProbeReport` of this output) before validators run.
     """
 
@@ -40,6 +40,7 @@ class OutputContext:
     token_entropies: Sequence[float] = ()
     prompt: str = ""
     source: str = ""
+    json_schema: str = ""  # the JSON Schema the request constrained its answer to ("" = none)
     probes: Any = None
 
 

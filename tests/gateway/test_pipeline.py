@@ -11,7 +11,7 @@ import pytest
 
 from keel.common.v1 import common_pb2
 from services.gateway.contract import Ask, Limits, check_ask
-from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Step, deadline_from
+from services.gateway.pipeline import Call, Delta, Done, Encoded, Pipeline, Step, deadline_from
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from shared import errors
@@ -168,7 +168,7 @@ async def test_a_passed_output_reports_nothing_and_a_failed_report_never_reaches
 
 async def stream(up) -> tuple[list[str], object]:
     items = [x async for x in pipeline(up).stream(ask(), Call(1e12, "t" * 32))]
-    return [x for x in items if isinstance(x, str)], items[-1]
+    return [x.text for x in items if isinstance(x, Delta)], items[-1]
 
 
 @pytest.mark.asyncio
@@ -229,7 +229,7 @@ async def test_stream_failure_after_tokens_ends_the_call_with_its_status():
             got.append(x)
     assert exc.value.reason == "NOT_SERVING"
     assert up.calls.count("generate") == 1  # tokens were out: no retry that would repeat text
-    assert up.decoded == [(5,)] and got == ["e"]
+    assert up.decoded == [(5,)] and [d.text for d in got] == ["e"]
     assert up.closed == 1  # the unfinished decode stream is cancelled
 
 

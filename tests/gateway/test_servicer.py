@@ -6,7 +6,7 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Limits, check_ask
-from services.gateway.pipeline import Answer
+from services.gateway.pipeline import Answer, Delta
 from services.gateway.recording import FeedbackDisabled
 from services.gateway.servicer import GatewayServicer, to_ask, to_response
 from shared import errors
@@ -77,7 +77,7 @@ class Context:
 
 @pytest.mark.asyncio
 async def test_stream_sends_deltas_then_the_summary():
-    pipeline = ScriptedPipeline(["Par", "is", Answer(text="Paris", finish_reason="stop")])
+    pipeline = ScriptedPipeline([Delta("Par"), Delta("is"), Answer(text="Paris", finish_reason="stop")])
     servicer = GatewayServicer(pipeline, LIMITS, FeedbackDisabled())
     events = [e async for e in servicer.GenerateStream(gateway_pb2.GenerateRequest(prompt="capital?"), Context())]
     assert [e.WhichOneof("event") for e in events] == ["delta", "delta", "done"]

@@ -9,6 +9,7 @@
 """
 from keel_client import errors
 from keel_client.client import AsyncClient, AsyncStream, Client, Stream
-from keel_client.types import Answer, Delta, Verdict
+from keel_client.types import Alternative, Answer, Delta, TokenLogprob, Verdict
 
-__all__ = ["Answer", "AsyncClient", "AsyncStream", "Client", "Delta", "Stream", "Verdict", "errors"]
+__all__ = ["Alternative", "Answer", "AsyncClient", "AsyncStream", "Client", "Delta", "Stream", "TokenLogprob", "Verdict",
+           "errors"]

@@ -1,0 +1,94 @@
+"""Cost of the generation controls per decode step, as ratios against plain rows in the same run.
+
+    .venv/bin/python bench/bench_controls.py [--rounds 3] [--tokens 24] [--batch 16] [--tiny]
+
+Each round runs the same batch of `--batch` requests (greedy, different prompts, eos off) three
+ways, in turn: plain; every row constrained by a JSON Schema (llguidance computes each row's mask
+in the step); every row with repetition/frequency/presence penalties and logprobs with 5
+alternatives. The decode step time of a run is the time from the batch's second token to its last,
+over the steps between (the prefill is left out). Ratios are of the medians over rounds. The
+schema's string needs more tokens than the run generates, so no constrained row ends early.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from services.inference.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
+from services.inference.grammar import Vocabulary, version
+from services.inference.model import load_model, tiny_model
+from shared.controls import Controls, ResponseFormat
+
+MODEL = Path("var/model")
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "minLength": 400},
+                                           "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+          "required": ["title", "year"], "additionalProperties": False}
+KINDS = {
+    "plain": Controls(),
+    "json_schema": Controls(response_format=ResponseFormat("json_schema", json.dumps(SCHEMA))),
+    "penalties+logprobs": Controls(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
+                                   logprobs=True, top_logprobs=5),
+}
+
+
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
+
+
+async def step_ms(engine: Engine, controls: Controls, batch: int, tokens: int, round_: int) -> float:
+    """Mean decode step (ms) of one batch run: second token to last, over the steps between."""
+    stamps: dict[int, float] = {}
+
+    async def one(i: int) -> None:
+        req = GenerationRequest(request_id=f"r{round_}-{i}-{id(controls)}", prompt_ids=[1 + (i * 7919 + j * 104729)
+                                                                                        % 40000 for j in range(24)],
+                                max_tokens=tokens, controls=controls)
+        async for ev in engine.generate(req):
+            if isinstance(ev, TokenEvent) and ev.index == 1:
+                stamps.setdefault(1, time.perf_counter())            # the first row's second token
+            elif isinstance(ev, TokenEvent) and ev.index == tokens - 1:
+                stamps[tokens - 1] = time.perf_counter()             # the last row's last token
+    await asyncio.gather(*(one(i) for i in range(batch)))
+    return (stamps[tokens - 1] - stamps[1]) / (tokens - 2) * 1e3
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model (same vocabulary size)")
+    args = ap.parse_args()
+    model = tiny_model() if args.tiny else load_model(MODEL, "float32", "cpu")
+    engine = Engine(model, EngineConfig(memory_budget_bytes=8 * 2 ** 30, max_batch_size=args.batch, eos_token_ids=(),
+                                        max_queued_requests=1024, queue_timeout_ms=10 ** 7))
+    engine.warmup()
+    engine.install_vocabulary(Vocabulary(MODEL / "hf-tokenizer" / "tokenizer.json", (2,)))
+    await engine.start()
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    for r in range(args.rounds + 1):  # round 0 warms up (and compiles the schema once)
+        for name, controls in KINDS.items():
+            ms = await step_ms(engine, controls, args.batch, args.tokens, r)
+            if r:
+                times[name].append(ms)
+    await engine.stop(grace_s=1)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"model {'tiny' if args.tiny else MODEL}, batch {args.batch}, {args.tokens} tokens, {args.rounds} rounds, "
+          f"torch threads {torch.get_num_threads()}, {version()}")
+    for name, ms in med.items():
+        print(f"  {name:<20} decode step median {ms:8.2f} ms  (rounds: {', '.join(f'{x:.2f}' for x in times[name])})"
+              f"  ratio {ms / med['plain']:.3f}")
+    print(f"cpu flags: {cpu_flags()}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,152 @@
+"""Constrained decoding with llguidance: the vocabulary's token bytes, and grammars compiled off the
+step loop.
+
+llguidance (Microsoft's guidance engine; a Rust wheel with no Python dependencies) turns a JSON
+Schema, a regex or a Lark grammar into an Earley parser over a lazy lexer, and computes the mask
+of the tokens allowed next for one row in microseconds (docs/generation.md has the measurement
+against outlines-core, and why xgrammar was not taken). Its parser limits bound the work of every
+mask ("fuel"), so a hostile document makes that row fail with a reason, never a step that stalls.
+
+`Grammars.matcher(fmt)` compiles on a worker thread (the constructor releases the GIL), waits at
+most `compile_timeout_s`, and caches the compiled matcher by the document's sha256 (LRU); each
+request gets a deep copy. The end-of-text token is in a mask only where the grammar is complete.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import numpy as np
+
+from shared.controls import ResponseFormat
+from shared.errors import InvalidInput
+
+ENGINE_NAME = "llguidance"
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    compile_timeout_s: float = 2.0       # compiling one document (RESPONSE_FORMAT_TOO_COMPLEX past it)
+    cache_entries: int = 256             # compiled documents kept, least recently used dropped
+    step_lexer_fuel: int = 100_000       # llguidance's per-mask lexer budget (~14k/ms)
+    step_max_items: int = 20_000         # llguidance's per-mask Earley item budget (~20k/ms)
+    workers: int = 1                     # compile threads
+
+
+class Vocabulary:
+    """The model's tokens as bytes (special tokens as b"": the gateway's text skips them) and the
+    llguidance tokenizer over them, from the tokenizer.json the model directory ships."""
+
+    def __init__(self, tokenizer_json: Path, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json.read_text(encoding="utf-8"),
+                                                eos_token=list(eos_token_ids) or None)
+        n = self.tokenizer.vocab_size
+        self.size = n
+        self.token_bytes: tuple[bytes, ...] = tuple(
+            b"" if self.tokenizer.is_special_token(i) else self.tokenizer.decode_bytes([i]) for i in range(n))
+
+    def text(self, token_id: int) -> str:
+        """A token's text as logprobs show it (special tokens literally; broken UTF-8 as U+FFFD)."""
+        if not 0 <= token_id < self.size:
+            return ""
+        return self.tokenizer.decode_bytes([token_id]).decode("utf-8", "replace")
+
+
+def version() -> str:
+    """The grammar engine's name and version, part of the serving engine's facts (Finished.engine)."""
+    return f"{ENGINE_NAME}=={llguidance.__version__}"
+
+
+def _grammar(fmt: ResponseFormat) -> str:
+    if fmt.kind == "json_schema":
+        # Compact JSON (no free whitespace between tokens): what a client parses is the same, and
+        # a model cannot spend its max_tokens on indentation.
+        return llguidance.LLMatcher.grammar_from_json_schema(fmt.document, overrides={"whitespace_flexible": False})
+    if fmt.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(fmt.document)
+    # Lark string literals take JSON's escapes, so json.dumps quotes any choice exactly.
+    return llguidance.LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in fmt.choices))
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A document that could not be turned into a grammar, cached like a matcher in error."""
+
+    error: str
+
+    def is_error(self) -> bool:
+        return True
+
+    def get_error(self) -> str:
+        return self.error
+
+
+class Grammars:
+    """Compiled grammars for one vocabulary; `matcher` is called on the asyncio side, never the loop."""
+
+    def __init__(self, vocab: Vocabulary, limits: GrammarLimits = GrammarLimits()):
+        self.vocab = vocab
+        self.limits = limits
+        self._parser_limits = llguidance.LLParserLimits(step_lexer_fuel=limits.step_lexer_fuel,
+                                                        step_max_items=limits.step_max_items)
+        self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="keel-grammar")
+        self._cache: OrderedDict[str, llguidance.LLMatcher | _Refused] = OrderedDict()
+        self._compiling: dict[str, asyncio.Future] = {}
+
+    def _compile(self, fmt: ResponseFormat) -> llguidance.LLMatcher | _Refused:
+        try:
+            grammar = _grammar(fmt)
+        except ValueError as exc:  # the JSON Schema document is not JSON (or not an object)
+            return _Refused(str(exc))
+        return llguidance.LLMatcher(self.vocab.tokenizer, grammar, log_level=0, limits=self._parser_limits)
+
+    async def matcher(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `fmt`'s grammar; InvalidInput when it does not compile."""
+        key = fmt.digest
+        field = f"response_format.{fmt.kind}"
+        template = self._cache.get(key)
+        if template is None:
+            pending = self._compiling.get(key)
+            if pending is None:
+                pending = asyncio.wrap_future(self._pool.submit(self._compile, fmt))
+                self._compiling[key] = pending
+                pending.add_done_callback(lambda done: self._compiled(key, done))
+            try:
+                template = await asyncio.wait_for(asyncio.shield(pending), self.limits.compile_timeout_s)
+            except TimeoutError:
+                raise InvalidInput(f"{field} did not compile within {self.limits.compile_timeout_s} s",
+                                   reason="RESPONSE_FORMAT_TOO_COMPLEX", metadata={"field": field}) from None
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        if template.is_error():
+            raise InvalidInput(f"{field} does not compile: {template.get_error()[:300]}",
+                               reason="RESPONSE_FORMAT_INVALID", metadata={"field": field})
+        return template.deep_copy()
+
+    def _compiled(self, key: str, done: asyncio.Future) -> None:
+        """Cache a finished compile, even one every waiter gave up on (a document that fails is kept
+        too: refused again at no cost)."""
+        self._compiling.pop(key, None)
+        if done.cancelled() or done.exception() is not None:
+            return
+        self._cache[key] = done.result()
+        while len(self._cache) > self.limits.cache_entries:
+            self._cache.popitem(last=False)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def allowed(matcher: llguidance.LLMatcher, vocab_size: int) -> np.ndarray:
+    """The matcher's mask as bool [vocab_size] (ids beyond its vocabulary are never allowed)."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    out = np.zeros(vocab_size, dtype=bool)
+    n = min(vocab_size, bits.size)
+    out[:n] = bits[:n].astype(bool)
+    return out

@@ -1,0 +1,145 @@
+"""Generation controls beyond max_tokens/temperature/top_p/top_k/seed: their domain shape, their
+limits and the one check of them (docs/generation.md). The gateway holds clients to it; the
+inference engine runs the same check on what it is handed, so an in-process caller cannot slip a
+NaN penalty into a batch either.
+
+Reasons: STOP_INVALID, REPETITION_PENALTY_OUT_OF_RANGE, FREQUENCY_PENALTY_OUT_OF_RANGE,
+PRESENCE_PENALTY_OUT_OF_RANGE, TOP_LOGPROBS_OUT_OF_RANGE, TOP_LOGPROBS_WITHOUT_LOGPROBS,
+CHOICE_INVALID, RESPONSE_FORMAT_TOO_LARGE (each with metadata `field`). Whether a JSON Schema or
+a regex compiles is the inference stage's to say (services/inference/grammar.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from keel.common.v1 import common_pb2
+from shared.errors import InvalidInput
+
+MAX_STOPS = 4
+MAX_STOP_BYTES = 64
+MAX_REPETITION_PENALTY = 2.0
+MAX_ABS_PENALTY = 2.0          # frequency and presence penalties: -2..2
+MAX_TOP_LOGPROBS = 5
+MAX_CHOICES = 64
+MAX_FORMAT_BYTES = 16384       # a JSON Schema or regex document, or all choices together (UTF-8)
+FORMAT_KINDS = ("json_schema", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the answer must conform to: a JSON Schema document, a regex, or one of some strings."""
+
+    kind: str                        # one of FORMAT_KINDS
+    document: str = ""               # json_schema or regex
+    choices: tuple[str, ...] = ()    # choice
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the kind and the document: the compiled grammar's cache key."""
+        body = json.dumps([self.kind, self.document, list(self.choices)], ensure_ascii=False)
+        return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Controls:
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0  # 1 = off (the proto's 0 means unset and becomes 1)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: ResponseFormat | None = None
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def repetition_penalty_of(value: float) -> float:
+    """The proto's unset 0 is off, which is 1 in Hugging Face's terms."""
+    return 1.0 if value == 0.0 else value
+
+
+def check_controls(c: Controls) -> None:
+    """Raise InvalidInput with the rule's reason (metadata `field`) unless every control is in range."""
+    def bad(message: str, reason: str, field: str) -> InvalidInput:
+        return InvalidInput(message, reason=reason, metadata={"field": field})
+
+    if len(c.stop) > MAX_STOPS:
+        raise bad(f"at most {MAX_STOPS} stop strings, got {len(c.stop)}", "STOP_INVALID", "sampling.stop")
+    for s in c.stop:
+        if not isinstance(s, str) or not 1 <= len(s.encode("utf-8", "surrogatepass")) <= MAX_STOP_BYTES:
+            raise bad(f"each stop string must be 1..{MAX_STOP_BYTES} UTF-8 bytes", "STOP_INVALID", "sampling.stop")
+    if not _number(c.repetition_penalty) or not 0.0 < c.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (0 or 1 = off)",
+                  "REPETITION_PENALTY_OUT_OF_RANGE", "sampling.repetition_penalty")
+    if not _penalty(c.frequency_penalty):
+        raise bad(f"frequency_penalty must be in -{MAX_ABS_PENALTY}..{MAX_ABS_PENALTY}",
+                  "FREQUENCY_PENALTY_OUT_OF_RANGE", "sampling.frequency_penalty")
+    if not _penalty(c.presence_penalty):
+        raise bad(f"presence_penalty must be in -{MAX_ABS_PENALTY}..{MAX_ABS_PENALTY}",
+                  "PRESENCE_PENALTY_OUT_OF_RANGE", "sampling.presence_penalty")
+    if isinstance(c.top_logprobs, bool) or not isinstance(c.top_logprobs, int) \
+            or not 0 <= c.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", "TOP_LOGPROBS_OUT_OF_RANGE",
+                  "sampling.top_logprobs")
+    if c.top_logprobs and not c.logprobs:
+        raise bad("top_logprobs needs logprobs set", "TOP_LOGPROBS_WITHOUT_LOGPROBS", "sampling.top_logprobs")
+    if c.response_format is not None:
+        _check_format(c.response_format, bad)
+
+
+def _check_format(f: ResponseFormat, bad) -> None:
+    field = f"response_format.{f.kind}"
+    if f.kind == "choice":
+        if not 1 <= len(f.choices) <= MAX_CHOICES or not all(isinstance(v, str) and v for v in f.choices):
+            raise bad(f"choice needs 1..{MAX_CHOICES} non-empty strings", "CHOICE_INVALID", field)
+        size = sum(len(v.encode("utf-8", "surrogatepass")) for v in f.choices)
+    else:
+        size = len(f.document.encode("utf-8", "surrogatepass"))
+    if size > MAX_FORMAT_BYTES:
+        raise bad(f"{field} is {size} bytes, the limit is {MAX_FORMAT_BYTES}", "RESPONSE_FORMAT_TOO_LARGE", field)
+
+
+def _penalty(x) -> bool:
+    return _number(x) and -MAX_ABS_PENALTY <= x <= MAX_ABS_PENALTY
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def controls_of(s: common_pb2.SamplingParams, fmt: common_pb2.ResponseFormat | None) -> Controls:
+    """The controls of a request's sampling parameters and response format (None: unset)."""
+    return Controls(stop=tuple(s.stop), repetition_penalty=repetition_penalty_of(s.repetition_penalty),
+                    frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                    logprobs=s.logprobs, top_logprobs=s.top_logprobs, response_format=format_of(fmt))
+
+
+def format_of(fmt: common_pb2.ResponseFormat | None) -> ResponseFormat | None:
+    which = fmt.WhichOneof("format") if fmt is not None else None
+    if which is None:
+        return None
+    if which == "choice":
+        return ResponseFormat("choice", choices=tuple(fmt.choice.values))
+    return ResponseFormat(which, document=getattr(fmt, which))
+
+
+def fill_sampling(c: Controls, s: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """Set the controls' fields of `s` (the other sampling fields are the caller's); returns `s`."""
+    s.stop.extend(c.stop)
+    s.repetition_penalty = 0.0 if c.repetition_penalty == 1.0 else c.repetition_penalty
+    s.frequency_penalty, s.presence_penalty = c.frequency_penalty, c.presence_penalty
+    s.logprobs, s.top_logprobs = c.logprobs, c.top_logprobs
+    return s
+
+
+def format_pb(fmt: ResponseFormat | None) -> common_pb2.ResponseFormat | None:
+    if fmt is None:
+        return None
+    if fmt.kind == "choice":
+        return common_pb2.ResponseFormat(choice=common_pb2.Choices(values=fmt.choices))
+    return common_pb2.ResponseFormat(**{fmt.kind: fmt.document})
