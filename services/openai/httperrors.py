@@ -1,6 +1,8 @@
 """A Keel error as an HTTP status and OpenAI's error object: ``{"error": {message, type, param, code}}``
 with Keel's reason as ``code``; the retry hint as ``Retry-After`` (whole seconds, rounded up) and
-``retry-after-ms`` (which the OpenAI SDKs read first). The table is in docs/openai.md."""
+``retry-after-ms`` (which the OpenAI SDKs read first); ``x-should-retry`` (which the SDKs obey
+before their own per-status rule) says whether Keel's error class may be retried at all, so a
+refused adapter (409) or non-finite logits (500) are not sent again. The table is in docs/openai.md."""
 from __future__ import annotations
 
 import math
@@ -54,6 +56,7 @@ def error_body(err: errors.KeelError) -> dict:
 
 def headers(err: errors.KeelError, trace_id: str) -> dict[str, str]:
     out = {"x-keel-trace-id": trace_id} if trace_id else {}
+    out["x-should-retry"] = "true" if isinstance(err, errors.Recoverable) else "false"
     if err.retry_after_ms is not None:
         out["retry-after"] = str(max(1, math.ceil(err.retry_after_ms / 1000)))
         out["retry-after-ms"] = str(err.retry_after_ms)

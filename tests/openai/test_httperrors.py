@@ -31,9 +31,20 @@ def test_status_by_class_and_reason(err, status):
 def test_retry_after_is_whole_seconds_rounded_up_and_exact_in_ms():
     err = errors.Overloaded("slow down", reason="RATE_LIMITED", retry_after_ms=1500)
     assert httperrors.headers(err, "ab" * 16) == {"x-keel-trace-id": "ab" * 16, "retry-after": "2",
-                                                   "retry-after-ms": "1500"}
+                                                   "retry-after-ms": "1500", "x-should-retry": "true"}
     assert httperrors.headers(errors.NotReady("x", retry_after_ms=10), "")["retry-after"] == "1"
-    assert httperrors.headers(errors.InvalidInput("x"), "") == {}
+    assert httperrors.headers(errors.InvalidInput("x"), "") == {"x-should-retry": "false"}
+
+
+@pytest.mark.parametrize("err,retry", [
+    (errors.PreconditionFailed("x", reason="ADAPTER_REFUSED"), "false"),
+    (errors.NumericalInstability("x", reason="NON_FINITE_LOGITS"), "false"),
+    (errors.Fatal("x"), "false"),
+    (errors.DeadlineExpired("x"), "true"),
+    (errors.NotReady("x", reason="NO_HEALTHY_UPSTREAM", retry_after_ms=100), "true"),
+])
+def test_only_recoverable_errors_invite_the_sdks_retry(err, retry):
+    assert httperrors.headers(err, "")["x-should-retry"] == retry
 
 
 @pytest.mark.parametrize("err,param", [
