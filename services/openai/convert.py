@@ -38,7 +38,7 @@ def _max_tokens(value: int | None, param: str) -> int:
 
 
 def sampling(body: Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is served")
     s = common_pb2.SamplingParams(
         max_tokens=max_tokens,
@@ -71,7 +71,7 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(
         chat=gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
             role=ROLE_ALIASES.get(m.role, m.role), content=m.text) for m in body.messages]),
-        sampling=sampling(body, limit, body.logprobs, body.top_logprobs or 0), adapter=adapter_of(body.model))
+        sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0), adapter=adapter_of(body.model))
     rf = response_format(body)
     if rf is not None:
         req.response_format.CopyFrom(rf)

@@ -82,9 +82,10 @@ class Sampling(Strict):
     stop: list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    stream: bool = False
+    # null is accepted wherever OpenAI's own API accepts it, and means the default
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = None
     user: str | None = None  # accepted for compatibility; Keel identifies callers by API key
 
     @field_validator("stop", mode="before")
@@ -96,7 +97,7 @@ class Sampling(Strict):
 class ChatBody(Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
 
@@ -105,7 +106,7 @@ class CompletionBody(Sampling):
     prompt: list[str]
     # OpenAI's legacy form: the number of alternatives per position (0 = the tokens' own only).
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -43,6 +43,11 @@ def test_absent_fields_take_openai_defaults_and_the_gateway_default_length():
     assert not s.logprobs and s.top_logprobs == 0
 
 
+def test_null_means_the_default():
+    s = chat(temperature=None, stop=None, n=None, logprobs=None, stream=None, max_tokens=None).sampling
+    assert (s.temperature, list(s.stop), s.logprobs, s.max_tokens) == (1.0, [], False, 0)
+
+
 def test_a_single_stop_string_and_max_completion_tokens():
     req = chat(stop="###", max_completion_tokens=9)
     assert list(req.sampling.stop) == ["###"] and req.sampling.max_tokens == 9
