@@ -11,6 +11,7 @@ cancels the gateway call, which cancels the generation in the inference stage.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator
@@ -63,6 +64,12 @@ def deadline_s(request: Request) -> float | None:
         raise errors.InvalidInput(f"{DEADLINE_HEADER} must be a positive integer (milliseconds)",
                                   reason="INVALID_HEADER", metadata={"field": DEADLINE_HEADER})
     return int(raw) / 1000
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body is read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def translate(exc: grpc.aio.AioRpcError) -> errors.KeelError:
@@ -139,11 +146,27 @@ class Api:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await self._stream(req, md, timeout, chat, logprobs, include_usage)
         try:
-            resp = await self.gateway.stub().Generate(req, metadata=md, timeout=timeout)
+            resp = await self._unary(request, self.gateway.stub().Generate(req, metadata=md, timeout=timeout))
         except grpc.aio.AioRpcError as exc:
             return error_response(translate(exc))
+        except errors.Cancelled as err:
+            return error_response(err)
         reply = convert.Reply.start(chat, resp.trace_id)
         return JSONResponse(convert.answer(reply, resp, logprobs), headers={TRACE_ID_KEY: resp.trace_id})
+
+    @staticmethod
+    async def _unary(request: Request, call):
+        """The call's answer; a client that goes away first cancels it (so its generation stops)."""
+        answer = asyncio.ensure_future(call)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():
+            call.cancel()
+            raise errors.Cancelled("the client went away", reason="CANCELLED")
+        return answer.result()
 
     async def _stream(self, req: gateway_pb2.GenerateRequest, md, timeout: float | None, chat: bool,
                       logprobs: bool, include_usage: bool) -> Response:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from concurrent import futures
 from pathlib import Path
@@ -40,6 +43,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def __init__(self):
         self.requests: list[gateway_pb2.GenerateRequest] = []
         self.metadata: list[dict] = []
+        self.cancelled = threading.Event()  # a "hang" call that its caller cancelled
 
     def _seen(self, request, context):
         self.requests.append(request)
@@ -54,6 +58,10 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def Generate(self, request, context):
         self._seen(request, context)
+        if request.chat.messages and request.chat.messages[-1].content == "hang":
+            context.add_callback(self.cancelled.set)
+            while context.is_active():
+                time.sleep(0.05)
         return self._done()
 
     def GenerateStream(self, request, context):
@@ -153,3 +161,17 @@ def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
         list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "fail"}],
                                                  stream=True))
     assert "no inference replica is serving" in str(exc.value)
+
+
+def test_a_client_that_goes_away_cancels_the_unary_gateway_call(stage):
+    url, gateway = stage
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hang"}]}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 20
+        while not (gateway.requests and gateway.requests[-1].chat.messages[-1].content == "hang"):
+            assert time.monotonic() < deadline, "the call never reached the gateway"
+            time.sleep(0.05)
+    assert gateway.cancelled.wait(20)
