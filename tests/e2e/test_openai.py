@@ -214,3 +214,19 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_generation(mesh):
     generated = value(port, tokens)
     time.sleep(2.0)  # the counter is live; a row still generating adds ~10 tokens a second
     assert value(port, tokens) == generated
+
+
+def test_a_client_that_times_out_on_a_unary_answer_frees_the_model(mesh):
+    """The SDK's own timeout closes the connection: the stage cancels its gateway call, the gateway
+    its inference call, and the row leaves the batch."""
+    port = mesh.layout["stages"]["inference"]["metrics_ports"][0]
+    batch = "keel_inference_running_batch_size"
+    cancelled = dict(service="inference", method="Generate", code="CANCELLED")
+    wait_until(lambda: value(port, batch) == 0, 30, "an idle inference stage")
+    cancelled_before = value(port, "keel_requests", **cancelled)
+    impatient = OpenAI(base_url=f"http://{mesh.http}/v1", api_key=DEV_API_KEY, max_retries=0, timeout=8)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=MODEL_ID, messages=LONG, max_tokens=1000)
+    wait_until(lambda: value(port, "keel_requests", **cancelled) == cancelled_before + 1, 30,
+               "the inference call to end as CANCELLED")
+    wait_until(lambda: value(port, batch) == 0, 10, "the row to leave the batch")
