@@ -38,6 +38,7 @@ class StagesLayout:
     validator: StageLayout = field(default_factory=StageLayout)
     feedback: StageLayout = field(default_factory=StageLayout)  # no ports: no feedback stage
     gateway: StageLayout = field(default_factory=StageLayout)
+    openai: StageLayout = field(default_factory=StageLayout)  # no ports: no OpenAI-compatible API
 
 
 @dataclass(frozen=True)

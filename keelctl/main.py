@@ -33,7 +33,7 @@ from pathlib import Path
 from keelctl import health, procs
 from shared.config import ConfigError
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, VAR_DIR, load_layout, read_state
-from shared.stages import SERVICE_NAMES, STAGE_ORDER
+from shared.stages import STAGE_ORDER
 
 DEMO_PROMPT = "What is the capital of France?"
 # Leftover processes get SIGTERM (a stage drains its in-flight calls), then SIGKILL after this long.
@@ -41,7 +41,7 @@ STOP_GRACE_S = 60.0
 
 
 def _targets(layout) -> dict[str, tuple[str, str]]:
-    return {f"{stage}@{t}": (t, SERVICE_NAMES[stage]) for stage in STAGE_ORDER for t in layout.targets(stage)}
+    return {f"{stage}@{t}": (t, health.service_of(stage)) for stage in STAGE_ORDER for t in layout.targets(stage)}
 
 
 def _print_table(layout, statuses: dict[str, str]) -> None:
@@ -52,6 +52,17 @@ def _print_table(layout, statuses: dict[str, str]) -> None:
 
 def _gateway(layout) -> str:
     return layout.targets("gateway")[0]
+
+
+def _entries(layout) -> str:
+    """Where clients connect: the gateway (gRPC), and the OpenAI-compatible HTTP API when it runs."""
+    http = layout.targets("openai")
+    return f"gateway at {_gateway(layout)}" + (f"; OpenAI-compatible HTTP API at {_http_url(http[0])}" if http else "")
+
+
+def _http_url(target: str) -> str:
+    from shared import tls
+    return f"{'https' if tls.mesh_dir() else 'http'}://{target}/v1"
 
 
 def _preflight(layout) -> str | None:
@@ -99,7 +110,7 @@ def cmd_up(args) -> int:
             proc.terminate()  # no half-started mesh left behind
             print(f"keel up failed: {exc}; see {LOG_DIR}")
             return 1
-        print(f"keel is up (supervisor pid {proc.pid}); gateway at {_gateway(layout)}")
+        print(f"keel is up (supervisor pid {proc.pid}); {_entries(layout)}")
         _print_table(layout, statuses)
         return 0
 
@@ -125,7 +136,7 @@ def cmd_up(args) -> int:
             failed.set()
             stop.set()
             return
-        print(f"keel is up; gateway at {_gateway(layout)}", flush=True)
+        print(f"keel is up; {_entries(layout)}", flush=True)
         _print_table(layout, statuses)
         if args.demo:
             from keelctl import ask

@@ -67,6 +67,8 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_u
     if stage == "gateway":
         for up in ("tokenizer", "inference", "validator", "feedback"):
             env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
+    if stage == "openai":
+        env["KEEL_OPENAI_GATEWAY"] = "[" + ", ".join(layout.targets("gateway")) + "]"
     if stage == "validator":
         env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = redis_url
     if stage == "feedback":  # rotation switches variants on every inference replica of the mesh

@@ -285,6 +285,10 @@ REASONS: dict[str, Reason] = {
     "ADAPTER_RECORD_INVALID": Reason(PreconditionFailed, "adapter refused: its keel-adapter.json or files are missing, unreadable or changed since registration"),
     "ADAPTER_EXISTS": Reason(PreconditionFailed, "`keel lora register`: this id@version is registered already"),
     "INVALID_ADAPTER_NAME": Reason(InvalidInput, "an adapter that is not a string, or (`keel lora`) an id or version with characters outside [A-Za-z0-9_.-]"),
+    # The OpenAI-compatible HTTP API (services/openai; docs/openai.md): refusals before any gateway call.
+    "INVALID_BODY": Reason(InvalidInput, "OpenAI API: the body is not a JSON object, or a field is unknown, missing, NaN or of the wrong JSON type; `field` names it", ("field",)),
+    "INVALID_HEADER": Reason(InvalidInput, "OpenAI API: x-keel-deadline-ms is not a positive integer; `field` names the header", ("field",)),
+    "UNSUPPORTED_PARAMETER": Reason(InvalidInput, "OpenAI API: a field's value that Keel does not serve (n other than 1, several prompts, echo, max_tokens and max_completion_tokens that differ); `field` names it", ("field",)),
     # Shared helpers (start-up and tools).
     "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
     "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),

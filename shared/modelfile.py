@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The base model's name: what the OpenAI-compatible API lists and accepts as `model`.
+MODEL_ID = "SmolLM2-135M-Instruct"
+GGUF_NAME = f"{MODEL_ID}.Q4_1.gguf"
 
 
 def gguf_path() -> Path:

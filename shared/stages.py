@@ -17,6 +17,8 @@ SERVICE_NAMES: dict[str, str] = {
     "gateway": gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
 }
 # The order `keel up` starts the stages in: each after the ones it calls.
-STAGE_ORDER = ("validator", "tokenizer", "inference", "feedback", "gateway")
+STAGE_ORDER = ("validator", "tokenizer", "inference", "feedback", "gateway", "openai")
+# Stages that serve HTTP rather than gRPC (no service name; health is their `GET /health`).
+HTTP_STAGES = ("openai",)
 # The stages the gateway calls on the request path (the feedback stage is off it).
 GATEWAY_UPSTREAMS = ("tokenizer", "inference", "validator")

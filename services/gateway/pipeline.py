@@ -111,6 +111,7 @@ class Upstreams(Protocol):
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]: ...
     async def report_failure(self, replica: str, kind: str, cause: str, md: dict) -> None: ...
+    async def list_adapters(self, timeout: float, md: dict) -> list[str]: ...
 
 
 def payload_of(ask: Ask) -> dict:
@@ -196,6 +197,10 @@ class Pipeline:
                                                    inbound_metadata=call.inbound)
         except errors.DeadlineExpired as err:
             raise plain_deadline(err, upstream, method) from err
+
+    async def adapters(self, call: Call) -> list[str]:
+        """The adapters a request may name ("id@version"), through the retry policy like any call."""
+        return await self._call("inference", "ListAdapters", self.up.list_adapters, call)
 
     async def prepare(self, ask: Ask, call: Call) -> Prepared:
         try:

@@ -57,6 +57,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             else:
                 yield gateway_pb2.GenerateStreamResponse(done=to_response(item))
 
+    async def ListModels(self, request, context):
+        return gateway_pb2.ListModelsResponse(adapters=await self.pipeline.adapters(self._call(context)))
+
     async def SubmitFeedback(self, request, context):
         remaining = context.time_remaining()
         item = feedback_pb2.SubmitRequest(

@@ -244,6 +244,12 @@ class MeshUpstreams:
         except grpc.aio.AioRpcError as exc:
             raise client.translate(exc) from None
 
+    async def list_adapters(self, timeout: float, md: dict) -> list[str]:
+        """The adapters one inference replica accepted, as sorted "id@version" names."""
+        resp = await self.pools["inference"].call(
+            timeout, lambda stub, t: stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=t, metadata=_md(md)))
+        return sorted(f"{a.id}@{a.version}" for a in resp.adapters if a.state == "accepted")
+
     async def decode(self, ids: list[int], timeout: float, md: dict) -> str:
         req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)
         resp = await self.pools["tokenizer"].call(

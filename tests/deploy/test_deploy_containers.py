@@ -122,7 +122,7 @@ def test_observability_profile_provisions_prometheus_and_grafana_from_deploy():
     assert "./deploy/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
-    assert published.pop("gateway") == ["50051:50051"]
+    assert published.pop("gateway") == ["50051:50051"] and published.pop("openai") == ["8080:8080"]
     assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports), published
 
 

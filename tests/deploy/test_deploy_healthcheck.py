@@ -83,3 +83,30 @@ def test_command_line_exit_status(health_server):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--service", SERVICE], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--port" in bad.stderr  # argparse: the port is required
+
+
+def test_an_http_stage_is_checked_by_its_health_path():
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_GET(self):
+            self.send_response(Health.status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = str(server.server_address[1])
+    try:
+        assert healthcheck.main(["--port", port, "--http", "/health"]) == 0
+        Health.status = 503
+        assert healthcheck.main(["--port", port, "--http", "/health"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert healthcheck.main(["--port", port, "--http", "/health", "--timeout", "1"]) == 2

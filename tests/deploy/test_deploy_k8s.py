@@ -203,11 +203,11 @@ def test_dev_has_a_throwaway_mesh_token_and_releases_carry_no_credentials(render
         assert refs == {"keel-mesh", "keel-gateway-api-keys"}
 
 
-def test_prod_gateway_is_the_only_load_balancer(rendered):
+def test_prod_load_balancers_are_the_gateway_and_the_http_api_only(rendered):
     for overlay in ("prod", "gpu"):
         lbs = [s["metadata"]["name"] for s in find(rendered[overlay], "Service")
                if s["spec"].get("type") == "LoadBalancer"]
-        assert lbs == ["gateway"]
+        assert sorted(lbs) == ["gateway", "openai"]
     assert all(s["spec"].get("type", "ClusterIP") == "ClusterIP" for s in find(rendered["dev"], "Service"))
 
 
@@ -237,5 +237,5 @@ def test_prometheus_adapter_serves_the_metric_the_hpa_asks_for():
 def test_the_rendered_configmap_is_config_itself(rendered, overlay):
     """One source of truth: the ConfigMap holds the repository's config files byte for byte."""
     (cm,) = [o for o in rendered[overlay] if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("keel-config-")]
-    assert cm["data"] == {f"{s}.yaml": (ROOT / "config" / f"{s}.yaml").read_text() for s in STAGES}
+    assert cm["data"] == {f"{s}.yaml": (ROOT / "config" / f"{s}.yaml").read_text() for s in (*STAGES, "openai")}
     assert cm["metadata"]["namespace"] == "keel"

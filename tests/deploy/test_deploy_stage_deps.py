@@ -1,4 +1,4 @@
-"""Per-stage dependency groups: the gateway, tokenizer, validator and feedback images install the lock without
+"""Per-stage dependency groups: the gateway, tokenizer, validator, feedback and openai images install the lock without
 its 'inference-only' lines (the torch stack), so everything their code imports, and everything
 that needs in turn, must be outside that group; only the inference image adds it."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from tests.deploy.dockerfiles import dockerfile, stages_of
 
 ROOT = Path(__file__).resolve().parents[2]
-LIGHT = ("gateway", "tokenizer", "validator", "feedback")
+LIGHT = ("gateway", "tokenizer", "validator", "feedback", "openai")
 
 
 def _key(name: str) -> str:

@@ -29,12 +29,13 @@ class Mesh:
     def __init__(self, tmp: Path, ports: dict[str, list[int]], redis_port: int, proc: subprocess.Popen):
         self.tmp, self.ports, self.redis_port, self.proc = tmp, ports, redis_port, proc
         self.gateway = f"127.0.0.1:{ports['gateway'][0]}"
+        self.http = f"127.0.0.1:{ports['openai'][0]}"  # the OpenAI-compatible API
 
     def state(self) -> dict:
         return json.loads((self.tmp / "var" / "run" / "keel.json").read_text())
 
     def targets(self) -> dict[str, tuple[str, str]]:
-        return {f"{s}@{p}": (f"127.0.0.1:{p}", SERVICES[s]) for s, ps in self.ports.items() for p in ps}
+        return {f"{s}@{p}": (f"127.0.0.1:{p}", health.service_of(s)) for s, ps in self.ports.items() for p in ps}
 
     def wait_serving(self, timeout_s: float = 240) -> None:
         health.wait_serving(self.targets(), timeout_s, lambda: self.proc.poll() is None)
@@ -57,7 +58,7 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
     ports = {"validator": [free_port() for _ in range(validator_replicas)],
              "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
              "inference": [free_port() for _ in range(inference_replicas)], "feedback": [free_port()],
-             "gateway": [free_port()]}
+             "gateway": [free_port()], "openai": [free_port()]}
     redis_port = free_port()
     layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},
               # two tokenizer workers share each tokenizer port and its mmapped vocabulary
@@ -105,9 +106,23 @@ def stop_mesh(mesh: Mesh) -> None:
             mesh.proc.wait()
 
 
+# A second API key with a rate limit of one request (tests/e2e/test_openai.py: a 429 and its hint).
+THROTTLED_API_KEY = "keel-throttled-key"
+THROTTLED_KEY_HASH = "sha256$c565d56ff980c45d41de6274d3d1005f$506ebf445294c95f80fe59126355dedbc1830f7424fb62dac5557209e26cf4e8"
+
+
+def throttled_key_env() -> dict[str, str]:
+    """Gateway overrides adding the throttled key beside the configured ones."""
+    from services.gateway import config as gateway_config
+    keys = [{"key_id": k.key_id, "key_hash": k.key_hash} for k in gateway_config.load().api_keys]
+    keys.append({"key_id": "throttled", "key_hash": THROTTLED_KEY_HASH})
+    return {"KEEL_GATEWAY_API_KEYS": json.dumps(keys),
+            "KEEL_GATEWAY_RATE_LIMITS__PER_KEY": json.dumps({"throttled": {"rate_per_s": 0.001, "burst": 1}})}
+
+
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory) -> Mesh:
-    m = start_mesh(tmp_path_factory.mktemp("mesh"))
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), extra_env=throttled_key_env())
     yield m
     stop_mesh(m)
 

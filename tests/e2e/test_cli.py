@@ -71,6 +71,9 @@ def test_up_detach_status_down(tmp_path):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"gateway@127.0.0.1:{ports['gateway'][0]}" in up.stdout
+        assert (f"gateway at 127.0.0.1:{ports['gateway'][0]}; OpenAI-compatible HTTP API at "
+                f"http://127.0.0.1:{ports['openai'][0]}/v1") in up.stdout
+        assert f"openai@127.0.0.1:{ports['openai'][0]}" in up.stdout
         assert up.stdout.count("SERVING") == sum(len(p) for p in ports.values())  # every stage replica
         assert run("status").returncode == 0
         down = run("down")

@@ -2,15 +2,19 @@
 stages on mutual TLS: without the mesh's client certificate nobody reaches them, token or not."""
 from __future__ import annotations
 
+import ssl
+
 import grpc
+import openai
 import pytest
 
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from keelctl import certs
-from keelctl.ask import ask
+from keelctl.ask import DEV_API_KEY, ask
 from shared import tls
 from shared.config import ConfigError
 from shared.meshauth import HEADER as MESH_TOKEN_KEY
+from shared.modelfile import MODEL_ID
 from tests.e2e.conftest import start_mesh, stop_mesh
 
 
@@ -78,3 +82,15 @@ def test_cli_names_missing_certificates_instead_of_a_traceback(tmp_path, monkeyp
     monkeypatch.setenv(tls.ENV, str(tmp_path))
     assert main(["ask", "hi"]) == 2
     assert "lacks ca.pem" in capsys.readouterr().err
+
+
+def test_the_http_api_serves_https_with_the_mesh_certificate(tls_mesh):
+    mesh, folder = tls_mesh
+    ctx = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+    client = openai.OpenAI(base_url=f"https://{mesh.http}/v1", api_key=DEV_API_KEY, max_retries=0, timeout=300,
+                           http_client=openai.DefaultHttpxClient(verify=ctx))
+    r = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r.usage.completion_tokens > 0 and len(r.id) == len("chatcmpl-") + 32
+    plain = openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key=DEV_API_KEY, max_retries=0, timeout=30)
+    with pytest.raises(openai.APIConnectionError):
+        plain.models.list()

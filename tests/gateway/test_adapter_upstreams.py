@@ -37,6 +37,13 @@ class Inference(inference_pb2_grpc.InferenceServicer):
             finish_reason="stop", seed=1, adapter="pirate@3" if request.adapter else ""))
 
 
+    async def ListAdapters(self, request, context):
+        return inference_pb2.ListAdaptersResponse(adapters=[
+            inference_pb2.AdapterState(id="pirate", version="3", state="accepted", slot=1),
+            inference_pb2.AdapterState(id="drifted", version="1", state="refused", reason="ADAPTER_DRIFT"),
+            inference_pb2.AdapterState(id="french", version="2", state="accepted", slot=2)])
+
+
 @pytest_asyncio.fixture
 async def replica():
     port = free_port()
@@ -82,3 +89,9 @@ async def test_engine_refusals_arrive_as_sent_and_the_replica_stays_up(replica, 
     assert exc.value.code == cls.code and exc.value.reason == reason
     assert {k: exc.value.metadata[k] for k in metadata} == metadata
     assert (await events(up, "pirate"))[-1].adapter == "pirate@3"  # not marked down: a refusal is not an outage
+
+
+@pytest.mark.asyncio
+async def test_list_adapters_names_the_accepted_ones_sorted(replica):
+    _servicer, up = replica
+    assert await up.list_adapters(30, {}) == ["french@2", "pirate@3"]

@@ -1,0 +1,196 @@
+"""OpenAI JSON <-> the gateway's protobuf messages. Nothing here checks a range the gateway checks:
+a value out of range is sent on as it is, and the gateway's refusal (reason, field) comes back."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2
+from services.openai.schemas import ChatBody, CompletionBody, Sampling, unsupported
+from shared import errors
+from shared.modelfile import MODEL_ID
+
+INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+# OpenAI defaults where a field is absent (Keel's own default temperature is 0, greedy).
+DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0
+# "developer" is OpenAI's newer name for the system turn.
+ROLE_ALIASES = {"developer": "system"}
+
+
+def adapter_of(model: str) -> str:
+    """The gateway's adapter field for an OpenAI ``model``: the base model's name is ""."""
+    return "" if model == MODEL_ID else model
+
+
+def model_of(adapter: str) -> str:
+    return adapter or MODEL_ID
+
+
+def _max_tokens(value: int | None, param: str) -> int:
+    if value is None:
+        return 0  # the gateway's default_max_tokens
+    if value < 1:
+        raise errors.InvalidInput(f"{param} must be a positive integer", reason="MAX_TOKENS_INVALID",
+                                  metadata={"field": param})
+    return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
+
+
+def sampling(body: Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
+    if body.n not in (None, 1):
+        raise unsupported("n", "only n=1 is served")
+    s = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
+        stop=body.stop or (), frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
+        top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)))
+    if body.seed is not None:
+        if body.seed < 0:
+            raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
+        s.seed = min(body.seed, UINT64_MAX)  # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
+    return s
+
+
+def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    schema = {"type": "object"} if rf.type == "json_object" else rf.json_schema.schema_
+    return common_pb2.ResponseFormat(json_schema=json.dumps(schema, ensure_ascii=False))
+
+
+def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise unsupported("max_tokens", "max_tokens and max_completion_tokens differ; send one")
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    limit = _max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens, param)
+    req = gateway_pb2.GenerateRequest(
+        chat=gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
+            role=ROLE_ALIASES.get(m.role, m.role), content=m.text) for m in body.messages]),
+        sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0), adapter=adapter_of(body.model))
+    rf = response_format(body)
+    if rf is not None:
+        req.response_format.CopyFrom(rf)
+    return req
+
+
+def completion_request(body: CompletionBody) -> gateway_pb2.GenerateRequest:
+    if len(body.prompt) != 1:
+        raise unsupported("prompt", "exactly one prompt per request is served")
+    if body.echo:
+        raise unsupported("echo", "echo is not served")
+    logprobs = body.logprobs is not None
+    return gateway_pb2.GenerateRequest(
+        prompt=body.prompt[0], adapter=adapter_of(body.model),
+        sampling=sampling(body, _max_tokens(body.max_tokens, "max_tokens"), logprobs, body.logprobs or 0))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the answer's JSON objects share: which endpoint, the id, the creation time."""
+
+    chat: bool
+    trace_id: str
+    created: int
+
+    @classmethod
+    def start(cls, chat: bool, trace_id: str) -> "Reply":
+        return cls(chat, trace_id, int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.trace_id}"
+
+    def head(self, obj: str, model: str, fingerprint: str | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": model}
+        if fingerprint is not None:
+            out["system_fingerprint"] = fingerprint
+        return out
+
+
+def usage(u: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(items) -> dict:
+    return {"content": [{
+        "token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token),
+        "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": _token_bytes(a.token)}
+                         for a in t.top_logprobs]} for t in items]}
+
+
+def completion_logprobs(items, start: int = 0) -> dict:
+    offsets, at = [], start
+    for t in items:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in items],
+            "text_offset": offsets}
+
+
+def answer(reply: Reply, r: gateway_pb2.GenerateResponse, logprobs: bool) -> dict:
+    """The whole (unary) answer: a chat.completion or a text_completion."""
+    if reply.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                  "logprobs": chat_logprobs(r.logprobs) if logprobs else None, "finish_reason": r.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": r.text, "logprobs": completion_logprobs(r.logprobs) if logprobs else None,
+                  "finish_reason": r.finish_reason}
+        obj = "text_completion"
+    return {**reply.head(obj, model_of(r.adapter), r.system_fingerprint), "choices": [choice], "usage": usage(r.usage)}
+
+
+class StreamShaper:
+    """Gateway stream messages -> OpenAI chunk objects, in order: a chat stream opens with the
+    assistant's role, each delta is one chunk, the summary closes with finish_reason (and the
+    system fingerprint, known only then), then a usage chunk when the client asked for it."""
+
+    def __init__(self, reply: Reply, model: str, logprobs: bool, include_usage: bool):
+        self.reply, self.model, self.logprobs, self.include_usage = reply, model, logprobs, include_usage
+        self._offset = 0
+        self._opened = False
+
+    def _chunk(self, choice: dict, fingerprint: str | None = None, model: str | None = None) -> dict:
+        obj = "chat.completion.chunk" if self.reply.chat else "text_completion"
+        return {**self.reply.head(obj, model or self.model, fingerprint), "choices": [choice]}
+
+    def _choice(self, text: str | None, items, finish: str | None, role: bool = False) -> dict:
+        if self.reply.chat:
+            delta = {} if text is None else {"content": text}
+            if role:
+                delta = {"role": "assistant", **delta}
+            lp = chat_logprobs(items) if self.logprobs and items else None
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        lp = completion_logprobs(items, self._offset) if self.logprobs and items else None
+        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    def opening(self) -> list[dict]:
+        if not self.reply.chat or self._opened:
+            return []
+        self._opened = True
+        return [self._chunk(self._choice("", (), None, role=True))]
+
+    def event(self, ev: gateway_pb2.GenerateStreamResponse) -> list[dict]:
+        out = self.opening()
+        if ev.WhichOneof("event") == "delta":
+            out.append(self._chunk(self._choice(ev.delta, ev.logprobs, None)))
+            self._offset += len(ev.delta)
+            return out
+        done = ev.done
+        model = model_of(done.adapter)
+        out.append(self._chunk(self._choice(None, (), done.finish_reason), done.system_fingerprint, model))
+        if self.include_usage:
+            out.append({**self.reply.head(out[-1]["object"], model, done.system_fingerprint), "choices": [],
+                        "usage": usage(done.usage)})
+        return out

@@ -1,0 +1,143 @@
+"""The OpenAI request bodies Keel accepts, as strict pydantic models: a field of the wrong JSON type
+(no coercion: "16" is not 16, 1 is not true), an unknown field or a NaN/Infinity is refused, and the
+error names the field (``body_error``). Ranges are the gateway's to check (its reasons travel back as
+the error's ``code``); only what has no gRPC form is checked here."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shared import errors
+
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: str
+    # A string, or a list of text parts (joined); other part types are refused.
+    content: list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_as_part(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of text parts")
+        return v
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+class JsonSchemaFormat(Strict):
+    name: str
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # Keel always enforces the schema while decoding
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and allowed only with it")
+        return self
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+def _as_list(v: Any) -> Any:
+    """A string or a list of strings, as a list."""
+    if isinstance(v, str):
+        return [v]
+    if v is not None and not isinstance(v, list):
+        raise ValueError("must be a string or a list of strings")
+    return v
+
+
+class Sampling(Strict):
+    """The fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # null is accepted wherever OpenAI's own API accepts it, and means the default
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None  # accepted for compatibility; Keel identifies callers by API key
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        return _as_list(v)
+
+
+class ChatBody(Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionBody(Sampling):
+    prompt: list[str]
+    # OpenAI's legacy form: the number of alternatives per position (0 = the tokens' own only).
+    logprobs: int | None = None
+    echo: bool | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_as_list(cls, v: Any) -> Any:
+        return _as_list(v)
+
+
+def _param(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "(body)"
+
+
+def body_error(exc: ValidationError) -> errors.InvalidInput:
+    """The first validation error as a 400 naming its field."""
+    e = exc.errors(include_url=False)[0]
+    param = _param(e["loc"])
+    message = f"unknown field '{param}'" if e["type"] == "extra_forbidden" else f"{param}: {e['msg']}"
+    return invalid_body(param, message)
+
+
+def invalid_body(param: str, message: str) -> errors.InvalidInput:
+    return errors.InvalidInput(message, reason="INVALID_BODY", metadata={"field": param})
+
+
+def unsupported(param: str, message: str) -> errors.InvalidInput:
+    return errors.InvalidInput(message, reason="UNSUPPORTED_PARAMETER", metadata={"field": param})
+
+
+def parse(cls: type[Sampling], data: Any) -> Sampling:
+    if not isinstance(data, dict):
+        raise invalid_body("(body)", "the body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise body_error(exc) from None

@@ -1,0 +1,79 @@
+"""The OpenAI-compatible HTTP stage in the deployments, offline: its image (the shared deps stage,
+non-root, port 8080), its compose service (published 8080, HTTP health check, in front of the
+gateway), its Kubernetes Service and probes on the http port, and the NetworkPolicy that opens that
+port, and only that port, to clients outside Keel."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.deploy.dockerfiles import dockerfile, stages_of
+from tests.deploy.k8s_objects import OVERLAYS, ROOT, container, one
+from tests.deploy.test_deploy_containers import compose, dockerfile_problems
+from tests.deploy.test_deploy_k8s_policy import EXTERNAL, allowed, effective_config, image_env, pod
+
+PORT = 8080
+
+
+def test_the_image_runs_the_stage_on_8080_and_shares_the_deps_stage():
+    text = dockerfile("openai")
+    assert dockerfile_problems(text) == []
+    final = stages_of(text)[-1]["body"]
+    words = dict(final)
+    assert words["ENTRYPOINT"] == '["python", "-m", "services.openai"]' and words["EXPOSE"].split() == [str(PORT)]
+    env = " ".join(args for word, args in final if word == "ENV")
+    assert f"KEEL_OPENAI_SERVER__PORT={PORT}" in env and "KEEL_OPENAI_SERVER__HOST=0.0.0.0" in env
+    assert stages_of(text)[0]["body"] == stages_of(dockerfile("gateway"))[0]["body"]
+
+
+def test_compose_publishes_8080_in_front_of_the_gateway():
+    svc = compose()["services"]["openai"]
+    assert svc["build"]["dockerfile"] == "services/openai/Dockerfile" and svc["ports"] == [f"{PORT}:{PORT}"]
+    assert svc["environment"]["KEEL_OPENAI_GATEWAY"] == "[gateway:50051]"
+    assert "KEEL_MESH_TOKEN" not in svc["environment"]  # it calls the gateway with the caller's key only
+    assert sorted(svc["networks"]) == ["edge", "mesh"]
+    assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
+    assert svc["healthcheck"]["test"] == ["CMD", "python", "/app/healthcheck.py", "--port", str(PORT), "--http", "/health"]
+    assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"] and "./config:/app/config:ro" in svc["volumes"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_service_and_probes_use_the_http_port(rendered, overlay):
+    objs = rendered[overlay]
+    (port,) = one(objs, "Service", "openai")["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"], port["appProtocol"]) == ("http", PORT, "http", "http")
+    c = container(one(objs, "Deployment", "openai"))
+    assert c["ports"] == [{"name": "http", "containerPort": PORT}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"port": "http", "path": "/health"}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KEEL_OPENAI_GATEWAY"] == "[gateway:50051]" and "KEEL_MESH_TOKEN" not in env
+    assert env["KEEL_OPENAI_CONFIG"] == "/etc/keel/openai.yaml"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_network_policy_opens_the_http_port_to_clients_and_it_reaches_the_gateway(rendered, overlay):
+    objs = rendered[overlay]
+    assert allowed(objs, "openai", PORT, EXTERNAL)
+    assert not allowed(objs, "openai", 9999, EXTERNAL)
+    assert allowed(objs, "gateway", 50051, pod(objs, "openai"))
+    for stage, port in (("tokenizer", 50052), ("inference", 50053), ("validator", 50054)):
+        assert not allowed(objs, stage, port, EXTERNAL), stage
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pod_config_passes_the_schema(rendered, overlay):
+    objs = rendered[overlay]
+    dep = one(objs, "Deployment", "openai")
+    env = {**image_env("openai"), **{e["name"]: e["value"] for e in container(dep)["env"]}}
+    cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    data = effective_config("openai", one(objs, "ConfigMap", cm_name)["data"]["openai.yaml"], env)
+    assert data["server"]["host"] == "0.0.0.0" and data["server"]["port"] == PORT
+    assert data["gateway"] == ["gateway:50051"]
+
+
+def test_the_compose_config_passes_the_schema():
+    svc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["openai"]
+    env = {**image_env("openai"), **{k: str(v) for k, v in svc["environment"].items()}}
+    data = effective_config("openai", (ROOT / "config" / "openai.yaml").read_text(), env)
+    assert data["server"]["host"] == "0.0.0.0" and data["gateway"] == ["gateway:50051"]

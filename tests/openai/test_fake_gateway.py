@@ -1,0 +1,177 @@
+"""The stage's process against a stand-in gateway (grpc, in this test's process) that answers with
+what the real gateway serves once generation controls are on: the controls arrive in the gRPC
+request, log-probabilities come back in OpenAI's shapes (unary and streamed), the caller's key and
+trace context arrive as metadata, adapters are listed, and a failure after a stream has begun is
+one `error` event in place of `data: [DONE]`."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from openai import OpenAI
+
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl import health
+from shared import errors
+from shared.interceptor import to_status
+from shared.modelfile import MODEL_ID
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+pytestmark = pytest.mark.slow
+
+
+def lp(token: str, value: float, *alts) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token=token, token_id=len(token), logprob=value, top_logprobs=[
+        common_pb2.TopLogprob(token=t, token_id=len(t), logprob=v) for t, v in alts])
+
+
+class Gateway(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self):
+        self.requests: list[gateway_pb2.GenerateRequest] = []
+        self.metadata: list[dict] = []
+        self.cancelled = threading.Event()  # a "hang" call that its caller cancelled
+
+    def _seen(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        context.send_initial_metadata((("x-keel-trace-id", TRACE),))
+
+    def _done(self) -> gateway_pb2.GenerateResponse:
+        return gateway_pb2.GenerateResponse(
+            text="Hello", trace_id=TRACE, finish_reason="stop", system_fingerprint="00112233aabbccdd",
+            adapter="french@2", usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2),
+            logprobs=[lp("Hel", -0.5, ("Hel", -0.5), ("Hi", -1.5)), lp("lo", -0.25)])
+
+    def Generate(self, request, context):
+        self._seen(request, context)
+        if request.chat.messages and request.chat.messages[-1].content == "hang":
+            context.add_callback(self.cancelled.set)
+            while context.is_active():
+                time.sleep(0.05)
+        return self._done()
+
+    def GenerateStream(self, request, context):
+        self._seen(request, context)
+        yield gateway_pb2.GenerateStreamResponse(delta="Hel", logprobs=[lp("Hel", -0.5, ("Hi", -1.5))])
+        yield gateway_pb2.GenerateStreamResponse(delta="lo", logprobs=[lp("lo", -0.25)])
+        if request.chat.messages[-1].content == "fail":
+            code, message, trailers = to_status(errors.NotReady(
+                "no inference replica is serving", reason="NO_HEALTHY_UPSTREAM", retry_after_ms=250), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
+        yield gateway_pb2.GenerateStreamResponse(done=self._done())
+
+    def ListModels(self, request, context):
+        self._seen(request, context)
+        return gateway_pb2.ListModelsResponse(adapters=["french@2", "pirate@3"])
+
+
+@pytest.fixture(scope="module")
+def stage():
+    gateway = Gateway()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    gateway_pb2_grpc.add_GatewayServicer_to_server(gateway, server)
+    gport = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port = free_port()
+    env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{gport}]")
+    env.pop("KEEL_MESH_TLS_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        health.wait_serving({"openai": (f"127.0.0.1:{port}", health.HTTP)}, 60, lambda: proc.poll() is None)
+        yield f"http://127.0.0.1:{port}", gateway
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop(None)
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=30)
+
+
+def test_controls_reach_the_gateway_and_logprobs_come_back(stage):
+    url, gateway = stage
+    raw = client(url).chat.completions.with_raw_response.create(
+        model="french@2", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
+        stop=["\n"], response_format={"type": "json_object"}, seed=5,
+        extra_headers={"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"})
+    r = raw.parse()
+    req, md = gateway.requests[-1], gateway.metadata[-1]
+    assert (req.adapter, req.sampling.logprobs, req.sampling.top_logprobs, list(req.sampling.stop)) == \
+        ("french@2", True, 2, ["\n"])
+    assert json.loads(req.response_format.json_schema) == {"type": "object"} and req.sampling.seed == 5
+    assert md["authorization"] == "Bearer k-123" and md["traceparent"] == f"00-{TRACE}-00f067aa0ba902b7-01"
+    assert raw.headers["x-keel-trace-id"] == TRACE and r.model == "french@2"
+    content = r.choices[0].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [("Hel", -0.5, [72, 101, 108]), ("lo", -0.25, [108, 111])]
+    assert [(a.token, a.logprob) for a in content[0].top_logprobs] == [("Hel", -0.5), ("Hi", -1.5)]
+
+
+def test_completions_logprobs_are_the_legacy_shape(stage):
+    url, gateway = stage
+    r = client(url).completions.create(model=MODEL_ID, prompt="hi", logprobs=1)
+    assert gateway.requests[-1].sampling.top_logprobs == 1 and gateway.requests[-1].adapter == ""
+    assert r.choices[0].logprobs.tokens == ["Hel", "lo"] and r.choices[0].logprobs.text_offset == [0, 3]
+    assert r.choices[0].logprobs.top_logprobs[0] == {"Hel": -0.5, "Hi": -1.5}
+
+
+def test_streamed_logprobs_ride_on_their_deltas(stage):
+    url, _ = stage
+    chunks = list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
+                                                      logprobs=True, stream=True))
+    with_lp = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [[t.token for t in c.choices[0].logprobs.content] for c in with_lp] == [["Hel"], ["lo"]]
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].system_fingerprint == "00112233aabbccdd"
+
+
+def test_models_are_the_base_then_the_gateways_adapters(stage):
+    url, _ = stage
+    assert [m.id for m in client(url).models.list()] == [MODEL_ID, "french@2", "pirate@3"]
+
+
+def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
+    url, _ = stage
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "fail"}], "stream": True})
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as resp:
+        assert resp.status == 200
+        frames = resp.read().decode().split("\n\n")
+    assert frames[-1] == "" and "data: [DONE]" not in frames
+    last = json.loads(frames[-2][len("data: "):])
+    assert last == {"error": {"message": "no inference replica is serving", "type": "service_unavailable_error",
+                              "param": None, "code": "NO_HEALTHY_UPSTREAM"}}
+    with pytest.raises(openai.APIError) as exc:
+        list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "fail"}],
+                                                 stream=True))
+    assert "no inference replica is serving" in str(exc.value)
+
+
+def test_a_client_that_goes_away_cancels_the_unary_gateway_call(stage):
+    url, gateway = stage
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hang"}]}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 20
+        while not (gateway.requests and gateway.requests[-1].chat.messages[-1].content == "hang"):
+            assert time.monotonic() < deadline, "the call never reached the gateway"
+            time.sleep(0.05)
+    assert gateway.cancelled.wait(20)
