@@ -43,7 +43,7 @@ STEP_DECODES = 6
 class FormatsConfig:
     gate: GateThresholds = field(default_factory=GateThresholds)
     force: bool = False  # serve an explicit format even when it failed or never ran the gate
-    auto_candidates: tuple[str, ...] = ("float32", "bfloat16", "int8", "gguf")
+    auto_candidates: tuple[str, ...] = ("float32", "int8", "gguf")
     # engine.dtype auto: a candidate with no stored gate result is gated at start (startgate.py)
     gate_at_start: bool = True
     gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them

@@ -99,7 +99,8 @@ def test_passing_and_reference_formats_are_served(var_dir):
 
 def test_auto_never_picks_a_format_that_fails_or_was_not_gated(var_dir, tiny):
     _store({"int8": (0.01, 0.05, 0.97), "int4": (0.5, 2.0, 0.6)})  # bfloat16: never gated
-    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))
+    cfg = FormatsConfig(auto_candidates=("float32", "bfloat16", "int8", "int4"))
+    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu", model_dir=Path("unused"))
     assert choice.format in ("float32", "int8") and model_dtype(model) == choice.format
     assert "int4 fails the quality gate" in choice.reason and "bfloat16 has no gate result" in choice.reason
     assert "decode pass" in choice.reason  # the eligible ones were timed
@@ -119,7 +120,7 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
     choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))  # no gate results
     assert choice.format == "float32" and model is tiny
     assert choice.reason.startswith("auto: float32 is the only eligible format")
-    assert "bfloat16 has no gate result" in choice.reason
+    assert "int8 has no gate result" in choice.reason
 
 
 def test_auto_with_no_eligible_candidate_stops_the_stage(var_dir, tiny):
