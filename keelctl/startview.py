@@ -20,7 +20,7 @@ from keel.stage.v1 import stage_pb2, stage_pb2_grpc
 from shared import stagestatus, tls
 from shared.logging import ReadableFormatter
 
-REFRESH_S = 0.5  # how often the redrawn block may change
+REFRESH_S = 0.5  # how often the stage statuses are asked for and shown
 
 
 def stage_status(target: str, timeout_s: float = 1.0) -> stagestatus.Status | None:
@@ -64,8 +64,8 @@ class StartView:
         """One poll's health of every process (name -> SERVING/NOT_SERVING/DOWN/...); the stage
         status is asked of those not yet serving."""
         now = time.monotonic()
-        if self.tty and now - self._last_draw < REFRESH_S and not all(v == "SERVING" for v in health.values()):
-            return
+        if now - self._last_draw < REFRESH_S and not all(v == "SERVING" for v in health.values()):
+            return  # the statuses are asked at most every REFRESH_S, the final one always
         self._last_draw = now
         lines, changed = [], []
         for name, st in health.items():
