@@ -9,6 +9,7 @@ default, leaving stdout to the command's results.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -16,6 +17,17 @@ from typing import TextIO
 from tqdm import tqdm
 
 PLAIN_EVERY = 1000  # items between plain lines when the total is unknown
+FALLBACK_COLUMNS = 80  # for a terminal that reports no size (a fresh pty, some CI runners)
+
+
+def _width(out: TextIO) -> dict:
+    """tqdm's width: the terminal's, followed as it changes; a fixed one when it reports 0 columns,
+    where tqdm would draw nothing."""
+    try:
+        columns = os.get_terminal_size(out.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 0
+    return {"dynamic_ncols": True} if columns else {"ncols": FALLBACK_COLUMNS}
 
 
 class Progress:
@@ -26,7 +38,7 @@ class Progress:
         self.tty = self.out.isatty() if tty is None else tty
         self._t0 = time.monotonic()
         self._mark = -1
-        self._bar = tqdm(total=total, desc=desc, file=self.out, unit=unit, dynamic_ncols=True) if self.tty else None
+        self._bar = tqdm(total=total, desc=desc, file=self.out, unit=unit, **_width(self.out)) if self.tty else None
         if self._bar is None:
             self._plain()
 

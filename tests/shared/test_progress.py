@@ -85,6 +85,14 @@ def test_on_a_terminal_it_is_a_tqdm_bar_with_lines_above_it():
     assert "trace-1  identical" in shown and "(100%)" not in shown  # a bar, not the plain lines
 
 
+def test_a_terminal_that_reports_no_size_still_gets_a_bar():
+    master, slave = pty.openpty()  # 0 columns
+    with os.fdopen(slave, "w") as tty:
+        with Progress("replaying", 2, out=tty) as bar:
+            bar.update(2)
+    assert "replaying: 100%" in read_all(master, until=lambda: True)
+
+
 def _etl(tmp_path, *, tty: bool) -> tuple[int, str, str]:
     env = dict(os.environ, KEEL_FEEDBACK_DATABASE__URL=f"sqlite:///{tmp_path / 'f.db'}",
                KEEL_VAR_DIR=str(tmp_path / "var"), COLUMNS="100")
