@@ -9,6 +9,7 @@ never tear the redrawn block.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -107,8 +108,12 @@ class StartView:
     def _redraw(self) -> None:
         if self._drawn:
             self.out.write(f"\x1b[{self._drawn}F")  # to the block's first line
+        try:  # a line wider than the terminal would wrap, and the block's height be miscounted
+            width = os.get_terminal_size(self.out.fileno()).columns - 1
+        except (OSError, ValueError, AttributeError):
+            width = 0
         for line in self._lines:
-            self.out.write("\x1b[2K" + line + "\n")
+            self.out.write("\x1b[2K" + (line[:width] if width > 0 else line) + "\n")
         self.out.write("\x1b[J")
         self._drawn = len(self._lines)
         self.out.flush()

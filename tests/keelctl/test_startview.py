@@ -3,10 +3,13 @@ are redrawn in place and log lines land above them; off a terminal, one plain li
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import io
 import logging
 import os
 import pty
+import struct
+import termios
 import threading
 
 import grpc
@@ -96,6 +99,22 @@ def test_on_a_terminal_the_block_is_redrawn_in_place_with_logs_above(stage, monk
     assert "not for the terminal" not in text
     # the log line comes before the redraw that follows it
     assert text.index("stage exited") < text.rindex("gating int8 20/200") < text.index("gating int8 40/200")
+
+
+def test_on_a_narrow_terminal_each_line_is_cut_to_its_width(stage, monkeypatch):
+    monkeypatch.setattr(startview, "REFRESH_S", 0)
+    board, address = stage
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 40, 0, 0))
+    with os.fdopen(slave, "w") as tty:
+        view = startview.StartView(targets(address), tty)
+        board.phase("gating int8, bfloat16, int4 and a long tail", total=200)
+        view.update({f"inference@{address}": "NOT_SERVING"})
+    shown = b""
+    while chunk := _read(master):
+        shown += chunk
+    drawn = [line for line in shown.decode().split("\r\n") if "inference@" in line]
+    assert drawn and all(len(line.split("\x1b[2K")[-1]) <= 39 for line in drawn)
 
 
 def _read(fd: int) -> bytes:
