@@ -102,6 +102,14 @@ def test_a_held_port_is_named_with_its_holder(host):
     assert [f.status for f in doctor.check_ports(replace(host, layout=layout(port)))] == [OK]
 
 
+def test_the_feedback_webhook_port_is_checked_too(host):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held = doctor.check_ports(replace(host, other_ports={s.getsockname()[1]: "feedback rotation webhook"}))
+    assert [f.status for f in held] == [FAIL] and "(feedback rotation webhook)" in held[0].what
+
+
 def test_the_redis_keel_up_starts_needs_redis_server(host):
     assert doctor.check_redis(host)[0].status == OK
     missing = doctor.check_redis(replace(host, which=lambda name: None))[0]
