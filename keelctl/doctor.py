@@ -94,8 +94,8 @@ def cpu_flags(host: Host) -> set[str]:
 
 
 def check_cpu(host: Host) -> list[Finding]:
-    """One finding per weight format: whether it runs here and what accelerates it; the configured
-    engine.dtype failing to run blocks the start (auto picks among those that run)."""
+    """One finding per weight format: whether it runs here and what accelerates it; only the
+    configured engine.dtype failing to run blocks the start."""
     from services.inference.model import check_dtype
     from shared.errors import InvalidInput
 
@@ -120,13 +120,13 @@ def check_cpu(host: Host) -> list[Finding]:
             fix = (f"install {needs.tool} (apt-get install {needs.tool})" if needs.tool and not host.which(needs.tool)
                    else "choose another engine.dtype (config/inference.yaml) or auto")
             out.append(Finding(f"format {fmt}", FAIL if blocks else WARN,
-                               f"does not run here: {'; '.join(problems)}" + ("" if blocks else
-                                                                             " (auto skips it)"), fix))
+                               f"does not run here: {'; '.join(problems)}" + (
+                                   "" if blocks else " (blocks a start only where engine.dtype names it)"), fix))
         else:
             out.append(Finding(f"format {fmt}", OK, f"runs{': ' + what if what else ''}"))
     if not flags & {"avx2", "avx512f"}:
         out.append(Finding("cpu", WARN, "neither avx2 nor avx512f: every format runs on torch's scalar kernels",
-                           "expect a slow engine; a host with AVX2 or AVX-512 serves several times faster"))
+                           "expect a slow engine; a host with AVX2 or AVX-512 runs torch's vector kernels"))
     return out
 
 
