@@ -184,9 +184,8 @@ def cmd_status(args) -> int:
     targets = _targets(layout)
     statuses = {name: health.status(t, s) for name, (t, s) in targets.items()}
     procs_state = state.get("processes", {})
-    for name, st in statuses.items():  # a process not serving says what it is doing
-        status = None if st == "SERVING" else startview.stage_status(targets[name][0])
-        print(f"  {name:<28} {startview.row(st, status)}")
+    for name, st in statuses.items():  # with what each process says it is doing, unless just serving
+        print(f"  {name:<28} {startview.row(st, startview.stage_status(targets[name][0]))}")
     for name, p in procs_state.items():
         print(f"  {name:<28} pid {p.get('pid')}  restarts {p.get('restarts')}")
     return 0 if all(v == "SERVING" for v in statuses.values()) else 1

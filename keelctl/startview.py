@@ -35,7 +35,8 @@ def stage_status(target: str, timeout_s: float = 1.0) -> stagestatus.Status | No
 
 
 def row(health: str, status: stagestatus.Status | None, width: int = 12) -> str:
-    """The state column: health (padded to `width`), then the phase line while not serving."""
+    """The state column: health (padded to `width`), then the phase line unless the phase is plain
+    "serving" (a serving process may report work of its own, e.g. a gate run in the background)."""
     if status is None or status.phase == "serving":
         return health
     return f"{health:<{width}} {stagestatus.describe(status)}"

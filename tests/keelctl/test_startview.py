@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from keelctl import startview
-from shared.stagestatus import StatusBoard, StatusServicer
+from shared.stagestatus import Status, StatusBoard, StatusServicer
 
 ESC = "\x1b["
 
@@ -127,6 +127,15 @@ def _read(fd: int) -> bytes:
         return b""
 
 
-def test_a_process_that_does_not_answer_shows_its_health_only():
+def test_a_process_that_does_not_answer_or_just_serves_shows_its_health_only():
     assert startview.row("DOWN", None) == "DOWN"
     assert startview.row("SERVING", None) == "SERVING"
+    assert startview.row("SERVING", Status("serving")) == "SERVING"
+
+
+def test_a_serving_process_with_work_of_its_own_shows_it(stage):
+    board, address = stage
+    board.phase("gating int8 in the background", total=200)
+    board.advance(50)
+    shown = startview.row("SERVING", startview.stage_status(address))
+    assert shown.startswith("SERVING ") and "gating int8 in the background 50/200" in shown
