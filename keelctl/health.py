@@ -50,12 +50,15 @@ def status(target: str, service: str = "", timeout_s: float = 1.0) -> str:
 
 
 def wait_serving(targets: dict[str, tuple[str, str]], timeout_s: float,
-                 still_alive=lambda: True) -> dict[str, str]:
-    """Poll every (target, service) until all are SERVING; returns the last status of each."""
+                 still_alive=lambda: True, watch=None) -> dict[str, str]:
+    """Poll every (target, service) until all are SERVING; returns the last status of each.
+    `watch`, when given, gets each poll's statuses (keelctl/startview.py shows them)."""
     deadline = time.monotonic() + timeout_s
     last: dict[str, str] = {}
     while True:
         last = {name: status(t, s) for name, (t, s) in targets.items()}
+        if watch is not None:
+            watch(last)
         if all(v == "SERVING" for v in last.values()):
             return last
         if time.monotonic() > deadline or not still_alive():

@@ -8,7 +8,8 @@
 
 register, verify and drift load the base model from the inference stage's config (model_path) in the
 weight format the stage last served (the registry's base.json; else engine.dtype, float32 for auto)
-and run the probe set through the engine's own runner. Exit status: 0 ok; 1 a refusal, a version that
+and run the probe set through the engine's own runner. An adapter is bound to the weights, not to
+that format (docs/lora.md, "The first adapter on a fresh clone"). Exit status: 0 ok; 1 a refusal, a version that
 needs retraining or significant drift; 2 bad arguments or configuration.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _base(cfg, fmt: str | None):
 
     e = cfg.engine
     fmt = _format(cfg, fmt)
+    print(f"loading the base model ({fmt}) from {cfg.model_dir}", file=sys.stderr, flush=True)
     if e.intra_op_threads is not None:
         torch.set_num_threads(e.intra_op_threads)
     set_deterministic(e.device)
@@ -57,8 +59,9 @@ def _base(cfg, fmt: str | None):
 def cmd_register(cfg, args) -> int:
     from pathlib import Path
 
-    from services.inference.lora.registration import register
+    from services.inference.lora.registration import forward_steps, register
     from services.inference.lora.registry import versions
+    from shared.progress import Progress
 
     src = Path(args.path)
     adapter_id = args.id or src.resolve().name
@@ -66,11 +69,14 @@ def cmd_register(cfg, args) -> int:
     if version is None:  # next integer after the registered numeric versions of this id
         numeric = [int(f.name) for f in versions(cfg.lora.root) if f.parent.name == adapter_id and f.name.isdigit()]
         version = str(max(numeric, default=0) + 1)
-    m = register(src, adapter_id, version, _base(cfg, args.format), cfg.lora,
-                 Path(args.training_data_manifest) if args.training_data_manifest else None)
+    base = _base(cfg, args.format)
+    with Progress(f"{adapter_id}@{version}: probe runs", forward_steps(base), unit="step") as bar:
+        m = register(src, adapter_id, version, base, cfg.lora,
+                     Path(args.training_data_manifest) if args.training_data_manifest else None, bar.update)
     kl = m.kl_vs_base
     print(f"registered {m.name} in {cfg.lora.root / m.id / m.version}")
-    print(f"  base fingerprint {m.base_fingerprint} (format {m.base['format']})")
+    print(f"  base fingerprint {m.base_fingerprint}; golden outputs made in {m.base['format']} "
+          "(another serving format is checked by the drift gate)")
     print(f"  rank {m.rank}, alpha {m.alpha:g}, targets {', '.join(m.targets)}")
     print(f"  golden outputs: {len(m.golden_ids)} probes x {len(m.golden_ids[0])} tokens; "
           f"{kl['direction']} mean {kl['mean']:.4f}, p95 {kl['p95']:.4f}")

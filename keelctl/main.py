@@ -1,8 +1,9 @@
 """The `keel` command: run the mesh and talk to it.
 
-    keel up [--detach] [--demo]   start Redis + every stage, wait for SERVING, print where each listens
+    keel up [--detach] [--demo]   start Redis + every stage, show what each is doing until SERVING
+                                  (keelctl/startview.py), print where each listens
     keel down                     stop the mesh (drains in-flight calls), and any process it left
-    keel status                   health of every process of the running mesh
+    keel status                   health of every process of the running mesh (and what a starting one does)
     keel ask "PROMPT" [--max-tokens N] [--temperature T] [--seed S] [--adapter ID[@VERSION]] [--json]
              [--stop S]... [--json-schema FILE | --regex R | --choice A...] [--logprobs N]
              [--repetition-penalty P] [--frequency-penalty P] [--presence-penalty P]   (docs/generation.md)
@@ -10,7 +11,7 @@
                                   (--format chrome: a Chrome Trace Event file)
     keel tokenize | detokenize    JSON lines on stdin -> stdout, in-process
     keel quarantine list|show|replay|purge ...
-    keel replay TRACE_ID          re-run a recorded request; "identical" or the first differing token
+    keel replay TRACE_ID...       re-run recorded requests; "identical" or the first differing token
     keel verify determinism [--sample N] [--since 24h]   replay a sample of recent requests
     keel feedback submit|list     report a bad answer (through the gateway); list reports
     keel etl run --since 24h --out DIR   severe factual errors -> a reproducible JSONL chat dataset
@@ -18,6 +19,7 @@
     keel rotation status|history|approve ID|dry-run   metric-driven rotation (docs/rotation.md)
     keel certs [--out var/certs]  TLS certificates for the mesh (then KEEL_MESH_TLS_DIR=var/certs keel up)
     keel lora register|list|verify|drift|card ...   LoRA adapters (keelctl/lora.py)
+    keel doctor                   check this host before a first start; says what to fix (keelctl/doctor.py)
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from keelctl import health, procs
+from keelctl import health, procs, startview
 from shared.config import ConfigError
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, VAR_DIR, load_layout, read_state
 from shared.stages import STAGE_ORDER
@@ -104,18 +106,23 @@ def cmd_up(args) -> int:
         with open(LOG_DIR / "supervisor.out", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "keelctl", "up"], cwd=ROOT, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        view = startview.StartView(_targets(layout))
         try:
-            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: proc.poll() is None)
+            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: proc.poll() is None,
+                                           watch=view.update)
         except TimeoutError as exc:
             proc.terminate()  # no half-started mesh left behind
             print(f"keel up failed: {exc}; see {LOG_DIR}")
             return 1
+        view.finish()
         print(f"keel is up (supervisor pid {proc.pid}); {_entries(layout)}")
         _print_table(layout, statuses)
         return 0
 
     setup_logging("supervisor")
-    logging.getLogger().handlers[0].setLevel(logging.WARNING)  # the terminal gets problems only
+    view = startview.StartView(_targets(layout))
+    # The terminal gets problems only, one readable line each; the JSON records go to the log file.
+    logging.getLogger().handlers[:] = [startview.LogHandler(view)]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     fh = logging.FileHandler(LOG_DIR / "supervisor.log")
     fh.setFormatter(JsonFormatter("supervisor"))
@@ -130,12 +137,14 @@ def cmd_up(args) -> int:
 
     def announce() -> None:
         try:
-            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: not stop.is_set())
+            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: not stop.is_set(),
+                                           watch=view.update)
         except TimeoutError as exc:
             print(f"keel up failed: {exc}; see {LOG_DIR}", flush=True)
             failed.set()
             stop.set()
             return
+        view.finish()
         print(f"keel is up; {_entries(layout)}", flush=True)
         _print_table(layout, statuses)
         if args.demo:
@@ -185,10 +194,11 @@ def cmd_status(args) -> int:
         for h in procs.held_ports(layout_ports(layout)):
             print(f"  port {h.port} ({h.what}) is held by pid {h.pid}, not managed by a supervisor")
         return 1
-    statuses = {name: health.status(t, s) for name, (t, s) in _targets(layout).items()}
+    targets = _targets(layout)
+    statuses = {name: health.status(t, s) for name, (t, s) in targets.items()}
     procs_state = state.get("processes", {})
-    for name, st in statuses.items():
-        print(f"  {name:<28} {st}")
+    for name, st in statuses.items():  # with what each process says it is doing, unless just serving
+        print(f"  {name:<28} {startview.row(st, startview.stage_status(targets[name][0]))}")
     for name, p in procs_state.items():
         print(f"  {name:<28} pid {p.get('pid')}  restarts {p.get('restarts')}")
     return 0 if all(v == "SERVING" for v in statuses.values()) else 1
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
     c.add_argument("--days", type=int, default=365)
     delegated = ("trace", "tokenize", "detokenize", "quarantine", "replay", "verify", "feedback", "etl", "variant",
-                 "rotation", "lora")
+                 "rotation", "lora", "doctor")
     for name in delegated:
         sub.add_parser(name, add_help=False)
     args, rest = ap.parse_known_args(argv)

@@ -1,4 +1,4 @@
-"""`keel replay TRACE_ID` and `keel verify determinism`: re-run recorded requests against the running mesh.
+"""`keel replay TRACE_ID...` and `keel verify determinism`: re-run recorded requests against the running mesh.
 
 A replay sends the recorded conversation with the recorded sampling parameters and seed through
 the gateway, alone (one request at a time), then reads the replay's own record from the feedback
@@ -24,6 +24,7 @@ from services.feedback.replay import Outcome, can_run, compare
 from services.feedback.store import Store, now_ms, open_store
 from services.validator.quarantine_cli import parse_duration
 from shared import errors, metrics
+from shared.progress import Progress
 
 RECORD_WAIT_S = 30.0
 
@@ -65,20 +66,33 @@ def _store() -> Store:
 
 
 def replay_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="keel replay", description="re-run one recorded request and compare")
-    p.add_argument("trace_id")
+    p = argparse.ArgumentParser(prog="keel replay", description="re-run recorded requests and compare")
+    p.add_argument("trace_id", nargs="+", help="one or more trace ids; several replay one after another")
     args = p.parse_args(argv)
     store = _store()
-    record = store.get_record(args.trace_id)
+    target = load_layout().targets("gateway")[0]
+    if len(args.trace_id) == 1:
+        return _replay_id(store, args.trace_id[0], target, print)
+    results = []
+    with Progress("replaying", len(args.trace_id), unit="request") as bar:
+        for trace_id in args.trace_id:
+            results.append(_replay_id(store, trace_id, target, lambda text, t=trace_id: bar.write(f"{t}  {text}")))
+            bar.update()
+    return max(results)
+
+
+def _replay_id(store: Store, trace_id: str, target: str, say) -> int:
+    """Replay one recorded request; `say` prints the outcome. 0 when identical, else 1."""
+    record = store.get_record(trace_id)
     if record is None:
-        print(f"error: no replay record for trace {args.trace_id}", file=sys.stderr)
+        print(f"error: no replay record for trace {trace_id}", file=sys.stderr)
         return 1
     try:
-        outcome = replay_one(store, record, load_layout().targets("gateway")[0])
+        outcome = replay_one(store, record, target)
     except grpc.RpcError as err:
-        print(f"error: the replay failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(f"error: the replay of {trace_id} failed: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    print(outcome.describe() + (f"  (replay trace {outcome.replay_trace_id})" if outcome.replay_trace_id else ""))
+    say(outcome.describe() + (f"  (replay trace {outcome.replay_trace_id})" if outcome.replay_trace_id else ""))
     return 0 if outcome.result == "identical" else 1
 
 
@@ -99,17 +113,19 @@ def verify_main(argv: list[str]) -> int:
     sample = random.Random().sample(records, min(args.sample, len(records)))
     target = args.gateway or load_layout().targets("gateway")[0]
     counts = {"identical": 0, "mismatch": 0, "not_comparable": 0, "failed": 0}
-    for record in sample:
-        try:
-            outcome = replay_one(store, record, target)
-            counts[outcome.result] += 1
-            print(f"{record['trace_id']}  {outcome.describe()}")
-        except grpc.RpcError as err:  # one failed replay is counted, the check goes on
-            counts["failed"] += 1
-            print(f"{record['trace_id']}  failed: {err.code().name}: {err.details()}")
-        except (TimeoutError, errors.KeelError) as exc:
-            counts["failed"] += 1
-            print(f"{record['trace_id']}  failed: {exc}")
+    with Progress("verify determinism", len(sample), unit="request") as bar:
+        for record in sample:
+            try:
+                outcome = replay_one(store, record, target)
+                counts[outcome.result] += 1
+                bar.write(f"{record['trace_id']}  {outcome.describe()}")
+            except grpc.RpcError as err:  # one failed replay is counted, the check goes on
+                counts["failed"] += 1
+                bar.write(f"{record['trace_id']}  failed: {err.code().name}: {err.details()}")
+            except (TimeoutError, errors.KeelError) as exc:
+                counts["failed"] += 1
+                bar.write(f"{record['trace_id']}  failed: {exc}")
+            bar.update()
     print(" ".join(f"{k}={v}" for k, v in counts.items()))
     registry = CollectorRegistry()
     counter = metrics.metrics_for("keelctl", registry).counter("keel_determinism_checks_total")

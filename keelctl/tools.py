@@ -35,6 +35,9 @@ def dispatch(cmd: str, argv: list[str]) -> int:
     if cmd == "etl":
         from services.feedback import etl
         return etl.main(argv)
+    if cmd == "doctor":
+        from keelctl import doctor
+        return doctor.main(argv)
     if cmd == "variant":
         from keelctl import variant
         return variant.main(argv)

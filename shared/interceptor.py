@@ -25,7 +25,9 @@ from shared.logging import rpc_var, trace_id_var
 
 log = logging.getLogger("keel.rpc")
 TRACE_ID_KEY = "x-keel-trace-id"
-_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Answered before SERVING and without credentials: health, reflection and the stage status
+# (shared/stagestatus.py), which tell what a process is doing, never what a request holds.
+_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/keel.stage.v1.StageStatus/")
 NOT_SERVING_RETRY_MS = 1000  # the hint on UNAVAILABLE from a stage warming up or shutting down
 CUT_WAIT_S = 1.0  # how long the drain waits for cut calls to send their status
 _NEW_TRACE = otel_context.Context()  # a span started in it is the root of a new trace

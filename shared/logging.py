@@ -43,6 +43,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class ReadableFormatter(logging.Formatter):
+    """One line for a person at a terminal: "WARNING supervisor: stage exited; restarting (stage=...)"
+    (the structured fields as key=value, in the order given)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD and v is not None)
+        text = f"{record.levelname} {record.name.removeprefix('keel.')}: {record.getMessage()}"
+        return text + (f" ({fields})" if fields else "")
+
+
 def setup_logging(service: str, level: str = "INFO") -> None:
     """Route every logger of this process to stderr as JSON. Call once at process start."""
     handler = logging.StreamHandler(sys.stderr)

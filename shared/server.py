@@ -20,7 +20,7 @@ from typing import Callable, Protocol, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared import discovery, meshauth, metrics, notify, tls
+from shared import discovery, meshauth, metrics, notify, stagestatus, tls
 from shared.config import ConfigError, ServerConfig
 from shared.interceptor import ServerInterceptor
 from shared.logging import setup_logging
@@ -87,9 +87,10 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
     ])
     health_servicer = discovery.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    stagestatus.StatusServicer().register(server)
     stage.register(server)
     if cfg.reflection:
-        discovery.enable_reflection(server, (stage.service_name,))
+        discovery.enable_reflection(server, (stage.service_name, stagestatus.SERVICE))
     for name in ("", stage.service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
@@ -105,6 +106,7 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    stagestatus.BOARD.phase("warming up")  # a stage's warm-up may report its own steps
     warm = asyncio.create_task(stage.warmup())
     done, _ = await asyncio.wait({warm, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if warm in done:
@@ -118,12 +120,14 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
         notify.ready()
         for name in ("", stage.service_name):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        stagestatus.BOARD.phase("serving")
         serving_gauge.set(1)
         log.info("serving", extra={"address": f"{cfg.host}:{port}"})
         if freeze:  # after SERVING: its one full collection does not delay a restarted stage's return
             freeze_heap()
         await stop.wait()
     log.info("draining", extra={"grace_s": cfg.drain_grace_s})
+    stagestatus.BOARD.phase("draining")
     ready = False
     interceptor.begin_drain()
     if hasattr(stage, "begin_drain"):

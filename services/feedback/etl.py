@@ -30,6 +30,7 @@ import numpy as np
 from services.feedback import config as fb_config
 from services.feedback.store import Store, now_ms, open_store
 from services.validator.quarantine_cli import parse_duration
+from shared.progress import Progress
 
 FORMAT = "keel-feedback-sft/1"
 _FIXED_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # zip entries carry a date: fixed, so the file is reproducible
@@ -39,11 +40,15 @@ def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def select(store: Store, since_ms: int, cfg: fb_config.EtlConfig) -> tuple[list[dict], dict[str, int]]:
-    """Examples, one per input fingerprint, sorted by it; and the counts of what was left out."""
+def select(store: Store, since_ms: int, cfg: fb_config.EtlConfig,
+           progress=None) -> tuple[list[dict], dict[str, int]]:
+    """Examples, one per input fingerprint, sorted by it; and the counts of what was left out.
+    `progress`, when given, is called with 1 per feedback row read."""
     by_input: dict[str, dict] = {}
     skipped = {"prompt_not_stored": 0, "duplicate_input": 0}
     for fb, rec in store.feedback_with_records(since_ms, cfg.severities, cfg.error_types):
+        if progress is not None:
+            progress(1)
         if not rec.get("prompt_stored"):
             skipped["prompt_not_stored"] += 1
             continue
@@ -112,8 +117,8 @@ def write(out: Path, examples: list[dict], skipped: dict[str, int], cfg: fb_conf
     return manifest
 
 
-def run(store: Store, out: Path, since_ms: int, cfg: fb_config.EtlConfig) -> dict:
-    examples, skipped = select(store, since_ms, cfg)
+def run(store: Store, out: Path, since_ms: int, cfg: fb_config.EtlConfig, progress=None) -> dict:
+    examples, skipped = select(store, since_ms, cfg, progress)
     return write(out, examples, skipped, cfg)
 
 
@@ -130,7 +135,8 @@ def main(argv: list[str]) -> int:
         since_ms = now_ms() - int(parse_duration(args.since) * 1000)
     except ValueError as exc:
         p.error(str(exc))
-    manifest = run(store, args.out, since_ms, cfg.etl)
+    with Progress("etl: feedback rows read", unit="row") as bar:
+        manifest = run(store, args.out, since_ms, cfg.etl, bar.update)
     print(f"dataset {manifest['dataset_version']}: {manifest['counts']} in {args.out}")
     return 0
 

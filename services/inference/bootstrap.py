@@ -22,8 +22,10 @@ from services.inference.lora.startup import check_adapters
 from services.inference.model import AUTO, FROM_FILE_ONLY, load_model
 from services.inference.warmcache import WarmRecord
 from services.inference.warmup import set_deterministic
+from shared import stagestatus
 
 log = logging.getLogger(__name__)
+STARTING = "starting the engine"  # the stage status while start_engine runs (shared/stagestatus.py)
 
 # Engine settings a calibration depends on (besides the model, format, torch build, CPU and threads).
 CALIBRATION_SETTINGS = ("max_batch_size", "max_context_tokens", "warmup_prompt_tokens", "warmup_max_tokens",
@@ -42,11 +44,13 @@ class _Phases:
     def __init__(self):
         self.times: dict[str, float] = {}
         self._t = time.perf_counter()
+        stagestatus.BOARD.phase(STARTING)
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.times[name] = round(now - self._t, 3)
         self._t = now
+        stagestatus.BOARD.step_done(name, self.times[name], STARTING)  # `keel up` shows it
 
 
 def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:

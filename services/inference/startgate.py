@@ -7,7 +7,8 @@ them from the float32 reference, scores them over the probes of gate_probes.json
 adds the results to the model's file under var/gate/ (the file `make gate` writes) and logs each
 verdict and how long it took. The start then chooses as always (formats.choose_auto); a failing
 candidate is stored too, so a later start finds every candidate gated and runs nothing. The stage
-reports NOT_SERVING meanwhile (~100 s for three formats of SmolLM2-135M on 2 cores).
+reports NOT_SERVING meanwhile (~100 s for three formats of SmolLM2-135M on 2 cores), and its stage
+status says how far the gate is (shared/stagestatus.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from shared import stagestatus
 from shared.errors import InvalidInput
 
 from services.inference import gate, gateprobes
@@ -58,8 +60,9 @@ def run(reference: torch.nn.Module, model_sha: str, fmts: tuple[str, ...], cfg: 
     log.info("running the quality gate at start (no stored result for these formats)",
              extra={"formats": list(fmts), "prompts": len(sequences)})
     t0 = time.perf_counter()
+    stagestatus.BOARD.phase(f"gating {', '.join(fmts)}", total=len(sequences))
     results = gate.evaluate(reference, {f: model_in_format(reference, f, model_dir, device) for f in fmts},
-                            sequences)
+                            sequences, progress=stagestatus.BOARD.advance)
     stored = gate.load(path, model_sha)
     try:
         gate.store(path, model_sha, [*(r for f, r in stored.items() if f not in fmts), *results],

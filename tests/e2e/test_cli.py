@@ -28,6 +28,18 @@ def test_status_lists_every_process_serving(mesh):
         assert re.search(rf"{stage}@127\.0\.0\.1:\d+\s+SERVING", out.stdout)
 
 
+def test_keel_up_off_a_terminal_prints_each_stages_start_as_plain_lines(mesh):
+    """The mesh's `keel up` writes to a file: one line per change of each process's state, no
+    terminal control codes, the inference stage's own start-up phase among them, no JSON log lines."""
+    out = (mesh.tmp / "keel-up.out").read_text()
+    assert "\x1b[" not in out
+    assert not [line for line in out.splitlines() if line.startswith("{")]  # the JSON logs stay in var/log
+    inference = [line for line in out.splitlines() if line.startswith("inference@")]
+    assert any(re.fullmatch(r"inference@127\.0\.0\.1:\d+ NOT_SERVING (warming up|starting the engine).*", line)
+               for line in inference), inference
+    assert inference[-1].endswith(" SERVING")
+
+
 def test_ask_prints_answer_and_trace_id(mesh):
     out = keel(mesh, "ask", "What is the capital of France?", "--max-tokens", "16")
     assert out.returncode == 0, out.stderr
@@ -70,11 +82,13 @@ def test_up_detach_status_down(tmp_path):
     pids = [state["pid"]] + [p["pid"] for p in state["processes"].values()]
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert f"gateway@127.0.0.1:{ports['gateway'][0]}" in up.stdout
+        starting, table = up.stdout.split("keel is up")  # what each process did while starting, then the table
+        assert f"gateway@127.0.0.1:{ports['gateway'][0]}" in table
         assert (f"gateway at 127.0.0.1:{ports['gateway'][0]}; OpenAI-compatible HTTP API at "
                 f"http://127.0.0.1:{ports['openai'][0]}/v1") in up.stdout
-        assert f"openai@127.0.0.1:{ports['openai'][0]}" in up.stdout
-        assert up.stdout.count("SERVING") == sum(len(p) for p in ports.values())  # every stage replica
+        assert f"openai@127.0.0.1:{ports['openai'][0]}" in table
+        assert table.count("SERVING") == sum(len(p) for p in ports.values())  # every stage replica
+        assert re.search(r"^inference@127\.0\.0\.1:\d+ (DOWN|NOT_SERVING)", starting, re.M), starting
         assert run("status").returncode == 0
         down = run("down")
         assert down.returncode == 0 and "keel is down" in down.stdout

@@ -86,6 +86,15 @@ def test_keel_replay_reports_identical(mesh, answered):
     assert out.stdout.startswith("identical")
 
 
+def test_keel_replay_of_several_ids_prints_each_with_progress_lines_off_a_terminal(mesh, answered):
+    wait_until(lambda: store(mesh).get_record(answered.trace_id), 30, "the replay record")
+    out = keel(mesh, "replay", answered.trace_id, answered.trace_id)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [line.split()[:2] for line in out.stdout.splitlines()] == [[answered.trace_id, "identical"]] * 2
+    assert [line.split(",")[0] for line in out.stderr.splitlines()] == [
+        "replaying: 0/2 (0%)", "replaying: 1/2 (50%)", "replaying: 2/2 (100%)", "replaying: 2/2 (100%) done"]
+
+
 def test_keel_feedback_submit_list_and_etl(mesh, answered, tmp_path):
     wait_until(lambda: store(mesh).get_record(answered.trace_id), 30, "the replay record")
     out = keel(mesh, "feedback", "submit", answered.trace_id, "--id", "cli-1", "--error-type", "fact_error",

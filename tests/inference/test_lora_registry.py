@@ -130,6 +130,20 @@ def test_outputs_that_differ_from_the_golden_ones_are_refused(tiny, base, cfg, t
     assert state.reason == "GOLDEN_MISMATCH" and state.metadata["probe"] == "0"
 
 
+def test_in_another_format_the_drift_gate_judges_instead_of_greedy_equality(tiny, base, cfg, tmp_path):
+    # Registered in float32; served in bfloat16 by a base with the same bound fields (the weights hash)
+    # whose outputs differ: exact greedy equality would refuse it, the drift gate decides instead.
+    register(make_adapter(tiny, tmp_path / "a", seed=10), "a", "1", base, cfg)
+    served = base_of(tiny_model(seed=1), fmt="bfloat16")
+    assert served.digest == base.digest  # the format is recorded, not bound
+    refused = load_registry(replace(cfg, drift_threshold=1e-12), served).states[0]
+    assert refused.reason == "ADAPTER_DRIFT"
+    accepted = load_registry(replace(cfg, drift_threshold=1e9), served).states[0]
+    assert accepted.state == "accepted" and accepted.drift["mean"] > 0
+    same_format = load_registry(replace(cfg, drift_threshold=1e9), base_of(tiny_model(seed=1))).states[0]
+    assert same_format.reason == "GOLDEN_MISMATCH"
+
+
 def _nudged(model, scale):
     out = copy.deepcopy(model)
     with torch.no_grad():

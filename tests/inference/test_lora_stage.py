@@ -41,13 +41,15 @@ def test_cold_and_warm_starts_preload_accepted_adapters_and_list_refused_ones(se
         started = bootstrap.start_engine(cfg, sha)
         (checked,) = [r for r in caplog.records if r.getMessage() == "adapters checked"]
         # the LoRA probe runs are reused from var/warm on the warm start, measured on the cold one
+        outcome = "reused" if warm else "measured"
         assert (checked.start_cache["base"], checked.start_cache["adapters"]) == (
-            ("reused", {"support@1": "reused"}) if warm else ("measured", {"support@1": "measured"}))
+            outcome, {"legal@1": outcome, "support@1": outcome})
         assert started.warm is warm and "adapters" in started.phases_s
         states = {s.name: s for s in started.engine.adapters.states}
-        assert (states["support@1"].state, states["support@1"].slot) == ("accepted", 1)
-        assert (states["legal@1"].reason, states["legal@1"].metadata) == ("BASE_FINGERPRINT_MISMATCH",
-                                                                        {"fields": "format"})
+        # legal@1's golden outputs were recorded as bfloat16: the weights are the same, so the
+        # float32 stage checks it by the drift gate and serves it
+        assert [(states[n].state, states[n].slot) for n in ("legal@1", "support@1")] == [("accepted", 1),
+                                                                                      ("accepted", 2)]
         assert started.engine.primary_runner.lora is started.engine.adapters.slots
     caplog.clear()
     bootstrap.start_engine(replace(cfg, warm_restart=False), sha)  # no warm restart: nothing reused either

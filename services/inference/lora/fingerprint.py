@@ -1,11 +1,17 @@
-"""The base model an adapter is bound to, as named fields: any field that differs refuses the adapter.
+"""The base model an adapter is bound to, as named fields: any bound field that differs refuses the adapter.
 
-Fields: the weights hash (warmcache.model_sha256: sha256 over the model folder's config and weight
-files, computed once per process start and shared with the engine fingerprint), the config.json
-values an adapter's training depends on (rope_theta, vocab_size, tie_word_embeddings and the shape),
-the hashes of Keel's tokenizer vocabulary and chat template, the weight format served, and the
-torch, transformers and peft versions. `digest` is the sha256 of the fields (the registry's matrix
-key and ListAdapters.base_fingerprint).
+Bound fields: the weights hash (warmcache.model_sha256: sha256 over the model folder's config and
+weight files, computed once per process start and shared with the engine fingerprint), the
+config.json values an adapter's training depends on (rope_theta, vocab_size, tie_word_embeddings and
+the shape), the hashes of Keel's tokenizer vocabulary and chat template, and the torch, transformers
+and peft versions. `digest` is the sha256 of the bound fields (the registry's matrix key and
+ListAdapters.base_fingerprint).
+
+The fields also carry `format`, the weight format the probe run was made in (FORMAT_FIELD). It is
+recorded, not bound: an adapter belongs to the weights, and the format a stage serves them in is a
+choice made at start (`engine.dtype: auto`). When the serving format differs from the one the golden
+outputs were made in, the start-up checks judge the adapter by the drift gate instead of by exact
+greedy equality (registry._judge).
 """
 from __future__ import annotations
 
@@ -42,12 +48,21 @@ def base_fields(weights_sha256: str, config: dict, tokenizer: dict[str, str], fm
             **{name: version(name) for name in ("torch", "transformers", "peft")}}
 
 
+FORMAT_FIELD = "format"
+
+
+def bound(fields: dict[str, str]) -> dict[str, str]:
+    """The fields an adapter is bound to: all but the format the probe run was made in."""
+    return {k: v for k, v in fields.items() if k != FORMAT_FIELD}
+
+
 def digest(fields: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(bound(fields), sort_keys=True).encode()).hexdigest()
 
 
 def differing(recorded: dict[str, str], running: dict[str, str]) -> list[str]:
-    """Names of the fields whose values differ (or exist on one side only), sorted."""
+    """Names of the bound fields whose values differ (or exist on one side only), sorted."""
+    recorded, running = bound(recorded), bound(running)
     return sorted(k for k in set(recorded) | set(running) if recorded.get(k) != running.get(k))
 
 

@@ -26,8 +26,8 @@ RECORD_VERSION = 1
 class Manifest:
     id: str
     version: str
-    base: dict[str, str]            # fingerprint fields (fingerprint.py)
-    base_fingerprint: str           # their digest
+    base: dict[str, str]            # fingerprint fields (fingerprint.py), with the golden outputs' format
+    base_fingerprint: str           # the digest of the bound ones
     training_data_version: str      # sha256 of the training data manifest ("" when none was given)
     rank: int
     alpha: float
@@ -105,7 +105,9 @@ LoRA adapter served unmerged by Keel's inference stage (slot-preloaded at warm-u
 
 ## Base model it is bound to
 
-Base fingerprint `{m.base_fingerprint}`; any differing field refuses the adapter at start.
+Base fingerprint `{m.base_fingerprint}`; any differing field refuses the adapter at start, except
+`format`: the weight format the golden outputs were made in (another serving format is checked by
+the drift gate instead of exact greedy equality).
 
 | field | value |
 |---|---|
@@ -114,6 +116,6 @@ Base fingerprint `{m.base_fingerprint}`; any differing field refuses the adapter
 ## Checks at every start of the inference stage
 
 Config keys and features understood; one lora_A/lora_B pair per targeted module; greedy probe outputs
-equal to the golden ones above; outputs different from the base model's; drift (KL registered || now)
-below the configured threshold.
+equal to the golden ones above (when served in their format); outputs different from the base model's;
+drift (KL registered || now) below the configured threshold.
 """

@@ -17,6 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,8 +63,15 @@ class Trace:
         return tuple(self.logprobs.argmax(-1).tolist())
 
 
+def forward_steps(rows: int, steps: int) -> int:
+    """How many batched forward steps `run` takes for `rows` rows of `steps` positions."""
+    return -(-rows // GROUP_ROWS) * steps
+
+
 @torch.inference_mode()
-def run(runner: LlamaRunner, rows: list[ProbeRow], steps: int) -> list[Trace]:
+def run(runner: LlamaRunner, rows: list[ProbeRow], steps: int,
+        progress: Callable[[int], None] | None = None) -> list[Trace]:
+    """`progress`, when given, is called with 1 after each batched forward step (forward_steps in all)."""
     out = []
     for g in range(0, len(rows), GROUP_ROWS):
         group = rows[g:g + GROUP_ROWS]
@@ -75,6 +83,8 @@ def run(runner: LlamaRunner, rows: list[ProbeRow], steps: int) -> list[Trace]:
             for i, r in enumerate(group):
                 fed[i].append(r.forced[t] if r.forced is not None else int(lp[i].argmax()))
                 lps[i].append(lp[i])
+            if progress is not None:
+                progress(1)
             if t + 1 < steps:
                 logits = runner.forward([Segment(c, [f[-1]], r.slot) for c, f, r in zip(caches, fed, group)])
         out += [Trace(tuple(f), torch.stack(lp)) for f, lp in zip(fed, lps)]

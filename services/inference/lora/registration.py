@@ -24,10 +24,20 @@ from services.inference.lora.registry import DRIFT_DIRECTION, Base, LoraConfig, 
 from services.inference.lora.slots import LoraSlots, read_weights
 
 
+# The probe runs of a registration: the base's greedy one, the adapter's greedy one, the teacher-forced one.
+PROBE_RUNS = 3
+
+
+def forward_steps(base: Base) -> int:
+    """The batched forward steps a registration runs (what its `progress` counts to)."""
+    return PROBE_RUNS * probes.forward_steps(len(base.probe_set.prompts), base.probe_set.continuation_tokens)
+
+
 def register(src: Path, adapter_id: str, version: str, base: Base, cfg: LoraConfig,
-             training_data_manifest: Path | None = None) -> Manifest:
+             training_data_manifest: Path | None = None, progress=None) -> Manifest:
     """Check a PEFT folder against `base`, make its golden outputs with the engine's runner, and write
-    ID/VERSION into the registry (manifest, golden outputs, model card). Raises the refusal it would get."""
+    ID/VERSION into the registry (manifest, golden outputs, model card). Raises the refusal it would get.
+    `progress`, when given, is called with 1 after each forward step of the probe runs (forward_steps)."""
     check_name(adapter_id, "id")
     check_name(version, "version")
     dest = cfg.root / adapter_id / version
@@ -44,15 +54,16 @@ def register(src: Path, adapter_id: str, version: str, base: Base, cfg: LoraConf
     runner, saved = base.runner, base.runner.lora
     try:
         runner.lora = None
-        base_ids = base_greedy(base)
+        base_ids = base_greedy(base, progress)
         runner.lora = LoraSlots([weights], runner.model, runner.device)
         steps = base.probe_set.continuation_tokens
-        traces = probes.run(runner, [ProbeRow(p, 1) for p in base.probe_set.prompts], steps)
+        traces = probes.run(runner, [ProbeRow(p, 1) for p in base.probe_set.prompts], steps, progress)
         golden = [t.tokens for t in traces]
         if golden == base_ids:
             raise PreconditionFailed("greedy outputs equal the base model's on every probe",
                                      reason="ADAPTER_CHANGES_NOTHING")
-        forced = probes.run(runner, [ProbeRow(p, 0, g) for p, g in zip(base.probe_set.prompts, golden)], steps)
+        forced = probes.run(runner, [ProbeRow(p, 0, g) for p, g in zip(base.probe_set.prompts, golden)], steps,
+                            progress)
     finally:
         runner.lora = saved
     kl_base = probes.summary(torch.cat([probes.kl_full(a.logprobs, b.logprobs) for a, b in zip(traces, forced)]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from shared import stagestatus
 from shared.config import ROOT_DIR
 from shared.errors import KeelError
 
@@ -53,6 +54,7 @@ def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_
                     extra={"error": str(exc), "registry": str(cfg.root)})
         return AdapterTable()
     cache = StartCache(engine_key, base) if engine_key else None
+    stagestatus.BOARD.phase(f"checking {len(versions(cfg.root))} adapter version(s)")
     table = load_registry(cfg, base, cache)
     log.info("adapters checked", extra={
         "base_fingerprint": table.base_fingerprint, "registry": str(cfg.root),

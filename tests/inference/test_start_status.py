@@ -1,0 +1,49 @@
+"""The inference stage's start-up as its stage status tells it (shared/stagestatus.py): the engine's
+steps, the quality gate's probe count, the adapter checks; on the tiny model."""
+from __future__ import annotations
+
+from services.inference import bootstrap, warmcache
+from services.inference.config import InferenceConfig
+from services.inference.formats import FormatsConfig
+from services.inference.gate import GateThresholds
+from shared import stagestatus
+from tests.inference.helpers import tiny_config
+
+
+class RecordingBoard(stagestatus.StatusBoard):
+    """A board that also keeps every report, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.reports: list[tuple] = []
+
+    def phase(self, name, total=0):
+        self.reports.append(("phase", name, total))
+        super().phase(name, total)
+
+    def advance(self, done):
+        self.reports.append(("advance", self.snapshot().phase, done))
+        super().advance(done)
+
+    def step_done(self, name, seconds, resume):
+        self.reports.append(("step", name, resume))
+        super().step_done(name, seconds, resume)
+
+
+def test_a_gating_start_reports_each_step_and_the_gates_count(tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
+    board = RecordingBoard()
+    monkeypatch.setattr(stagestatus, "BOARD", board)
+    lenient = GateThresholds(kl_mean_max=1e9, kl_p95_max=1e9, greedy_agreement_min=0)
+    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="auto"), formats=FormatsConfig(
+        auto_candidates=("float32", "bfloat16", "int8"), gate_prompts=5, gate=lenient))
+    bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+    r = board.reports
+    assert r[0] == ("phase", bootstrap.STARTING, 0)
+    assert ("phase", "gating bfloat16, int8", 5) in r
+    assert [x[2] for x in r if x[0] == "advance" and x[1] == "gating bfloat16, int8"] == [0, 1, 2, 3, 4]
+    steps = [x[1] for x in r if x[0] == "step"]
+    assert steps[:2] == ["load_reference", "quality_gate"] and "adapters" in steps
+    assert any(x[0] == "phase" and x[1].startswith("checking ") and x[1].endswith(" adapter version(s)") for x in r)
+    # after the last step the engine's phase resumes, with the step shown beside it
+    assert (board.snapshot().phase, board.snapshot().last_step.split()[0]) == (bootstrap.STARTING, steps[-1])
