@@ -57,16 +57,15 @@ class RowControls:
         c = self.c
         out = logits
         if c.repetition_penalty != 1.0 and self._repeated:
-            out = out.clone()
             ids = torch.tensor(sorted(self._repeated), dtype=torch.long)
-            v = out[ids]
-            out[ids] = torch.where(v > 0, v / c.repetition_penalty, v * c.repetition_penalty)
+            v = logits[ids]
+            out = logits.index_put((ids,), torch.where(v > 0, v / c.repetition_penalty, v * c.repetition_penalty))
         if (c.frequency_penalty or c.presence_penalty) and self.counts:
-            out = out.clone() if out is logits else out
             ids = sorted(self.counts)
-            times = torch.tensor([self.counts[i] for i in ids], dtype=out.dtype)
+            cut = torch.tensor([self.counts[i] * c.frequency_penalty + c.presence_penalty for i in ids],
+                               dtype=torch.float64).to(out.dtype)
             index = torch.tensor(ids, dtype=torch.long)
-            out[index] = out[index] - (times * c.frequency_penalty + c.presence_penalty)
+            out = out.index_put((index,), out[index] - cut)
         if self.matcher is not None:
             ok = allowed(self.matcher, out.numel())
             self._check_matcher()
@@ -83,9 +82,9 @@ class RowControls:
         top: tuple[Alternative, ...] = ()
         if self.c.top_logprobs:
             values, order = torch.topk(dist, self.c.top_logprobs)
-            top = tuple(Alternative(int(i), self._text(int(i)), float(v))
-                        for v, i in zip(values, order) if v > float("-inf"))
-        return TokenLogprobs(token, self._text(token), float(dist[token]), top)
+            top = tuple(Alternative(i, self._text(i), v)
+                        for v, i in zip(values.tolist(), order.tolist()) if v > float("-inf"))
+        return TokenLogprobs(token, self._text(token), dist[token].item(), top)
 
     def accept(self, token: int) -> bool:
         """Record the sampled token; True when the answer must end with it: a stop string is

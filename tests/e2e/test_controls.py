@@ -1,6 +1,7 @@
 """Generation controls through the real mesh (the session's one mesh): stop strings unary and
 streamed, penalties, logprobs, JSON Schema / regex / choice answers (the validator's json_schema
-plugin confirms the JSON), and one refusal of each class (the gateway's contract, the grammar)."""
+plugin confirms the JSON), `keel replay` of a stopped and of a constrained, penalised answer, and
+one refusal of each class (the gateway's contract, the grammar)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import jsonschema
 import pytest
 
 from keel.common.v1 import common_pb2
-from tests.e2e.conftest import error_info
+from tests.e2e.conftest import error_info, wait_until
+from tests.e2e.test_cli import keel
+from tests.e2e.test_feedback import store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TIMEOUT = 240
@@ -45,6 +48,14 @@ def test_stop_string_ends_the_answer_before_it_unary_and_streamed(mesh, api_md, 
     assert sdone.finish_reason == unary.finish_reason == "stop"
     assert unary.usage.completion_tokens == sdone.usage.completion_tokens < done.usage.completion_tokens
     assert unary.text == sdone.text and stop not in unary.text
+    assert_replays_identically(mesh, unary.trace_id)
+
+
+def assert_replays_identically(mesh, trace_id: str) -> None:
+    """`keel replay` sends the recorded controls again and finds the same tokens."""
+    wait_until(lambda: store(mesh).get_record(trace_id), 30, "the replay record")
+    out = keel(mesh, "replay", trace_id)
+    assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr
 
 
 def test_penalties_change_a_repetitive_answer_deterministically_and_logprobs_come_back(mesh, api_md,
@@ -84,12 +95,14 @@ def test_regex_and_choice_answers_match(mesh, api_md, gateway_request):
         stub = mesh.stub(ch)
         req = gateway_request("Give a product code.", max_tokens=12, seed=3)
         req.response_format.regex = r"[A-Z]{3}-[0-9]{4}"
+        req.sampling.frequency_penalty = 0.5
         coded = stub.Generate(req, metadata=api_md, timeout=TIMEOUT)
         req = gateway_request("Is the sky blue?", max_tokens=8, seed=4)
         req.response_format.choice.values.extend(["yes", "no"])
         chosen, sdone, _ = _stream_text(stub, req, api_md)
     assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", coded.text)
     assert chosen in ("yes", "no") and sdone.text == chosen
+    assert_replays_identically(mesh, coded.trace_id)  # constrained and penalised
 
 
 def test_bad_controls_are_refused_with_the_reason_naming_the_field(mesh, api_md, gateway_request):
