@@ -182,22 +182,25 @@ async def run(mesh, args) -> None:
               f"{p50(ht) * 1e3:.1f} ms, GenerateStream p50 {p50(gt) * 1e3:.1f} ms; ratio {p50(ht) / p50(gt):.3f}",
               flush=True)
 
-        grpc_runs = await asyncio.gather(*(grpc_stream(stub, args.tokens) for _ in range(args.clients)))
+        grpc_runs = await asyncio.gather(*(grpc_stream(stub, args.tokens) for _ in range(args.clients)),
+                                         return_exceptions=True)
         http_runs = await asyncio.gather(
             http_stream(http, url, args.tokens, stall_s=args.stall_s),
             *(http_stream(http, url, args.tokens) for _ in range(args.clients - 1)), return_exceptions=True)
         failed = [r for r in http_runs if isinstance(r, BaseException) or not r[2]]
+        failed_g = [r for r in grpc_runs if isinstance(r, BaseException) or not r[2]]
         others = [r for r in http_runs[1:] if not isinstance(r, BaseException)]
-        gaps_h, gaps_g = [r[1] for r in others], [r[1] for r in grpc_runs]
-        took_h, took_g = [r[3] for r in others], [r[3] for r in grpc_runs]
+        fine_g = [r for r in grpc_runs if not isinstance(r, BaseException)]
+        gaps_h, gaps_g = [r[1] for r in others], [r[1] for r in fine_g]
+        took_h, took_g = [r[3] for r in others], [r[3] for r in fine_g]
         print(f"{args.clients} concurrent streams ({args.tokens} tokens), one HTTP client stalled {args.stall_s:.0f} s: "
-              f"HTTP errors or streams without [DONE]: {len(failed)}; the other streams' whole time: HTTP p50 "
+              f"HTTP errors or streams without [DONE]: {len(failed)}, gRPC: {len(failed_g)}; the other streams' whole time: HTTP p50 "
               f"{p50(took_h):.2f} s max {max(took_h):.2f} s, gRPC p50 {p50(took_g):.2f} s max {max(took_g):.2f} s "
               f"(max ratio {max(took_h) / max(took_g):.3f}); their longest gap between events: HTTP p50 "
               f"{p50(gaps_h) * 1e3:.0f} ms max {max(gaps_h) * 1e3:.0f} ms, gRPC p50 {p50(gaps_g) * 1e3:.0f} ms max "
               f"{max(gaps_g) * 1e3:.0f} ms (max ratio {max(gaps_h) / max(gaps_g):.3f})", flush=True)
-        for r in failed[:3]:
-            print(f"  failure: {r!r}")
+        for r in (failed + failed_g)[:4]:
+            print(f"  failure: {str(r)[:300]}")
 
 
 class StubGateway(gateway_pb2_grpc.GatewayServicer):
