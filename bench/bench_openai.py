@@ -81,6 +81,8 @@ class RawHttp:
         self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
 
     async def unary(self) -> float:
+        if self.reader.at_eof():  # the server closed the idle connection: a new one, not timed
+            await self.open()
         t0 = time.perf_counter()
         self.writer.write(self.request)
         head = await self.reader.readuntil(b"\r\n\r\n")
