@@ -45,7 +45,8 @@ from keelctl import health  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 MD = (("authorization", f"Bearer {DEV_API_KEY}"),)
-HEADERS = {"Authorization": f"Bearer {DEV_API_KEY}"}
+# The same deadline as the gRPC calls below (300 s), not the gateway's default.
+HEADERS = {"Authorization": f"Bearer {DEV_API_KEY}", "x-keel-deadline-ms": "300000"}
 
 
 def grpc_request(tokens: int) -> gateway_pb2.GenerateRequest:
@@ -74,7 +75,8 @@ class RawHttp:
         self.host, self.port = target.split(":")
         body = json.dumps(http_body(1, False)).encode()
         self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {target}\r\nAuthorization: Bearer "
-                        f"{DEV_API_KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                        f"{DEV_API_KEY}\r\nx-keel-deadline-ms: 300000\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n"
                         ).encode() + body
 
     async def open(self) -> None:
@@ -99,7 +101,7 @@ class RawHttp:
 
 async def grpc_unary(stub) -> float:
     t0 = time.perf_counter()
-    await stub.Generate(grpc_request(1), metadata=MD, timeout=120)
+    await stub.Generate(grpc_request(1), metadata=MD, timeout=300)
     return time.perf_counter() - t0
 
 
