@@ -45,7 +45,8 @@ from keelctl import health  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 MD = (("authorization", f"Bearer {DEV_API_KEY}"),)
-HEADERS = {"Authorization": f"Bearer {DEV_API_KEY}"}
+# The same deadline as the gRPC calls below (300 s), not the gateway's default.
+HEADERS = {"Authorization": f"Bearer {DEV_API_KEY}", "x-keel-deadline-ms": "300000"}
 
 
 def grpc_request(tokens: int) -> gateway_pb2.GenerateRequest:
@@ -74,13 +75,16 @@ class RawHttp:
         self.host, self.port = target.split(":")
         body = json.dumps(http_body(1, False)).encode()
         self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {target}\r\nAuthorization: Bearer "
-                        f"{DEV_API_KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                        f"{DEV_API_KEY}\r\nx-keel-deadline-ms: 300000\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n"
                         ).encode() + body
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
 
     async def unary(self) -> float:
+        if self.reader.at_eof():  # the server closed the idle connection: a new one, not timed
+            await self.open()
         t0 = time.perf_counter()
         self.writer.write(self.request)
         head = await self.reader.readuntil(b"\r\n\r\n")
@@ -97,7 +101,7 @@ class RawHttp:
 
 async def grpc_unary(stub) -> float:
     t0 = time.perf_counter()
-    await stub.Generate(grpc_request(1), metadata=MD, timeout=120)
+    await stub.Generate(grpc_request(1), metadata=MD, timeout=300)
     return time.perf_counter() - t0
 
 
@@ -182,22 +186,25 @@ async def run(mesh, args) -> None:
               f"{p50(ht) * 1e3:.1f} ms, GenerateStream p50 {p50(gt) * 1e3:.1f} ms; ratio {p50(ht) / p50(gt):.3f}",
               flush=True)
 
-        grpc_runs = await asyncio.gather(*(grpc_stream(stub, args.tokens) for _ in range(args.clients)))
+        grpc_runs = await asyncio.gather(*(grpc_stream(stub, args.tokens) for _ in range(args.clients)),
+                                         return_exceptions=True)
         http_runs = await asyncio.gather(
             http_stream(http, url, args.tokens, stall_s=args.stall_s),
             *(http_stream(http, url, args.tokens) for _ in range(args.clients - 1)), return_exceptions=True)
         failed = [r for r in http_runs if isinstance(r, BaseException) or not r[2]]
+        failed_g = [r for r in grpc_runs if isinstance(r, BaseException) or not r[2]]
         others = [r for r in http_runs[1:] if not isinstance(r, BaseException)]
-        gaps_h, gaps_g = [r[1] for r in others], [r[1] for r in grpc_runs]
-        took_h, took_g = [r[3] for r in others], [r[3] for r in grpc_runs]
+        fine_g = [r for r in grpc_runs if not isinstance(r, BaseException)]
+        gaps_h, gaps_g = [r[1] for r in others], [r[1] for r in fine_g]
+        took_h, took_g = [r[3] for r in others], [r[3] for r in fine_g]
         print(f"{args.clients} concurrent streams ({args.tokens} tokens), one HTTP client stalled {args.stall_s:.0f} s: "
-              f"HTTP errors or streams without [DONE]: {len(failed)}; the other streams' whole time: HTTP p50 "
+              f"HTTP errors or streams without [DONE]: {len(failed)}, gRPC: {len(failed_g)}; the other streams' whole time: HTTP p50 "
               f"{p50(took_h):.2f} s max {max(took_h):.2f} s, gRPC p50 {p50(took_g):.2f} s max {max(took_g):.2f} s "
               f"(max ratio {max(took_h) / max(took_g):.3f}); their longest gap between events: HTTP p50 "
               f"{p50(gaps_h) * 1e3:.0f} ms max {max(gaps_h) * 1e3:.0f} ms, gRPC p50 {p50(gaps_g) * 1e3:.0f} ms max "
               f"{max(gaps_g) * 1e3:.0f} ms (max ratio {max(gaps_h) / max(gaps_g):.3f})", flush=True)
-        for r in failed[:3]:
-            print(f"  failure: {r!r}")
+        for r in (failed + failed_g)[:4]:
+            print(f"  failure: {str(r)[:300]}")
 
 
 class StubGateway(gateway_pb2_grpc.GatewayServicer):

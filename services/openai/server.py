@@ -73,7 +73,10 @@ def build(cfg: openai_config.OpenAIConfig) -> tuple[_Server, Api]:
     # it took the stage's added latency per 1-token answer from a ratio of 1.89 to 1.55-1.76 of the gRPC call.
     uv = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, ssl_certfile=cert, ssl_keyfile=key,
                         log_config=None, access_log=False, lifespan="on", server_header=False, http="httptools",
-                        timeout_graceful_shutdown=cfg.server.drain_grace_s)
+                        timeout_graceful_shutdown=cfg.server.drain_grace_s,
+                        # an idle keep-alive connection is closed after this long (uvicorn's own 5 s
+                        # equals the SDKs' pool expiry, so a reused connection could meet the close)
+                        timeout_keep_alive=cfg.server.max_connection_idle_s)
     return _Server(uv, api), api
 
 

@@ -21,8 +21,8 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
     mesh = start_mesh(tmp_path, tokenizer_workers=1)
     try:
         pids = [p["pid"] for p in mesh.state()["processes"].values()]
-        # Redis and one process per stage (validator, tokenizer, inference, feedback, gateway)
-        assert len(pids) == 6 and all(procs.alive(p) for p in pids)
+        # Redis and one process per stage (validator, tokenizer, inference, feedback, gateway, openai)
+        assert len(pids) == 7 and all(procs.alive(p) for p in pids)
         os.kill(mesh.proc.pid, signal.SIGKILL)
         mesh.proc.wait()
         wait_until(lambda: not any(procs.alive(p) for p in pids), 60, "every child of the killed supervisor to exit")
