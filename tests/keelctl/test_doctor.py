@@ -16,7 +16,6 @@ import pytest
 from keelctl import doctor
 from keelctl.doctor import FAIL, OK, WARN, Host
 from keelctl.layout import Layout, RedisLayout, StageLayout, StagesLayout
-from services.inference import model
 from services.inference.config import InferenceConfig
 from services.inference.engine import EngineConfig
 from tests.conftest import free_port
@@ -31,9 +30,7 @@ def layout(*ports: int) -> Layout:
 
 
 @pytest.fixture
-def host(tmp_path, monkeypatch) -> Host:
-    # gguf (a C++ kernel) as a format this build knows, whether or not model.py lists it yet
-    monkeypatch.setattr(model, "DTYPES", tuple(dict.fromkeys((*model.DTYPES, "gguf"))))
+def host(tmp_path) -> Host:
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
     (tmp_path / "meminfo").write_text(f"MemTotal: {16 * GIB // 1024} kB\nMemAvailable: {8 * GIB // 1024} kB\n")
     model_dir = tmp_path / "model"
