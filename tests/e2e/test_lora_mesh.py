@@ -195,3 +195,18 @@ def test_keel_replay_reruns_with_the_same_adapter(lora_mesh, answers):
     assert record["adapter"] == f"pirate@{VERSION}"
     out = keel(lora_mesh, "replay", pirate.trace_id)
     assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr
+
+
+def test_the_http_api_lists_accepted_adapters_and_refuses_a_refused_one_with_409(lora_mesh):
+    """The OpenAI-compatible front of the same mesh: /v1/models names each accepted adapter as
+    id@version (none refused), and a refused one is HTTP 409 with Keel's reason as the error code."""
+    import openai
+    from tests.e2e.test_openai import client
+
+    http = client(lora_mesh)
+    models = {m.id for m in http.models.list().data}
+    assert f"pirate@{VERSION}" in models and not {f"{name}@{VERSION}" for name in REFUSED} & models
+    with pytest.raises(openai.ConflictError) as exc:
+        http.chat.completions.create(model=f"pirate-inert@{VERSION}", max_tokens=4,
+                                     messages=[{"role": "user", "content": PROMPT}])
+    assert exc.value.status_code == 409 and exc.value.body["code"] == "ADAPTER_REFUSED"
