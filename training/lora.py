@@ -114,34 +114,40 @@ def train(base_dir: Path, examples: list[dict], recipe: Recipe, out: Path,
     started = time.monotonic()
     torch.manual_seed(recipe.seed)
     torch.use_deterministic_algorithms(True)
+    # The process's thread count is torch's, shared with whatever else runs in it (a test session):
+    # set for the training only, then put back.
+    before = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
-    # bandit B615 does not apply: local files only.
-    tokenizer = AutoTokenizer.from_pretrained(str(base_dir / "hf-tokenizer"))  # nosec B615
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # nosec B615
-    weights = {"model.safetensors": sha256_file(base_dir / "model.safetensors")}
-    if perturbation is not None:
-        weights = save_perturbed_base(model, perturbation, out / PERTURBED_BASE)
-    model.config.use_cache = False
-    config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, target_modules=list(recipe.target_modules),
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(model, config)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-    losses = []
-    batches = _batches(examples, recipe)
-    for _ in range(recipe.steps):
-        ids, mask, labels = _encode(tokenizer, next(batches))
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(round(loss.item(), 4))
-        if len(losses) % 10 == 0:
-            print(f"step {len(losses)}/{recipe.steps} loss {losses[-1]} ({time.monotonic() - started:.0f} s)",
-                  file=sys.stderr, flush=True)
-    model.peft_config["default"].base_model_name_or_path = BASE_NAME
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return {"losses": losses, "base_weights_sha256": weights,
-            "seconds": round(time.monotonic() - started, 1), "recipe": asdict(recipe)}
+    try:
+        # bandit B615 does not apply: local files only.
+        tokenizer = AutoTokenizer.from_pretrained(str(base_dir / "hf-tokenizer"))  # nosec B615
+        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # nosec B615
+        weights = {"model.safetensors": sha256_file(base_dir / "model.safetensors")}
+        if perturbation is not None:
+            weights = save_perturbed_base(model, perturbation, out / PERTURBED_BASE)
+        model.config.use_cache = False
+        config = LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, target_modules=list(recipe.target_modules),
+                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+        losses = []
+        batches = _batches(examples, recipe)
+        for _ in range(recipe.steps):
+            ids, mask, labels = _encode(tokenizer, next(batches))
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(round(loss.item(), 4))
+            if len(losses) % 10 == 0:
+                print(f"step {len(losses)}/{recipe.steps} loss {losses[-1]} ({time.monotonic() - started:.0f} s)",
+                      file=sys.stderr, flush=True)
+        model.peft_config["default"].base_model_name_or_path = BASE_NAME
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        return {"losses": losses, "base_weights_sha256": weights,
+                "seconds": round(time.monotonic() - started, 1), "recipe": asdict(recipe)}
+    finally:
+        torch.set_num_threads(before)

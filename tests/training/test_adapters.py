@@ -117,3 +117,15 @@ def test_mismatched_adapter_records_the_perturbed_base(tmp_path, monkeypatch):
     perturbed, served = load_file(kept / "model.safetensors"), load_file(MODEL / "model.safetensors")
     differ = [k for k in served if k in perturbed and not torch.equal(served[k], perturbed[k])]
     assert differ == [adapters.PERTURBATION.tensor]
+
+
+def test_training_leaves_the_process_thread_count_as_it_found_it(tmp_path):
+    """train() sets torch's process-wide thread count for itself only: a test session that trains the
+    adapters in-process (tests/e2e/test_lora_mesh.py) keeps the count its other tests run at."""
+    before = torch.get_num_threads()
+    recipe = Recipe(steps=1, batch=1, threads=before + 1)
+    try:
+        train(MODEL, load_examples(adapters.DATA)[:1], recipe, tmp_path / "a")
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
