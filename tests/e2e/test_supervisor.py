@@ -6,9 +6,14 @@ import os
 import signal
 
 import grpc
+import openai
 import pytest
+from openai import OpenAI
 
 from keelctl import health
+from keelctl.ask import DEV_API_KEY
+from shared import errors
+from shared.modelfile import MODEL_ID
 from tests.e2e.conftest import SERVICES, start_mesh, stop_mesh, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -61,3 +66,32 @@ def test_sigterm_drains_the_call_in_flight(own_mesh, api_md, gateway_request):
     log = mesh.tmp / "var" / "log" / "inference-0.0.log"
     wait_until(lambda: '"msg": "stopped"' in log.read_text(), 60, "the drained inference process to stop")
     assert '"msg": "draining"' in log.read_text()
+
+
+def test_the_http_front_answers_503_with_retry_after_while_the_gateway_is_down(own_mesh):
+    """kill -9 the gateway: the OpenAI-compatible front, still up, answers 503 in OpenAI's error
+    object with a Retry-After the SDKs honour, until the supervisor has the gateway back."""
+    mesh = own_mesh
+    mesh.wait_serving(120)
+    api = OpenAI(base_url=f"http://{mesh.http}/v1", api_key=DEV_API_KEY, max_retries=0, timeout=60)
+    ask = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Say hello."}], max_tokens=2, temperature=0)
+    assert api.chat.completions.create(**ask).choices[0].message.content
+    old_pid = mesh.state()["processes"]["gateway-0.0"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as exc:
+        api.chat.completions.create(**ask)
+    r = exc.value.response
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-should-retry"] == "true"
+    body = r.json()["error"]
+    assert body["code"] == errors.CONNECTION_LOST and body["type"] == "service_unavailable_error" and body["message"]
+    wait_until(lambda: mesh.state()["processes"]["gateway-0.0"]["pid"] != old_pid, 10, "gateway restarted")
+    mesh.wait_serving(120)
+
+    def answered():
+        try:
+            return api.chat.completions.create(**ask).choices[0].message.content
+        except openai.APIStatusError as e:  # the front's channel reconnects on gRPC's own backoff
+            assert e.response.status_code == 503, e.response.text
+            return None
+    assert wait_until(answered, 30, "the front answering again")
