@@ -1,5 +1,6 @@
 """Generation controls beyond max_tokens/temperature/top_p/top_k/seed: their domain shape, their
-limits and the one check of them (docs/generation.md). The gateway holds clients to it; the
+limits and the one check of them (docs/generation.md); and the one check that max_tokens is a
+positive integer (check_max_tokens, reason MAX_TOKENS_INVALID). The gateway holds clients to it; the
 inference engine runs the same check on what it is handed, so an in-process caller cannot slip a
 NaN penalty into a batch either.
 
@@ -61,6 +62,14 @@ class Controls:
 def repetition_penalty_of(value: float) -> float:
     """The proto's unset 0 is off, which is 1 in Hugging Face's terms."""
     return 1.0 if value == 0.0 else value
+
+
+def check_max_tokens(value, name: str = "max_tokens", **metadata) -> None:
+    """Raise InvalidInput MAX_TOKENS_INVALID (metadata `actual` and the caller's keys) unless ``value``
+    is an integer >= 1; ``name`` is the field as the caller's client spelled it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInput(f"{name} must be an integer >= 1, got {value!r}", reason="MAX_TOKENS_INVALID",
+                           metadata={"actual": value, **metadata})
 
 
 def check_controls(c: Controls) -> None:

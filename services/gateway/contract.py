@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared import adapters, errors
-from shared.controls import Controls, check_controls
+from shared.controls import Controls, check_controls, check_max_tokens
 
 ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
@@ -61,9 +61,7 @@ def check_ask(ask: Ask, limits: Limits) -> None:
     if size > limits.max_prompt_bytes:
         raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
                                   reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
-    if ask.max_tokens < 1:
-        raise errors.InvalidInput(f"max_tokens must be >= 1, got {ask.max_tokens}", reason="MAX_TOKENS_INVALID",
-                                  metadata={"actual": ask.max_tokens})
+    check_max_tokens(ask.max_tokens)
     if ask.max_tokens > limits.max_tokens_limit:
         raise errors.InvalidInput(f"max_tokens is {ask.max_tokens}, the limit is {limits.max_tokens_limit}",
                                   reason="MAX_TOKENS_TOO_LARGE",

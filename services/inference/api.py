@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.controls import Controls, check_controls
+from shared.controls import Controls, check_controls, check_max_tokens
 from shared.errors import InvalidInput, PermissionDenied
 
 from services.inference.controls import TokenLogprobs
@@ -91,8 +91,7 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, f
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise bad(f"prompt_ids[{i}]={t!r} is not a token id in [0, {vocab_size})", "TOKEN_OUT_OF_RANGE",
                       index=i)
-    if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-        raise bad(f"max_tokens must be an integer >= 1, got {req.max_tokens!r}", "INVALID_MAX_TOKENS")
+    check_max_tokens(req.max_tokens, request_id=req.request_id)
     if len(ids) + req.max_tokens > max_context_tokens:
         raise bad(f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context window "
                   f"({max_context_tokens})", "CONTEXT_LENGTH_EXCEEDED",

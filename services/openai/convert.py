@@ -10,6 +10,7 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.openai.schemas import ChatBody, CompletionBody, Sampling, unsupported
 from shared import errors
+from shared.controls import check_max_tokens
 from shared.modelfile import MODEL_ID
 
 INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
@@ -31,9 +32,7 @@ def model_of(adapter: str) -> str:
 def _max_tokens(value: int | None, param: str) -> int:
     if value is None:
         return 0  # the gateway's default_max_tokens
-    if value < 1:
-        raise errors.InvalidInput(f"{param} must be a positive integer", reason="MAX_TOKENS_INVALID",
-                                  metadata={"field": param})
+    check_max_tokens(value, param, field=param)
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
 
