@@ -46,7 +46,6 @@ class EtlConfig:
     seed: int = 20240601
 
 
-ROTATION_MODES = ("propose", "apply")
 ROTATION_ACTIONS = ("switch_variant", "retrain_adapters", "resample_data")
 
 

@@ -127,11 +127,6 @@ class BpeEngine:
         self._chunk_cache = TwoGenerationCache(options.chunk_entries)
         self._pairs: dict[int, int] = {}
 
-    def clear_caches(self) -> None:
-        self._pieces.clear()
-        self._chunk_cache.clear()
-        self._pairs.clear()
-
     def cache_sizes(self) -> dict[str, int]:
         return {"pieces": len(self._pieces), "chunks": len(self._chunk_cache), "pairs": len(self._pairs)}
 

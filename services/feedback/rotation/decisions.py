@@ -17,7 +17,6 @@ from services.feedback.rotation.alerts import Alert
 from services.feedback.store import Store, now_ms
 from shared import errors
 
-OUTCOMES = ("pending", "proposed", "applied", "failed", "cooldown", "skipped", "expired")
 _JSON = ("labels", "snapshot", "result")
 
 
