@@ -63,9 +63,9 @@ def chunked_prefill(runner: LlamaRunner, ids: list[int], chunk: int):
     return logits, cache
 
 
-def test_chunked_prefill_is_reproducible_and_close_to_a_whole_one_but_not_bitwise(tiny):
+def test_chunked_prefill_is_reproducible_and_close_to_a_whole_one(tiny):
     """What holds: the first layer's keys and values are bitwise those of a whole prefill (row-wise
-    projections); later layers differ in the last bits (the chunk's attention is a masked SDPA over the
+    projections); later layers may differ in the last bits, as the host's SDPA kernels decide (the chunk's attention is a masked SDPA over the
     cached prefix, a different summation order from one causal SDPA), so the logits differ by ~1e-5,
     the greedy token is the same, and the same chunking always gives the same bits."""
     runner = LlamaRunner(tiny)
@@ -78,7 +78,7 @@ def test_chunked_prefill_is_reproducible_and_close_to_a_whole_one_but_not_bitwis
     assert cache.length == 300 and torch.equal(chunked, again)
     assert torch.equal(read_cache(cache, 0, 300)[0][0], read_cache(whole_cache, 0, 300)[0][0])
     assert int(chunked.argmax()) == int(whole.argmax())
-    assert 0 < (chunked - whole).abs().max() < 1e-4
+    assert (chunked - whole).abs().max() < 1e-4
 
 
 def test_poisoned_row_does_not_touch_the_others(tiny):
