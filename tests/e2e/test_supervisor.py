@@ -8,13 +8,12 @@ import signal
 import grpc
 import openai
 import pytest
-from openai import OpenAI
 
 from keelctl import health
-from keelctl.ask import DEV_API_KEY
 from shared import errors
 from shared.modelfile import MODEL_ID
 from tests.e2e.conftest import SERVICES, start_mesh, stop_mesh, wait_until
+from tests.e2e.test_openai import ASK, client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -73,8 +72,8 @@ def test_the_http_front_answers_503_with_retry_after_while_the_gateway_is_down(o
     object with a Retry-After the SDKs honour, until the supervisor has the gateway back."""
     mesh = own_mesh
     mesh.wait_serving(120)
-    api = OpenAI(base_url=f"http://{mesh.http}/v1", api_key=DEV_API_KEY, max_retries=0, timeout=60)
-    ask = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Say hello."}], max_tokens=2, temperature=0)
+    api = client(mesh)
+    ask = dict(model=MODEL_ID, messages=ASK, max_tokens=2, temperature=0)
     assert api.chat.completions.create(**ask).choices[0].message.content
     old_pid = mesh.state()["processes"]["gateway-0.0"]["pid"]
     os.kill(old_pid, signal.SIGKILL)
