@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from services.inference.controls import RowControls
+from services.inference.controls import RowControls, logprobs, shape
 from services.inference.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
-from services.inference.grammar import Grammars, Vocabulary, version
+from services.inference.grammar import Grammars, MaskExecutor, Vocabulary, version
 from services.inference.model import load_model, tiny_model
-from services.inference.sampling import pick
+from services.inference.sampling import Draw, pick
 from shared.controls import Controls, ResponseFormat
 
 MODEL = Path("var/model")
@@ -75,12 +75,14 @@ async def controls_cpu_ms(vocab: Vocabulary, controls: Controls, batch: int, ste
                         if controls.response_format else None) for _ in range(batch)]
     logits = torch.randn(batch, vocab.size, generator=torch.Generator().manual_seed(0))
     plain = controls == Controls()
+    masks = MaskExecutor(torch.get_num_threads())
     start = time.process_time()
-    for step in range(steps):
-        for i, (row, lg) in enumerate(zip(rows, logits)):
-            p = pick(lg, 0.0, 1.0, 0, i, 24 + step, None, None if plain else row.scores)
-            if not plain:
-                row.logprobs(p.scores, p.token_id, 0.0)
+    for step in range(steps):  # what OutputProcessor._sample does with the step's rows
+        scores = logits if plain else shape(rows, logits, masks).scores
+        picks = pick(logits, [Draw(0.0, 1.0, 0, i, 24 + step) for i in range(batch)], scores)
+        if not plain:
+            logprobs(rows, scores, [p.token_id for p in picks], [0.0] * batch)
+            for row, p in zip(rows, picks):
                 row.accept(p.token_id)
     grammars.close()
     return (time.process_time() - start) / steps * 1e3

@@ -1,10 +1,13 @@
-"""One request's generation controls inside the step: penalties, the grammar's mask, stop strings and
-logprobs (docs/generation.md). Owned by the loop thread, like the row it belongs to.
+"""The generation controls inside the step: penalties, the grammar's mask, stop strings and logprobs
+(docs/generation.md). `RowControls` is one request's state, owned by the loop thread like the row
+it belongs to; `shape` and `logprobs` work on a whole step's rows at once ([R, V] tensors, one
+call per kind of work rather than one per row).
 
-Everything here reads only this row's logits and this row's own history (its prompt and the
-tokens it sampled), in a fixed order (ids sorted), so a row's scores are bit-identical alone and
-beside any batch-mates: the batch only ever contributes its own rows' logits, which the runner
-already makes batch invariant.
+Each row's result reads only that row's logits and that row's own history (its prompt and the
+tokens it sampled), in a fixed order (ids sorted), through element-wise operations or per-row
+kernels (log_softmax and topk along the vocabulary), so a row's scores and logprobs are
+bit-identical alone and beside any batch-mates: the batch only ever contributes its own rows'
+logits, which the runner already makes batch invariant.
 
 The scores a token is drawn from: the model's logits (after the breaker's clamp), penalised, then
 the grammar's disallowed tokens set to -inf; temperature then scales them. A logprob is
@@ -12,14 +15,15 @@ log_softmax(scores / temperature) at the token (temperature 0, greedy: log_softm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from shared.controls import Controls
-from shared.errors import InvalidInput
+from shared.controls import MAX_TOP_LOGPROBS, Controls
+from shared.errors import InvalidInput, KeelError
 
-from services.inference.grammar import Vocabulary, allowed
+from services.inference.grammar import MaskExecutor, Vocabulary, allowed
 
 
 @dataclass(frozen=True)
@@ -52,40 +56,6 @@ class RowControls:
         self._keep = max((len(s) for s in self._stops), default=1) - 1
         self._tail = b""  # the answer's last bytes, as long as a stop string could still need
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """This row's logits [V] penalised and masked (a new tensor; the batch's is left alone)."""
-        c = self.c
-        out = logits
-        if c.repetition_penalty != 1.0 and self._repeated:
-            ids = torch.tensor(sorted(self._repeated), dtype=torch.long)
-            v = logits[ids]
-            out = logits.index_put((ids,), torch.where(v > 0, v / c.repetition_penalty, v * c.repetition_penalty))
-        if (c.frequency_penalty or c.presence_penalty) and self.counts:
-            ids = sorted(self.counts)
-            cut = torch.tensor([self.counts[i] * c.frequency_penalty + c.presence_penalty for i in ids],
-                               dtype=torch.float64).to(out.dtype)
-            index = torch.tensor(ids, dtype=torch.long)
-            out = out.index_put((index,), out[index] - cut)
-        if self.matcher is not None:
-            ok = allowed(self.matcher, out.numel())
-            self._check_matcher()
-            if not ok.any():
-                raise InvalidInput("the response format allows no token here", reason="RESPONSE_FORMAT_TOO_COMPLEX",
-                                   metadata={"field": f"response_format.{c.response_format.kind}"})
-            out = out.masked_fill(torch.from_numpy(~ok), float("-inf"))
-        return out
-
-    def logprobs(self, scores: torch.Tensor, token: int, temperature: float) -> TokenLogprobs | None:
-        if not self.c.logprobs:
-            return None
-        dist = torch.log_softmax(scores / temperature if temperature > 0 else scores, dim=-1)
-        top: tuple[Alternative, ...] = ()
-        if self.c.top_logprobs:
-            values, order = torch.topk(dist, self.c.top_logprobs)
-            top = tuple(Alternative(i, self._text(i), v)
-                        for v, i in zip(values.tolist(), order.tolist()) if v > float("-inf"))
-        return TokenLogprobs(token, self._text(token), dist[token].item(), top)
-
     def accept(self, token: int) -> bool:
         """Record the sampled token; True when the answer must end with it: a stop string is
         complete in the text, or the grammar can take nothing more."""
@@ -96,7 +66,8 @@ class RowControls:
         done = False
         if self.matcher is not None:
             self.matcher.consume_token(token)
-            self._check_matcher()
+            if self.matcher.is_error():
+                raise self._grammar_failed()
             done = self.matcher.is_stopped()
         if self._stops and self.vocab is not None:
             text = self._tail + self.vocab.token_bytes[token] if token < self.vocab.size else self._tail
@@ -104,11 +75,107 @@ class RowControls:
             self._tail = text[-self._keep:] if self._keep else b""
         return done
 
-    def _check_matcher(self) -> None:
-        if self.matcher.is_error():
-            kind = self.c.response_format.kind
-            raise InvalidInput(f"the response format failed while decoding: {self.matcher.get_error()[:200]}",
-                               reason="RESPONSE_FORMAT_TOO_COMPLEX", metadata={"field": f"response_format.{kind}"})
+    def _grammar_failed(self, why: str | None = None) -> InvalidInput:
+        kind = self.c.response_format.kind
+        why = why or f"the response format failed while decoding: {self.matcher.get_error()[:200]}"
+        return InvalidInput(why, reason="RESPONSE_FORMAT_TOO_COMPLEX", metadata={"field": f"response_format.{kind}"})
 
     def _text(self, token: int) -> str:
         return self.vocab.text(token) if self.vocab is not None else ""
+
+
+@dataclass
+class Shaped:
+    scores: torch.Tensor  # [R, V] what each row's token is drawn from (the logits themselves if no row shapes)
+    errors: dict[int, KeelError] = field(default_factory=dict)  # row -> why its grammar gave out
+
+
+@dataclass
+class _Edits:
+    """Per-element edits gathered over a step's rows: (row, token) -> amount, flat."""
+
+    rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)  # Python floats, rounded once to the logits' dtype
+
+    def add(self, row: int, tokens: list[int], values: list[float]) -> None:
+        self.rows += [row] * len(tokens)
+        self.tokens += tokens
+        self.values += values
+
+    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(self.rows), torch.tensor(self.tokens)
+
+    def amounts(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(self.values, dtype=torch.float64).to(dtype)
+
+
+def shape(rows: Sequence[RowControls | None], logits: torch.Tensor, masks: MaskExecutor) -> Shaped:
+    """The rows' logits [R, V] penalised and masked, as a new tensor (the batch's is left alone).
+
+    Per row, in this order: the repetition penalty (HF: positive logits divided by it, negative
+    multiplied) over the prompt's and answer's tokens; then frequency * count + presence subtracted
+    for each sampled token; then the grammar's disallowed tokens set to -inf. A row whose grammar
+    fails is left unmasked and named in `errors` (that row fails, its batch-mates go on).
+    """
+    rep, cut = _Edits(), _Edits()  # repetition penalties; frequency/presence amounts
+    grammar: list[int] = []
+    for r, row in enumerate(rows):
+        if row is None:
+            continue
+        c = row.c
+        if c.repetition_penalty != 1.0 and row._repeated:
+            ids = sorted(row._repeated)
+            rep.add(r, ids, [c.repetition_penalty] * len(ids))
+        if (c.frequency_penalty or c.presence_penalty) and row.counts:
+            ids = sorted(row.counts)
+            amount = [row.counts[i] * c.frequency_penalty + c.presence_penalty for i in ids]
+            cut.add(r, ids, amount)
+        if row.matcher is not None:
+            grammar.append(r)
+    out = Shaped(logits)
+    if not (rep.rows or cut.rows or grammar):
+        return out
+    scores = out.scores = logits.clone()
+    if rep.rows:
+        at, p = rep.index(), rep.amounts(scores.dtype)
+        v = scores[at]
+        scores[at] = torch.where(v > 0, v / p, v * p)
+    if cut.rows:
+        at = cut.index()
+        scores[at] = scores[at] - cut.amounts(scores.dtype)
+    if grammar:
+        ok = allowed(masks, [rows[r].matcher for r in grammar], scores.shape[-1])  # [G, V]
+        usable = ok.any(dim=-1).tolist()
+        for g, r in enumerate(grammar):
+            if rows[r].matcher.is_error():
+                out.errors[r] = rows[r]._grammar_failed()
+            elif not usable[g]:
+                out.errors[r] = rows[r]._grammar_failed("the response format allows no token here")
+        keep = [g for g, r in enumerate(grammar) if r not in out.errors]
+        if keep:
+            at = torch.tensor([grammar[g] for g in keep])
+            scores[at] = scores[at].masked_fill(~ok[keep], float("-inf"))
+    return out
+
+
+def logprobs(rows: Sequence[RowControls | None], scores: torch.Tensor, tokens: Sequence[int],
+             temperatures: Sequence[float]) -> list[TokenLogprobs | None]:
+    """Per row that asks for them: log_softmax(scores / temperature) at the sampled token (scores
+    alone at temperature 0) and its top_logprobs alternatives. Every row runs topk with the same k
+    (the most a request may ask for), so a row's list never depends on its batch-mates'."""
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    want = [r for r, row in enumerate(rows) if row is not None and row.c.logprobs]
+    if not want:
+        return out
+    s = scores if len(want) == len(rows) else scores[want]
+    t = torch.tensor([temperatures[r] if temperatures[r] > 0 else 1.0 for r in want], dtype=torch.float64)
+    dist = torch.log_softmax(s / t.to(s.dtype)[:, None], dim=-1)  # [W, V]
+    chosen = dist[torch.arange(len(want)), torch.tensor([tokens[r] for r in want])].tolist()
+    values, order = (v.tolist() for v in torch.topk(dist, min(MAX_TOP_LOGPROBS, dist.shape[-1]), dim=-1))
+    for w, r in enumerate(want):
+        row = rows[r]
+        best = sorted(zip(values[w], order[w]), key=lambda a: (-a[0], a[1]))[:row.c.top_logprobs]
+        top = tuple(Alternative(i, row._text(i), v) for v, i in best if v > float("-inf"))
+        out[r] = TokenLogprobs(tokens[r], row._text(tokens[r]), chosen[w], top)
+    return out

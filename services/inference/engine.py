@@ -31,7 +31,7 @@ from services.inference.breaker import BreakerBoard, BreakerConfig
 from services.inference.controls import RowControls
 from services.inference.faults import FaultInjectingRunner
 from services.inference.forward import LlamaRunner
-from services.inference.grammar import GrammarLimits, Grammars, Vocabulary
+from services.inference.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from services.inference.lora.registry import AdapterTable
 from services.inference.loop import LoopSettings, StepLoop
 from services.inference.memory import MemoryModel
@@ -182,7 +182,8 @@ class Engine:
         if cfg.prefix_cache_bytes:  # blocks are prefill chunks: see prefix.py
             prefix = PrefixCache(cfg.prefill_tokens_per_iteration, cfg.prefix_cache_bytes)
         output = OutputProcessor(cfg.eos_token_ids, counters, self.board,
-                                 {name: r.dtype_name for name, r in runners.items()})
+                                 {name: r.dtype_name for name, r in runners.items()},
+                                 MaskExecutor(torch.get_num_threads()))
         self._loop = StepLoop(runner, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
                               self.board, OomPolicy(cfg.max_batch_size, cfg.oom_backoff_steps), counters,
                               self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device,

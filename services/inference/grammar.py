@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
-import numpy as np
+import torch
+# The numpy helpers, not llguidance.torch: that module wraps a function in torch.compile at import
+# (seconds of start-up spent on a path Keel does not use).
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from shared.controls import ResponseFormat
 from shared.errors import InvalidInput
@@ -47,14 +50,14 @@ class Vocabulary:
                                                 eos_token=list(eos_token_ids) or None)
         n = self.tokenizer.vocab_size
         self.size = n
+        raw = [self.tokenizer.decode_bytes([i]) for i in range(n)]
         self.token_bytes: tuple[bytes, ...] = tuple(
-            b"" if self.tokenizer.is_special_token(i) else self.tokenizer.decode_bytes([i]) for i in range(n))
+            b"" if self.tokenizer.is_special_token(i) else b for i, b in enumerate(raw))
+        # A token's text as logprobs show it: special tokens literally, broken UTF-8 as U+FFFD.
+        self._texts = tuple(b.decode("utf-8", "replace") for b in raw)
 
     def text(self, token_id: int) -> str:
-        """A token's text as logprobs show it (special tokens literally; broken UTF-8 as U+FFFD)."""
-        if not 0 <= token_id < self.size:
-            return ""
-        return self.tokenizer.decode_bytes([token_id]).decode("utf-8", "replace")
+        return self._texts[token_id] if 0 <= token_id < self.size else ""
 
 
 def version() -> str:
@@ -143,10 +146,18 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def allowed(matcher: llguidance.LLMatcher, vocab_size: int) -> np.ndarray:
-    """The matcher's mask as bool [vocab_size] (ids beyond its vocabulary are never allowed)."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    out = np.zeros(vocab_size, dtype=bool)
-    n = min(vocab_size, bits.size)
-    out[:n] = bits[:n].astype(bool)
-    return out
+class MaskExecutor:
+    """llguidance's thread pool that computes a step's masks for all constrained rows at once (the
+    Rust side drops the GIL and runs the rows in parallel, one thread per core torch uses)."""
+
+    def __init__(self, threads: int):
+        self.executor = llguidance.LLExecutor(num_threads=max(1, threads))
+
+
+def allowed(masks: MaskExecutor, matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """The matchers' next-token masks as bool [len(matchers), vocab_size] (ids beyond the matchers'
+    vocabulary are never allowed). A matcher that fails leaves its row empty and its error set."""
+    bits = allocate_token_bitmask(len(matchers), vocab_size)  # [G, ceil(V/32)] int32, bit j of word w: id 32w + j
+    fill_next_token_bitmask_par(masks.executor, [(m, g) for g, m in enumerate(matchers)], bits)
+    unpacked = (torch.from_numpy(bits).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [G, W, 32]
+    return unpacked.view(len(matchers), -1)[:, :vocab_size].bool()

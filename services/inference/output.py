@@ -17,7 +17,9 @@ from shared.errors import Fatal, KeelError, NumericalInstability
 from services.inference.admission import Ticket
 from services.inference.api import Finished, TokenEvent
 from services.inference.breaker import BreakerBoard, Policy
-from services.inference.sampling import clamp_temperature, pick, row_is_finite
+from services.inference.controls import Shaped, TokenLogprobs, logprobs, shape
+from services.inference.grammar import MaskExecutor
+from services.inference.sampling import Draw, Pick, clamp_logits, clamp_temperature, pick, row_is_finite
 from services.inference.schedule import Batch, Row
 from services.inference.stats import Counters
 
@@ -32,8 +34,9 @@ class Update:
 
 class OutputProcessor:
     def __init__(self, eos_token_ids: tuple[int, ...], counters: Counters, board: BreakerBoard,
-                 dtype_names: dict[str, str]):
+                 dtype_names: dict[str, str], masks: MaskExecutor):
         self.eos = eos_token_ids
+        self.masks = masks
         self.counters = counters
         self.board = board
         self.dtype_names = dtype_names  # runner name -> dtype served
@@ -41,7 +44,8 @@ class OutputProcessor:
     def update(self, batch: Batch, logits: torch.Tensor, policy: Policy) -> Update:
         out = Update()
         finite = row_is_finite(logits).tolist()
-        for row, lg, ok in zip(batch.rows, logits, finite):
+        ready: list[int] = []  # the batch's rows that sample a token this step
+        for i, (row, ok) in enumerate(zip(batch.rows, finite)):
             if not ok:
                 self._non_finite(row, len(batch.rows), out)
                 continue
@@ -49,7 +53,10 @@ class OutputProcessor:
                 row.prefilled += len(row.tokens)  # this step's chunk is in the cache now
                 if row.prefilling:
                     continue                      # more chunks to go: nothing to sample yet
-            self._advance(row, lg, policy, out)
+            ready.append(i)
+        if ready:
+            rows = [batch.rows[i] for i in ready]
+            self._advance(rows, logits if len(ready) == len(batch.rows) else logits[ready], policy, out)
         return out
 
     def _non_finite(self, row: Row, batch_size: int, out: Update) -> None:
@@ -63,22 +70,46 @@ class OutputProcessor:
             "the model produced non-finite logits for this input", reason="NON_FINITE_LOGITS",
             metadata={"request_id": req.request_id, "fingerprint": req.fingerprint, "step": row.step}), out)
 
-    def _advance(self, row: Row, logits: torch.Tensor, policy: Policy, out: Update) -> None:
-        req, ctl = row.ticket.req, row.ticket.controls
-        temperature = clamp_temperature(req.temperature, policy.temperature_cap)
+    def _advance(self, rows: list[Row], logits: torch.Tensor, policy: Policy, out: Update) -> None:
+        """Sample the rows' tokens from their logits [R, V] in one pass; if that pass fails, each row
+        again alone (the same bits: every operation is per row), so only a row that fails alone fails."""
         try:
-            p = pick(logits, temperature, req.top_p, req.top_k, row.ticket.seed, len(req.prompt_ids) + row.generated,
-                     policy.logit_clamp, ctl.scores if ctl is not None else None)
-            logprobs = ctl.logprobs(p.scores, p.token_id, temperature) if ctl is not None else None
-            ends = ctl is not None and ctl.accept(p.token_id)
-        except KeelError as err:  # the row's grammar gave out (its reason says so): this row only
-            self._fail(row, err, out)
-            return
-        except Exception as exc:  # a sampling bug fails this row only, never its batch-mates
-            log.exception("sampling failed", extra={"request_id": req.request_id, "step": row.step})
-            self._fail(row, Fatal(f"sampling failed: {type(exc).__name__}: {exc}", reason="SAMPLING_FAILED",
-                                  metadata={"request_id": req.request_id, "step": row.step}), out)
-            return
+            results = self._sample(rows, logits, policy)
+        except Exception:
+            results = []
+            for r, row in enumerate(rows):
+                try:
+                    results += self._sample([row], logits[r:r + 1], policy)
+                except Exception as exc:
+                    req = row.ticket.req
+                    log.exception("sampling failed", extra={"request_id": req.request_id, "step": row.step})
+                    results.append(Fatal(f"sampling failed: {type(exc).__name__}: {exc}", reason="SAMPLING_FAILED",
+                                         metadata={"request_id": req.request_id, "step": row.step}))
+        for row, result in zip(rows, results):
+            if isinstance(result, Exception):
+                self._fail(row, result, out)
+                continue
+            try:
+                ends = row.ticket.controls is not None and row.ticket.controls.accept(result[0].token_id)
+            except KeelError as err:  # the row's grammar gave out (its reason says so): this row only
+                self._fail(row, err, out)
+                continue
+            self._emit(row, *result, ends, out)
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor, policy: Policy) -> list[tuple[Pick, TokenLogprobs | None]
+                                                                                    | KeelError]:
+        ctls = [row.ticket.controls for row in rows]
+        temperatures = [clamp_temperature(row.ticket.req.temperature, policy.temperature_cap) for row in rows]
+        logits = clamp_logits(logits, policy.logit_clamp)
+        shaped = shape(ctls, logits, self.masks) if any(ctls) else Shaped(logits)
+        picks = pick(logits, [Draw(t, row.ticket.req.top_p, row.ticket.req.top_k, row.ticket.seed,
+                                   len(row.ticket.req.prompt_ids) + row.generated)
+                              for row, t in zip(rows, temperatures)], shaped.scores)
+        lps = logprobs(ctls, shaped.scores, [p.token_id for p in picks], temperatures) if any(ctls) else [None] * len(rows)
+        return [shaped.errors.get(r) or (p, lp) for r, (p, lp) in enumerate(zip(picks, lps))]
+
+    def _emit(self, row: Row, p: Pick, logprobs: TokenLogprobs | None, ends: bool, out: Update) -> None:
+        req = row.ticket.req
         if row.generated == 0:
             row.first_token_at = time.monotonic()
         row.generated += 1

@@ -1,4 +1,4 @@
-"""Pick the next token of one row: greedy or seeded sampling, with logprob and predictive entropy.
+"""Pick each row's next token: greedy or seeded sampling, with logprob and predictive entropy.
 
 Sampling carries no random state between steps: the draw for the token at absolute position `position`
 of a request seeded `seed` is a pure function of (seed, position) and the logits. A counter-based hash
@@ -15,7 +15,7 @@ sampling settings.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,11 +27,22 @@ _MUL2 = np.uint64(0x94D049BB133111EB)
 
 
 @dataclass(frozen=True)
+class Draw:
+    """How one row draws its next token; `position` is the absolute position of the token being
+    drawn (prompt length + its completion index)."""
+
+    temperature: float  # 0: greedy (lowest id on ties)
+    top_p: float
+    top_k: int
+    seed: int
+    position: int
+
+
+@dataclass(frozen=True)
 class Pick:
     token_id: int
     logprob: float
     entropy: float
-    scores: torch.Tensor  # what the token was drawn from (the logits, or what `shape` made of them)
 
 
 def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
@@ -39,25 +50,29 @@ def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits).all(dim=-1)
 
 
-def pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int,
-         clamp: float | None = None, shape: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Pick:
-    """Choose a token from finite float32 logits [V]; temperature 0 means greedy (lowest id on ties).
+def clamp_logits(logits: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """The breaker's clamp of the logits to [-clamp, clamp] (None: unchanged)."""
+    return logits if clamp is None else logits.clamp(-clamp, clamp)
 
-    `position` is the absolute position of the token being drawn (prompt length + its completion index).
-    `shape` (the row's generation controls: penalties, the grammar's mask) turns the clamped logits
-    into the scores the token is drawn from; some may be -inf, never all. logprob and entropy stay
-    those of the model's distribution.
+
+def pick(logits: torch.Tensor, draws: Sequence[Draw], scores: torch.Tensor | None = None) -> list[Pick]:
+    """Choose each row's token from finite float32 logits [R, V] (already clamped).
+
+    `scores` [R, V] (the rows' generation controls applied to the logits: penalties, the grammar's
+    mask; some may be -inf, never all of a row) are what the tokens are drawn from; None: the
+    logits. logprob and entropy stay those of the model's distribution. Every operation works
+    per row (element-wise, or per-row kernels along V; each row's entropy is summed alone), so a
+    row's pick never depends on the other rows.
     """
-    if clamp is not None:
-        logits = logits.clamp(-clamp, clamp)
+    scores = logits if scores is None else scores
     logp = torch.log_softmax(logits, dim=-1)
-    entropy = float(-(logp.exp() * logp).sum())
-    scores = shape(logits) if shape is not None else logits
-    if temperature <= 0.0:
-        token = int(torch.argmax(scores))
-    else:
-        token = _sample(scores, temperature, top_p, top_k, seed, position)
-    return Pick(token, float(logp[token]), max(0.0, entropy), scores)
+    plogp = -(logp.exp() * logp)
+    greedy = scores.argmax(dim=-1).tolist() if any(d.temperature <= 0.0 for d in draws) else []
+    tokens = [greedy[r] if d.temperature <= 0.0 else _sample(scores[r], d.temperature, d.top_p, d.top_k, d.seed,
+                                                              d.position)
+              for r, d in enumerate(draws)]
+    chosen = logp[torch.arange(len(draws)), torch.tensor(tokens)].tolist()
+    return [Pick(t, lp, max(0.0, float(plogp[r].sum()))) for r, (t, lp) in enumerate(zip(tokens, chosen))]
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from services.inference.forward import LlamaRunner
 from services.inference.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
 from services.inference.model import convert_model, model_dtype
-from services.inference.sampling import pick
+from services.inference.sampling import Draw, pick
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,11 @@ def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str)
     with PeakMeter(device) as forward:
         logits = runner.prefill(ids, cache)
     with PeakMeter(device) as sample:
-        first = pick(logits, 1.0, 0.9, 0, 0, prompt_tokens)
+        first = pick(logits[None], [Draw(1.0, 0.9, 0, 0, prompt_tokens)])[0]
     del logits
     t0 = time.perf_counter()
     with PeakMeter(device) as decode:
-        pick(runner.decode([first.token_id], [cache])[0], 1.0, 0.9, 0, 0, prompt_tokens + 1)
+        pick(runner.decode([first.token_id], [cache]), [Draw(1.0, 0.9, 0, 0, prompt_tokens + 1)])
     step_s = time.perf_counter() - t0
     cache.release()
     return Probe(prompt_tokens, max_tokens, cache_bytes=cache_bytes, prefill_peak=forward.peak,

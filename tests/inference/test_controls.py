@@ -14,8 +14,8 @@ import torch
 from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
-from services.inference.controls import RowControls
-from services.inference.grammar import GrammarLimits, Grammars, Vocabulary
+from services.inference.controls import RowControls, shape
+from services.inference.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -47,7 +47,7 @@ def test_penalties_follow_their_definitions(vocab):
     # prompt and answer tokens divided (positive) or multiplied (negative) by 2; answer tokens
     # then lose 0.5 per occurrence and 0.25 once
     expected = torch.tensor([1.0, -2.0, 0.5, 1.5 - 1.0 - 0.25, -4.0 - 0.5 - 0.25])
-    assert torch.equal(row.scores(logits), expected)
+    assert torch.equal(shape([row], logits[None], MaskExecutor(1)).scores[0], expected)
     assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0]))  # the batch's row is left alone
 
 

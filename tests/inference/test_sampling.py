@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.inference.api import FaultSpec
-from services.inference.sampling import gumbel, pick, row_is_finite
+from services.inference.sampling import Draw, clamp_logits, gumbel, pick, row_is_finite
 from shared.errors import NotReady
 from tests.inference.helpers import collect, ids, prompt, request
 
@@ -18,9 +18,14 @@ def logits_fixture() -> torch.Tensor:
     return torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0])
 
 
+def pick1(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int):
+    """One row's pick: logits [V]."""
+    return pick(logits[None], [Draw(temperature, top_p, top_k, seed, position)])[0]
+
+
 def test_greedy_takes_the_lowest_id_among_ties_and_reports_logprob_and_entropy():
     logits = logits_fixture()
-    p = pick(logits, 0.0, 1.0, 0, 0, 0)
+    p = pick1(logits, 0.0, 1.0, 0, 0, 0)
     logp = torch.log_softmax(logits, -1)
     assert p.token_id == 1
     assert p.logprob == pytest.approx(float(logp[1]))
@@ -29,46 +34,46 @@ def test_greedy_takes_the_lowest_id_among_ties_and_reports_logprob_and_entropy()
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     for pos in range(20):
-        assert pick(logits_fixture(), 1.0, 1.0, 1, 0, pos).token_id == 1
-        assert pick(logits_fixture(), 1.0, 1e-6, 0, 0, pos).token_id == 1
+        assert pick1(logits_fixture(), 1.0, 1.0, 1, 0, pos).token_id == 1
+        assert pick1(logits_fixture(), 1.0, 1e-6, 0, 0, pos).token_id == 1
 
 
 def test_top_k_restricts_the_support():
-    seen = {pick(logits_fixture(), 10.0, 1.0, 3, 1, pos).token_id for pos in range(300)}
+    seen = {pick1(logits_fixture(), 10.0, 1.0, 3, 1, pos).token_id for pos in range(300)}
     assert seen == {1, 2, 3}
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # probabilities ~ [0.5, 0.3, 0.2]: top_p 0.75 keeps the first two only.
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
-    seen = {pick(logits, 1.0, 0.75, 0, 2, pos).token_id for pos in range(300)}
+    seen = {pick1(logits, 1.0, 0.75, 0, 2, pos).token_id for pos in range(300)}
     assert seen == {0, 1}
 
 
 def test_sampling_follows_the_distribution_across_positions_and_across_seeds():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     target = torch.tensor([0.7, 0.2, 0.1])
-    by_position = torch.tensor([pick(logits, 1.0, 1.0, 0, 3, pos).token_id for pos in range(3000)])
-    by_seed = torch.tensor([pick(logits, 1.0, 1.0, 0, seed, 7).token_id for seed in range(3000)])
+    by_position = torch.tensor([pick1(logits, 1.0, 1.0, 0, 3, pos).token_id for pos in range(3000)])
+    by_seed = torch.tensor([pick1(logits, 1.0, 1.0, 0, seed, 7).token_id for seed in range(3000)])
     for draws in (by_position, by_seed):
         assert (torch.bincount(draws, minlength=3).float() / 3000 - target).abs().max() < 0.04
 
 
 def test_temperature_scales_the_distribution():
     logits = torch.log(torch.tensor([0.6, 0.4]))
-    hot = sum(pick(logits, 50.0, 1.0, 0, 4, pos).token_id for pos in range(2000)) / 2000
-    cold = sum(pick(logits, 0.05, 1.0, 0, 4, pos).token_id for pos in range(2000)) / 2000
+    hot = sum(pick1(logits, 50.0, 1.0, 0, 4, pos).token_id for pos in range(2000)) / 2000
+    cold = sum(pick1(logits, 0.05, 1.0, 0, 4, pos).token_id for pos in range(2000)) / 2000
     assert abs(hot - 0.5) < 0.04 and cold < 0.01
 
 
 def test_a_draw_is_a_pure_function_of_seed_position_and_logits():
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(0))
-    forward = [pick(logits, 1.0, 0.95, 50, 99, pos).token_id for pos in range(64)]
-    backward = [pick(logits, 1.0, 0.95, 50, 99, pos).token_id for pos in reversed(range(64))][::-1]
+    forward = [pick1(logits, 1.0, 0.95, 50, 99, pos).token_id for pos in range(64)]
+    backward = [pick1(logits, 1.0, 0.95, 50, 99, pos).token_id for pos in reversed(range(64))][::-1]
     assert forward == backward                                     # no state carried from one draw to the next
-    assert pick(logits, 1.0, 0.95, 50, 99, 40).token_id == forward[40]  # one step recomputed alone
+    assert pick1(logits, 1.0, 0.95, 50, 99, 40).token_id == forward[40]  # one step recomputed alone
     assert len(set(forward)) > 5                                    # and the draws do vary with the position
-    assert forward != [pick(logits, 1.0, 0.95, 50, 100, pos).token_id for pos in range(64)]
+    assert forward != [pick1(logits, 1.0, 0.95, 50, 100, pos).token_id for pos in range(64)]
 
 
 def test_gumbel_noise_is_pure_and_distinct_per_index():
@@ -83,7 +88,7 @@ def test_gumbel_noise_is_pure_and_distinct_per_index():
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (5e-324, 0), (0.9, 2**31), (1.0, 1)])
 def test_extreme_valid_parameters_always_give_a_token(temperature, top_p, top_k):
     logits = torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0, -80.0])
-    p = pick(logits, temperature, top_p, top_k, 2**63 - 1, 2**31)
+    p = pick1(logits, temperature, top_p, top_k, 2**63 - 1, 2**31)
     assert 0 <= p.token_id < 6 and math.isfinite(p.logprob)
     if temperature < 1e-40 or top_k == 1 or top_p < 1e-300:
         assert p.token_id in (1, 3)                                # a vanishing temperature is greedy
@@ -91,7 +96,7 @@ def test_extreme_valid_parameters_always_give_a_token(temperature, top_p, top_k)
 
 def test_clamp_applies_to_reported_logprob():
     logits = torch.tensor([100.0, 0.0])
-    assert pick(logits, 0.0, 1.0, 0, 0, 0, clamp=1.0).logprob == pytest.approx(-math.log1p(math.exp(-1)))
+    assert pick1(clamp_logits(logits, 1.0), 0.0, 1.0, 0, 0, 0).logprob == pytest.approx(-math.log1p(math.exp(-1)))
 
 
 def test_row_is_finite_flags_only_the_bad_rows():
