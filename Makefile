@@ -32,7 +32,7 @@ gen/.stamp: $(PROTOS) .venv/.stamp
 
 model: var/model/keel-source.json
 var/model/keel-source.json: .venv/.stamp
-	$(PY) -m services.inference.modelcache --out var/model
+	$(PY) -m services.inference.model.modelcache --out var/model
 
 # The LoRA adapters the tests and the demo register (training/adapters.py: PEFT on the model, fixed
 # seeds; cached under var/adapters-src, kept while their inputs match). About 10 CPU-minutes the first
@@ -46,11 +46,11 @@ adapters: model
 gate: model
 	$(PY) bench/gate_formats.py
 
-# Keel's C++ kernel of the gguf weight format (services/inference/kernels), built once per source hash
+# Keel's C++ kernel of the gguf weight format (services/inference/model/kernels), built once per source hash
 # under build/kernels/ (~20 s). A host that cannot build it still sets up: the inference stage then
 # serves another format and says why (the leading '-').
 kernels: .venv/.stamp
-	-$(PY) -m services.inference.kernels
+	-$(PY) -m services.inference.model.kernels
 
 # The compiler skips the work when var/vocab.kvoc already matches the GGUF and the format version.
 vocab: .venv/.stamp

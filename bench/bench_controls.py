@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from services.inference.controls import RowControls, logprobs, shape
-from services.inference.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
-from services.inference.grammar import Grammars, MaskExecutor, Vocabulary, version
-from services.inference.model import load_model, tiny_model
-from services.inference.sampling import Draw, pick
+from services.inference.engine.controls import RowControls, logprobs, shape
+from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
+from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary, version
+from services.inference.model.loader import load_model, tiny_model
+from services.inference.engine.sampling import Draw, pick
 from shared.controls import Controls, ResponseFormat
 
 MODEL = Path("var/model")

@@ -33,9 +33,9 @@ def one(fmt: str, threads: int) -> dict:
     import torch
 
     from services.inference import config as inf_config
-    from services.inference.engine import Engine
-    from services.inference.formats import decode_pass_s, invariant_sizes
-    from services.inference.model import load_model
+    from services.inference.engine.core import Engine
+    from services.inference.startup.formats import decode_pass_s, invariant_sizes
+    from services.inference.model.loader import load_model
 
     torch.set_num_threads(threads)
     cfg = inf_config.load()

@@ -1,5 +1,5 @@
 """The grammar engines side by side on SmolLM2's vocabulary: compile time and mask time per token of
-one JSON Schema, llguidance (what services/inference/grammar.py uses) against outlines-core.
+one JSON Schema, llguidance (what services/inference/engine/grammar.py uses) against outlines-core.
 
     make bench-deps    # outlines-core is a bench-only pin of requirements.lock
     .venv/bin/python bench/bench_grammar_engines.py [--reps 20]

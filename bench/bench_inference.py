@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.inference.engine import Engine, EngineConfig, GenerationRequest, TokenEvent
-from services.inference.model import load_model
-from services.inference.quant import QUANTIZED, quantize_linears
+from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
+from services.inference.model.loader import load_model
+from services.inference.model.quant import QUANTIZED, quantize_linears
 
 MODEL = Path("var/model")
 SUBJECTS = ["the moon", "photosynthesis", "the French revolution", "prime numbers", "volcanoes", "coffee",

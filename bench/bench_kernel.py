@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from services.inference.kernels import SUPPORTED_TYPES, load  # noqa: E402
+from services.inference.model.kernels import SUPPORTED_TYPES, load  # noqa: E402
 from shared.modelfile import gguf_path  # noqa: E402
 
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")

@@ -1,7 +1,7 @@
 """Decode step time of the block-pool forward pass (batched decode attention) against the per-row loop it
 replaced, on the real weights, 1 intra-op thread, each configuration in a fresh process.
 
-The per-row peer is `services/inference/forward.py` as it stands on the git ref given by --peer-ref
+The per-row peer is `services/inference/model/forward.py` as it stands on the git ref given by --peer-ref
 (default: the commit before the block pool), loaded from `git show` into a temporary file; every
 other module is this tree's. Rows have mixed context lengths (the pool pads their block tables to the
 longest one's). --pow2 adds a pool peer whose capacity is rounded up to a power of two blocks (the same
@@ -36,7 +36,7 @@ def contexts(batch: int) -> list[int]:
 def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str, steps: int) -> dict:
     import torch
 
-    from services.inference.model import load_model
+    from services.inference.model.loader import load_model
     torch.set_num_threads(1)
     if kind == "per-row":
         spec = importlib.util.spec_from_file_location("peer_forward", peer_file)
@@ -44,7 +44,7 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
         spec.loader.exec_module(module)
         runner = module.LlamaRunner(load_model(ROOT / "var/model", dtype=dtype))
     else:
-        from services.inference.forward import LlamaRunner
+        from services.inference.model.forward import LlamaRunner
 
         class Pow2Runner(LlamaRunner):
             """The engine's runner with the decode block tables padded further, to a power of two blocks."""
@@ -88,7 +88,7 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(**json.loads(args.worker))))
         return 0
-    old = subprocess.run(["git", "show", f"{args.peer_ref}:services/inference/forward.py"], cwd=ROOT,
+    old = subprocess.run(["git", "show", f"{args.peer_ref}:services/inference/model/forward.py"], cwd=ROOT,
                          check=True, capture_output=True, text=True).stdout
     if "class KvPool" in old or "kvpool" in old:
         sys.exit(f"{args.peer_ref} already has the block pool; give --peer-ref a commit before it")

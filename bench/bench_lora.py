@@ -57,7 +57,7 @@ def adapters(model, root: Path, args, count: int = ADAPTERS) -> list[Path]:
 def keel_steps(model, folders: list[Path], steps: int) -> tuple[list[float], list[float]]:
     """(base-only step times, mixed step times), measured alternately in one process so that load from
     other processes on the host weighs on both alike."""
-    from services.inference.forward import LlamaRunner, Segment
+    from services.inference.model.forward import LlamaRunner, Segment
     from tests.inference.test_lora_forward import load
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(ROWS)
@@ -98,11 +98,11 @@ def peft_steps(model, folders: list[Path], steps: int) -> list[float]:
 
 
 def warmup_cost(model, folders: list[Path]) -> dict:
-    from services.inference.forward import LlamaRunner
+    from services.inference.model.forward import LlamaRunner
     from services.inference.lora.registration import register
     from services.inference.lora.registry import LoraConfig
     from services.inference.lora.startup import check_adapters, running_base
-    from services.inference.warmcache import model_sha256
+    from services.inference.startup.warmcache import model_sha256
     sha = model_sha256(MODEL)
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(ROWS)
@@ -138,11 +138,11 @@ def stage_config(var: Path):
 
 def stage_setup(args, var: Path) -> None:
     """Register 2 adapters against the base the stage will run (float32) into the scratch registry."""
-    from services.inference.forward import LlamaRunner
+    from services.inference.model.forward import LlamaRunner
     from services.inference.lora.registration import register
     from services.inference.lora.startup import running_base
-    from services.inference.model import load_model
-    from services.inference.warmcache import model_sha256
+    from services.inference.model.loader import load_model
+    from services.inference.startup.warmcache import model_sha256
     cfg = stage_config(var)
     model = load_model(MODEL, "float32")
     runner = LlamaRunner(model)
@@ -154,8 +154,8 @@ def stage_setup(args, var: Path) -> None:
 
 def stage_start(var: Path) -> dict:
     """One start of the stage's engine, as the server does it; its phases and what the LoRA record gave."""
-    from services.inference.bootstrap import start_engine
-    from services.inference.warmcache import model_sha256
+    from services.inference.startup.bootstrap import start_engine
+    from services.inference.startup.warmcache import model_sha256
     seen = {}
 
     class Outcome(logging.Handler):
@@ -173,7 +173,7 @@ def stage_start(var: Path) -> dict:
 
 
 def run_peer(name: str, args) -> dict:
-    from services.inference.model import load_model
+    from services.inference.model.loader import load_model
     torch.set_num_threads(1)
     if name.startswith("stage"):
         if name == "stage-setup":

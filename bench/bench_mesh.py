@@ -29,9 +29,9 @@ from bench.bench_inference import SUBJECTS, FORMS, engine_for, machine  # noqa: 
 from keel.common.v1 import common_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl.ask import DEV_API_KEY  # noqa: E402
-from services.inference.engine import GenerationRequest, TokenEvent  # noqa: E402
-from services.inference.model import load_model  # noqa: E402
-from services.inference.torchthread import TorchThread  # noqa: E402
+from services.inference.engine.core import GenerationRequest, TokenEvent  # noqa: E402
+from services.inference.model.loader import load_model  # noqa: E402
+from services.inference.engine.torchthread import TorchThread  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 from services.validator.core import ValidatorCore  # noqa: E402
 from services.validator.output_pipeline import PipelineConfig  # noqa: E402
@@ -47,7 +47,7 @@ async def in_process(prompts: list[str], tokens: int) -> list[float]:
     tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
     tok.self_check()
     tok.warmup()
-    # All torch work on one thread, as the stage does (services/inference/torchthread.py says why).
+    # All torch work on one thread, as the stage does (services/inference/engine/torchthread.py says why).
     torch_thread = TorchThread()
     model = await torch_thread.run(load_model, ROOT / "var/model")
     engine = await torch_thread.run(lambda: engine_for(model, "cpu", "float32", eos_token_ids=(2,)))

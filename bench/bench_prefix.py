@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from services.inference.engine import Engine, EngineConfig, GenerationRequest
-from services.inference.model import load_model
+from services.inference.engine.core import Engine, EngineConfig, GenerationRequest
+from services.inference.model.loader import load_model
 
 PREFIX, SUFFIX = 300, 20
 

@@ -1,9 +1,9 @@
 """The quality gate of every weight format on the real model; stores the results the stage reads at start.
 
-Probe set: services/inference/gate_probes.json, the 200 chat prompts of bench/bench_inference.py
-(10 forms x 20 subjects, chat template) as token ids (services/inference/gateprobes.py). Every format
+Probe set: services/inference/startup/gate_probes.json, the 200 chat prompts of bench/bench_inference.py
+(10 forms x 20 subjects, chat template) as token ids (services/inference/startup/gateprobes.py). Every format
 reads the same sequences (teacher forcing) and is compared with float32 at each position from the
-first token of the user's text to the end of the assistant header (services/inference/gate.py).
+first token of the user's text to the end of the assistant header (services/inference/startup/gate.py).
 Results go to var/gate/<model sha256>.json (KEEL_VAR_DIR), where the stage's own gate at first start
 (formats.gate_at_start) stores them too; thresholds come from config/inference.yaml (formats.gate).
 
@@ -23,10 +23,10 @@ import torch  # noqa: E402
 
 from bench.bench_inference import MODEL, prompts  # noqa: E402
 from services.inference import config as inf_config  # noqa: E402
-from services.inference import gate, gateprobes  # noqa: E402
-from services.inference.formats import gate_path  # noqa: E402
-from services.inference.model import load_model, model_in_format  # noqa: E402
-from services.inference.warmcache import model_sha256  # noqa: E402
+from services.inference.startup import gate, gateprobes  # noqa: E402
+from services.inference.startup.formats import gate_path  # noqa: E402
+from services.inference.model.loader import load_model, model_in_format  # noqa: E402
+from services.inference.startup.warmcache import model_sha256  # noqa: E402
 
 PROBES = 200
 

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def child(dtype: str, case: str, steps: int) -> None:
     import torch
     sys.path.insert(0, str(ROOT))
-    from services.inference.forward import LlamaRunner
-    from services.inference.model import load_model
+    from services.inference.model.forward import LlamaRunner
+    from services.inference.model.loader import load_model
     torch.set_num_threads(2)
     if case == "after":
         float((torch.randn(4_000_000) * 2).sum())  # one parallel region on the main thread

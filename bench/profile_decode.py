@@ -20,9 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.bench_inference import machine  # noqa: E402
-from services.inference.forward import LlamaRunner  # noqa: E402
-from services.inference.memory import static_bytes  # noqa: E402
-from services.inference.model import load_model  # noqa: E402
+from services.inference.model.forward import LlamaRunner  # noqa: E402
+from services.inference.engine.memory import static_bytes  # noqa: E402
+from services.inference.model.loader import load_model  # noqa: E402
 
 
 def timed_ms(fn, steps: int) -> float:

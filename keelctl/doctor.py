@@ -4,7 +4,7 @@ something is wrong, what to do about it.
     keel doctor          exit 0: nothing blocks a start (warnings may remain); 1: something does
 
 Checks, in order: the CPU's flags (/proc/cpuinfo) and the weight formats they run and accelerate
-(the formats are services/inference/model.py's DTYPES; the configured engine.dtype must run here),
+(the formats are services/inference/model/loader.py's DTYPES; the configured engine.dtype must run here),
 the C++ compiler a format with a C++ kernel needs, free memory against the inference stage's
 engine.memory_budget_bytes, the mesh's ports (config/keel.yaml, and the feedback stage's
 rotation webhook) free, the Redis `keel up` starts
@@ -73,7 +73,7 @@ class Host:
         from keelctl.layout import load_layout
         from services.feedback import config as feedback_config
         from services.inference import config as inference_config
-        from services.inference.model import DTYPES
+        from services.inference.model.loader import DTYPES
         from services.validator import config as validator_config
         from shared.config import ROOT_DIR
         from services.tokenizer import config as tokenizer_config
@@ -96,7 +96,7 @@ def cpu_flags(host: Host) -> set[str]:
 def check_cpu(host: Host) -> list[Finding]:
     """One finding per weight format: whether it runs here and what accelerates it; only the
     configured engine.dtype failing to run blocks the start."""
-    from services.inference.model import check_dtype
+    from services.inference.model.loader import check_dtype
     from shared.errors import InvalidInput
 
     flags = cpu_flags(host)

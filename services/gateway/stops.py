@@ -2,7 +2,7 @@
 while a stop string may be starting.
 
 The inference stage ends generation at the token whose bytes complete a stop string
-(services/inference/controls.py); the text that token and its predecessors decode to holds that
+(services/inference/engine/controls.py); the text that token and its predecessors decode to holds that
 stop string, so the gateway finds it there too and cuts before it. While streaming, the longest
 tail of the text so far that is the start of some stop string is held back, and released with
 the next delta once what follows shows it is not one (or at the end of the answer).

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.inference.engine import EngineConfig
-from services.inference.formats import FormatsConfig
+from services.inference.engine.core import EngineConfig
+from services.inference.startup.formats import FormatsConfig
 from services.inference.lora.registry import LoraConfig
 from shared import config
 from shared.config import ROOT_DIR, ServerConfig

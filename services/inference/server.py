@@ -11,16 +11,16 @@ import grpc
 
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
-from services.inference import formats, gateprobes
-from services.inference.bootstrap import start_engine
-from services.inference import grammar
-from services.inference.engine import ENGINE_VERSION, Engine
-from services.inference.grammar import Vocabulary
-from services.inference.model import AUTO
+from services.inference.startup import formats, gateprobes
+from services.inference.startup.bootstrap import start_engine
+from services.inference.engine import grammar
+from services.inference.engine.core import ENGINE_VERSION, Engine
+from services.inference.engine.grammar import Vocabulary
+from services.inference.model.loader import AUTO
 from services.inference.servicer import InferenceServicer
-from services.inference.torchthread import TorchThread
-from services.inference import warmcache
-from services.inference.warmcache import model_sha256
+from services.inference.engine.torchthread import TorchThread
+from services.inference.startup import warmcache
+from services.inference.startup.warmcache import model_sha256
 from shared import metrics
 from shared.config import ConfigError, ServerConfig
 from shared.stages import SERVICE_NAMES

@@ -13,8 +13,8 @@ from opentelemetry import trace
 
 from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.inference.controls import TokenLogprobs
-from services.inference.engine import Engine, FaultSpec, Finished, GenerationRequest, TokenEvent
+from services.inference.engine.controls import TokenLogprobs
+from services.inference.engine.core import Engine, FaultSpec, Finished, GenerationRequest, TokenEvent
 from shared import errors, tracing
 from shared.controls import controls_of
 

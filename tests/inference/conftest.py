@@ -7,8 +7,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.inference.engine import Engine
-from services.inference.model import tiny_model
+from services.inference.engine.core import Engine
+from services.inference.model.loader import tiny_model
 from tests.inference.helpers import save_model, tiny_config
 
 # The tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine an

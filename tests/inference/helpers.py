@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.inference.engine import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
-from services.inference.kvpool import RowCache
+from services.inference.engine.core import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
+from services.inference.model.kvpool import RowCache
 
 # Long enough prompts that the tiny model's activations, not its fixed buffers, set the prefill peak.
 TINY_PROBES = (16, 256, 1024)
@@ -40,6 +40,16 @@ def clone_cache(cache: RowCache) -> RowCache:
     write_cache(copy, 0, *read_cache(cache, 0, cache.capacity))
     copy.length = cache.length
     return copy
+
+
+# What `auto` reports for a format that passed its gate and was then measured on this host: timed,
+# or refused for rows that are not batch-invariant here (aten's bfloat16 kernels are on some CPUs).
+MEASURED_VERDICTS = ("decode pass", "rows not batch-invariant", "a decode step gives a row other bits")
+
+
+def measured(reason: str, fmt: str) -> bool:
+    """True when `auto`'s reason shows `fmt` measured on the host, not stopped before (no gate result)."""
+    return any(f"{fmt}: {v}" in reason for v in MEASURED_VERDICTS)
 
 
 def tiny_config(**overrides) -> EngineConfig:

@@ -66,7 +66,7 @@ _TOKENIZER = None
 
 def base_of(model: torch.nn.Module, weights_sha256: str = "tiny-seed-0", fmt: str = "float32", runner=None):
     """A registry Base for an in-memory model: its calibrated runner, fingerprint fields, the probe set."""
-    from services.inference.forward import LlamaRunner
+    from services.inference.model.forward import LlamaRunner
     from services.inference.lora import fingerprint
     from services.inference.lora.probes import load_probe_set
     from services.inference.lora.registry import Base

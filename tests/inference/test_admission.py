@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from services.inference.api import FaultSpec
-from services.inference.engine import Engine, EngineConfig
+from services.inference.engine.api import FaultSpec
+from services.inference.engine.core import Engine, EngineConfig
 from shared.errors import InvalidInput, NotReady, Overloaded, PermissionDenied, PreconditionFailed
 from tests.inference.helpers import collect, prompt, request, tiny_config
 

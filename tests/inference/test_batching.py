@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services.inference.api import FaultSpec
+from services.inference.engine.api import FaultSpec
 from shared.errors import DeadlineExpired, InvalidInput
 from tests.inference.helpers import collect, ids, prompt, request
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from services.inference.api import FaultSpec
-from services.inference.breaker import BreakerBoard, BreakerConfig, TripRule
+from services.inference.engine.api import FaultSpec
+from services.inference.engine.breaker import BreakerBoard, BreakerConfig, TripRule
 from shared.errors import NotReady, NumericalInstability
 from tests.inference.helpers import collect, ids, prompt, request
 
@@ -103,7 +103,7 @@ def test_breakers_are_independent_and_the_highest_level_applies():
 def test_transitions_are_logged_with_their_cause(caplog):
     clock = FakeClock()
     b = board(clock)
-    caplog.set_level(logging.WARNING, logger="services.inference.breaker")
+    caplog.set_level(logging.WARNING, logger="services.inference.engine.breaker")
     b.record("timeout", "deadline")
     b.record("timeout", "deadline")
     rec = caplog.records[-1]

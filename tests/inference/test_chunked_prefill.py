@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.inference.api import TokenEvent
+from services.inference.engine.api import TokenEvent
 from tests.inference.helpers import collect, ids, prompt, request
 
 CHUNK = 64

@@ -14,8 +14,8 @@ import torch
 from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
-from services.inference.controls import RowControls, shape
-from services.inference.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
+from services.inference.engine.controls import RowControls, shape
+from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 

@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from services.inference.api import FaultSpec
-from services.inference.breaker import BreakerConfig, TripRule
-from services.inference.faults import RowFaults, is_oom
+from services.inference.engine.api import FaultSpec
+from services.inference.engine.breaker import BreakerConfig, TripRule
+from services.inference.engine.faults import RowFaults, is_oom
 from shared.errors import NumericalInstability, Overloaded
 from tests.inference.helpers import collect, ids, prompt, request
 
@@ -37,7 +37,7 @@ async def run_all(engine, reqs):
 async def test_nan_in_one_row_fails_it_alone(make_engine, caplog):
     engine = await make_engine(fault_injection_enabled=True)
     clean = await run_all(engine, batch())
-    caplog.set_level(logging.WARNING, logger="services.inference.output")
+    caplog.set_level(logging.WARNING, logger="services.inference.engine.output")
     faulty = await run_all(engine, batch(3, FaultSpec(nan_at_step=4)))
     for i, ((ref, _), (got, err)) in enumerate(zip(clean, faulty)):
         if i == 3:

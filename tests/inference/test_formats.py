@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.model import convert_model, model_dtype
-from services.inference.quant import Int4Linear, Int8Linear, quantize_linears
+from services.inference.model.loader import convert_model, model_dtype
+from services.inference.model.quant import Int4Linear, Int8Linear, quantize_linears
 from shared.errors import InvalidInput
 
 
@@ -16,8 +16,10 @@ def _linear(seed: int = 0, k: int = 256, n: int = 320) -> torch.nn.Linear:
     return lin.requires_grad_(False)
 
 
+# Keel's own weight-only modules. aten's bfloat16 Linear is left out: whether its rows are
+# batch-invariant depends on the CPU's kernels, so `auto` measures it on the host at hand
+# (test_formats_gate.py: a format whose step is not invariant is refused).
 FORMATS = {
-    "bfloat16": lambda lin: lin.to(torch.bfloat16),
     "int8": Int8Linear,
     "int4": Int4Linear,
 }
@@ -27,8 +29,7 @@ FORMATS = {
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_are_bitwise_the_same_alone_and_in_any_batch(fmt, threads):
     lin = FORMATS[fmt](_linear())
-    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
-    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(1))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

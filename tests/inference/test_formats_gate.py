@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference import formats, gate
-from services.inference.formats import FormatsConfig
-from services.inference.gate import GateResult, GateThresholds, Sequence
-from services.inference.model import convert_model, model_dtype
+from services.inference.startup import formats, gate
+from services.inference.startup.formats import FormatsConfig
+from services.inference.startup.gate import GateResult, GateThresholds, Sequence
+from services.inference.model.loader import convert_model, model_dtype
 from shared.config import ROOT_DIR, ConfigError
 from tests.inference.helpers import prompt, save_model
 
@@ -104,6 +104,18 @@ def test_auto_never_picks_a_format_that_fails_or_was_not_gated(var_dir, tiny):
     assert choice.format in ("float32", "int8") and model_dtype(model) == choice.format
     assert "int4 fails the quality gate" in choice.reason and "bfloat16 has no gate result" in choice.reason
     assert "decode pass" in choice.reason  # the eligible ones were timed
+
+
+def test_auto_refuses_a_passing_format_whose_step_is_not_batch_invariant_on_this_host(var_dir, tiny, monkeypatch):
+    # aten's bfloat16 GEMM is batch-invariant on some CPUs and not on others: auto measures it.
+    _store({"bfloat16": (0.01, 0.05, 0.97), "int8": (0.01, 0.05, 0.97)})
+    real = formats.step_invariant
+    monkeypatch.setattr(formats, "step_invariant", lambda model, device: model_dtype(model) != "bfloat16"
+                        and real(model, device))
+    cfg = FormatsConfig(auto_candidates=("float32", "bfloat16", "int8"))
+    choice, model = formats.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu", model_dir=Path("unused"))
+    assert choice.format != "bfloat16" and model_dtype(model) == choice.format
+    assert "bfloat16: a decode step gives a row other bits beside other rows than alone" in choice.reason
 
 
 def test_auto_with_only_quantized_candidates_that_pass_serves_one_of_them(var_dir, tiny):

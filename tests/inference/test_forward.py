@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.forward import LlamaRunner, Segment
-from services.inference.model import convert_model, load_model, model_dtype, tiny_model
+from services.inference.model.forward import LlamaRunner, Segment
+from services.inference.model.loader import convert_model, load_model, model_dtype, tiny_model
 from shared.errors import InvalidInput
 from tests.inference.helpers import prompt, read_cache
 

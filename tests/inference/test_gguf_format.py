@@ -12,12 +12,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
-from services.inference import blocks, formats, ggufindex
-from services.inference.engine import Engine
-from services.inference.formats import FormatsConfig
-from services.inference.forward import LlamaRunner
-from services.inference.memory import static_bytes
-from services.inference.model import check_dtype, convert_model, load_model, model_dtype
+from services.inference.model import blocks, ggufindex
+from services.inference.startup import formats
+from services.inference.engine.core import Engine
+from services.inference.startup.formats import FormatsConfig
+from services.inference.model.forward import LlamaRunner
+from services.inference.engine.memory import static_bytes
+from services.inference.model.loader import check_dtype, convert_model, load_model, model_dtype
 from shared.errors import InvalidInput
 from tests.inference.gguf_fixtures import write_tiny_gguf
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
@@ -151,9 +152,10 @@ def test_without_a_compiler_gguf_is_refused_and_auto_serves_another_format(tiny_
     script = f"""
 import json, sys, torch
 from pathlib import Path
-from services.inference import kernels, formats
-from services.inference.formats import FormatsConfig
-from services.inference.model import check_dtype, load_model
+from services.inference.model import kernels
+from services.inference.startup import formats
+from services.inference.startup.formats import FormatsConfig
+from services.inference.model.loader import check_dtype, load_model
 from shared.errors import InvalidInput
 kernels.CACHE_DIR = Path({str(tmp_path / 'kernels')!r})
 try:
@@ -182,7 +184,7 @@ def test_gguf_runs_on_cpu_only():
 
 
 def test_auto_can_choose_gguf_once_it_passed_the_gate(tiny, tiny_dir, tiny_gguf, monkeypatch, tmp_path):
-    from services.inference import gate
+    from services.inference.startup import gate
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
     reference = load_model(tiny_dir, "float32")
     [result] = gate.evaluate(reference, {"gguf": tiny_gguf}, _sequences())
@@ -195,5 +197,5 @@ def test_auto_can_choose_gguf_once_it_passed_the_gate(tiny, tiny_dir, tiny_gguf,
 
 
 def _sequences():
-    from services.inference.gate import Sequence
+    from services.inference.startup.gate import Sequence
     return [Sequence(tuple(prompt(s, 24)), 8) for s in range(6)]

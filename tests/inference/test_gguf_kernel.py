@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.inference.kernels import BLOCK, ISAS, SUPPORTED_TYPES, load
+from services.inference.model.kernels import BLOCK, ISAS, SUPPORTED_TYPES, load
 from shared.config import ROOT_DIR
 from shared.modelfile import gguf_path
 
@@ -197,7 +197,7 @@ def test_errors_are_clear(k):
 
 
 def test_a_later_process_loads_the_cached_build_quickly(k):
-    code = ("import time, torch; from services.inference.kernels import load; t = time.perf_counter(); "
+    code = ("import time, torch; from services.inference.model.kernels import load; t = time.perf_counter(); "
             "k = load(); print(time.perf_counter() - t, k.path)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT_DIR, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -6,12 +6,12 @@ import asyncio
 import pytest
 import torch
 
-from services.inference.admission import Admission, QueueLimits, Ticket
-from services.inference.api import FaultSpec
-from services.inference.forward import LlamaRunner
-from services.inference.kvpool import PAD_BLOCK, KvPool, PoolExhausted
-from services.inference.memory import MemoryModel
-from services.inference.model import convert_model
+from services.inference.engine.admission import Admission, QueueLimits, Ticket
+from services.inference.engine.api import FaultSpec
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.kvpool import PAD_BLOCK, KvPool, PoolExhausted
+from services.inference.engine.memory import MemoryModel
+from services.inference.model.loader import convert_model
 from shared.errors import NumericalInstability
 from tests.inference.helpers import collect, prompt, read_cache, request, write_cache
 

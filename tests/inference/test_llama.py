@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from services.inference.forward import LlamaRunner
-from services.inference.llama import LlamaConfig, load
-from services.inference.model import load_model, tiny_model
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.llama import LlamaConfig, load
+from services.inference.model.loader import load_model, tiny_model
 from shared.config import ROOT_DIR
 from shared.errors import InvalidInput
 from tests.inference.helpers import hf_twin, prompt, save_model
@@ -119,7 +119,7 @@ def test_the_serving_process_imports_neither_transformers_nor_the_compiler():
     """Both cost seconds of every restart: transformers (the model is llama.py's) and torch._inductor
     (which torch.use_deterministic_algorithms would import to set its own flag)."""
     code = ("import sys, torch, services.inference.server, shared.server\n"
-            "from services.inference.warmup import set_deterministic\n"
+            "from services.inference.engine.warmup import set_deterministic\n"
             "set_deterministic('cpu')\n"
             "print('transformers' in sys.modules, 'torch._inductor' in sys.modules,"
             " torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services.inference.engine import Engine
+from services.inference.engine.core import Engine
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
 from shared.errors import NotFound, PreconditionFailed

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from services.inference.forward import LlamaRunner, Segment
+from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.lora.peftconfig import parse
 from services.inference.lora.slots import LoraSlots, read_weights
 from tests.inference.helpers import clone_cache, prompt
@@ -118,7 +118,7 @@ def test_an_adapter_gives_the_same_bits_whatever_else_is_loaded(tiny, adapters, 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "gguf"])
 def test_adapters_on_other_weight_formats_stay_batch_invariant(tiny, adapters, fmt, tmp_path):
     """gguf: unmerged beside the quantized blocks, the LoRA term added to the fused projections' parts."""
-    from services.inference.model import convert_model, load_model
+    from services.inference.model.loader import convert_model, load_model
     from tests.inference.gguf_fixtures import write_tiny_gguf
     model = load_model(write_tiny_gguf(tiny, tmp_path), "gguf") if fmt == "gguf" else convert_model(tiny, fmt)
     r = LlamaRunner(model)

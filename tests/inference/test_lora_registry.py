@@ -11,7 +11,7 @@ import torch
 from services.inference.lora import manifest
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
-from services.inference.model import tiny_model
+from services.inference.model.loader import tiny_model
 from shared.errors import InvalidInput, NotFound, PreconditionFailed
 from tests.inference.lora_fixtures import base_of, make_adapter
 

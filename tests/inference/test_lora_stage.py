@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from services.inference import bootstrap, warmcache
+from services.inference.startup import bootstrap, warmcache
 from services.inference.config import InferenceConfig
-from services.inference.forward import LlamaRunner
+from services.inference.model.forward import LlamaRunner
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import running_base
-from services.inference.model import load_model
+from services.inference.model.loader import load_model
 from tests.inference.helpers import save_model, tiny_config
 from tests.inference.lora_fixtures import make_adapter
 

@@ -7,8 +7,8 @@ import psutil
 import pytest
 import torch
 
-from services.inference.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
-from services.inference.model import convert_model
+from services.inference.engine.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
+from services.inference.model.loader import convert_model
 from tests.inference.helpers import collect, prompt, request
 
 

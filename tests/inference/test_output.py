@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-import services.inference.sampling as sampling
+import services.inference.engine.sampling as sampling
 from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
-from services.inference.controls import RowControls, logprobs, shape
-from services.inference.grammar import Grammars, MaskExecutor, Vocabulary
-from services.inference.sampling import Draw, pick
+from services.inference.engine.controls import RowControls, logprobs, shape
+from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary
+from services.inference.engine.sampling import Draw, pick
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine import Engine
-from services.inference.model import load_model
+from services.inference.engine.core import Engine
+from services.inference.model.loader import load_model
 from tests.inference.helpers import collect, ids, request, tiny_config
 
 MODEL = Path("var/model")

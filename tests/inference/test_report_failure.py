@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from keel.inference.v1 import inference_pb2
-from services.inference.breaker import BreakerConfig, TripRule
+from services.inference.engine.breaker import BreakerConfig, TripRule
 from services.inference.servicer import InferenceServicer
 from shared import errors
 from shared.metrics import metrics_for

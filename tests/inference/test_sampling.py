@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.inference.api import FaultSpec
-from services.inference.sampling import Draw, clamp_logits, gumbel, pick, row_is_finite
+from services.inference.engine.api import FaultSpec
+from services.inference.engine.sampling import Draw, clamp_logits, gumbel, pick, row_is_finite
 from shared.errors import NotReady
 from tests.inference.helpers import collect, ids, prompt, request
 

@@ -1,11 +1,11 @@
 """The scheduler's plans: pure bookkeeping over queued, pending and running requests (no model)."""
 from __future__ import annotations
 
-from services.inference.admission import Admission, QueueLimits, Ticket
-from services.inference.breaker import Policy
-from services.inference.faults import RowFaults
-from services.inference.memory import MemoryModel
-from services.inference.schedule import Row, Scheduler, batch_cap
+from services.inference.engine.admission import Admission, QueueLimits, Ticket
+from services.inference.engine.breaker import Policy
+from services.inference.engine.faults import RowFaults
+from services.inference.engine.memory import MemoryModel
+from services.inference.engine.schedule import Row, Scheduler, batch_cap
 from tests.inference.helpers import prompt, request
 
 POLICY = Policy(level=0, temperature_cap=None, logit_clamp=None, max_batch_size=None, use_fallback=False,

@@ -2,10 +2,10 @@
 steps, the quality gate's probe count, the adapter checks; on the tiny model."""
 from __future__ import annotations
 
-from services.inference import bootstrap, warmcache
+from services.inference.startup import bootstrap, warmcache
 from services.inference.config import InferenceConfig
-from services.inference.formats import FormatsConfig
-from services.inference.gate import GateThresholds
+from services.inference.startup.formats import FormatsConfig
+from services.inference.startup.gate import GateThresholds
 from shared import stagestatus
 from tests.inference.helpers import tiny_config
 

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from services.inference.api import FaultSpec, TokenEvent
-from services.inference.breaker import BreakerConfig
-from services.inference.engine import Engine
-from services.inference.memory import static_bytes
-from services.inference.model import convert_model
-from services.inference.variants import Switch
+from services.inference.engine.api import FaultSpec, TokenEvent
+from services.inference.engine.breaker import BreakerConfig
+from services.inference.engine.core import Engine
+from services.inference.engine.memory import static_bytes
+from services.inference.model.loader import convert_model
+from services.inference.engine.variants import Switch
 from shared.errors import InvalidInput, NotReady
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference import bootstrap, warmcache
+from services.inference.startup import bootstrap, warmcache
 from services.inference.config import InferenceConfig
-from services.inference.formats import FormatsConfig
+from services.inference.startup.formats import FormatsConfig
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 

@@ -17,7 +17,7 @@ from keelctl import doctor
 from keelctl.doctor import FAIL, OK, WARN, Host
 from keelctl.layout import Layout, RedisLayout, StageLayout, StagesLayout
 from services.inference.config import InferenceConfig
-from services.inference.engine import EngineConfig
+from services.inference.engine.core import EngineConfig
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from keelctl.main import main
-from services.inference.model import tiny_model
+from services.inference.model.loader import tiny_model
 from tests.inference.helpers import save_model
 from tests.inference.lora_fixtures import make_adapter
 
@@ -85,11 +85,11 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
 
     from keel.inference.v1 import inference_pb2_grpc
     from prometheus_client import CollectorRegistry
-    from services.inference.engine import Engine
+    from services.inference.engine.core import Engine
     from services.inference.lora.registry import LoraConfig, load_registry
     from services.inference.lora.startup import running_base
     from services.inference.servicer import InferenceServicer
-    from services.inference.warmcache import model_sha256
+    from services.inference.startup.warmcache import model_sha256
     from shared.metrics import metrics_for
     from tests.conftest import free_port
     from tests.inference.helpers import tiny_config

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from services.inference.forward import LlamaRunner, Segment
+from services.inference.model.forward import LlamaRunner, Segment
 
 PROBES_FILE = Path(__file__).with_name("probes.json")
 TOP_K = 64

@@ -27,7 +27,7 @@ from shared import adapters
 from shared.config import var_dir
 from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
 
-from services.inference.forward import LlamaRunner
+from services.inference.model.forward import LlamaRunner
 from services.inference.jsonfile import write_json
 from services.inference.lora import fingerprint, manifest, peftconfig, probes, startcache
 from services.inference.lora.manifest import Manifest

@@ -13,7 +13,7 @@ from shared import stagestatus
 from shared.config import ROOT_DIR
 from shared.errors import KeelError
 
-from services.inference.forward import LlamaRunner
+from services.inference.model.forward import LlamaRunner
 from services.inference.lora import fingerprint
 from services.inference.lora.probes import load_probe_set
 from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions

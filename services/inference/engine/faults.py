@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from services.inference.api import FaultSpec
+from services.inference.engine.api import FaultSpec
 
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "failed to allocate", "cannot allocate memory")
 

@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.inference.kvpool import KvPool
+from services.inference.model.kvpool import KvPool
 
 
 @dataclass(frozen=True)

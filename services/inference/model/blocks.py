@@ -16,7 +16,7 @@ attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding. Ea
 its query/key/value blocks as one [Nq + Nk + Nv, ...] matrix (`self_attn.qkv`) and gate/up as one
 (`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj and up_proj as row views of them: forward.py
 runs one kernel call for each fused matrix. The kernel's order per output element depends only on
-K (services/inference/kernels), so a fused call gives the bits of the separate ones.
+K (services/inference/model/kernels), so a fused call gives the bits of the separate ones.
 
 llama.cpp stores the query and key rows of each head interleaved for its rotary layout
 (convert_hf_to_gguf.py's permute); the loader puts them back in the reference's order.
@@ -32,8 +32,8 @@ from torch import nn
 
 from shared.errors import InvalidInput
 
-from services.inference import ggufindex, kernels, llama
-from services.inference.llama import LlamaConfig, LlamaForCausalLM
+from services.inference.model import ggufindex, kernels, llama
+from services.inference.model.llama import LlamaConfig, LlamaForCausalLM
 
 FORMAT = "gguf"
 F32 = 0  # ggml type id of float32 tensors (the norms)

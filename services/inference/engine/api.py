@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from shared.controls import Controls, check_controls, check_max_tokens
 from shared.errors import InvalidInput, PermissionDenied
 
-from services.inference.controls import TokenLogprobs
+from services.inference.engine.controls import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -19,19 +19,19 @@ from types import MappingProxyType
 
 from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
 
-from services.inference.admission import Ticket
-from services.inference.api import TokenEvent
-from services.inference.breaker import BreakerBoard, Policy
-from services.inference.faults import RowFaults, is_oom
-from services.inference.memory import MemoryModel, PeakMeter
-from services.inference.oom import OomPolicy
-from services.inference.output import OutputProcessor
-from services.inference.prefix import PrefixCache, PrefixStats
-from services.inference.runner import ModelRunner
-from services.inference.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
-from services.inference.stats import Counters, EngineStats, MemoryStats
-from services.inference.torchthread import TorchThread
-from services.inference.variants import PRIMARY, Switch
+from services.inference.engine.admission import Ticket
+from services.inference.engine.api import TokenEvent
+from services.inference.engine.breaker import BreakerBoard, Policy
+from services.inference.engine.faults import RowFaults, is_oom
+from services.inference.engine.memory import MemoryModel, PeakMeter
+from services.inference.engine.oom import OomPolicy
+from services.inference.engine.output import OutputProcessor
+from services.inference.engine.prefix import PrefixCache, PrefixStats
+from services.inference.engine.runner import ModelRunner
+from services.inference.engine.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
+from services.inference.engine.stats import Counters, EngineStats, MemoryStats
+from services.inference.engine.torchthread import TorchThread
+from services.inference.engine.variants import PRIMARY, Switch
 
 log = logging.getLogger(__name__)
 

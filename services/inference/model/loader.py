@@ -19,9 +19,9 @@ import torch
 
 from shared.errors import InvalidInput
 
-from services.inference import blocks, kernels, llama
-from services.inference.llama import LlamaConfig
-from services.inference.quant import QUANTIZED, quantize_linears, weight_format
+from services.inference.model import blocks, kernels, llama
+from services.inference.model.llama import LlamaConfig
+from services.inference.model.quant import QUANTIZED, quantize_linears, weight_format
 
 DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED + (blocks.FORMAT,)
 # Formats whose models cannot be converted to another format: the others are loaded from the files.

@@ -1,11 +1,11 @@
 """Build (or find cached) Keel's CPU kernels and print the paths this host runs.
 
-    python -m services.inference.kernels     # exit status 1, with the reason, when unavailable
+    python -m services.inference.model.kernels     # exit status 1, with the reason, when unavailable
 """
 import sys
 import time
 
-from services.inference.kernels import KernelUnavailable, load
+from services.inference.model.kernels import KernelUnavailable, load
 
 t0 = time.perf_counter()
 try:

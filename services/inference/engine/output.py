@@ -14,14 +14,14 @@ import torch
 
 from shared.errors import Fatal, KeelError, NumericalInstability
 
-from services.inference.admission import Ticket
-from services.inference.api import Finished, TokenEvent
-from services.inference.breaker import BreakerBoard, Policy
-from services.inference.controls import Shaped, TokenLogprobs, logprobs, shape
-from services.inference.grammar import MaskExecutor
-from services.inference.sampling import Draw, Pick, clamp_logits, clamp_temperature, pick, row_is_finite
-from services.inference.schedule import Batch, Row
-from services.inference.stats import Counters
+from services.inference.engine.admission import Ticket
+from services.inference.engine.api import Finished, TokenEvent
+from services.inference.engine.breaker import BreakerBoard, Policy
+from services.inference.engine.controls import Shaped, TokenLogprobs, logprobs, shape
+from services.inference.engine.grammar import MaskExecutor
+from services.inference.engine.sampling import Draw, Pick, clamp_logits, clamp_temperature, pick, row_is_finite
+from services.inference.engine.schedule import Batch, Row
+from services.inference.engine.stats import Counters
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.inference.kvpool import PAD_BLOCK, KvPool, RowCache
-from services.inference.llama import rotate_half
+from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
+from services.inference.model.llama import rotate_half
 from services.inference.lora.slots import NO_LORA, LoraSlots
-from services.inference.model import model_dtype, residual_dtype
+from services.inference.model.loader import model_dtype, residual_dtype
 
 
 @dataclass

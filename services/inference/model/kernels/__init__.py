@@ -1,6 +1,6 @@
 """Keel's CPU kernels: matmul over GGUF-quantized weight blocks (``gguf_mm.cpp``).
 
-    from services.inference.kernels import load, KernelUnavailable, SUPPORTED_TYPES
+    from services.inference.model.kernels import load, KernelUnavailable, SUPPORTED_TYPES
     k = load()                  # builds on first use, then loads the cached library
     y = k.matmul(x, w, 3, n)    # x [M, K] float32, w [n, K/32*20] uint8 Q4_1 blocks -> y [M, n]
 
@@ -8,7 +8,7 @@ The library is compiled once per source (torch.utils.cpp_extension, -O3, no -mar
 SIMD paths are chosen at run time) and cached under ``ROOT_DIR/build/kernels/<hash>/``, the hash
 covering the source, the flags and the torch version. A build happens in a private temporary folder
 that is renamed into place, so two processes building at once cannot leave a half-written cache; a
-later process only loads the ``.so``. ``python -m services.inference.kernels`` builds it ahead of time.
+later process only loads the ``.so``. ``python -m services.inference.model.kernels`` builds it ahead of time.
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.inference.forward import LlamaRunner
-from services.inference.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
-from services.inference.model import convert_model, model_dtype
-from services.inference.sampling import Draw, pick
+from services.inference.model.forward import LlamaRunner
+from services.inference.engine.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
+from services.inference.model.loader import convert_model, model_dtype
+from services.inference.engine.sampling import Draw, pick
 
 log = logging.getLogger(__name__)
 

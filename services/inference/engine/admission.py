@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
 
-from services.inference.api import GenerationRequest, TokenEvent
-from services.inference.controls import RowControls
-from services.inference.memory import MemoryModel
+from services.inference.engine.api import GenerationRequest, TokenEvent
+from services.inference.engine.controls import RowControls
+from services.inference.engine.memory import MemoryModel
 
 
 @dataclass(frozen=True)

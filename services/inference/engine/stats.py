@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from services.inference.breaker import BreakerState
-from services.inference.memory import MemoryModel
-from services.inference.prefix import PrefixStats
+from services.inference.engine.breaker import BreakerState
+from services.inference.engine.memory import MemoryModel
+from services.inference.engine.prefix import PrefixStats
 
 
 def _empty() -> Mapping:

@@ -23,7 +23,7 @@ import torch
 from shared.controls import MAX_TOP_LOGPROBS, Controls
 from shared.errors import InvalidInput, KeelError
 
-from services.inference.grammar import MaskExecutor, Vocabulary, allowed
+from services.inference.engine.grammar import MaskExecutor, Vocabulary, allowed
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.inference.llama import unfilled
+from services.inference.model.llama import unfilled
 
 PAD_BLOCK = 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shared.config import ConfigError
 
-from services.inference.gate import Sequence
+from services.inference.startup.gate import Sequence
 
 PROBES_FILE = Path(__file__).with_name("gate_probes.json")
 ABOUT = ("The quality gate's probe set (docs/inference-formats.md): the chat prompts of bench/bench_inference.py "
@@ -25,7 +25,7 @@ ABOUT = ("The quality gate's probe set (docs/inference-formats.md): the chat pro
 
 def describe(n: int) -> str:
     """How a stored gate result was measured (the `probe_set` of var/gate/<model sha256>.json)."""
-    return (f"{n} chat prompts of services/inference/gate_probes.json, teacher-forced, "
+    return (f"{n} chat prompts of services/inference/startup/gate_probes.json, teacher-forced, "
             "scored from the user's text to the assistant header")
 
 

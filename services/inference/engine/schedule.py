@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from shared.errors import DeadlineExpired
 
-from services.inference.admission import Admission, Ticket
-from services.inference.breaker import Policy
-from services.inference.faults import RowFaults
-from services.inference.kvpool import RowCache
+from services.inference.engine.admission import Admission, Ticket
+from services.inference.engine.breaker import Policy
+from services.inference.engine.faults import RowFaults
+from services.inference.model.kvpool import RowCache
 
 
 @dataclass(eq=False)

@@ -15,13 +15,14 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from services.inference import blocks, formats, gate, startgate, warmcache
+from services.inference.model import blocks
+from services.inference.startup import formats, gate, startgate, warmcache
 from services.inference.config import InferenceConfig
-from services.inference.engine import ENGINE_VERSION, Engine
+from services.inference.engine.core import ENGINE_VERSION, Engine
 from services.inference.lora.startup import check_adapters
-from services.inference.model import AUTO, FROM_FILE_ONLY, load_model
-from services.inference.warmcache import WarmRecord
-from services.inference.warmup import set_deterministic
+from services.inference.model.loader import AUTO, FROM_FILE_ONLY, load_model
+from services.inference.startup.warmcache import WarmRecord
+from services.inference.engine.warmup import set_deterministic
 from shared import stagestatus
 
 log = logging.getLogger(__name__)

@@ -25,26 +25,26 @@ import torch
 from shared.controls import Controls, check_controls
 from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
 
-from services.inference.admission import Admission, QueueLimits, Ticket
-from services.inference.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
-from services.inference.breaker import BreakerBoard, BreakerConfig
-from services.inference.controls import RowControls
-from services.inference.faults import FaultInjectingRunner
-from services.inference.forward import LlamaRunner
-from services.inference.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
+from services.inference.engine.admission import Admission, QueueLimits, Ticket
+from services.inference.engine.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
+from services.inference.engine.breaker import BreakerBoard, BreakerConfig
+from services.inference.engine.controls import RowControls
+from services.inference.engine.faults import FaultInjectingRunner
+from services.inference.model.forward import LlamaRunner
+from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from services.inference.lora.registry import AdapterTable
-from services.inference.loop import LoopSettings, StepLoop
-from services.inference.memory import MemoryModel
-from services.inference.model import check_dtype, model_dtype
-from services.inference.oom import OomPolicy
-from services.inference.output import OutputProcessor
-from services.inference.prefix import PrefixCache
-from services.inference.runner import ModelRunner
-from services.inference.schedule import Scheduler, batch_cap
-from services.inference.stats import Counters, EngineStats
-from services.inference.torchthread import TorchThread
-from services.inference.variants import NAME, PRIMARY, Switch
-from services.inference.warmup import Calibration, build_runners, measure_memory, set_deterministic
+from services.inference.engine.loop import LoopSettings, StepLoop
+from services.inference.engine.memory import MemoryModel
+from services.inference.model.loader import check_dtype, model_dtype
+from services.inference.engine.oom import OomPolicy
+from services.inference.engine.output import OutputProcessor
+from services.inference.engine.prefix import PrefixCache
+from services.inference.engine.runner import ModelRunner
+from services.inference.engine.schedule import Scheduler, batch_cap
+from services.inference.engine.stats import Counters, EngineStats
+from services.inference.engine.torchthread import TorchThread
+from services.inference.engine.variants import NAME, PRIMARY, Switch
+from services.inference.engine.warmup import Calibration, build_runners, measure_memory, set_deterministic
 
 # Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
 # 2: runners (and their batch-invariant sizes) are keyed by weight format, no longer "primary"/"fallback".

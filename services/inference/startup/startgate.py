@@ -22,9 +22,9 @@ import torch
 from shared import stagestatus
 from shared.errors import InvalidInput
 
-from services.inference import gate, gateprobes
-from services.inference.formats import REFERENCE, FormatsConfig, gate_path
-from services.inference.model import check_dtype, model_in_format
+from services.inference.startup import gate, gateprobes
+from services.inference.startup.formats import REFERENCE, FormatsConfig, gate_path
+from services.inference.model.loader import check_dtype, model_in_format
 
 log = logging.getLogger(__name__)
 

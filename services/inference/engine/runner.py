@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.forward import LlamaRunner, RowCache, Segment
-from services.inference.schedule import Batch
+from services.inference.model.forward import LlamaRunner, RowCache, Segment
+from services.inference.engine.schedule import Batch
 
 
 class ModelRunner:

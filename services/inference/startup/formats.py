@@ -26,10 +26,10 @@ import torch
 from shared.config import ConfigError, var_dir
 from shared.errors import InvalidInput
 
-from services.inference import gate
-from services.inference.forward import LlamaRunner
-from services.inference.gate import GateResult, GateThresholds
-from services.inference.model import DTYPES, check_dtype, model_in_format, residual_dtype
+from services.inference.startup import gate
+from services.inference.model.forward import LlamaRunner
+from services.inference.startup.gate import GateResult, GateThresholds
+from services.inference.model.loader import DTYPES, check_dtype, model_in_format, residual_dtype
 
 log = logging.getLogger(__name__)
 
