@@ -7,7 +7,7 @@ NaN penalty into a batch either.
 Reasons: STOP_INVALID, REPETITION_PENALTY_OUT_OF_RANGE, FREQUENCY_PENALTY_OUT_OF_RANGE,
 PRESENCE_PENALTY_OUT_OF_RANGE, TOP_LOGPROBS_OUT_OF_RANGE, TOP_LOGPROBS_WITHOUT_LOGPROBS,
 CHOICE_INVALID, RESPONSE_FORMAT_TOO_LARGE (each with metadata `field`). Whether a JSON Schema or
-a regex compiles is the inference stage's to say (services/inference/grammar.py).
+a regex compiles is the inference stage's to say (services/inference/engine/grammar.py).
 """
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def save_perturbed_base(model, p: Perturbation, folder: Path) -> dict:
 
     with torch.no_grad():
         model.get_parameter(p.tensor).mul_(p.scale)
-    model.hf_quantizer = None  # plain float32 tensors, as services/inference/modelcache.py saves var/model
+    model.hf_quantizer = None  # plain float32 tensors, as services/inference/model/modelcache.py saves var/model
     model.save_pretrained(folder)
     return {"model.safetensors": sha256_file(folder / "model.safetensors")}
 
