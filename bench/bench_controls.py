@@ -7,10 +7,12 @@ ways, in turn: plain; every row constrained by a JSON Schema (llguidance compute
 in the step); every row with repetition/frequency/presence penalties and logprobs with 5
 alternatives. The decode step time of a run is the time from the batch's second token to its last,
 over the steps between (the prefill is left out). Ratios are of the fastest round of each (on a
-shared machine the fastest is the least disturbed one). The schema's string needs more tokens
+shared machine the fastest is the least disturbed one), and the median over rounds of each round's
+own ratio to the plain run just before it (less exposed to a slow drift of the host). The schema's string needs more tokens
 than the run generates, so no constrained row ends early.
 
-A second section times the controls' own work per step in process CPU time, away from the model:
+The same window is also timed in process CPU (all threads), which a busy hypervisor's stolen time
+does not inflate. A last section times the controls' own work per step in process CPU time, away from the model:
 sampling 16 rows from logits [16, V] plain, and with each kind's controls (the grammar's mask, the
 penalties, logprobs and their bookkeeping), over `--tokens` steps; it adds that to the fastest
 plain step for a ratio less exposed to other processes.
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -51,9 +54,10 @@ def cpu_flags() -> str:
     return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
 
 
-async def step_ms(engine: Engine, controls: Controls, batch: int, tokens: int, round_: int) -> float:
-    """Mean decode step (ms) of one batch run: second token to last, over the steps between."""
-    stamps: dict[int, float] = {}
+async def step_ms(engine: Engine, controls: Controls, batch: int, tokens: int, round_: int) -> tuple[float, float]:
+    """Mean decode step of one batch run, second token to last over the steps between: wall ms and
+    the process's CPU ms (every thread: the step loop's, torch's, llguidance's)."""
+    stamps: dict[int, tuple[float, float]] = {}
 
     async def one(i: int) -> None:
         req = GenerationRequest(request_id=f"r{round_}-{i}-{id(controls)}", prompt_ids=[1 + (i * 7919 + j * 104729)
@@ -61,11 +65,12 @@ async def step_ms(engine: Engine, controls: Controls, batch: int, tokens: int, r
                                 max_tokens=tokens, controls=controls)
         async for ev in engine.generate(req):
             if isinstance(ev, TokenEvent) and ev.index == 1:
-                stamps.setdefault(1, time.perf_counter())            # the first row's second token
+                stamps.setdefault(1, (time.perf_counter(), time.process_time()))  # the first row's second token
             elif isinstance(ev, TokenEvent) and ev.index == tokens - 1:
-                stamps[tokens - 1] = time.perf_counter()             # the last row's last token
+                stamps[tokens - 1] = (time.perf_counter(), time.process_time())   # the last row's last token
     await asyncio.gather(*(one(i) for i in range(batch)))
-    return (stamps[tokens - 1] - stamps[1]) / (tokens - 2) * 1e3
+    (w0, c0), (w1, c1) = stamps[1], stamps[tokens - 1]
+    return (w1 - w0) / (tokens - 2) * 1e3, (c1 - c0) / (tokens - 2) * 1e3
 
 
 async def controls_cpu_ms(vocab: Vocabulary, controls: Controls, batch: int, steps: int) -> float:
@@ -103,11 +108,13 @@ async def main() -> None:
     engine.install_vocabulary(vocab)
     await engine.start()
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu_times: dict[str, list[float]] = {k: [] for k in KINDS}
     for r in range(args.rounds + 1):  # round 0 warms up (and compiles the schema once)
         for name, controls in KINDS.items():
-            ms = await step_ms(engine, controls, args.batch, args.tokens, r)
+            ms, cpu_ms = await step_ms(engine, controls, args.batch, args.tokens, r)
             if r:
                 times[name].append(ms)
+                cpu_times[name].append(cpu_ms)
     await engine.stop(grace_s=1)
     cpu = {k: min([await controls_cpu_ms(vocab, c, args.batch, args.tokens) for _ in range(3)])
            for k, c in KINDS.items()}
@@ -115,8 +122,14 @@ async def main() -> None:
     print(f"model {'tiny' if args.tiny else MODEL}, batch {args.batch}, {args.tokens} tokens, {args.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}, {version()}")
     for name, ms in med.items():
+        paired = statistics.median(x / p for x, p in zip(times[name], times["plain"]))
         print(f"  {name:<20} decode step fastest {ms:8.2f} ms  (rounds: {', '.join(f'{x:.2f}' for x in times[name])})"
-              f"  ratio {ms / med['plain']:.3f}")
+              f"  ratio {ms / med['plain']:.3f}  median of per-round ratios {paired:.3f}")
+    fastest_cpu = {k: min(v) for k, v in cpu_times.items()}
+    print("the same steps in process CPU per step (a host's stolen time is not charged to the process):")
+    for name, ms in fastest_cpu.items():
+        print(f"  {name:<20} {ms:8.2f} ms  (rounds: {', '.join(f'{x:.1f}' for x in cpu_times[name])})"
+              f"  ratio {ms / fastest_cpu['plain']:.3f}")
     print(f"sampling {args.batch} rows alone, process CPU per step (fastest of 3), added to the fastest plain step:")
     for name, ms in cpu.items():
         extra = ms - cpu["plain"]

@@ -100,10 +100,15 @@ def test_clamp_applies_to_reported_logprob():
 
 
 def test_row_is_finite_flags_only_the_bad_rows():
-    x = torch.zeros(3, 4)
+    x = torch.zeros(5, 4)
     x[1, 2] = float("nan")
     x[2, 0] = float("-inf")
-    assert row_is_finite(x).tolist() == [True, False, False]
+    x[3, 3] = float("inf")
+    x[4] = torch.tensor([3e38, -3e38, 0.0, 1.0])  # large but finite
+    assert row_is_finite(x).tolist() == [True, False, False, False, True]
+    wide = torch.randn(4, 49152 + 7)  # the vectorised reduction and its tail
+    wide[1, -1], wide[2, 5], wide[3, 20000] = float("nan"), float("nan"), float("inf")
+    assert row_is_finite(wide).tolist() == [True, False, False, False]
 
 
 @pytest.mark.asyncio

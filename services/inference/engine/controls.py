@@ -169,8 +169,10 @@ def logprobs(rows: Sequence[RowControls | None], scores: torch.Tensor, tokens: S
     if not want:
         return out
     s = scores if len(want) == len(rows) else scores[want]
-    t = torch.tensor([temperatures[r] if temperatures[r] > 0 else 1.0 for r in want], dtype=torch.float64)
-    dist = torch.log_softmax(s / t.to(s.dtype)[:, None], dim=-1)  # [W, V]
+    t = [temperatures[r] if temperatures[r] > 0 else 1.0 for r in want]
+    if any(x != 1.0 for x in t):  # (dividing by 1.0 changes no bit: skipped)
+        s = s / torch.tensor(t, dtype=torch.float64).to(s.dtype)[:, None]
+    dist = torch.log_softmax(s, dim=-1)  # [W, V]
     chosen = dist[torch.arange(len(want)), torch.tensor([tokens[r] for r in want])].tolist()
     values, order = (v.tolist() for v in torch.topk(dist, min(MAX_TOP_LOGPROBS, dist.shape[-1]), dim=-1))
     for w, r in enumerate(want):
