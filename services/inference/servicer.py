@@ -14,7 +14,7 @@ from opentelemetry import trace
 from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine.controls import TokenLogprobs
-from services.inference.engine.core import Engine, FaultSpec, Finished, GenerationRequest, TokenEvent
+from services.inference.engine.core import Engine, Finished, GenerationRequest, TokenEvent
 from shared import errors, tracing
 from shared.controls import controls_of
 
@@ -29,17 +29,14 @@ def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> Ge
     s = req.sampling
     if not req.prompt_ids:
         raise errors.InvalidInput("prompt_ids is empty", reason="EMPTY_PROMPT")
-    faults = None
-    if req.HasField("faults"):
-        f = req.faults
-        faults = FaultSpec(nan_at_step=f.nan_at_step if f.HasField("nan_at_step") else None,
-                           oom_at_step=f.oom_at_step if f.HasField("oom_at_step") else None,
-                           slow_step_ms=f.slow_step_ms)
+    if req.HasField("faults"):  # a deprecated field: fault injection lives in the engine's tests only
+        raise errors.PermissionDenied("fault injection is not served by this stage", reason="FAULT_INJECTION_DISABLED",
+                                      metadata={"field": "faults"})
     return GenerationRequest(
         request_id=uuid.uuid4().hex, prompt_ids=list(req.prompt_ids), max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(req.stop_token_ids),
-        deadline=deadline, trace_id=tracing.current_trace_id(), fingerprint=req.input_fingerprint, faults=faults,
+        deadline=deadline, trace_id=tracing.current_trace_id(), fingerprint=req.input_fingerprint,
         adapter=req.adapter, controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
 
 

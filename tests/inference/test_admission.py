@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from services.inference.engine.api import FaultSpec
 from services.inference.engine.core import Engine, EngineConfig
-from shared.errors import InvalidInput, NotReady, Overloaded, PermissionDenied, PreconditionFailed
+from shared.errors import InvalidInput, NotReady, Overloaded, PreconditionFailed
+from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, prompt, request, tiny_config
 
 
@@ -149,22 +149,6 @@ async def test_bad_requests_are_invalid_input(shared_engine, fields, reason):
 
 
 @pytest.mark.asyncio
-async def test_faults_are_refused_unless_enabled(shared_engine):
-    engine = shared_engine
-    with pytest.raises(PermissionDenied) as e:
-        await collect(engine, request("f", prompt(1), faults=FaultSpec(nan_at_step=1)))
-    assert e.value.reason == "FAULT_INJECTION_DISABLED"
-
-
-@pytest.mark.asyncio
-async def test_bad_fault_spec_is_invalid(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
-    with pytest.raises(InvalidInput) as e:
-        await collect(engine, request("f", prompt(1), faults=FaultSpec(slow_step_ms=-1)))
-    assert e.value.reason == "INVALID_FAULT"
-
-
-@pytest.mark.asyncio
 async def test_generate_before_start_is_not_ready(tiny):
     engine = Engine(tiny, tiny_config())
     with pytest.raises(NotReady) as e:
@@ -199,8 +183,9 @@ def test_model_dtype_must_match_config(tiny):
 async def test_full_queue_refuses_without_waiting_for_the_running_step(budget_engine):
     """Each step of the running request sleeps 2 s; a request that finds the queue full is refused
     within the step, not after it (no step ends in between: the streamed-token count is unchanged)."""
-    engine = await budget_engine(1.5, 20, 300, max_queued_requests=1, fault_injection_enabled=True)
-    first = engine.generate(request("a", prompt(1, 20), max_tokens=300, faults=FaultSpec(slow_step_ms=2000)))
+    engine = await budget_engine(1.5, 20, 300, max_queued_requests=1)
+    inject(engine)["a"] = FaultSpec(slow_step_ms=2000)
+    first = engine.generate(request("a", prompt(1, 20), max_tokens=300))
     await first.__anext__()
     waiting = asyncio.create_task(collect(engine, request("b", prompt(2, 20), max_tokens=5)))
     for _ in range(500):  # b is queued at the loop's next iteration

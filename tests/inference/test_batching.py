@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from services.inference.engine.api import FaultSpec
 from shared.errors import DeadlineExpired, InvalidInput
+from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, ids, prompt, request
 
 
@@ -126,9 +126,9 @@ async def test_a_consumer_that_stops_reading_frees_its_row(make_engine):
 
 @pytest.mark.asyncio
 async def test_deadline_expires_mid_stream_and_counts_as_timeout(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
-    req = request("d", prompt(9), max_tokens=50, deadline=time.monotonic() + 0.15,
-                  faults=FaultSpec(slow_step_ms=40))
+    engine = await make_engine()
+    inject(engine)["d"] = FaultSpec(slow_step_ms=40)
+    req = request("d", prompt(9), max_tokens=50, deadline=time.monotonic() + 0.15)
     got = []
     with pytest.raises(DeadlineExpired) as e:
         async for item in engine.generate(req):

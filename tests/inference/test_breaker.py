@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from services.inference.engine.api import FaultSpec
 from services.inference.engine.breaker import BreakerBoard, BreakerConfig, TripRule
 from shared.errors import NotReady, NumericalInstability
+from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, ids, prompt, request
 
 
@@ -180,8 +180,10 @@ async def test_level_three_rejects_then_half_opens(make_engine):
 
 @pytest.mark.asyncio
 async def test_repeated_numerical_faults_trip_the_breaker(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
+    engine = await make_engine()
+    faults = inject(engine)
     for i in range(3):
+        faults[f"n{i}"] = FaultSpec(nan_at_step=1)
         with pytest.raises(NumericalInstability):
-            await collect(engine, request(f"n{i}", prompt(i), faults=FaultSpec(nan_at_step=1)))
+            await collect(engine, request(f"n{i}", prompt(i)))
     assert engine.stats().breaker["numerical_instability"].level == 1

@@ -7,18 +7,21 @@ import logging
 import pytest
 import torch
 
-from services.inference.engine.api import FaultSpec
 from services.inference.engine.breaker import BreakerConfig, TripRule
-from services.inference.engine.faults import RowFaults, is_oom
+from services.inference.engine.oom import is_oom
 from shared.errors import NumericalInstability, Overloaded
+from tests.inference.faults import FaultSpec, RowFaults, inject
 from tests.inference.helpers import collect, ids, prompt, request
 
 N_TOKENS = 10
 
 
-def batch(faulty: int | None = None, spec: FaultSpec | None = None):
-    return [request(f"r{i}", prompt(i, 5 + 2 * i), max_tokens=N_TOKENS, fingerprint=f"fp-{i}",
-                    faults=spec if i == faulty else None) for i in range(8)]
+def batch(faults: dict[str, FaultSpec] | None = None, faulty: int | None = None, spec: FaultSpec | None = None):
+    reqs = [request(f"{'f' if spec else 'c'}{i}", prompt(i, 5 + 2 * i), max_tokens=N_TOKENS, fingerprint=f"fp-{i}")
+            for i in range(8)]
+    if spec is not None:
+        faults[reqs[faulty].request_id] = spec
+    return reqs
 
 
 async def run_all(engine, reqs):
@@ -35,10 +38,11 @@ async def run_all(engine, reqs):
 
 @pytest.mark.asyncio
 async def test_nan_in_one_row_fails_it_alone(make_engine, caplog):
-    engine = await make_engine(fault_injection_enabled=True)
+    engine = await make_engine()
+    faults = inject(engine)
     clean = await run_all(engine, batch())
     caplog.set_level(logging.WARNING, logger="services.inference.engine.output")
-    faulty = await run_all(engine, batch(3, FaultSpec(nan_at_step=4)))
+    faulty = await run_all(engine, batch(faults, 3, FaultSpec(nan_at_step=4)))
     for i, ((ref, _), (got, err)) in enumerate(zip(clean, faulty)):
         if i == 3:
             assert isinstance(err, NumericalInstability)
@@ -56,24 +60,28 @@ async def test_nan_in_one_row_fails_it_alone(make_engine, caplog):
 
 @pytest.mark.asyncio
 async def test_nan_at_prefill_fails_before_any_token(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
-    got, err = (await run_all(engine, [request("n", prompt(1), faults=FaultSpec(nan_at_step=0))]))[0]
+    engine = await make_engine()
+    faults = inject(engine)
+    faults["n"] = FaultSpec(nan_at_step=0)
+    got, err = (await run_all(engine, [request("n", prompt(1))]))[0]
     assert got == [] and isinstance(err, NumericalInstability)
 
 
 @pytest.mark.asyncio
 async def test_negative_fault_steps_mean_never(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
-    spec = FaultSpec(nan_at_step=-1, oom_at_step=-1)
-    tokens, fin = await collect(engine, request("x", prompt(1), max_tokens=4, faults=spec))
+    engine = await make_engine()
+    faults = inject(engine)
+    faults["x"] = FaultSpec(nan_at_step=-1, oom_at_step=-1)
+    tokens, fin = await collect(engine, request("x", prompt(1), max_tokens=4))
     assert len(tokens) == 4 and engine.stats().counters.oom_events == 0
 
 
 @pytest.mark.asyncio
 async def test_one_oom_halves_the_batch_and_everyone_finishes(make_engine):
-    engine = await make_engine(fault_injection_enabled=True, oom_backoff_steps=1000)
+    engine = await make_engine(oom_backoff_steps=1000)
+    faults = inject(engine)
     clean = await run_all(engine, batch())
-    faulty = await run_all(engine, batch(2, FaultSpec(oom_at_step=3)))
+    faulty = await run_all(engine, batch(faults, 2, FaultSpec(oom_at_step=3)))
     for (ref, _), (got, err) in zip(clean, faulty):
         assert err is None and ids(got[:-1]) == ids(ref[:-1])
     stats = engine.stats()
@@ -84,8 +92,9 @@ async def test_one_oom_halves_the_batch_and_everyone_finishes(make_engine):
 
 @pytest.mark.asyncio
 async def test_batch_cap_recovers_after_backoff(make_engine):
-    engine = await make_engine(fault_injection_enabled=True, oom_backoff_steps=3)
-    await run_all(engine, batch(2, FaultSpec(oom_at_step=1)))
+    engine = await make_engine(oom_backoff_steps=3)
+    faults = inject(engine)
+    await run_all(engine, batch(faults, 2, FaultSpec(oom_at_step=1)))
     assert engine.stats().batch_cap == 16
 
 
@@ -93,9 +102,10 @@ async def test_batch_cap_recovers_after_backoff(make_engine):
 async def test_persistent_oom_fails_only_that_row_with_overloaded(make_engine):
     # Threshold 5: four OOMs must not trip level 1, whose logit clamp would change the other rows' tokens.
     breaker = BreakerConfig(oom=TripRule(60.0, 5))
-    engine = await make_engine(fault_injection_enabled=True, breaker=breaker)
+    engine = await make_engine(breaker=breaker)
+    faults = inject(engine)
     clean = await run_all(engine, batch())
-    faulty = await run_all(engine, batch(2, FaultSpec(oom_at_step=3, oom_repeat=True)))
+    faulty = await run_all(engine, batch(faults, 2, FaultSpec(oom_at_step=3, oom_repeat=True)))
     for i, ((ref, _), (got, err)) in enumerate(zip(clean, faulty)):
         if i == 2:
             assert isinstance(err, Overloaded) and err.reason == "OUT_OF_MEMORY" and err.retry_after_ms > 0
@@ -111,8 +121,10 @@ async def test_persistent_oom_fails_only_that_row_with_overloaded(make_engine):
 
 @pytest.mark.asyncio
 async def test_oom_in_prefill_fails_the_newcomer(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
-    got, err = (await run_all(engine, [request("o", prompt(1), faults=FaultSpec(oom_at_step=0))]))[0]
+    engine = await make_engine()
+    faults = inject(engine)
+    faults["o"] = FaultSpec(oom_at_step=0)
+    got, err = (await run_all(engine, [request("o", prompt(1))]))[0]
     assert got == [] and isinstance(err, Overloaded) and err.reason == "OUT_OF_MEMORY"
     assert engine.stats().memory.predicted_bytes == engine.stats().memory.static_bytes
 

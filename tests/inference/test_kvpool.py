@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
-from services.inference.engine.api import FaultSpec
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, PoolExhausted
 from services.inference.engine.memory import MemoryModel
 from services.inference.model.loader import convert_model
 from shared.errors import NumericalInstability
+from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, prompt, read_cache, request, write_cache
 
 
@@ -141,10 +141,11 @@ async def test_a_request_waits_for_blocks_and_the_running_row_is_not_failed(make
 async def test_blocks_poisoned_by_a_nan_row_serve_the_next_request_clean(make_engine):
     """A row whose hidden state turned NaN wrote NaN keys and values into its blocks; the next request
     gets the same blocks (lowest first), zeroed, and answers as on a fresh engine."""
-    engine = await make_engine(fault_injection_enabled=True)
-    fresh = await make_engine(fault_injection_enabled=True)
+    engine = await make_engine()
+    fresh = await make_engine()
+    inject(engine)["nan"] = FaultSpec(nan_at_step=8)
     with pytest.raises(NumericalInstability):  # its token 8 goes to position 12, in its first block
-        await collect(engine, request("nan", prompt(3, 5), max_tokens=12, faults=FaultSpec(nan_at_step=8)))
+        await collect(engine, request("nan", prompt(3, 5), max_tokens=12))
     pool = engine.primary_runner.pool
     assert pool.free_blocks == pool.blocks
     assert pool.keys[:, :, PAD_BLOCK].abs().sum() == 0 and pool.values[:, :, PAD_BLOCK].abs().sum() == 0

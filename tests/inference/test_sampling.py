@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.inference.engine.api import FaultSpec
 from services.inference.engine.sampling import Draw, clamp_logits, gumbel, pick, row_is_finite
 from shared.errors import NotReady
+from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, ids, prompt, request
 
 
@@ -144,9 +144,9 @@ async def test_seeded_sampling_is_batch_invariant(make_engine):
 
 @pytest.mark.asyncio
 async def test_stop_lets_in_flight_work_finish_within_grace(make_engine):
-    engine = await make_engine(fault_injection_enabled=True)
-    slow = FaultSpec(slow_step_ms=20)  # ~200 ms of work: still running when the late request arrives
-    running = asyncio.create_task(collect(engine, request("a", prompt(1), max_tokens=10, faults=slow)))
+    engine = await make_engine()
+    inject(engine)["a"] = FaultSpec(slow_step_ms=20)  # ~200 ms of work: still running when the late request arrives
+    running = asyncio.create_task(collect(engine, request("a", prompt(1), max_tokens=10)))
     await asyncio.sleep(0)
     stopping = asyncio.create_task(engine.stop(grace_s=30))
     await asyncio.sleep(0.01)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
 from services.inference.engine.breaker import Policy
-from services.inference.engine.faults import RowFaults
 from services.inference.engine.memory import MemoryModel
 from services.inference.engine.schedule import Row, Scheduler, batch_cap
 from tests.inference.helpers import prompt, request
@@ -45,7 +44,7 @@ def test_requests_beyond_the_cap_or_the_budget_wait_in_the_queue():
 
 def test_a_plan_splits_running_rows_by_runner_into_batches_within_the_cap():
     s = scheduler()
-    rows = [Row(ticket(f"r{i}", 4), "primary" if i % 3 else "fallback", None, RowFaults(None), 0.0, 0, chunk_tokens=4)
+    rows = [Row(ticket(f"r{i}", 4), "primary" if i % 3 else "fallback", None, 0.0, 0, chunk_tokens=4)
             for i in range(9)]
     plan = s.schedule(POLICY, 4)
     batches = plan.batches(rows)

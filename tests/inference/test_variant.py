@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
-from services.inference.engine.api import FaultSpec, TokenEvent
+from services.inference.engine.api import TokenEvent
 from services.inference.engine.breaker import BreakerConfig
 from services.inference.engine.core import Engine
 from services.inference.engine.memory import static_bytes
 from services.inference.model.loader import convert_model
 from services.inference.engine.variants import Switch
 from shared.errors import InvalidInput, NotReady
+from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 VARIANTS = {"fallback": "int8"}
@@ -41,9 +42,10 @@ async def test_after_a_switch_new_requests_run_on_the_variant_with_its_tokens(ma
 
 @pytest.mark.asyncio
 async def test_a_request_running_during_the_switch_finishes_on_its_variant_with_the_same_tokens(make_engine):
-    engine = await make_engine(variants=VARIANTS, fault_injection_enabled=True)
-    slow = FaultSpec(slow_step_ms=50)  # two seconds of steps: the switch lands while it runs
-    alone, _ = await collect(engine, request("alone", prompt(2), max_tokens=40, faults=slow))
+    engine = await make_engine(variants=VARIANTS)
+    faults = inject(engine)
+    faults["alone"] = faults["old"] = FaultSpec(slow_step_ms=50)  # two seconds of steps: the switch lands while it runs
+    alone, _ = await collect(engine, request("alone", prompt(2), max_tokens=40))
 
     order: list[tuple[str, object]] = []
 
@@ -51,7 +53,7 @@ async def test_a_request_running_during_the_switch_finishes_on_its_variant_with_
         async for item in stream:
             order.append((rid, item))
 
-    running = asyncio.create_task(run("old", engine.generate(request("old", prompt(2), max_tokens=40, faults=slow))))
+    running = asyncio.create_task(run("old", engine.generate(request("old", prompt(2), max_tokens=40))))
     while not order:  # its first token is out: the row exists on the primary runner
         await asyncio.sleep(0.005)
     await engine.set_variant("fallback", "test")

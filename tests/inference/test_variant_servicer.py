@@ -1,4 +1,4 @@
-"""The variant RPCs and fields through the servicer (protobuf <-> engine), on the tiny model."""
+"""The servicer (protobuf <-> engine) on the tiny model: the variant RPCs and fields, and a refused field."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry
 from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2
 from services.inference.servicer import InferenceServicer
-from shared.errors import InvalidInput
+from shared.errors import InvalidInput, PermissionDenied
 from shared.metrics import metrics_for
 from tests.inference.helpers import prompt
 
@@ -52,3 +52,13 @@ async def test_set_variant_with_an_unknown_name_raises_unknown_variant(make_engi
     with pytest.raises(InvalidInput) as err:
         await servicer.SetVariant(inference_pb2.SetVariantRequest(variant="nope", actor="test"), _Context())
     assert err.value.reason == "UNKNOWN_VARIANT" and err.value.code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.asyncio
+async def test_a_request_setting_the_deprecated_faults_field_is_refused(make_engine):
+    servicer = InferenceServicer(await make_engine(), metrics_for("inference", CollectorRegistry()))
+    req = inference_pb2.GenerateRequest(prompt_ids=prompt(7), sampling=common_pb2.SamplingParams(max_tokens=3),
+                                        faults=inference_pb2.FaultSpec(slow_step_ms=5))
+    with pytest.raises(PermissionDenied) as e:
+        [ev async for ev in servicer.Generate(req, _Context())]
+    assert e.value.reason == "FAULT_INJECTION_DISABLED" and e.value.metadata["field"] == "faults"

@@ -91,6 +91,21 @@ def test_the_cycle_finder_finds_a_loop_and_only_a_loop():
     assert cycles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
 
 
+def test_production_never_imports_the_tests():
+    """Test hooks (fault injection, fixtures) live under tests/: no module of services/, shared/ or
+    keelctl/ imports from there."""
+    offenders = {}
+    for pkg in PACKAGES:
+        for path in (ROOT_DIR / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+            bad = [n for n in names if n == "tests" or n.startswith("tests.")]
+            if bad:
+                offenders[module_name(path)] = bad
+    assert offenders == {}
+
+
 def test_keel_has_no_import_loops():
     edges = graph()
     assert "services.inference.engine.core" in edges and edges["services.inference.engine.core"]

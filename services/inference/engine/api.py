@@ -5,23 +5,9 @@ import math
 from dataclasses import dataclass
 
 from shared.controls import Controls, check_controls, check_max_tokens
-from shared.errors import InvalidInput, PermissionDenied
+from shared.errors import InvalidInput
 
 from services.inference.engine.controls import TokenLogprobs
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """Test-only faults for one request (refused unless EngineConfig.fault_injection_enabled).
-
-    Step k is the forward pass that produces completion token k (step 0 is the prefill).
-    None or a negative step means never (the proto uses -1).
-    """
-
-    nan_at_step: int | None = None   # this row's hidden state becomes NaN at that step
-    oom_at_step: int | None = None   # the step containing this row raises torch.OutOfMemoryError
-    oom_repeat: bool = False         # keep raising at every later step too (not just once)
-    slow_step_ms: int = 0            # sleep this long before every step of this request
 
 
 @dataclass(frozen=True)
@@ -37,7 +23,6 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() based
     trace_id: str = ""
     fingerprint: str = ""  # digest of the input, logged when this request fails numerically
-    faults: FaultSpec | None = None
     adapter: str = ""  # LoRA adapter "id" or "id@version"; "" = the base model (lora/registry.py resolves it)
     controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (controls.py)
 
@@ -77,8 +62,8 @@ class Finished:
 MAX_SEED = 2 ** 63 - 1
 
 
-def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, faults_enabled: bool) -> None:
-    """Raise InvalidInput (or PermissionDenied for faults) unless the request is well-formed."""
+def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int) -> None:
+    """Raise InvalidInput unless the request is well-formed."""
     def bad(message: str, reason: str, **meta) -> InvalidInput:
         return InvalidInput(message, reason=reason, metadata={"request_id": req.request_id, **meta})
 
@@ -113,20 +98,6 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int, f
     if req.deadline is not None and not _finite_number(req.deadline):
         raise bad("deadline must be a finite time.monotonic() value", "INVALID_DEADLINE")
     check_controls(req.controls)
-    if req.faults is not None:
-        if not faults_enabled:
-            raise PermissionDenied("fault injection is disabled on this engine", reason="FAULT_INJECTION_DISABLED",
-                                   metadata={"request_id": req.request_id})
-        _validate_faults(req.faults, bad)
-
-
-def _validate_faults(f: FaultSpec, bad) -> None:
-    for name in ("nan_at_step", "oom_at_step"):
-        step = getattr(f, name)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-            raise bad(f"faults.{name} must be an integer or None", "INVALID_FAULT")
-    if isinstance(f.slow_step_ms, bool) or not isinstance(f.slow_step_ms, int) or not 0 <= f.slow_step_ms <= 60_000:
-        raise bad("faults.slow_step_ms must be an integer in [0, 60000]", "INVALID_FAULT")
 
 
 def _finite_number(x) -> bool:

@@ -26,10 +26,9 @@ from shared.controls import Controls, check_controls
 from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
 
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
-from services.inference.engine.api import FaultSpec, Finished, GenerationRequest, TokenEvent, validate
+from services.inference.engine.api import Finished, GenerationRequest, TokenEvent, validate
 from services.inference.engine.breaker import BreakerBoard, BreakerConfig
 from services.inference.engine.controls import RowControls
-from services.inference.engine.faults import FaultInjectingRunner
 from services.inference.model.forward import LlamaRunner
 from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from services.inference.lora.registry import AdapterTable
@@ -51,8 +50,7 @@ from services.inference.engine.warmup import Calibration, build_runners, measure
 # 3: the KV cache is a block pool; the memory model charges caches in whole blocks.
 ENGINE_VERSION = 3
 
-__all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished",
-           "FaultSpec"]
+__all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +62,6 @@ class EngineConfig:
     max_batch_size: int = 16
     max_context_tokens: int = 2048
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    fault_injection_enabled: bool = False
     eos_token_ids: tuple[int, ...] = (2,)
     dtype: str = "float32"
     device: str = "cpu"
@@ -175,8 +172,6 @@ class Engine:
         self._vocab_size = runners[cfg.dtype].vocab_size
         self._runners = runners
         runner = ModelRunner(runners)
-        if cfg.fault_injection_enabled:
-            runner = FaultInjectingRunner(runner)
         counters = Counters()
         prefix = None
         if cfg.prefix_cache_bytes:  # blocks are prefill chunks: see prefix.py
@@ -322,7 +317,7 @@ class Engine:
     def _submit(self, req: GenerationRequest, matcher=None) -> Ticket:
         self._check_serving()
         cfg = self.config
-        validate(req, self._vocab_size, cfg.max_context_tokens, cfg.fault_injection_enabled)
+        validate(req, self._vocab_size, cfg.max_context_tokens)
         if req.request_id in self._tickets:
             raise InvalidInput(f"request {req.request_id} is already in flight", reason="DUPLICATE_REQUEST_ID",
                                metadata={"request_id": req.request_id})

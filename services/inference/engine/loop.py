@@ -22,9 +22,8 @@ from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import TokenEvent
 from services.inference.engine.breaker import BreakerBoard, Policy
-from services.inference.engine.faults import RowFaults, is_oom
 from services.inference.engine.memory import MemoryModel, PeakMeter
-from services.inference.engine.oom import OomPolicy
+from services.inference.engine.oom import OomPolicy, is_oom
 from services.inference.engine.output import OutputProcessor
 from services.inference.engine.prefix import PrefixCache, PrefixStats
 from services.inference.engine.runner import ModelRunner
@@ -231,7 +230,7 @@ class StepLoop:
             self.scheduler.admission.release(ticket)
             self._emit(ticket, self._oom_error(req.request_id))
             return
-        row = Row(ticket, name, cache, RowFaults(req.faults), time.monotonic(), policy.level,
+        row = Row(ticket, name, cache, time.monotonic(), policy.level,
                   chunk_tokens=self.scheduler.prefill_tokens, variant=variant)
         if self.prefix is not None:
             self._reuse_prefix(row)

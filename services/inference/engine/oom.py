@@ -1,5 +1,5 @@
-"""The out-of-memory policy: the batch cap it imposes on plans, halved on OOM and doubled back after
-`backoff_steps` clean steps, plus the clean-up after an OOM."""
+"""Out-of-memory detection, and the policy: the batch cap it imposes on plans, halved on OOM and
+doubled back after `backoff_steps` clean steps, plus the clean-up after an OOM."""
 from __future__ import annotations
 
 import gc
@@ -8,6 +8,16 @@ import logging
 import torch
 
 log = logging.getLogger(__name__)
+
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "failed to allocate", "cannot allocate memory")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, or the RuntimeError the CPU allocator raises when malloc fails."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        isinstance(exc, MemoryError) or any(m in str(exc).lower() for m in _OOM_MARKERS))
 
 
 class OomPolicy:

@@ -14,7 +14,6 @@ from shared.errors import DeadlineExpired
 
 from services.inference.engine.admission import Admission, Ticket
 from services.inference.engine.breaker import Policy
-from services.inference.engine.faults import RowFaults
 from services.inference.model.kvpool import RowCache
 
 
@@ -25,7 +24,6 @@ class Row:
     ticket: Ticket
     runner: str                    # the weight format that runs it (runner.py)
     cache: RowCache
-    faults: RowFaults
     started: float
     breaker_level: int
     chunk_tokens: int              # prompt tokens prefilled per step at most (chunked prefill)

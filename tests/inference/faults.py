@@ -1,25 +1,27 @@
-"""Out-of-memory detection, and fault injection as a wrapper around the model runner.
+"""Fault injection for the engine's tests: per-request faults applied around the model runner.
 
-`FaultInjectingRunner` is installed in place of the plain runner only when
-EngineConfig.fault_injection_enabled; the step loop and the forward pass know nothing of faults.
+Production never loads this module. `inject(engine)` wraps a warmed engine's runner with
+`FaultInjectingRunner` and returns its table (request id -> FaultSpec): each row gets the faults
+of its request id; the step loop and the forward pass know nothing of faults.
 """
 from __future__ import annotations
 
 import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 
-from services.inference.engine.api import FaultSpec
 
-_OOM_MARKERS = ("out of memory", "can't allocate memory", "failed to allocate", "cannot allocate memory")
+@dataclass(frozen=True)
+class FaultSpec:
+    """Faults for one request. Step k is the forward pass that produces completion token k (step 0
+    is the prefill). None or a negative step means never."""
 
-
-def is_oom(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError, or the RuntimeError the CPU allocator raises when malloc fails."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, (RuntimeError, MemoryError)) and (
-        isinstance(exc, MemoryError) or any(m in str(exc).lower() for m in _OOM_MARKERS))
+    nan_at_step: int | None = None   # this row's hidden state becomes NaN at that step
+    oom_at_step: int | None = None   # the step containing this row raises torch.OutOfMemoryError
+    oom_repeat: bool = False         # keep raising at every later step too (not just once)
+    slow_step_ms: int = 0            # sleep this long before every step of this request
 
 
 class RowFaults:
@@ -54,25 +56,32 @@ def injected_oom(request_id: str, step: int) -> torch.OutOfMemoryError:
 class FaultInjectingRunner:
     """Applies each row's FaultSpec around `ModelRunner.execute` (slow steps, OOM, NaN hidden state)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, faults: dict[str, FaultSpec]):
         self.inner = inner
         self.runners = inner.runners
+        self.faults = faults
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Row -> RowFaults, while it runs
+
+    def _of(self, row) -> RowFaults:
+        if row not in self._rows:  # a row's faults are those of its request id when it first runs
+            self._rows[row] = RowFaults(self.faults.get(row.ticket.req.request_id))
+        return self._rows[row]
 
     def new_cache(self, runner: str, positions: int):
         return self.inner.new_cache(runner, positions)
 
     def execute(self, batch) -> torch.Tensor:
         rows = batch.rows
-        delay = max(r.faults.slow_s for r in rows)
+        delay = max(self._of(r).slow_s for r in rows)
         if delay:
             time.sleep(delay)
         for r in rows:
-            if r.faults.take_oom(r.step):
+            if self._of(r).take_oom(r.step):
                 raise injected_oom(r.ticket.req.request_id, r.step)
         spans, offset = [], 0
         for r in rows:
             n = len(r.tokens)
-            if r.faults.nan_at(r.step):
+            if self._of(r).nan_at(r.step):
                 spans.append((offset, offset + n))
             offset += n
         if not spans:
@@ -91,3 +100,11 @@ class FaultInjectingRunner:
             return self.inner.execute(batch)
         finally:
             handle.remove()
+
+
+def inject(engine) -> dict[str, FaultSpec]:
+    """Wrap a warmed engine's model runner; returns the table (request id -> FaultSpec) it reads,
+    for the test to fill before it submits those requests."""
+    faults: dict[str, FaultSpec] = {}
+    engine._loop.runner = FaultInjectingRunner(engine._loop.runner, faults)
+    return faults
