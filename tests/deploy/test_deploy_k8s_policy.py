@@ -12,7 +12,7 @@ import yaml
 
 from shared import config as keel_config
 from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, container, find, one
-from tests.deploy.dockerfiles import dockerfile, stages_of
+from tests.deploy.dockerfiles import section
 
 # --- NetworkPolicy evaluation --------------------------------------------------------------------
 
@@ -140,7 +140,7 @@ SECRET_SAMPLES = {  # what the Secrets referenced by env hold, in the format the
 def image_env(stage: str) -> dict[str, str]:
     """The KEEL_* ENV of the stage image's runtime stage."""
     env = {}
-    for word, args in stages_of(dockerfile(stage))[-1]["body"]:
+    for word, args in section(stage):
         if word == "ENV":
             for pair in args.split():
                 key, _, value = pair.partition("=")

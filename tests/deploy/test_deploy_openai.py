@@ -7,28 +7,27 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.deploy.dockerfiles import dockerfile, stages_of
+from tests.deploy.dockerfiles import section
 from tests.deploy.k8s_objects import OVERLAYS, ROOT, container, one
-from tests.deploy.test_deploy_containers import compose, dockerfile_problems
+from tests.deploy.test_deploy_containers import compose
 from tests.deploy.test_deploy_k8s_policy import EXTERNAL, allowed, effective_config, image_env, pod
 
 PORT = 8080
 
 
-def test_the_image_runs_the_stage_on_8080_and_shares_the_deps_stage():
-    text = dockerfile("openai")
-    assert dockerfile_problems(text) == []
-    final = stages_of(text)[-1]["body"]
-    words = dict(final)
+def test_the_image_runs_the_stage_on_8080_from_the_shared_deps_stage():
+    body = section("openai")
+    words = dict(body)
     assert words["ENTRYPOINT"] == '["python", "-m", "services.openai"]' and words["EXPOSE"].split() == [str(PORT)]
-    env = " ".join(args for word, args in final if word == "ENV")
-    assert f"KEEL_OPENAI_SERVER__PORT={PORT}" in env and "KEEL_OPENAI_SERVER__HOST=0.0.0.0" in env
-    assert stages_of(text)[0]["body"] == stages_of(dockerfile("gateway"))[0]["body"]
+    assert yaml.safe_load((ROOT / "config" / "openai.yaml").read_text())["server"]["port"] == PORT
+    env = " ".join(args for word, args in body if word == "ENV")
+    assert "KEEL_OPENAI_SERVER__HOST=0.0.0.0" in env and words["USER"] == "10001:10001"
+    assert "COPY --from=deps /app/.venv .venv" in [f"{w} {a}" for w, a in body]  # the light venv, no torch
 
 
 def test_compose_publishes_8080_in_front_of_the_gateway():
     svc = compose()["services"]["openai"]
-    assert svc["build"]["dockerfile"] == "services/openai/Dockerfile" and svc["ports"] == [f"{PORT}:{PORT}"]
+    assert svc["build"]["args"] == {"STAGE": "openai"} and svc["ports"] == [f"{PORT}:{PORT}"]
     assert svc["environment"]["KEEL_OPENAI_GATEWAY"] == "[gateway:50051]"
     assert "KEEL_MESH_TOKEN" not in svc["environment"]  # it calls the gateway with the caller's key only
     assert sorted(svc["networks"]) == ["edge", "mesh"]
