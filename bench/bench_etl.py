@@ -26,7 +26,7 @@ from services.feedback.config import EtlConfig  # noqa: E402
 from services.feedback.etl import run  # noqa: E402
 from services.feedback.records import stored_body  # noqa: E402
 from services.feedback.store import open_store  # noqa: E402
-from tests.feedback.records import record  # noqa: E402
+from testing.records import record  # noqa: E402
 
 
 def fill(store, n: int, duplicates: float) -> None:

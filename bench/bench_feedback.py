@@ -22,7 +22,7 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    half the CPU, so the sender takes less of the cores the mesh runs on); "client CPU"
    is the sender's own CPU per submit.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
-   upstreams (tests/gateway/test_pipeline.py's scripted ones: no model, so the record's share is
+   upstreams (testing/upstreams.py's scripted ones: no model, so the record's share is
    not hidden in generation time), recording off vs on, alternating, in one run. "On" hands each
    answer to a ReplayRecorder whose worker builds the records and sends them to a real feedback
    stage process on the same event loop, so the off-path work is counted where it competes.
@@ -59,10 +59,10 @@ from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
 from bench import native_loadgen  # noqa: E402
 from bench.feedback_store import store_section  # noqa: E402
 from bench.openloop import at_rate  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
-from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
-from tests.feedback.pg import PgServer  # noqa: E402
-from tests.gateway.test_pipeline import FakeUpstreams, no_sleep  # noqa: E402
+from testing.ports import free_port  # noqa: E402
+from testing.mesh import start_mesh, stop_mesh  # noqa: E402
+from testing.postgres import PgServer  # noqa: E402
+from testing.upstreams import FakeUpstreams, no_sleep  # noqa: E402
 
 MD = (("x-api-key", DEV_API_KEY),)
 NO_RATE_LIMIT = "{rate_per_s: 1000000, burst: 1000000}"

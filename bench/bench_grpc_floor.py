@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench.openloop import at_rate  # noqa: E402
 from keel.feedback.v1 import feedback_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from testing.ports import free_port  # noqa: E402
 
 UNARY, STREAM = "/floor.Floor/Unary", "/floor.Floor/Stream"
 WARM = 50  # calls before the measured ones (the server's CPU figure counts them as calls too)

@@ -36,7 +36,7 @@ from services.tokenizer.core import Tokenizer  # noqa: E402
 from services.validator.core import ValidatorCore  # noqa: E402
 from services.validator.output_pipeline import PipelineConfig  # noqa: E402
 from services.validator import config as validator_config  # noqa: E402
-from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 
 
 def texts(n: int) -> list[str]:

@@ -39,8 +39,8 @@ from keel.common.v1 import common_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl.ask import DEV_API_KEY  # noqa: E402
 from shared.modelfile import MODEL_ID  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
-from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+from testing.ports import free_port  # noqa: E402
+from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 from keelctl import health  # noqa: E402
 
 PROMPT = "What is the capital of France?"

@@ -51,7 +51,7 @@ from bench import llamacpp_peer  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
 from shared.meshauth import HEADER as MESH_TOKEN_KEY  # noqa: E402
 from shared.config import var_dir  # noqa: E402
-from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 
 STATIC_BATCH = 16
 CPU_STAGES = ("inference", "gateway", "tokenizer", "validator", "redis")

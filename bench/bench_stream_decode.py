@@ -33,7 +33,7 @@ from bench.bench_inference import machine  # noqa: E402
 from services.gateway.streamtext import StreamedText  # noqa: E402
 from services.gateway.upstreams import MeshUpstreams  # noqa: E402
 from services.tokenizer.core import Tokenizer  # noqa: E402
-from tests.e2e.conftest import start_mesh, stop_mesh  # noqa: E402
+from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 
 TEXT = ("The capital of France is Paris. 巴黎是法国的首都，人口约两百万。 Emoji too: \U0001F600\U0001F680 "
         "and accents: déjà vu, naïve, Grüße. ")

@@ -52,7 +52,8 @@ from keel.common.v1 import common_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl import health  # noqa: E402
 from keelctl.ask import DEV_API_KEY  # noqa: E402
-from tests.e2e.conftest import SERVICES, Mesh, start_mesh, stop_mesh  # noqa: E402
+from shared.stages import SERVICE_NAMES as SERVICES  # noqa: E402
+from testing.mesh import Mesh, start_mesh, stop_mesh
 
 KILLED_STAGES = ("tokenizer", "inference", "validator")
 PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "What is the capital of France?")

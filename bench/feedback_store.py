@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.feedback.pg import PgServer
+from testing.postgres import PgServer
 
 
 class CoreUpsert:
@@ -60,7 +60,7 @@ async def store_rows(backend: str, url: str, items_total: int) -> list[str]:
     upsert and for the Core peer, alternating blocks, batches of 1, 2 and 16."""
     from services.feedback.records import Feedback, stored_body
     from services.feedback.store import open_store
-    from tests.feedback.records import record
+    from testing.records import record
     store = open_store(url)
     store.put_records([stored_body(record("a" * 32), True)])
     await store.open_writes()

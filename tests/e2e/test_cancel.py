@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from tests.e2e.conftest import wait_until
+from testing.mesh import wait_until
 from tests.e2e.test_observability import scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

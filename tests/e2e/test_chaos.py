@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.chaos import ChaosConfig, run_phase, summary
-from tests.e2e.conftest import start_mesh, stop_mesh
+from testing.mesh import start_mesh, stop_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

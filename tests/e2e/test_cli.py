@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import ROOT
+from testing.mesh import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -72,7 +72,7 @@ def test_injected_prompt_is_rejected_and_quarantined(mesh):
 def test_up_detach_status_down(tmp_path):
     """`keel up --detach` returns once every stage is SERVING; `keel down` stops the whole tree."""
     import psutil
-    from tests.e2e.conftest import mesh_env
+    from testing.mesh import mesh_env
 
     _, ports, _, env = mesh_env(tmp_path, tokenizer_workers=1)
     run = lambda *a: subprocess.run([sys.executable, "-m", "keelctl", *a], cwd=ROOT, env=env,  # noqa: E731

@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from shared.discovery import REFLECTION_V1
 from shared.interceptor import TRACE_ID_KEY
-from tests.e2e.conftest import wait_until
+from testing.mesh import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"

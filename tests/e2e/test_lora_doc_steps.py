@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.e2e.conftest import ROOT, start_mesh, stop_mesh
+from testing.mesh import ROOT, start_mesh, stop_mesh
 from tests.e2e.test_cli import keel
 from tests.e2e.test_lora_mesh import keel_lora
 from training.adapters import DEFAULT_BASE, DEFAULT_OUT, make_all

@@ -21,7 +21,8 @@ import grpc
 import pytest
 
 from keelctl.ask import DEV_API_KEY, build_request
-from tests.e2e.conftest import ROOT, error_info, start_mesh, stop_mesh, wait_until
+from tests.e2e.conftest import error_info
+from testing.mesh import ROOT, start_mesh, stop_mesh, wait_until
 from tests.e2e.test_cli import keel
 from tests.e2e.test_feedback import store
 from tests.e2e.test_observability import scrape

@@ -14,7 +14,8 @@ from keel.gateway.v1 import gateway_pb2
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.validator.records import QuarantineRecord
 from shared.clip import TRUNCATED
-from tests.e2e.conftest import ROOT, error_info
+from tests.e2e.conftest import error_info
+from testing.mesh import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -41,7 +42,7 @@ def test_every_stage_is_crossed_and_traced(mesh, api_md, gateway_request):
 
     def all_flushed():  # each process (two tokenizer workers among them) exports on its own schedule
         return hops <= {s["name"] for s in mesh.spans(resp.trace_id)}
-    from tests.e2e.conftest import wait_until
+    from testing.mesh import wait_until
     wait_until(all_flushed, 10, "spans of every hop")
     services = {s["service"] for s in mesh.spans(resp.trace_id)}
     assert services >= {"gateway", "validator", "tokenizer", "inference"}
@@ -60,7 +61,7 @@ def test_stream_yields_deltas_then_summary(mesh, api_md, gateway_request):
     assert events[-1].WhichOneof("event") == "done" and len(deltas) >= 2
     assert "".join(deltas).strip() == done.text.strip()
     # the text came from one tokenizer DecodeStream; the answer was not decoded a second time
-    from tests.e2e.conftest import wait_until
+    from testing.mesh import wait_until
     wait_until(lambda: "tokenizer/DecodeStream" in {s["name"] for s in mesh.spans(done.trace_id)}, 10,
                "the DecodeStream span")
     names = [s["name"] for s in mesh.spans(done.trace_id)]

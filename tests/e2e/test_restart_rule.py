@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.e2e.conftest import ROOT, start_mesh, stop_mesh, wait_until
+from testing.mesh import ROOT, start_mesh, stop_mesh, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -27,7 +27,7 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY
-from tests.e2e.conftest import start_mesh, stop_mesh, wait_until
+from testing.mesh import start_mesh, stop_mesh, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]  # two model loads + a reload
 

@@ -15,7 +15,7 @@ from shared import tls
 from shared.config import ConfigError
 from shared.meshauth import HEADER as MESH_TOKEN_KEY
 from shared.modelfile import MODEL_ID
-from tests.e2e.conftest import start_mesh, stop_mesh
+from testing.mesh import start_mesh, stop_mesh
 
 
 @pytest.fixture(scope="module")

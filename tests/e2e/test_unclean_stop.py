@@ -12,7 +12,7 @@ import pytest
 from keelctl import procs
 from keelctl.layout import load_layout
 from keelctl.supervisor import layout_ports
-from tests.e2e.conftest import ROOT, start_mesh, stop_mesh, wait_until
+from testing.mesh import ROOT, start_mesh, stop_mesh, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

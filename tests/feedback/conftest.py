@@ -6,7 +6,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from tests.feedback.pg import PgServer
+from testing.postgres import PgServer
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import grpc
 
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from shared.meshauth import HEADER
-from tests.conftest import free_port
+from testing.ports import free_port
 
 VARIANTS = {"primary": "float32", "fallback": "int8"}
 

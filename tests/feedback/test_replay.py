@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from services.feedback.records import stored_body
 from services.feedback.replay import can_run, compare
-from tests.feedback.records import record
+from testing.records import record
 
 
 def body(trace_id="a" * 32, **kw):

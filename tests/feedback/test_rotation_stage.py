@@ -19,7 +19,7 @@ import yaml
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keelctl import health
 from shared import client
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.feedback.test_rotation_webhook import payload
 
 ROOT = Path(__file__).resolve().parents[2]

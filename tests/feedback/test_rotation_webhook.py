@@ -13,7 +13,7 @@ import pytest_asyncio
 from services.feedback.config import FeedbackConfig, RotationConfig
 from services.feedback.rotation.service import Rotation
 from services.feedback.store import open_store
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.feedback.fake_inference import FakeInference
 
 TOKEN = "rotation-webhook-token"

@@ -11,8 +11,9 @@ from services.feedback import db
 from services.feedback.records import Feedback, ids_sha256, stored_body
 from services.feedback.store import open_store
 from shared import errors
-from tests.feedback.pg import PgServer
-from tests.feedback.records import record, upsert
+from testing.postgres import PgServer
+from tests.feedback.records import upsert
+from testing.records import record
 
 
 def fb(trace_id="a" * 32, feedback_id="fb-1", **kw) -> Feedback:

@@ -20,7 +20,7 @@ from services.feedback.batcher import SubmitBatcher
 from services.feedback.records import Feedback
 from services.feedback.store import open_store
 from shared import client, errors
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.feedback.test_stage import replay_record
 
 ROOT = Path(__file__).resolve().parents[2]

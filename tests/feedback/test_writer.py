@@ -7,8 +7,8 @@ import time
 from services.feedback.records import dumps, stored_body
 from services.feedback.store import open_store
 from services.feedback.writer import RecordWriter
-from tests.feedback.pg import PgServer
-from tests.feedback.records import record
+from testing.postgres import PgServer
+from testing.records import record
 
 
 def test_killing_postgresql_mid_load_loses_and_duplicates_nothing(tmp_path):

@@ -17,7 +17,8 @@ from services.gateway.recording import to_record
 from services.gateway.servicer import to_ask, to_response
 from keelctl.replay import request_of
 from shared import errors, metrics
-from tests.gateway.test_pipeline import FakeUpstreams, ask, pipeline
+from tests.gateway.test_pipeline import ask, pipeline
+from testing.upstreams import FakeUpstreams
 
 # What the fake engine knows: one accepted adapter (newest version 2) and one refused at start.
 ACCEPTED = {"pirate": "pirate@2", "pirate@1": "pirate@1", "pirate@2": "pirate@2"}

@@ -14,7 +14,7 @@ from services.gateway.upstreams import MeshUpstreams
 from shared import errors
 from shared.interceptor import ServerInterceptor
 from shared.stages import SERVICE_NAMES
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.gateway.test_pipeline import ask
 
 

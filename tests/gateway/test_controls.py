@@ -12,7 +12,8 @@ from services.gateway.stops import StopText
 from keel.gateway.v1 import gateway_pb2
 from shared import errors
 from shared.controls import MAX_FORMAT_BYTES, Controls, ResponseFormat
-from tests.gateway.test_pipeline import FakeUpstreams, ask, pipeline
+from tests.gateway.test_pipeline import ask, pipeline
+from testing.upstreams import FakeUpstreams
 
 CALL = Call(1e12, "t" * 32)
 

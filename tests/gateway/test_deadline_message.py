@@ -5,7 +5,8 @@ import pytest
 
 from services.gateway.pipeline import Call
 from shared import errors
-from tests.gateway.test_pipeline import FakeUpstreams, ask, pipeline
+from tests.gateway.test_pipeline import ask, pipeline
+from testing.upstreams import FakeUpstreams
 
 
 class SlowTokenizer(FakeUpstreams):

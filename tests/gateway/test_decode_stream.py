@@ -22,7 +22,7 @@ from services.tokenizer.core import Tokenizer
 from services.tokenizer.servicer import TokenizerServicer
 from shared import metrics
 from shared.interceptor import ServerInterceptor
-from tests.conftest import free_port
+from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "Grüße aus 巴黎 \U0001F600 und \ufffd zum Schluss."

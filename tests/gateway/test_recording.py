@@ -16,7 +16,7 @@ from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Served
 from services.gateway.recording import FeedbackForwarder, ReplayConfig, ReplayRecorder, to_record
 from services.gateway.retry import RetryConfig, RetryExecutor
 from shared import errors, metrics
-from tests.gateway.test_pipeline import FakeUpstreams, no_sleep
+from testing.upstreams import FakeUpstreams, no_sleep
 
 
 class FakeFeedbackStub:

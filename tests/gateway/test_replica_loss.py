@@ -24,8 +24,8 @@ from services.gateway.budget import ThrottleConfig
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.upstreams import MeshUpstreams, Pool
 from shared import errors
-from tests.conftest import free_port
-from tests.e2e.conftest import ROOT
+from testing.ports import free_port
+from testing.mesh import ROOT
 from tests.gateway.tokenizer_stub import serve
 
 ENCODE = tokenizer_pb2.EncodeRequest(text=b"hi")

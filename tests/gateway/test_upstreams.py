@@ -16,7 +16,7 @@ from services.gateway.server import GatewayStage
 from services.gateway.upstreams import Pool
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES as SERVICES
 from shared import errors
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.gateway.tokenizer_stub import serve
 
 

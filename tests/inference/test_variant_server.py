@@ -23,7 +23,7 @@ from keelctl.trace import load_spans
 from shared import client
 from shared.interceptor import TRACE_ID_KEY
 from shared.stages import SERVICE_NAMES
-from tests.conftest import free_port
+from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "var" / "model"

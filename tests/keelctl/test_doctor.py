@@ -18,7 +18,7 @@ from keelctl.doctor import FAIL, OK, WARN, Host
 from keelctl.layout import Layout, RedisLayout, StageLayout, StagesLayout
 from services.inference.config import InferenceConfig
 from services.inference.engine.core import EngineConfig
-from tests.conftest import free_port
+from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -131,7 +131,7 @@ def test_a_configured_redis_must_answer(host, tmp_path):
 
 
 def test_a_configured_postgresql_must_answer(host):
-    from tests.feedback.pg import PgServer
+    from testing.postgres import PgServer
     down = replace(host, database_url=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres")
     finding = doctor.check_database(down)[0]
     assert finding.status == FAIL and "postgresql" in finding.what and "DATABASE__URL" in finding.fix

@@ -91,7 +91,7 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     from services.inference.servicer import InferenceServicer
     from services.inference.startup.warmcache import model_sha256
     from shared.metrics import metrics_for
-    from tests.conftest import free_port
+    from testing.ports import free_port
     from tests.inference.helpers import tiny_config
 
     tiny = tiny_model()

@@ -13,8 +13,8 @@ import pytest
 
 from keelctl.readiness import ReadySocket
 from shared import notify
-from tests.conftest import free_port
-from tests.e2e.conftest import ROOT
+from testing.ports import free_port
+from testing.mesh import ROOT
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from keelctl import health
 from shared import errors
 from shared.interceptor import to_status
 from shared.modelfile import MODEL_ID
-from tests.conftest import free_port
+from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "0af7651916cd43dd8448eb211c80319c"

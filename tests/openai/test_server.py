@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from keelctl import health
-from tests.conftest import free_port
+from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from shared import client, errors
 from shared.config import ServerConfig
 from shared.server import serve
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.shared.stage_stub import HangingStage, serving
 
 @pytest.mark.asyncio

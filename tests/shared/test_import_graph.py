@@ -92,15 +92,15 @@ def test_the_cycle_finder_finds_a_loop_and_only_a_loop():
 
 
 def test_production_never_imports_the_tests():
-    """Test hooks (fault injection, fixtures) live under tests/: no module of services/, shared/ or
-    keelctl/ imports from there."""
+    """Test hooks (fault injection, fixtures) live under tests/, what tests and benches share under
+    testing/: no module of services/, shared/ or keelctl/ imports from either."""
     offenders = {}
     for pkg in PACKAGES:
         for path in (ROOT_DIR / pkg).rglob("*.py"):
             tree = ast.parse(path.read_text(encoding="utf-8"))
             names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
             names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
-            bad = [n for n in names if n == "tests" or n.startswith("tests.")]
+            bad = [n for n in names if n.split(".")[0] in ("tests", "testing")]
             if bad:
                 offenders[module_name(path)] = bad
     assert offenders == {}

@@ -12,7 +12,7 @@ import pytest
 
 from shared.config import ServerConfig
 from shared.server import serve
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.shared.stage_stub import HangingStage, serving
 
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from keelctl import health
 from shared.stages import SERVICE_NAMES
-from tests.conftest import free_port
+from testing.ports import free_port
 from tests.validator.conftest import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.conftest import free_port
+from testing.ports import free_port
 
 
 def _bin(name: str) -> str:
