@@ -22,6 +22,7 @@ from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import TokenEvent
 from services.inference.engine.breaker import BreakerBoard, Policy
+from services.inference.engine.inbox import Cancel, Command, Refused, SetVariant, Stop, Submit
 from services.inference.engine.memory import MemoryModel, PeakMeter
 from services.inference.engine.oom import OomPolicy, is_oom
 from services.inference.engine.output import OutputProcessor
@@ -60,7 +61,7 @@ class StepLoop:
         self.prefix = prefix
         self.observed_peak_bytes = 0
         self.active = PRIMARY  # the variant new rows start on; changed only by this thread (_switch)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: list[tuple[Ticket, object]] = []
         self._stats = EngineStats()
         self._owned_thread: TorchThread | None = None  # made by start() when given none; closed at shutdown
@@ -75,21 +76,21 @@ class StepLoop:
         self._done = thread.submit(self._run)
 
     def submit(self, ticket: Ticket) -> None:
-        self.inbox.put(("submit", ticket))
+        self.inbox.put(Submit(ticket))
 
     def refused(self, err: KeelError) -> None:
         """Count a request the engine refused without submitting it (its counters are this loop's)."""
-        self.inbox.put(("refused", err))
+        self.inbox.put(Refused(err))
 
     def cancel(self, ticket: Ticket) -> None:
         """Queued: removed at the next iteration. Running: removed (cache freed) before its next step."""
         ticket.cancelled = True
-        self.inbox.put(("cancel", ticket))
+        self.inbox.put(Cancel(ticket))
 
     def set_variant(self, name: str, actor: str, done: Future) -> None:
         """Make `name` (a known variant) serve the rows created from the next iteration on; `done`
         gets the `Switch` once the loop has applied it and published it in its stats."""
-        self.inbox.put(("variant", (name, actor, done)))
+        self.inbox.put(SetVariant(name, actor, done))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -101,7 +102,7 @@ class StepLoop:
 
     def shutdown(self, error: Exception) -> None:
         """Stop the loop; every request still queued or running gets `error`. Blocks until it has."""
-        self.inbox.put(("stop", error))
+        self.inbox.put(Stop(error))
         if self._done is not None:
             self._done.result()
         if self._owned_thread is not None:
@@ -145,17 +146,17 @@ class StepLoop:
         except queue.Empty:
             return None
         while True:
-            kind, arg = item
-            if kind == "stop":
-                return arg
-            if kind == "submit":
-                self._admit_or_queue(arg)
-            elif kind == "variant":
-                self._switch(*arg)
-            elif kind == "refused":
-                self.counters.fail(arg.reason)
-            else:
-                self.scheduler.cancel(arg)
+            match item:
+                case Stop(error):
+                    return error
+                case Submit(ticket):
+                    self._admit_or_queue(ticket)
+                case SetVariant(name, actor, done):
+                    self._switch(name, actor, done)
+                case Refused(error):
+                    self.counters.fail(error.reason)
+                case Cancel(ticket):
+                    self.scheduler.cancel(ticket)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
