@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future
 
 import pytest
 
-from shared.errors import DeadlineExpired, InvalidInput
+from services.inference.engine.admission import Ticket
+from services.inference.engine.core import Engine
+from services.inference.engine.inbox import SetVariant, Stop, Submit
+from shared.errors import DeadlineExpired, InvalidInput, NotReady
 from tests.inference.faults import FaultSpec, inject
-from tests.inference.helpers import collect, ids, prompt, request
+from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> bool:
@@ -165,3 +169,21 @@ async def test_invariance_padding_can_be_switched_off(make_engine):
     assert off.stats().invariant_batch_sizes["float32"] == ()
     tokens, _ = await collect(off, request("a", prompt(1), max_tokens=5))
     assert len(tokens) == 5
+
+
+@pytest.mark.asyncio
+async def test_commands_that_race_the_stop_get_its_error(tiny):
+    """Stop, then a submission and a variant switch already in the inbox: the loop ends, and both
+    hear the stop's error instead of being dropped."""
+    engine = Engine(tiny, tiny_config())
+    engine.warmup()
+    loop = engine._loop
+    ticket = Ticket(request("late", prompt(1), max_tokens=2), 0, 0, asyncio.get_running_loop(), asyncio.Queue())
+    switched: Future = Future()
+    stop = NotReady("the engine is stopping", reason="SHUTTING_DOWN")
+    for command in (Stop(stop), Submit(ticket), SetVariant("primary", "test", switched)):
+        loop.inbox.put(command)
+    loop.start()
+    loop.shutdown(stop)  # Stop again; returns once the loop has ended
+    assert await asyncio.wait_for(ticket.events.get(), 5) is stop
+    assert switched.exception(timeout=5) is stop

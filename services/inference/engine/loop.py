@@ -323,13 +323,14 @@ class StepLoop:
             self._emit(ticket, err)
         while True:  # submissions that raced the stop
             try:
-                kind, arg = self.inbox.get_nowait()
+                item = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "submit":
-                self._emit(arg, err)
-            elif kind == "variant":
-                arg[2].set_exception(err)
+            match item:
+                case Submit(ticket):
+                    self._emit(ticket, err)
+                case SetVariant(done=done):
+                    done.set_exception(err)
         self._publish()
         self._flush()
 
