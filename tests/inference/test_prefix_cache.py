@@ -96,7 +96,8 @@ async def test_a_hit_reads_the_cached_blocks_in_place_and_leaves_them_unchanged(
     pool = engine.primary_runner.pool
     shared = prompt(5, 2 * BLOCK)
     await collect(engine, request("first", shared + prompt(6, 10), max_tokens=4))
-    held = sorted(b for key in engine._loop.prefix._entries for b in engine._loop.prefix._entries[key][1])
+    prefix = engine._loop.kv.prefix
+    held = sorted(b for key in prefix._entries for b in prefix._entries[key][1])
     assert len(held) == 2 * BLOCK // pool.block_tokens and pool.free_blocks == pool.blocks - len(held)
     before = pool.keys[:, :, held].clone(), pool.values[:, :, held].clone()
     tables = []

@@ -2,7 +2,7 @@
 
 Each iteration: drain the inbox (submit, cancel, variant switch, a refusal to count, stop sent by other
 threads), end cancelled and expired requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a
-cache, then for each batch of the plan `runner.execute(batch)` -> logits and
+cache (the `KvManager`: their blocks and the prefix cache's), then for each batch of the plan `runner.execute(batch)` -> logits and
 `OutputProcessor.update(batch, logits)` -> events. It then publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
 consumers' asyncio loops. Nothing here is shared with the asyncio side but the inbox (a thread-safe
 queue), the tickets' `cancelled` flags and the published snapshot.
@@ -26,7 +26,8 @@ from services.inference.engine.inbox import Cancel, Command, Refused, SetVariant
 from services.inference.engine.memory import MemoryModel, PeakMeter
 from services.inference.engine.oom import OomPolicy, is_oom
 from services.inference.engine.output import OutputProcessor
-from services.inference.engine.prefix import PrefixCache, PrefixStats
+from services.inference.engine.kv import KvManager
+from services.inference.engine.prefix import PrefixCache
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
 from services.inference.engine.stats import Counters, EngineStats, MemoryStats
@@ -58,7 +59,7 @@ class StepLoop:
         self.memory = memory
         self.settings = settings
         self.tokens_per_s = tokens_per_s
-        self.prefix = prefix
+        self.kv = KvManager(runner, prefix)
         self.observed_peak_bytes = 0
         self.active = PRIMARY  # the variant new rows start on; changed only by this thread (_switch)
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -196,7 +197,7 @@ class StepLoop:
             self._step(plan)
             return
         live = sum(r.cache.nbytes for r in self.scheduler.rows) + self.memory.static_bytes
-        live += self.prefix.bytes if self.prefix is not None else 0
+        live += self.kv.prefix_bytes
         with PeakMeter(self.settings.device) as meter:
             self._step(plan)
         self.observed_peak_bytes = max(self.observed_peak_bytes, live + meter.peak)
@@ -223,7 +224,7 @@ class StepLoop:
         fallback = self.settings.breaker_fallback if policy.use_fallback and not ticket.slot else None
         name = fallback or self.settings.variants[variant]
         try:
-            cache = self.runner.new_cache(name, len(req.prompt_ids) + req.max_tokens)
+            cache = self.kv.new_cache(name, len(req.prompt_ids) + req.max_tokens)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -233,28 +234,8 @@ class StepLoop:
             return
         row = Row(ticket, name, cache, time.monotonic(), policy.level,
                   chunk_tokens=self.scheduler.prefill_tokens, variant=variant)
-        if self.prefix is not None:
-            self._reuse_prefix(row)
+        self.kv.adopt_prefix(row)
         self.scheduler.add(row)
-
-    def _reuse_prefix(self, row: Row) -> None:
-        """Hold the cached blocks the prompt starts with in the row's block table (its own blocks there
-        go back to the pool); its prefill resumes after them."""
-        b = self.prefix.block_tokens
-        per = b // row.cache.pool.block_tokens
-        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
-            row.cache.adopt(i * per, blocks)
-            row.cache.length = row.prefilled = (i + 1) * b
-
-    def _keep_prefix_blocks(self, chunks: list[tuple[Row, int, int]]) -> None:
-        """Let the prefix cache hold each full prompt block this step computed (rows whose chunk was committed)."""
-        b = self.prefix.block_tokens
-        for row, start, n in chunks:
-            if n == b and row.prefilled == start + n:
-                per = b // row.cache.pool.block_tokens
-                first = start // b * per
-                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b, row.cache.pool,
-                                  row.cache.blocks[first:first + per])
 
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""
@@ -275,8 +256,8 @@ class StepLoop:
             return
         chunks = [(r, r.prefilled, len(r.tokens)) for r in batch.rows if r.prefilling]
         update = self.output.update(batch, logits, policy)
-        if self.prefix is not None and chunks:
-            self._keep_prefix_blocks(chunks)
+        if chunks:
+            self.kv.keep_prefix_blocks(chunks)
         for row in update.ended:
             self.scheduler.remove(row)  # before the consumer hears of it: an ended row has left the batch
         for ticket, item in update.events:
@@ -343,5 +324,5 @@ class StepLoop:
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
             invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.runner.runners.items()}),
             tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
-            prefix_cache=self.prefix.stats() if self.prefix is not None else PrefixStats(),
+            prefix_cache=self.kv.prefix_stats(),
             active_variant=self.active)

@@ -1,0 +1,54 @@
+"""The KV manager: each row's cache blocks and the prefix cache's shared ones, on the step loop's thread.
+
+`KvManager` gives an admitted row its cache (blocks for prompt + max_tokens positions from its
+runner's pool), lends it the cached blocks its prompt starts with (its own blocks there go back to
+the pool and its prefill resumes after them), and after a step lets the prefix cache keep each full
+prompt block the step computed. The loop decides when; this decides which blocks.
+"""
+from __future__ import annotations
+
+from services.inference.engine.prefix import PrefixCache, PrefixStats
+from services.inference.engine.runner import ModelRunner
+from services.inference.engine.schedule import Row
+from services.inference.model.kvpool import RowCache
+
+
+class KvManager:
+    def __init__(self, runner: ModelRunner, prefix: PrefixCache | None):
+        self.runner = runner
+        self.prefix = prefix
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self.prefix.bytes if self.prefix is not None else 0
+
+    def prefix_stats(self) -> PrefixStats:
+        return self.prefix.stats() if self.prefix is not None else PrefixStats()
+
+    def new_cache(self, runner: str, positions: int) -> RowCache:
+        """Blocks for `positions` positions from the runner's pool (raises on out of memory)."""
+        return self.runner.new_cache(runner, positions)
+
+    def adopt_prefix(self, row: Row) -> None:
+        """Hold the cached blocks the row's prompt starts with in its block table; its prefill
+        resumes after them."""
+        if self.prefix is None:
+            return
+        b = self.prefix.block_tokens
+        per = b // row.cache.pool.block_tokens
+        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
+            row.cache.adopt(i * per, blocks)
+            row.cache.length = row.prefilled = (i + 1) * b
+
+    def keep_prefix_blocks(self, chunks: list[tuple[Row, int, int]]) -> None:
+        """Let the prefix cache hold each full prompt block a step computed: `chunks` are (row, start,
+        tokens) of the step's prefill chunks; only rows whose chunk was committed count."""
+        if self.prefix is None:
+            return
+        b = self.prefix.block_tokens
+        for row, start, n in chunks:
+            if n == b and row.prefilled == start + n:
+                per = b // row.cache.pool.block_tokens
+                first = start // b * per
+                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b, row.cache.pool,
+                                  row.cache.blocks[first:first + per])
