@@ -79,9 +79,9 @@ class FaultInjectingRunner:
             if self._of(r).take_oom(r.step):
                 raise injected_oom(r.ticket.req.request_id, r.step)
         spans, offset = [], 0
-        for r in rows:
-            n = len(r.tokens)
-            if self._of(r).nan_at(r.step):
+        for w in batch.work:
+            n = len(w.tokens)
+            if self._of(w.row).nan_at(w.row.step):
                 spans.append((offset, offset + n))
             offset += n
         if not spans:

@@ -1,6 +1,8 @@
 """The scheduler's plans: pure bookkeeping over queued, pending and running requests (no model)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
 from services.inference.engine.breaker import Policy
 from services.inference.engine.memory import MemoryModel
@@ -44,12 +46,19 @@ def test_requests_beyond_the_cap_or_the_budget_wait_in_the_queue():
 
 def test_a_plan_splits_running_rows_by_runner_into_batches_within_the_cap():
     s = scheduler()
-    rows = [Row(ticket(f"r{i}", 4), "primary" if i % 3 else "fallback", None, 0.0, 0, chunk_tokens=4)
-            for i in range(9)]
+    rows = [Row(ticket(f"r{i}", 6), "primary" if i % 3 else "fallback", SimpleNamespace(length=0), 0.0, 0,
+                chunk_tokens=4) for i in range(9)]
+    rows[4].prefilled = rows[4].cache.length = 6  # prompt done, decoding from its last sampled token
+    rows[4].last_token = 77
+    rows[4].cache.length = 7
     plan = s.schedule(POLICY, 4)
     batches = plan.batches(rows)
     assert [(b.runner, len(b.rows)) for b in batches] == [("fallback", 3), ("primary", 4), ("primary", 2)]
     assert sorted(r.ticket.req.request_id for b in batches for r in b.rows) == sorted(f"r{i}" for i in range(9))
+    # the plan says what each row runs: a prompt chunk from position 0, or one token after the cache
+    work = {w.row.ticket.req.request_id: w for b in batches for w in b.work}
+    assert (work["r0"].start, work["r0"].tokens, work["r0"].prefill) == (0, tuple(prompt(0, 6)[:4]), True)
+    assert (work["r4"].start, work["r4"].tokens, work["r4"].prefill) == (7, (77,), False)
 
 
 def test_batch_cap_is_the_lowest_of_config_breaker_and_oom():

@@ -251,10 +251,10 @@ class StepLoop:
                 return
             self.counters.oom_recoveries += 1
             half = len(rows) // 2
-            self._execute(Batch(batch.runner, rows[:half]), policy)
-            self._execute(Batch(batch.runner, rows[half:]), policy)
+            self._execute(Batch(batch.runner, batch.work[:half]), policy)
+            self._execute(Batch(batch.runner, batch.work[half:]), policy)
             return
-        chunks = [(r, r.prefilled, len(r.tokens)) for r in batch.rows if r.prefilling]
+        chunks = [(w.row, w.start, len(w.tokens)) for w in batch.work if w.prefill]
         update = self.output.update(batch, logits, policy)
         if chunks:
             self.kv.keep_prefix_blocks(chunks)

@@ -45,12 +45,13 @@ class OutputProcessor:
         out = Update()
         finite = row_is_finite(logits).tolist()
         ready: list[int] = []  # the batch's rows that sample a token this step
-        for i, (row, ok) in enumerate(zip(batch.rows, finite)):
+        for i, (work, ok) in enumerate(zip(batch.work, finite)):
+            row = work.row
             if not ok:
-                self._non_finite(row, len(batch.rows), out)
+                self._non_finite(row, len(batch.work), out)
                 continue
-            if row.prefilling:
-                row.prefilled += len(row.tokens)  # this step's chunk is in the cache now
+            if work.prefill:
+                row.prefilled += len(work.tokens)  # this step's chunk is in the cache now
                 if row.prefilling:
                     continue                      # more chunks to go: nothing to sample yet
             ready.append(i)

@@ -21,4 +21,5 @@ class ModelRunner:
 
         Cache lengths advance only when the whole batch succeeded, so a failed batch can be retried as is.
         """
-        return self.runners[batch.runner].forward([Segment(r.cache, r.tokens, r.ticket.slot) for r in batch.rows])
+        return self.runners[batch.runner].forward([Segment(w.row.cache, list(w.tokens), w.row.ticket.slot)
+                                                   for w in batch.work])

@@ -2,7 +2,9 @@
 
 `Scheduler.schedule(policy, cap)` returns a `StepPlan`: the newcomers whose prefill joins this step
 (strict FIFO, at most `prefill_tokens_per_iteration` prompt tokens of newcomers' first chunks, the first
-always goes) and the running rows, grouped by runner and split into batches no larger than the cap. It runs no model
+always goes); once they have rows, `StepPlan.batches(rows)` is the whole step: each row's `Work` (the
+tokens it runs and the cache position they go to), grouped by runner and split into batches no
+larger than the cap. It runs no model
 and touches no tensor; the loop thread is its only caller.
 """
 from __future__ import annotations
@@ -60,9 +62,27 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Work:
+    """One row's share of a step: the tokens it runs, written to its cache from position `start` on."""
+
+    row: Row
+    start: int
+    tokens: tuple[int, ...]
+    prefill: bool  # the tokens are a prompt chunk (else the row's last sampled token)
+
+    @classmethod
+    def of(cls, row: Row) -> Work:
+        return cls(row, row.cache.length, tuple(row.tokens), row.prefilling)
+
+
+@dataclass(frozen=True)
 class Batch:
     runner: str
-    rows: tuple[Row, ...]
+    work: tuple[Work, ...]
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return tuple(w.row for w in self.work)
 
 
 @dataclass(frozen=True)
@@ -72,10 +92,11 @@ class StepPlan:
     cap: int                       # largest batch of the step
 
     def batches(self, rows: list[Row]) -> list[Batch]:
-        """The running rows (newcomers included), per runner, in batches of at most `cap`."""
+        """The whole step once the newcomers have rows: every running row's work (its tokens and where
+        they go), per runner, in batches of at most `cap`."""
         out = []
         for name in dict.fromkeys(r.runner for r in rows):
-            group = tuple(r for r in rows if r.runner == name)
+            group = tuple(Work.of(r) for r in rows if r.runner == name)
             out += [Batch(name, group[i:i + self.cap]) for i in range(0, len(group), self.cap)]
         return out
 
