@@ -37,7 +37,7 @@ from pathlib import Path
 
 from shared import meshauth, metrics, notify
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, RestartPolicy, write_state
-from shared.stages import STAGE_ORDER
+from shared.stages import GATEWAY_UPSTREAMS, STAGE_ORDER
 from keelctl.procs import RUN_DIR_ENV
 from keelctl.readiness import ReadySocket
 
@@ -65,7 +65,7 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_u
     env = {f"KEEL_{stage.upper()}_SERVER__PORT": str(port),
            f"KEEL_{stage.upper()}_SERVER__METRICS_PORT": str(metrics_port)}
     if stage == "gateway":
-        for up in ("tokenizer", "inference", "validator", "feedback"):
+        for up in (*GATEWAY_UPSTREAMS, "feedback"):  # the feedback stage: replay records, off the request path
             env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
     if stage == "openai":
         env["KEEL_OPENAI_GATEWAY"] = "[" + ", ".join(layout.targets("gateway")) + "]"

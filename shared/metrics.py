@@ -31,9 +31,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.metrics import MetricWrapperBase
 
 from shared.errors import InvalidInput
+from shared.stages import SERVICE_NAMES
 
 COMMON = "common"
-STAGES = ("gateway", "tokenizer", "inference", "validator", "feedback", "supervisor", "keelctl")
+# Who may own a metric: every gRPC stage (shared/stages.py), the supervisor and the CLI.
+STAGES = (*SERVICE_NAMES, "supervisor", "keelctl")
 KINDS = ("counter", "gauge", "histogram")
 
 

@@ -19,7 +19,7 @@ from shared import metrics
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
 from shared.config import ServerConfig
-from shared.stages import SERVICE_NAMES
+from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 
 
 class GatewayStage:
@@ -30,13 +30,12 @@ class GatewayStage:
         self.cfg = cfg
         self._auth = ApiKeyAuthenticator(cfg.api_keys, AuthFailureLimiter(cfg.auth_failures))
         self._limiter = RateLimiter(cfg.rate_limits)
-        self.upstreams = MeshUpstreams({"tokenizer": cfg.upstreams.tokenizer, "inference": cfg.upstreams.inference,
-                                        "validator": cfg.upstreams.validator}, cfg.server.max_message_bytes,
-                                       cfg.upstreams.channels_per_replica)
+        self.upstreams = MeshUpstreams({up: getattr(cfg.upstreams, up) for up in GATEWAY_UPSTREAMS},
+                                       cfg.server.max_message_bytes, cfg.upstreams.channels_per_replica)
         m = metrics.metrics_for("gateway")
         retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
                                       m.counter("keel_retry_alerts_total"))
-        for up in ("tokenizer", "inference", "validator"):  # export from 0 so increase() sees the first alert
+        for up in GATEWAY_UPSTREAMS:  # export from 0 so increase() sees the first alert
             for kind in ("retry_clustering", "retry_rate"):
                 alerts.labels(upstream=up, kind=kind)
         monitor = RetryMonitor(cfg.retry.alerts, time.monotonic,
