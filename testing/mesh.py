@@ -14,9 +14,9 @@ from pathlib import Path
 from keel.gateway.v1 import gateway_pb2_grpc
 from keelctl import health
 from keelctl.trace import load_spans
+from shared.config import ROOT_DIR as ROOT
 from testing.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Mesh:

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from services.inference.engine.core import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
 from services.inference.model.kvpool import RowCache
+from services.inference.startup import formats
 
 # Long enough prompts that the tiny model's activations, not its fixed buffers, set the prefill peak.
 TINY_PROBES = (16, 256, 1024)
@@ -44,7 +45,7 @@ def clone_cache(cache: RowCache) -> RowCache:
 
 # What `auto` reports for a format that passed its gate and was then measured on this host: timed,
 # or refused for rows that are not batch-invariant here (aten's bfloat16 kernels are on some CPUs).
-MEASURED_VERDICTS = ("decode pass", "rows not batch-invariant", "a decode step gives a row other bits")
+MEASURED_VERDICTS = (formats.TIMED, formats.NOT_ROW_INVARIANT, formats.STEP_NOT_INVARIANT)
 
 
 def measured(reason: str, fmt: str) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 import llguidance
 import torch
 # The numpy helpers, not llguidance.torch: that module wraps a function in torch.compile at import
-# (seconds of start-up spent on a path Keel does not use).
+# (start-up time spent on a path Keel does not use).
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from shared.controls import ResponseFormat

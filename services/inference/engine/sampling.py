@@ -47,8 +47,8 @@ class Pick:
 
 def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B] bool: True where every logit of the row is finite. (The largest magnitude is
-    below inf exactly then: amax propagates NaN, and NaN < inf is False; a vectorised reduction,
-    ~5x cheaper at [16, 49152] than isfinite(...).all().)"""
+    below inf exactly then: amax propagates NaN, and NaN < inf is False: one vectorised reduction
+    instead of a boolean tensor and its reduction.)"""
     return logits.abs().amax(dim=-1) < float("inf")
 
 

@@ -154,6 +154,12 @@ def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+# How `auto` reports a format that passed its gate and was then measured on the host.
+TIMED = "decode pass"
+NOT_ROW_INVARIANT = "rows not batch-invariant"
+STEP_NOT_INVARIANT = "a decode step gives a row other bits beside other rows than alone"
+
+
 def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, max_batch: int,
                 device: str, model_dir: Path) -> tuple[FormatChoice, torch.nn.Module]:
     """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted."""
@@ -175,10 +181,10 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
         model = model_in_format(reference, fmt, model_dir, device)
         sizes = invariant_sizes(model)
         if fmt != REFERENCE and len(sizes) < INVARIANCE_ROWS:
-            report[fmt] = f"rows not batch-invariant at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
+            report[fmt] = f"{NOT_ROW_INVARIANT} at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
             continue
         if fmt != REFERENCE and not step_invariant(model, device):
-            report[fmt] = "a decode step gives a row other bits beside other rows than alone"
+            report[fmt] = STEP_NOT_INVARIANT
             continue
         if len(gated) == 1:  # nothing to compare with: timing it would only slow the start down
             report[fmt] = "the only candidate that passes the gate (not timed)"
@@ -187,7 +193,7 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
         one = min(sizes, default=1)  # the engine pads a float32 pass of 1 row to this size
         big = next((m for m in sizes if m >= max_batch), max_batch)
         t1, tb = decode_pass_s(model, one), decode_pass_s(model, big)
-        report[fmt] = f"decode pass {t1 * 1e3:.1f} ms at batch 1 (as {one}), {tb * 1e3:.1f} ms at batch {big}"
+        report[fmt] = f"{TIMED} {t1 * 1e3:.1f} ms at batch 1 (as {one}), {tb * 1e3:.1f} ms at batch {big}"
         if best is None or t1 + tb < best[0]:
             best = (t1 + tb, fmt, model)
         del model
