@@ -76,7 +76,7 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_u
     return env
 
 
-def _worker_metrics_port(replica_port: int, worker: int) -> int:
+def worker_metrics_port(replica_port: int, worker: int) -> int:
     """Workers sharing a replica's gRPC port each export metrics on their own port, 10 apart."""
     return replica_port + 10 * worker if replica_port else 0
 
@@ -90,7 +90,7 @@ def layout_ports(layout: Layout) -> dict[int, str]:
             needed[port] = f"{stage}-{r}"
             mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
             for w in range(sl.workers if mport else 0):
-                needed[_worker_metrics_port(mport, w)] = f"{stage}-{r}.{w} metrics"
+                needed[worker_metrics_port(mport, w)] = f"{stage}-{r}.{w} metrics"
     if layout.metrics_port:
         needed[layout.metrics_port] = "supervisor metrics"
     return needed
@@ -138,7 +138,7 @@ class Supervisor:
             for r, port in enumerate(sl.ports):
                 mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
                 for w in range(sl.workers):
-                    env = dict(base_env, **_stage_env(layout, stage, port, _worker_metrics_port(mport, w),
+                    env = dict(base_env, **_stage_env(layout, stage, port, worker_metrics_port(mport, w),
                                                       self.redis_url))
                     argv = [sys.executable, "-m", f"services.{stage}"]
                     self.children.append(Child(f"{stage}-{r}.{w}", argv, env, port, stage))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from keel.gateway.v1 import gateway_pb2_grpc
 from keelctl import health
+from keelctl.supervisor import worker_metrics_port
 from keelctl.trace import load_spans
 from shared.config import ROOT_DIR as ROOT
 from testing.ports import free_port
@@ -46,6 +47,11 @@ class Mesh:
         return load_spans(trace_id, self.tmp / "traces")
 
 
+def _metrics_port(workers: int) -> int:
+    """A replica's metrics port, with the ports its other workers export on free as well."""
+    return free_port(lambda port: [worker_metrics_port(port, w) for w in range(1, workers)])
+
+
 def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
              validator_replicas: int = 1, extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
     """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
@@ -54,10 +60,11 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
              "inference": [free_port() for _ in range(inference_replicas)], "feedback": [free_port()],
              "gateway": [free_port()], "openai": [free_port()]}
     redis_port = free_port()
+    workers = {s: tokenizer_workers if s == "tokenizer" else 1 for s in ports}
     layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},
               # two tokenizer workers share each tokenizer port and its mmapped vocabulary
-              "stages": {s: {"ports": p, "metrics_ports": [free_port() for _ in p],
-                             "workers": tokenizer_workers if s == "tokenizer" else 1} for s, p in ports.items()},
+              "stages": {s: {"ports": p, "metrics_ports": [_metrics_port(workers[s]) for _ in p],
+                             "workers": workers[s]} for s, p in ports.items()},
               "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 5, "stable_after_s": 30},
               "ready_timeout_s": 300, "metrics_port": free_port()}
     (tmp / "keel.json").write_text(json.dumps(layout))  # JSON is YAML

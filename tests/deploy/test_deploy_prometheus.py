@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from keelctl.supervisor import worker_metrics_port
 from tests.deploy.deploy_promql import catalogue_series, metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +115,7 @@ def test_local_scrape_config_matches_the_dev_mesh_layout():
     layout = yaml.safe_load((ROOT / "config" / "keel.yaml").read_text())
     jobs = targets("prometheus-local.yml")
     for stage, sl in layout["stages"].items():
-        expected = [f"127.0.0.1:{p + 10 * w}" for p in sl.get("metrics_ports", [])
+        expected = [f"127.0.0.1:{worker_metrics_port(p, w)}" for p in sl.get("metrics_ports", [])
                     for w in range(sl.get("workers", 1))]
         assert sorted(jobs.get(f"keel-{stage}", [])) == sorted(expected), stage  # no metrics ports: no job
     assert jobs["keel-supervisor"] == [f"127.0.0.1:{layout['metrics_port']}"]
