@@ -33,7 +33,8 @@ import torch
 from services.inference.engine.controls import RowControls, logprobs, shape
 from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
 from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary, version
-from services.inference.model.loader import load_model, tiny_model
+from services.inference.model.loader import load_model
+from testing.tiny import tiny_model
 from services.inference.engine.sampling import Draw, pick
 from shared.controls import Controls, ResponseFormat
 

@@ -1,23 +1,23 @@
-"""What `engine.dtype: auto` pays at the first start of a fresh install: the quality gate at start.
+"""The first start of the whole mesh with `engine.dtype: auto` and no stored gate results: how soon it
+answers, and what one client loses while auto's candidates are gated in the background.
 
-Three starts of the inference stage alone (`python -m services.inference`, real model, free ports), each
-timed from process start to SERVING on grpc.health.v1, in this order:
-  1. fresh: an empty KEEL_VAR_DIR, so the stage gates every auto candidate before serving
-     (formats.gate_at_start) and stores the results;
-  2. stored results: another empty KEEL_VAR_DIR holding only the gate results start 1 stored, so the
-     start is cold (measures its calibration) but runs no gate: the peer of start 1;
-  3. warm: start 2's folder again, so its warm-start record is reused too.
-Each start's "engine warm" log line gives its phases, and start 1's "quality gate run at start" line
-the gate's own seconds.
+1. fresh: `keel up` (testing/mesh.py: Redis and every stage, the real model, free ports) with an empty
+   var/ and formats.gate_at_start on, timed from launch to every stage SERVING and to the first
+   answer through the gateway. One client then sends requests back to back (greedy, --tokens each)
+   while the inference stage's status says its gate runs ("during"), pauses until the gate has
+   ended (the status back to "serving"), and sends the same requests again ("after", on whatever
+   format auto then chose). Figure: tokens/s during / after.
+2. stored: a second `keel up` on a fresh folder holding only the gate results start 1 stored, timed
+   the same way: the peer of start 1, a start that gates nothing.
 
-Run: .venv/bin/python bench/bench_first_start.py [--threads N] [--gate-prompts N]
+Run: .venv/bin/python bench/bench_first_start.py [--gate-prompts N] [--requests N] [--tokens N]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -25,53 +25,88 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_restart import ROOT, free_port, last_line, start, wait_serving  # noqa: E402
+from keelctl import ask, startview  # noqa: E402
+from testing.mesh import start_mesh, stop_mesh  # noqa: E402
+
+GATING = "gating"
+PROMPT = "Write a short story about a lighthouse keeper."
 
 
-def timed_start(var: Path, args) -> tuple[float, dict, dict]:
-    """Seconds to SERVING, the "engine warm" line and the gate-at-start line (empty when none ran)."""
-    env = {**os.environ, "KEEL_VAR_DIR": str(var), "KEEL_INFERENCE_SERVER__PORT": str(port := free_port()),
-           "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()), "KEEL_INFERENCE_ENGINE__DTYPE": "auto",
-           "KEEL_INFERENCE_MODEL_PATH": str(ROOT / "var" / "model")}
-    if args.threads:
-        env["KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS"] = str(args.threads)
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
+
+
+def phase(mesh) -> str:
+    status = startview.stage_status(f"127.0.0.1:{mesh.ports['inference'][0]}")
+    return status.phase if status else "?"
+
+
+def client_rate(mesh, requests: int, tokens: int) -> float:
+    """Tokens per second of one client sending `requests` requests back to back."""
+    done, t0 = 0, time.perf_counter()
+    for _ in range(requests):
+        done += ask.ask(mesh.gateway, ask.build_request(PROMPT, max_tokens=tokens), timeout_s=300).usage.completion_tokens
+    return done / (time.perf_counter() - t0)
+
+
+def timed_start(tmp: Path, args) -> dict:
+    env = {"KEEL_INFERENCE_FORMATS__GATE_AT_START": "true"}
     if args.gate_prompts:
         env["KEEL_INFERENCE_FORMATS__GATE_PROMPTS"] = str(args.gate_prompts)
-    log = var / "stage.log"
     t0 = time.monotonic()
-    proc = start(ROOT, env, log)
+    mesh = start_mesh(tmp, extra_env=env)
+    row = {"serving_s": time.monotonic() - t0}
     try:
-        took = wait_serving(port, proc, limit_s=args.limit_s)
+        ask.ask(mesh.gateway, ask.build_request("What is the capital of France?", max_tokens=16), timeout_s=300)
+        row["first_answer_s"] = time.monotonic() - t0
+        row["gating_at_first_answer"] = GATING in phase(mesh)
+        if row["gating_at_first_answer"]:
+            row["during"] = client_rate(mesh, args.requests, args.tokens)
+            row["still_gating_after_during"] = GATING in phase(mesh)
+            while GATING in phase(mesh):
+                if time.monotonic() - t0 > args.limit_s:
+                    raise SystemExit(f"the background gate did not end within {args.limit_s:.0f} s")
+                time.sleep(1)
+            row["gate_ended_s"] = time.monotonic() - t0
+            row["after"] = client_rate(mesh, args.requests, args.tokens)
+        log = (tmp / "var" / "log")
+        lines = [ln for p in log.glob("inference-*.log") for ln in p.read_text().splitlines()]
+        row["switch"] = next((ln for ln in lines if "background quality gate:" in ln), "")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return took, last_line(log, "engine warm"), last_line(log, "quality gate run at start")
+        stop_mesh(mesh)
+    return row
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=None, help="engine.intra_op_threads (default: the config's)")
     ap.add_argument("--gate-prompts", type=int, default=None, help="formats.gate_prompts (default: all 200)")
-    ap.add_argument("--limit-s", type=float, default=600)
+    ap.add_argument("--requests", type=int, default=6, help="requests per client window")
+    ap.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
+    ap.add_argument("--limit-s", type=float, default=1800)
     args = ap.parse_args(argv)
     fresh, stored = (Path(tempfile.mkdtemp(prefix=f"keel-first-start-{k}-")) for k in ("fresh", "stored"))
-    rows = []
     try:
-        rows.append(("fresh var/ (gate at start)", *timed_start(fresh, args)))
-        shutil.copytree(fresh / "gate", stored / "gate")
-        rows.append(("stored gate results, cold", *timed_start(stored, args)))
-        rows.append(("stored gate results, warm record", *timed_start(stored, args)))
+        first = timed_start(fresh, args)
+        (stored / "var").mkdir()
+        shutil.copytree(fresh / "var" / "gate", stored / "var" / "gate")
+        second = timed_start(stored, args)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
         shutil.rmtree(stored, ignore_errors=True)
     print(f"\nCommand: `.venv/bin/python bench/bench_first_start.py {' '.join(argv or sys.argv[1:])}`")
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| start | s to SERVING | format served | gate at start (s) | gate verdicts | phases (s) |")
-    print("|---|---|---|---|---|---|")
-    for label, took, warm, gated in rows:
-        print(f"| {label} | {took:.1f} | {warm.get('format')} | {gated.get('seconds', '-')} | "
-              f"{gated.get('verdicts', '-')} | {warm.get('phases_s')} |")
-    print(f"\nfresh / stored results (cold): {rows[0][1] / rows[1][1]:.2f}x")
+    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; "
+          f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| start | s to SERVING | s to first answer | gating at first answer | gate ended (s) | "
+          "client tok/s during gate | after gate | during / after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in (("fresh var/ (gate in the background)", first), ("stored gate results", second)):
+        ratio = f"{r['during'] / r['after']:.2f}x" if "during" in r else "-"
+        print(f"| {label} | {r['serving_s']:.1f} | {r['first_answer_s']:.1f} | {r['gating_at_first_answer']} | "
+              f"{r.get('gate_ended_s', 0):.0f} | {r.get('during', 0):.1f} | {r.get('after', 0):.1f} | {ratio} |")
+    print(f"\nfirst answer, fresh / stored: {first['first_answer_s'] / second['first_answer_s']:.2f}x")
+    print(f"gate still running after the 'during' window: {first.get('still_gating_after_during')}")
+    print(f"the stage's verdict: {first['switch'][:400]}")
     return 0
 
 

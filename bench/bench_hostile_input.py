@@ -113,7 +113,7 @@ def measure(root: Path, tmp: Path, redis_port: int, requests: int, hostile: int)
 
 
 def rule_costs() -> None:
-    from tests.validator.test_hostile_rules import DELIMITERS, OPENED, PATTERN_RULES, SIZE, cost_s, fill
+    from testing.hostile import DELIMITERS, OPENED, PATTERN_RULES, SIZE, cost_s, fill
     prose = fill("本月一年期LPR为3.45%，与上月持平。The central bank kept its rate unchanged. ")
     hostile = [fill(p) for p in DELIMITERS] + OPENED
     print(f"| rule | worst of {len(hostile)} adversarial {SIZE // 1024} KB texts (ms) | 32 KB prose (ms) | ratio |")

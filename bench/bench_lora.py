@@ -20,7 +20,7 @@ Each peer runs in a fresh process (`--peer NAME`) and prints one JSON line; the 
                and the LoRA start-up records; then, alternately, starts without the LoRA record (engine
                warm, adapters measured: "cold") and with it ("cached"), `--starts` of each.
 Every peer prefills the same 16 prompts of 32 tokens, then times `--steps` decode steps (median).
-The adapters are real PEFT folders from tests/inference/lora_fixtures.py (seeded, lora_B non-zero).
+The adapters are real PEFT folders from testing/lora.py (seeded, lora_B non-zero).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def prompts() -> list[list[int]]:
 
 
 def adapters(model, root: Path, args, count: int = ADAPTERS) -> list[Path]:
-    from tests.inference.lora_fixtures import make_adapter
+    from testing.lora import make_adapter
     targets = tuple(args.targets.split(","))
     return [make_adapter(model, root / f"a{k}", seed=k, rank=args.rank, targets=targets, b_std=0.05)
             for k in range(count)]
@@ -58,10 +58,10 @@ def keel_steps(model, folders: list[Path], steps: int) -> tuple[list[float], lis
     """(base-only step times, mixed step times), measured alternately in one process so that load from
     other processes on the host weighs on both alike."""
     from services.inference.model.forward import LlamaRunner, Segment
-    from tests.inference.test_lora_forward import load
+    from testing.lora import load_slots
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(ROWS)
-    runner.lora = load(model, folders)
+    runner.lora = load_slots(model, folders)
     mixed = [r % (ADAPTERS + 1) for r in range(ROWS)]
     batches = {}
     for name, slots in (("base", [0] * ROWS), ("mixed", mixed)):

@@ -259,6 +259,7 @@ REASONS: dict[str, Reason] = {
     "DEADLINE_EXPIRED_IN_QUEUE": Reason(DeadlineExpired, "the request's deadline ran out while queued"),
     "NON_FINITE_LOGITS": Reason(NumericalInstability, "NaN/inf logits for this request; the same input fails again"),
     "UNKNOWN_FAILURE_KIND": Reason(InvalidInput, "ReportFailure named a breaker kind callers may not report (only output_limit)"),
+    "VARIANT_NOT_GATED": Reason(PreconditionFailed, "SetVariant named a variant `auto` preloaded while its format's quality gate still runs (or failed, or lost to a faster format)"),
     "UNKNOWN_VARIANT": Reason(InvalidInput, "SetVariant named a model variant this replica did not preload (GetVariant lists them)"),
     "STEP_FAILED": Reason(Fatal, "a model step failed (a bug or a dead device)"),
     "SAMPLING_FAILED": Reason(Fatal, "sampling one row failed (a bug); only that row fails, its batch-mates go on"),

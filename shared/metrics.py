@@ -130,6 +130,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        owner="inference"),
     _g("keel_inference_memory_budget_bytes", "Configured memory budget that admission keeps the prediction under.",
        owner="inference"),
+    _g("keel_inference_observed_peak_memory_bytes", "With engine.memory_audit on: the largest allocator-measured "
+       "step so far (static + live caches + the step's transient peak), to hold against the prediction.",
+       owner="inference"),
     _g("keel_inference_breaker_level", "Circuit breaker level per error type: 0 closed, 1 parameters capped, "
        "2 smaller batch / fallback dtype, 3 open (rejecting).", ("error_type",), "inference"),
     _g("keel_inference_weight_format", "1 for the weight format the stage serves (engine.dtype, auto resolved "

@@ -123,6 +123,8 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
         stagestatus.BOARD.phase("serving")
         serving_gauge.set(1)
         log.info("serving", extra={"address": f"{cfg.host}:{port}"})
+        if hasattr(stage, "serving"):  # work a stage does once it serves (the inference stage's background gate)
+            stage.serving()
         if freeze:  # after SERVING: its one full collection does not delay a restarted stage's return
             freeze_heap()
         await stop.wait()

@@ -72,9 +72,9 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
                KEEL_TRACES_DIR=str(tmp / "traces"), KEEL_VALIDATOR_QUARANTINE__SPILL_PATH=str(tmp / "spill.jsonl"),
                # the feedback stage's rotation webhook, off the default port other meshes may hold
                KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT=str(free_port()),
-               # every mesh has a fresh var/: gating the auto candidates at start would cost each one
-               # ~100 s, so the meshes serve what auto picks without stored results (float32);
-               # tests/inference/test_gate_at_start.py tests the gate at start
+               # every mesh has a fresh var/: gating the auto candidates in the background would take
+               # each one's cores for ~100 s, so the meshes serve what auto picks without stored
+               # results (float32); tests/inference/test_gate_at_start.py tests the gate
                KEEL_INFERENCE_FORMATS__GATE_AT_START="false")
     env.update(extra_env or {})
     env.pop("KEEL_MESH_TOKEN", None)

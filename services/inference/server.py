@@ -12,7 +12,9 @@ import grpc
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
 from services.inference.startup import formats, gateprobes
+from services.inference.startup.background import BackgroundGate
 from services.inference.startup.bootstrap import start_engine
+from services.inference.startup.startgate import GateJob
 from services.inference.engine import grammar
 from services.inference.engine.core import ENGINE_VERSION, Engine
 from services.inference.engine.grammar import Vocabulary
@@ -38,6 +40,8 @@ class InferenceStage:
         self.m = metrics.metrics_for("inference")
         self.engine: Engine | None = None
         self._gauges: asyncio.Task | None = None
+        self._gate: BackgroundGate | None = None  # auto's candidates still to gate, once serving
+        self._gating: asyncio.Task | None = None
         self.torch = TorchThread()  # every torch call of this process runs here (torchthread.py says why)
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -52,8 +56,16 @@ class InferenceStage:
         engine.install_vocabulary(await asyncio.to_thread(
             Vocabulary, self.cfg.model_dir / "hf-tokenizer" / "tokenizer.json", self.cfg.engine.eos_token_ids))
         # read on the torch thread (its thread count) before the batching loop takes it over
-        facts = await self.torch.run(warmcache.serving_facts, self.model_sha, started.record.format, ENGINE_VERSION)
-        self.servicer.facts = {**facts, "grammar": grammar.version()}
+        served = {*engine.variants.values(), *engine.config.other_formats()}
+        facts = await self.torch.run(lambda: {fmt: warmcache.serving_facts(self.model_sha, fmt, ENGINE_VERSION)
+                                              for fmt in served})
+        self.servicer.facts = {fmt: {**f, "grammar": grammar.version()} for fmt, f in facts.items()}
+        if started.candidates:
+            e = self.cfg.engine
+            threads = int(facts[started.record.format]["threads"])  # the candidates are timed as the engine runs
+            self._gate = BackgroundGate(GateJob(str(self.cfg.model_dir), self.model_sha,
+                                                tuple(started.candidates.values()), self.cfg.formats, e.device,
+                                                threads, e.max_batch_size), engine, started.candidates)
         await engine.start(self.torch)
         log.info("engine warm", extra={"memory_model": engine.memory.as_dict(), "format": started.record.format,
                                        "format_reason": started.record.reason, "warm_start": started.warm,
@@ -66,10 +78,17 @@ class InferenceStage:
         self.engine = self.servicer.engine = engine  # until now the interceptor answered UNAVAILABLE
         self._gauges = asyncio.create_task(self._update_gauges())
 
+    def serving(self) -> None:
+        """Once the stage serves: gate auto's ungated candidates in the background (background.py)."""
+        if self._gate is not None:
+            self._gating = asyncio.create_task(self._gate.run())
+            self._gating.add_done_callback(_log_failure)
+
     async def _update_gauges(self) -> None:
         m = self.m
         queue, batch = m.gauge("keel_inference_queue_depth"), m.gauge("keel_inference_running_batch_size")
         predicted, budget = m.gauge("keel_inference_predicted_memory_bytes"), m.gauge("keel_inference_memory_budget_bytes")
+        observed = m.gauge("keel_inference_observed_peak_memory_bytes")
         level, hit_rate = m.gauge("keel_inference_breaker_level"), m.gauge("keel_inference_prefix_cache_hit_rate")
         faults, ooms = m.counter("keel_inference_numerical_faults_total"), m.counter("keel_inference_oom_recoveries_total")
         seen = {"numerical_faults": 0, "oom_recoveries": 0}
@@ -79,6 +98,8 @@ class InferenceStage:
             batch.set(s.running_batch_size)
             predicted.set(s.memory.predicted_bytes)
             budget.set(s.memory.budget_bytes)
+            if s.memory.observed_peak_bytes is not None:  # engine.memory_audit
+                observed.set(s.memory.observed_peak_bytes)
             hit_rate.set(s.prefix_cache.hit_rate)
             self._show_variant(self.engine)
             for kind, state in s.breaker.items():
@@ -98,9 +119,17 @@ class InferenceStage:
     async def close(self) -> None:
         if self._gauges:
             self._gauges.cancel()
+        if self._gating:
+            self._gating.cancel()
+            await asyncio.gather(self._gating, return_exceptions=True)  # its child process is stopped
         if self.engine:
             await self.engine.stop(self.cfg.server.drain_grace_s)
         await asyncio.to_thread(self.torch.close)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background quality gate failed; serving on", exc_info=task.exception())
 
 
 def build() -> tuple[InferenceStage, ServerConfig]:

@@ -46,9 +46,10 @@ def logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, metrics, facts: dict[str, str] | None = None):
+    def __init__(self, engine: Engine, metrics, facts: dict[str, dict[str, str]] | None = None):
         self.engine = engine
-        # warmcache.serving_facts: what decides an answer besides the request (Finished.engine)
+        # per weight format, warmcache.serving_facts: what decides an answer besides the request
+        # (Finished.engine of a reply served in that format)
         self.facts = facts or {}
         self._ttft = metrics.histogram("keel_inference_ttft_seconds")
         self._itl = metrics.histogram("keel_inference_itl_seconds")
@@ -106,7 +107,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self._phase_spans(ev, start_ns, first_ns if ev.completion_tokens else time.time_ns(), time.time_ns())
                 yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
-                    breaker_level=ev.breaker_level, dtype=ev.dtype, engine={**self.facts, "format": ev.dtype},
+                    breaker_level=ev.breaker_level, dtype=ev.dtype, engine=self.facts.get(ev.dtype, {"format": ev.dtype}),
                     variant=ev.variant, adapter=ev.adapter,
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
 

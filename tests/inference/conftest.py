@@ -8,8 +8,8 @@ import pytest_asyncio
 import torch
 
 from services.inference.engine.core import Engine
-from services.inference.model.loader import tiny_model
-from tests.inference.helpers import save_model, tiny_config
+from testing.tiny import save_model, tiny_model
+from tests.inference.helpers import tiny_config
 
 # The tiny model gains nothing from a second intra-op thread, and on a shared 2-core machine an
 # OpenMP team of 2 stalls whenever another process holds a core. Invariant batch sizes are

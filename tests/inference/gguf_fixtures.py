@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
-from tests.inference.helpers import save_model
+from testing.tiny import save_model
+
 
 Q = gguf.GGMLQuantizationType
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

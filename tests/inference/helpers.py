@@ -1,12 +1,7 @@
-"""Helpers shared by the inference tests (requests, prompts, stream collection, model files)."""
+"""Helpers shared by the inference tests (requests, prompts, stream collection)."""
 from __future__ import annotations
 
-import dataclasses
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import save_file
 
 from services.inference.engine.core import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
 from services.inference.model.kvpool import RowCache
@@ -83,21 +78,3 @@ def ids(tokens: list[TokenEvent]) -> list[int]:
     return [t.token_id for t in tokens]
 
 
-def save_model(model, path: Path) -> Path:
-    """Write a Keel Llama as `make model` leaves one: a transformers config.json and model.safetensors."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = {**dataclasses.asdict(model.config), "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-              "hidden_act": "silu"}
-    (path / "config.json").write_text(json.dumps(config))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-    save_file(state, str(path / "model.safetensors"))
-    return path
-
-
-def hf_twin(model, path: Path):
-    """transformers' own LlamaForCausalLM with the same weights, read from the files save_model writes."""
-    from transformers import AutoModelForCausalLM
-    save_model(model, path)
-    # bandit B615 does not apply: a local directory.
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # nosec B615

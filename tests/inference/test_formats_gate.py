@@ -15,7 +15,8 @@ from services.inference.startup.formats import FormatsConfig
 from services.inference.startup.gate import GateResult, GateThresholds, Sequence
 from services.inference.model.loader import convert_model, model_dtype
 from shared.config import ROOT_DIR, ConfigError
-from tests.inference.helpers import prompt, save_model
+from tests.inference.helpers import prompt
+from testing.tiny import save_model
 
 SHA = "0" * 64
 

@@ -10,10 +10,11 @@ import torch
 
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.llama import LlamaConfig, load
-from services.inference.model.loader import load_model, tiny_model
+from services.inference.model.loader import load_model
+from testing.tiny import hf_twin, save_model, tiny_model
 from shared.config import ROOT_DIR
 from shared.errors import InvalidInput
-from tests.inference.helpers import hf_twin, prompt, save_model
+from tests.inference.helpers import prompt
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
 from shared.errors import NotFound, PreconditionFailed
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
-from tests.inference.lora_fixtures import base_of, make_adapter
+from testing.lora import base_of, make_adapter
 
 _OPENS: list[tuple] | None = None
 

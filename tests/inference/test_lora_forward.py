@@ -7,22 +7,11 @@ import pytest
 import torch
 
 from services.inference.model.forward import LlamaRunner, Segment
-from services.inference.lora.peftconfig import parse
-from services.inference.lora.slots import LoraSlots, read_weights
 from tests.inference.helpers import clone_cache, prompt
-from tests.inference.lora_fixtures import make_adapter, peft_logits
+from testing.lora import load_slots, make_adapter, peft_logits
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_SETS = (ALL, ("q_proj", "v_proj"), ("o_proj", "down_proj", "up_proj"), ("k_proj", "gate_proj"))
-
-
-def load(model, folders, max_rank=64):
-    import json
-    weights = []
-    for f in folders:
-        spec = parse(json.loads((f / "adapter_config.json").read_text()), max_rank)
-        weights.append(read_weights(f / "adapter_model.safetensors", spec, model))
-    return LoraSlots(weights, model)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +25,7 @@ def adapters(tiny, tmp_path_factory):
 def runner(tiny, adapters):
     r = LlamaRunner(tiny)
     r.calibrate_invariant_sizes(16)
-    r.lora = load(tiny, adapters)
+    r.lora = load_slots(tiny, adapters)
     return r
 
 
@@ -110,7 +99,7 @@ def test_an_adapter_gives_the_same_bits_whatever_else_is_loaded(tiny, adapters, 
     alone = LlamaRunner(tiny)
     alone.invariant_sizes = runner.invariant_sizes
     for slot, folder in enumerate(adapters, start=1):
-        alone.lora = load(tiny, [folder])
+        alone.lora = load_slots(tiny, [folder])
         want = alone.forward([Segment(alone.new_cache(16), ids, 1)])[0]
         assert torch.equal(want, runner.forward([Segment(runner.new_cache(16), ids, slot)])[0])
 
@@ -123,7 +112,7 @@ def test_adapters_on_other_weight_formats_stay_batch_invariant(tiny, adapters, f
     model = load_model(write_tiny_gguf(tiny, tmp_path), "gguf") if fmt == "gguf" else convert_model(tiny, fmt)
     r = LlamaRunner(model)
     r.calibrate_invariant_sizes(16)
-    r.lora = load(model, adapters)
+    r.lora = load_slots(model, adapters)
     slots = [i % 5 for i in range(16)]
     caches = [r.new_cache(16) for _ in slots]
     r.forward([Segment(c, prompt(i, 4), s) for i, (c, s) in enumerate(zip(caches, slots))])

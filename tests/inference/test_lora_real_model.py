@@ -13,8 +13,7 @@ from services.inference.lora.startup import check_adapters, running_base
 from services.inference.model.loader import load_model
 from services.inference.startup.warmcache import model_sha256
 from tests.inference.helpers import clone_cache
-from tests.inference.lora_fixtures import make_adapter, peft_logits, tokenizer
-from tests.inference.test_lora_forward import load
+from testing.lora import load_slots, make_adapter, peft_logits, tokenizer
 
 MODEL = Path("var/model")
 pytestmark = [pytest.mark.slow,
@@ -29,7 +28,7 @@ def real(tmp_path_factory):
                make_adapter(model, root / "mlp", seed=1, rank=4, targets=("o_proj", "up_proj", "down_proj"), b_std=0.05)]
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(16)
-    runner.lora = load(model, folders)
+    runner.lora = load_slots(model, folders)
     return model, runner, folders
 
 

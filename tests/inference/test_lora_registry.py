@@ -11,9 +11,9 @@ import torch
 from services.inference.lora import manifest
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
-from services.inference.model.loader import tiny_model
+from testing.tiny import tiny_model
 from shared.errors import InvalidInput, NotFound, PreconditionFailed
-from tests.inference.lora_fixtures import base_of, make_adapter
+from testing.lora import base_of, make_adapter
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import running_base
 from services.inference.model.loader import load_model
-from tests.inference.helpers import save_model, tiny_config
-from tests.inference.lora_fixtures import make_adapter
+from tests.inference.helpers import tiny_config
+from testing.tiny import save_model
+from testing.lora import make_adapter
 
 
 @pytest.fixture

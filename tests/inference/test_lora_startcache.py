@@ -16,8 +16,8 @@ from services.inference.lora import manifest
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
 from services.inference.lora.startcache import StartCache
-from services.inference.model.loader import tiny_model
-from tests.inference.lora_fixtures import base_of, make_adapter
+from testing.tiny import tiny_model
+from testing.lora import base_of, make_adapter
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,12 @@ class Stage:
 
     def __init__(self, tmp: Path, **env):
         self.tmp, self.port, self.metrics_port = tmp, free_port(), free_port()
-        self.env = dict(os.environ, KEEL_VAR_DIR=str(tmp / "var"), KEEL_TRACES_DIR=str(tmp / "traces"),
-                        KEEL_INFERENCE_SERVER__PORT=str(self.port),
-                        KEEL_INFERENCE_SERVER__METRICS_PORT=str(self.metrics_port),
-                        KEEL_INFERENCE_ENGINE__DTYPE="float32", KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS="1",
-                        KEEL_INFERENCE_ENGINE__WARMUP_PROMPT_TOKENS="[16, 64]",
-                        KEEL_INFERENCE_ENGINE__WARMUP_MAX_TOKENS="32", **env)
+        self.env = {**os.environ, "KEEL_VAR_DIR": str(tmp / "var"), "KEEL_TRACES_DIR": str(tmp / "traces"),
+                    "KEEL_INFERENCE_SERVER__PORT": str(self.port),
+                    "KEEL_INFERENCE_SERVER__METRICS_PORT": str(self.metrics_port),
+                    "KEEL_INFERENCE_ENGINE__DTYPE": "float32", "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": "1",
+                    "KEEL_INFERENCE_ENGINE__WARMUP_PROMPT_TOKENS": "[16, 64]",
+                    "KEEL_INFERENCE_ENGINE__WARMUP_MAX_TOKENS": "32", **env}
         self.env.pop("KEEL_MESH_TOKEN", None)  # no token: the stage accepts any caller
         self.log_path = tmp / f"inference-{self.port}.log"
         self.proc: subprocess.Popen | None = None

@@ -11,8 +11,8 @@ from services.inference.startup import bootstrap, formats, gate, warmcache
 from services.inference.engine import core as engine_module
 from services.inference.config import InferenceConfig
 from services.inference.startup.formats import FormatsConfig
-from services.inference.model.loader import tiny_model
-from tests.inference.helpers import measured, save_model, tiny_config
+from testing.tiny import save_model, tiny_model
+from tests.inference.helpers import measured, tiny_config
 
 
 @pytest.fixture

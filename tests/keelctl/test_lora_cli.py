@@ -6,9 +6,8 @@ import json
 import pytest
 
 from keelctl.main import main
-from services.inference.model.loader import tiny_model
-from tests.inference.helpers import save_model
-from tests.inference.lora_fixtures import make_adapter
+from testing.tiny import save_model, tiny_model
+from testing.lora import make_adapter
 
 
 @pytest.fixture

@@ -4,44 +4,21 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.validator.contracts import InputChecker
 from services.validator.builtins import ForbiddenPatterns
-from services.validator.domains import DomainConfig, InputRule
-from services.validator.output_pipeline import PipelineConfig
+from services.validator.domains import DomainConfig
 from services.validator.plugins import OutputContext
 from services.validator.rules import CompiledRules, RequestText
 from shared.errors import INPUT_CHECK_BUDGET_EXCEEDED, INVISIBLE_INPUT
+from testing.hostile import DELIMITERS, OPENED, PATTERN_RULES, PIPELINE, ROOT, SIZE, cost_s, fill
 
-ROOT = Path(__file__).resolve().parents[2]
-PIPELINE = PipelineConfig.load(ROOT / "config" / "validator" / "pipeline.yaml")
-SIZE = 32 * 1024
 # Linear rules take a few ms on 32 KB; the backtracking engine took seconds (quadratic). The
 # bound is far above the first and far below the second, whatever else runs on the machine.
 BOUND_S = 0.5
-PATTERN_RULES = {r.name: r for d in PIPELINE.domains.values() for r in d.input_rules if r.kind == "pattern"}
-# Unclosed and nested delimiters of the configured rules, each repeated to 32 KB.
-DELIMITERS = ["{{", "{%", "{{ {%", "{{{{}", "<", "< ", "</", "< /", "<|", "<| ", "<|im_", "ignore ",
-              "ignore all the ", "忽略之前", "<\t/\n", " ", "\u200b<"]
-
-# One opener, then a long run the rule's middle part can take in several ways.
-OPENED = ["<" + " " * SIZE, "< /" + "\t" * SIZE, "{{" + "x" * SIZE, "{%" + "}" * SIZE, "<|" + " " * SIZE,
-          "ignore " + " " * SIZE]
-
-
-def fill(piece: str) -> str:
-    return (piece * (SIZE // max(1, len(piece)) + 1))[:SIZE]
-
-
-def cost_s(rule: InputRule, text: str) -> float:
-    rules = CompiledRules(DomainConfig(name="probe", input_rules=(rule,)))
-    start = time.perf_counter()
-    rules.failures(RequestText(text, text))
-    return time.perf_counter() - start
 
 
 def test_every_configured_pattern_rule_is_covered():

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -115,10 +115,11 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
                  clock: Callable[[], float] = time.monotonic,
-                 others: Mapping[str, torch.nn.Module] = MappingProxyType({})):
+                 others: Mapping[str, torch.nn.Module] = MappingProxyType({}), locked: Iterable[str] = ()):
         """`others`: models of other formats the variants or the breaker need, already loaded (a quantized
         model cannot be converted to another format, so the caller loads those from the weight files);
-        a format missing there is converted from `model` at warm-up."""
+        a format missing there is converted from `model` at warm-up. `locked`: variants SetVariant
+        refuses until `unlock_variant` (candidates whose quality gate has not passed yet)."""
         if model_dtype(model) != config.dtype:
             raise InvalidInput(f"model is {model_dtype(model)} but config.dtype is {config.dtype}",
                                reason="DTYPE_MISMATCH")
@@ -127,6 +128,7 @@ class Engine:
         self.config = config
         # name -> weight format of every variant this engine serves; fixed for its lifetime
         self.variants: Mapping[str, str] = MappingProxyType({PRIMARY: config.dtype, **config.variants})
+        self._locked = set(locked) & set(config.variants)
         self.board = BreakerBoard(config.breaker, config.max_batch_size, clock)
         self.memory: MemoryModel | None = None
         self.calibration: Calibration | None = None
@@ -254,10 +256,17 @@ class Engine:
             raise InvalidInput(f"unknown variant {name[:64]!r}; this replica has {', '.join(self.variants)}",
                                reason="UNKNOWN_VARIANT", metadata={"variant": name[:64],
                                                                    "variants": ",".join(self.variants)})
+        if name in self._locked:
+            raise PreconditionFailed(f"variant {name!r} ({self.variants[name]}) has not passed its quality gate yet",
+                                     reason="VARIANT_NOT_GATED", metadata={"variant": name})
         self._check_serving()
         done: Future = Future()
         self._loop.set_variant(name, actor, done)
         return await asyncio.wrap_future(done)
+
+    def unlock_variant(self, name: str) -> None:
+        """Let SetVariant select `name` (its format passed the quality gate)."""
+        self._locked.discard(name)
 
     def active_variant(self) -> str:
         return self._loop.stats().active_variant if self._loop is not None else PRIMARY

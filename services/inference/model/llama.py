@@ -86,8 +86,8 @@ class CausalLMOutput(NamedTuple):
 
 class Linear(nn.Linear):
     """An nn.Linear created without initialising its weight (torch.empty): the loader assigns the
-    file's tensor, tiny_model draws its own. Skipping the init saves a second per start on the real
-    model; building on the meta device instead runs the init's decompositions, whose first use imports
+    file's tensor, a random test model (testing/tiny.py) draws its own. Skipping the init saves a
+    second per start on the real model; building on the meta device instead runs the init's decompositions, whose first use imports
     torch's compiler stack (sympy, mpmath, ~800 modules), which costs as much."""
 
     def reset_parameters(self) -> None:

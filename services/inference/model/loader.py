@@ -20,7 +20,6 @@ import torch
 from shared.errors import InvalidInput
 
 from services.inference.model import blocks, kernels, llama
-from services.inference.model.llama import LlamaConfig
 from services.inference.model.quant import QUANTIZED, quantize_linears, weight_format
 
 DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED + (blocks.FORMAT,)
@@ -115,31 +114,3 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
-
-
-def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:
-    """A random 2-layer Llama (hidden 64, 4 heads, 2 KV heads) with the real vocabulary size.
-
-    Initialised as transformers initialises a Llama: every Linear and the embedding from N(0, std),
-    the padding token's embedding row zero (tied, so its logit is always 0), norms at one. std is
-    large on purpose: with the usual 0.02 the logits are nearly flat and greedy decoding would hinge
-    on rounding-level near-ties, which makes exact-match tests meaningless.
-    """
-    std = 0.5
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rope_theta=100000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    model = llama.uninitialised(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied lm_head is listed once, as the embedding
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
-        model.model.embed_tokens.weight[config.pad_token_id] = 0
-    model.requires_grad_(False)
-    return model.eval()

@@ -3,14 +3,17 @@
 Runs on the stage's torch thread. A warm start (same engine fingerprint as a stored record, and the
 verification probe gives the same bits) loads the recorded format and hands the engine its stored
 calibration; a cold start resolves the format (formats.py), measures everything and stores the
-record. Before either, `auto` gates the candidates that have no stored gate result (startgate.py), so
-the fingerprint, which includes the stored results, already sees them. Each phase's duration is
-logged, so a slow start says where its time went.
+record. With `auto`, candidates that have no stored gate result are not waited for: each is preloaded
+as a locked variant "auto-<format>" beside the format served now (the reference, or the fastest
+candidate whose stored result passes), and the stage gates them in the background once it serves
+(startgate.py, background.py). Each phase's duration is logged, so a slow start says where its time
+went.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -18,7 +21,7 @@ import torch
 from services.inference.model import blocks
 from services.inference.startup import formats, gate, startgate, warmcache
 from services.inference.config import InferenceConfig
-from services.inference.engine.core import ENGINE_VERSION, Engine
+from services.inference.engine.core import ENGINE_VERSION, Engine, EngineConfig
 from services.inference.lora.startup import check_adapters
 from services.inference.model.loader import AUTO, FROM_FILE_ONLY, load_model
 from services.inference.startup.warmcache import WarmRecord
@@ -27,6 +30,7 @@ from shared import stagestatus
 
 log = logging.getLogger(__name__)
 STARTING = "starting the engine"  # the stage status while start_engine runs (shared/stagestatus.py)
+CANDIDATE = "auto-{}"  # the variant preloaded for a candidate format gated in the background
 
 # Engine settings a calibration depends on (besides the model, format, torch build, CPU and threads).
 CALIBRATION_SETTINGS = ("max_batch_size", "max_context_tokens", "warmup_prompt_tokens", "warmup_max_tokens",
@@ -39,6 +43,7 @@ class Started:
     record: WarmRecord
     warm: bool                   # True: the stored calibration was reused
     phases_s: dict[str, float]   # seconds per start-up phase, in order
+    candidates: Mapping[str, str]  # locked variant -> format, for the gate to run in the background
 
 
 class _Phases:
@@ -54,8 +59,7 @@ class _Phases:
         stagestatus.BOARD.step_done(name, self.times[name], STARTING)  # `keel up` shows it
 
 
-def fingerprint(cfg: InferenceConfig, model_sha: str) -> dict:
-    e = cfg.engine
+def fingerprint(cfg: InferenceConfig, e: EngineConfig, model_sha: str) -> dict:
     settings = {k: getattr(e, k) for k in CALIBRATION_SETTINGS}
     settings["fallback_dtype"] = e.breaker.fallback_dtype
     settings["variants"] = dict(sorted(e.variants.items()))  # each preloaded format adds to the memory model
@@ -75,53 +79,58 @@ def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, fp
     phases.mark("adapters")
 
 
+def candidate_variants(cfg: InferenceConfig, model_sha: str) -> dict[str, str]:
+    """Variant name -> format of each `auto` candidate to gate in the background: those this device
+    runs that have no stored gate result, when the results can be stored (else the gate is lost work)."""
+    e = cfg.engine
+    if e.dtype != AUTO or not cfg.formats.gate_at_start:
+        return {}
+    ungated = startgate.pending(cfg.formats, model_sha, e.device)
+    if not ungated or not startgate.writable(model_sha):
+        return {}
+    return {CANDIDATE.format(f): f for f in ungated if CANDIDATE.format(f) not in e.variants}
+
+
 def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     """A warmed engine (not yet started) for the stage, warm from var/warm when possible."""
-    e = cfg.engine
     phases = _Phases()
-    if e.intra_op_threads is not None:
-        torch.set_num_threads(e.intra_op_threads)
-    set_deterministic(e.device)
-    reference = None  # the float32 model, once loaded for the gate or for auto
-    gating = e.dtype == AUTO and cfg.formats.gate_at_start
-    ungated = startgate.pending(cfg.formats, model_sha, e.device) if gating else ()
-    if ungated:
-        reference = load_model(cfg.model_dir, "float32", e.device)
-        phases.mark("load_reference")
-        startgate.run(reference, model_sha, ungated, cfg.formats, e.device, cfg.model_dir)
-        phases.mark("quality_gate")
-    fp = fingerprint(cfg, model_sha)
+    if cfg.engine.intra_op_threads is not None:
+        torch.set_num_threads(cfg.engine.intra_op_threads)
+    set_deterministic(cfg.engine.device)
+    candidates = candidate_variants(cfg, model_sha)
+    e = replace(cfg.engine, variants={**cfg.engine.variants, **candidates})
+    fp = fingerprint(cfg, e, model_sha)
     record = warmcache.load(fp) if cfg.warm_restart else None
     if record is not None:
-        reference = None
         model = load_model(cfg.model_dir, record.format, e.device)
         phases.mark("load_model")
         ok = warmcache.probe_digest(model) == record.probe_digest
         phases.mark("verify_probe")
         if ok:
-            engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, record.format))
+            engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, e, record.format),
+                            locked=candidates)
             engine.warmup(record.calibration)
             phases.mark("warmup_reused")
             _adapters(cfg, engine, model_sha, record.format, fp, phases)
             log.info("warm start: reusing the stored calibration", extra={"format": record.format,
                                                                           "phases_s": phases.times})
-            return Started(engine, record, True, phases.times)
+            return Started(engine, record, True, phases.times, candidates)
         log.warning("warm start refused: the verification probe gave different logits; measuring again",
                     extra={"format": record.format})
         del model
     if e.dtype == AUTO:
-        if reference is None:
-            reference = load_model(cfg.model_dir, "float32", e.device)
-            phases.mark("load_model")
+        reference = load_model(cfg.model_dir, formats.REFERENCE, e.device)
+        phases.mark("load_model")
         choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
-                                            cfg.model_dir)
+                                            cfg.model_dir, gating=tuple(candidates.values()))
         del reference
         phases.mark("choose_format")
     else:
         choice = formats.check_explicit(e.dtype, model_sha, cfg.formats)
         model = load_model(cfg.model_dir, e.dtype, e.device)
         phases.mark("load_model")
-    engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, choice.format))
+    engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, e, choice.format),
+                    locked=candidates)
     engine.warmup()
     phases.mark("warmup_measured")
     _adapters(cfg, engine, model_sha, choice.format, fp, phases)
@@ -136,13 +145,12 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     log.info("cold start: format chosen and engine measured", extra={"format": choice.format,
                                                                      "reason": choice.reason,
                                                                      "phases_s": phases.times})
-    return Started(engine, record, False, phases.times)
+    return Started(engine, record, False, phases.times, candidates)
 
 
-def _other_models(cfg: InferenceConfig, served: str) -> dict[str, torch.nn.Module]:
+def _other_models(cfg: InferenceConfig, e: EngineConfig, served: str) -> dict[str, torch.nn.Module]:
     """The variants' and the breaker's formats the engine cannot convert from the served model at warm-up,
     loaded from the weight files: every one when the served model is quantized or gguf (it converts to
     nothing else), and gguf whatever serves (it is read from the GGUF, never converted)."""
-    e = cfg.engine
     return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats()
             if fmt != served and (served in FROM_FILE_ONLY or fmt == blocks.FORMAT)}

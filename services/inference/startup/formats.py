@@ -2,7 +2,7 @@
 
 * An explicit format other than float32 (the reference) must have passed the gate for this very model
   (results stored under var/gate/, keyed by the hash of the weights, by `bench/gate_formats.py` or by
-  the gate `auto` runs at start, startgate.py); a
+  the gate `auto` runs in the background, startgate.py); a
   format that failed, or was never gated, stops the stage with a ConfigError (exit 2) unless
   `formats.force` is set.
 * `auto` keeps the candidates that pass the gate (float32 always does) and whose linear layers give a
@@ -44,7 +44,7 @@ class FormatsConfig:
     gate: GateThresholds = field(default_factory=GateThresholds)
     force: bool = False  # serve an explicit format even when it failed or never ran the gate
     auto_candidates: tuple[str, ...] = ("float32", "int8", "gguf")
-    # engine.dtype auto: a candidate with no stored gate result is gated at start (startgate.py)
+    # engine.dtype auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
     gate_at_start: bool = True
     gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them
 
@@ -158,15 +158,22 @@ def decode_pass_s(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
 TIMED = "decode pass"
 NOT_ROW_INVARIANT = "rows not batch-invariant"
 STEP_NOT_INVARIANT = "a decode step gives a row other bits beside other rows than alone"
+GATING = "its quality gate runs in the background; preloaded as a variant the stage switches to if it wins"
 
 
 def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, max_batch: int,
-                device: str, model_dir: Path) -> tuple[FormatChoice, torch.nn.Module]:
-    """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted."""
+                device: str, model_dir: Path, gating: tuple[str, ...] = ()) -> tuple[FormatChoice, torch.nn.Module]:
+    """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted.
+    `gating`: candidates whose gate runs in the background (startgate.py); the reference is then
+    eligible whether or not it is a candidate, so the stage serves while they are gated."""
     results = gate.load(gate_path(model_sha), model_sha)
     report, best = {}, None
     gated = []
-    for fmt in cfg.auto_candidates:
+    candidates = cfg.auto_candidates if not gating else tuple(dict.fromkeys((REFERENCE, *cfg.auto_candidates)))
+    for fmt in candidates:
+        if fmt in gating:
+            report[fmt] = GATING
+            continue
         try:
             check_dtype(fmt, device)
         except InvalidInput as exc:

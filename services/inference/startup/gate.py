@@ -6,7 +6,7 @@ greedy answer), and at every answer position we compare the two next-token distr
   * greedy agreement, the share of positions where both put their maximum on the same token.
 Teacher forcing keeps one early disagreement from derailing the rest of a sequence, so each position
 is judged on its own. The gate over the 200 probes of gate_probes.json is run by `bench/gate_formats.py`
-(`make gate`) or, for the `auto` candidates still lacking a result, by the stage at start
+(`make gate`) or, for the `auto` candidates still lacking a result, by the stage in the background
 (startgate.py); both store the results with `store()`, and every start reads them.
 """
 from __future__ import annotations
@@ -75,17 +75,18 @@ def _log_probs(model: torch.nn.Module, seq: Sequence) -> torch.Tensor:
 
 def evaluate(reference: torch.nn.Module, candidates: dict[str, torch.nn.Module],
              sequences: list[Sequence], progress: Callable[[int], None] | None = None) -> list[GateResult]:
-    """Compare each candidate (by format name) with `reference` (float32) over `sequences`."""
+    """Compare each candidate (by format name) with `reference` (float32) over `sequences`;
+    `progress(n)` after each sequence, n of them scored."""
     kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in candidates}
     agree = dict.fromkeys(candidates, 0)
     for i, seq in enumerate(sequences):
-        if progress is not None:
-            progress(i)
         ref = _log_probs(reference, seq)
         for fmt, model in candidates.items():
             cand = _log_probs(model, seq)
             kls[fmt].append((ref.exp() * (ref - cand)).sum(-1).clamp(min=0))
             agree[fmt] += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        if progress is not None:
+            progress(i + 1)
     out = []
     for fmt in candidates:
         kl = torch.cat(kls[fmt]).double()

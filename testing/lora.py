@@ -1,4 +1,5 @@
-"""Real PEFT adapters made on the spot, for the LoRA tests and bench/bench_lora.py (the one maker).
+"""Real PEFT adapters made on the spot, for the LoRA tests and bench/bench_lora.py (the one maker), and
+their slots as the stage loads them.
 
 `make_adapter` wraps a copy of the base model with PEFT's own `get_peft_model`, fills lora_B (which
 PEFT initialises to zero) with seeded random values so the adapter changes the outputs, and writes the
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+
+from services.inference.lora.peftconfig import parse
+from services.inference.lora.slots import LoraSlots, read_weights
 
 
 def make_adapter(base: torch.nn.Module, out_dir: Path, *, seed: int, rank: int = 4, alpha: float = 8,
@@ -44,7 +48,7 @@ def peft_logits(base: torch.nn.Module, adapter_dir: Path, ids: list[int]) -> tor
     """PEFT's unmerged forward over transformers' own Llama with `base`'s weights (the reference):
     float32 logits [len(ids), V]."""
     from peft import PeftModel
-    from tests.inference.helpers import hf_twin
+    from testing.tiny import hf_twin
     with tempfile.TemporaryDirectory() as tmp:
         model = PeftModel.from_pretrained(hf_twin(base, Path(tmp)), str(adapter_dir)).eval()
         with torch.inference_mode():
@@ -76,3 +80,12 @@ def base_of(model: torch.nn.Module, weights_sha256: str = "tiny-seed-0", fmt: st
     tok = tokenizer()
     fields = fingerprint.base_fields(weights_sha256, dataclasses.asdict(model.config), fingerprint.tokenizer_hashes(tok), fmt)
     return Base(runner, fields, load_probe_set(tok))
+
+
+def load_slots(model: torch.nn.Module, folders: list[Path], max_rank: int = 64) -> LoraSlots:
+    """The adapters in `folders` as the engine's slots over `model` (slot k + 1 = folders[k])."""
+    weights = []
+    for f in folders:
+        spec = parse(json.loads((f / "adapter_config.json").read_text()), max_rank)
+        weights.append(read_weights(f / "adapter_model.safetensors", spec, model))
+    return LoraSlots(weights, model)

@@ -1,0 +1,109 @@
+"""The quality gate of `auto`'s ungated candidates, run beside the serving stage; then the switch.
+
+A start that found candidates without a stored gate result serves at once with each preloaded as a
+locked variant "auto-<format>" (bootstrap.py). Once the stage serves, `BackgroundGate.run` starts
+`python -m services.inference.startup.startgate` (a child process at nice 19: a thread of the
+stage's own process would slow its batching thread, torchthread.py says why), hands it the job,
+shows its progress in the stage status ("serving; gating int8, gguf in the background 120/200"),
+and reads its verdict. When the verdict is one of the locked variants, that variant is unlocked and
+switched to (Engine.set_variant): requests already running finish on the format they started with,
+and each reply names the format and variant that served it (its replay record and its trace), so a
+replay of an answer served before the switch is "not comparable: engine.format differ". Any other
+verdict, or a child that dies, leaves the stage serving what it serves.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shared import stagestatus
+from shared.config import ROOT_DIR
+
+from services.inference.engine.core import Engine
+from services.inference.engine.variants import Switch
+from services.inference.startup.startgate import GateJob, Verdict
+
+log = logging.getLogger(__name__)
+MODULE = "services.inference.startup.startgate"
+ACTOR = "auto quality gate"  # the SetVariant actor the switch is logged with
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: Verdict | None  # None: the child ended without one (its exit code is logged)
+    switch: Switch | None    # the switch made, when the verdict chose a candidate
+
+
+class BackgroundGate:
+    def __init__(self, job: GateJob, engine: Engine, candidates: Mapping[str, str],
+                 board: stagestatus.StatusBoard = stagestatus.BOARD):
+        """`candidates`: the engine's locked variants, name -> format (the formats `job` gates)."""
+        self.job, self.engine, self.candidates, self.board = job, engine, candidates, board
+        self.phase = f"serving; gating {', '.join(job.formats)} in the background"
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def run(self) -> Outcome:
+        self.board.phase(self.phase)
+        try:
+            verdict = await self._gate()
+        finally:
+            await self._stop_child()
+            self.board.phase("serving")
+        if verdict is None:
+            return Outcome(None, None)
+        return Outcome(verdict, await self._apply(verdict))
+
+    async def _gate(self) -> Verdict | None:
+        self._proc = proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", MODULE, cwd=ROOT_DIR, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)  # stderr: the stage's own (its JSON log lines)
+        proc.stdin.write(self.job.to_json().encode())
+        await proc.stdin.drain()
+        proc.stdin.close()
+        verdict = None
+        async for raw in proc.stdout:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                log.warning("background quality gate: a line that is not JSON", extra={"line": raw[:200].decode(
+                    errors="replace")})
+                continue
+            if "done" in line:
+                if line["done"] <= 1:
+                    self.board.phase(self.phase, total=line["total"])
+                self.board.advance(line["done"])
+            elif "choice" in line:
+                verdict = Verdict(line["choice"], line["reason"])
+        code = await proc.wait()
+        if verdict is None:
+            log.warning("background quality gate ended without a verdict; serving on",
+                        extra={"exit_code": code, "formats": list(self.job.formats)})
+        return verdict
+
+    async def _apply(self, verdict: Verdict) -> Switch | None:
+        name = next((n for n, fmt in self.candidates.items() if fmt == verdict.choice), None)
+        if name is None:
+            log.info("background quality gate: keeping the served format", extra={
+                "choice": verdict.choice, "reason": verdict.reason, "active": self.engine.active_variant()})
+            return None
+        self.engine.unlock_variant(name)
+        switch = await self.engine.set_variant(name, ACTOR)
+        log.info("background quality gate: switched to the format auto chose", extra={
+            "variant": name, "format": verdict.choice, "previous": switch.previous, "reason": verdict.reason})
+        return switch
+
+    async def _stop_child(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()

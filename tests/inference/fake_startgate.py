@@ -1,0 +1,24 @@
+"""A stand-in for `python -m services.inference.startup.startgate` in background.py's unit tests: it
+reads the job, prints three progress lines, then does what FAKE_GATE says: a JSON verdict to print,
+"die" (exit 3 without a verdict) or "hang" (wait until killed)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from services.inference.startup.startgate import GateJob
+
+job = GateJob.from_json(sys.stdin.read())
+for done in (1, 2, 3):
+    print(json.dumps({"done": done, "total": 3}), flush=True)
+print("not json: a library printed this", flush=True)
+action = os.environ["FAKE_GATE"]
+if action == "die":
+    sys.exit(3)
+if action == "hang":
+    time.sleep(600)
+verdict = json.loads(action)
+assert set(job.formats) == set(verdict.pop("expect_formats")), job.formats
+print(json.dumps(verdict), flush=True)

@@ -1,0 +1,136 @@
+"""background.py: the gate of auto's ungated candidates runs in a child process while the stage
+serves; its progress shows in the stage status; its verdict unlocks the winning candidate and
+switches to it; any other outcome leaves the stage serving what it serves, and a stage that stops
+stops the child. The child here is tests/inference/fake_startgate.py; test_gate_at_start.py runs the
+real one on the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import psutil
+import pytest
+import pytest_asyncio
+
+from services.inference.engine.core import Engine
+from services.inference.engine.variants import Switch
+from services.inference.startup import background
+from services.inference.startup.background import BackgroundGate
+from services.inference.startup.formats import FormatsConfig
+from services.inference.startup.startgate import GateJob, Verdict
+from shared.errors import PreconditionFailed
+from shared.stagestatus import StatusBoard
+from tests.inference.helpers import collect, prompt, request, tiny_config
+
+CANDIDATES = {"auto-int8": "int8"}
+PHASE = "serving; gating int8 in the background"
+
+
+class Recording(StatusBoard):
+    """A board that keeps every (phase, done, total) it was moved to."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, int, int]] = []
+
+    def phase(self, name, total=0):
+        super().phase(name, total)
+        self.seen.append((name, 0, total))
+
+    def advance(self, done):
+        super().advance(done)
+        s = self.snapshot()
+        self.seen.append((s.phase, s.done, s.total))
+
+
+def job() -> GateJob:
+    return GateJob("unused", "0" * 64, ("int8",), FormatsConfig(), "cpu", 1, 4)
+
+
+@pytest_asyncio.fixture
+async def engine(tiny):
+    e = Engine(tiny, tiny_config(variants=CANDIDATES), locked=CANDIDATES)
+    e.warmup()
+    await e.start()
+    yield e
+    await e.stop(grace_s=0)
+
+
+@pytest.fixture
+def child(monkeypatch):
+    """child(action): what the fake child does (fake_startgate.py)."""
+    monkeypatch.setattr(background, "MODULE", "tests.inference.fake_startgate")
+    return lambda action: monkeypatch.setenv("FAKE_GATE", action if isinstance(action, str) else json.dumps(action))
+
+
+def verdict(choice) -> dict:
+    return {"choice": choice, "reason": f"auto: {choice} wins", "expect_formats": ["int8"]}
+
+
+@pytest.mark.asyncio
+async def test_a_candidate_is_refused_until_its_gate_passes(engine):
+    with pytest.raises(PreconditionFailed) as err:
+        await engine.set_variant("auto-int8", "operator")
+    assert err.value.reason == "VARIANT_NOT_GATED" and engine.active_variant() == "primary"
+    engine.unlock_variant("auto-int8")
+    assert await engine.set_variant("auto-int8", "operator") == Switch("auto-int8", "primary")
+
+
+@pytest.mark.asyncio
+async def test_the_verdict_switches_to_its_candidate_and_the_status_shows_the_progress(engine, child):
+    child(verdict("int8"))
+    _, before = await collect(engine, request("before", prompt(1), max_tokens=4))
+    board = Recording()
+    outcome = await BackgroundGate(job(), engine, CANDIDATES, board).run()
+    assert outcome.verdict == Verdict("int8", "auto: int8 wins")
+    assert outcome.switch == Switch("auto-int8", "primary") and engine.active_variant() == "auto-int8"
+    _, after = await collect(engine, request("after", prompt(1), max_tokens=4))
+    assert (before.variant, before.dtype) == ("primary", "float32")
+    assert (after.variant, after.dtype) == ("auto-int8", "int8")
+    assert (PHASE, 3, 3) in board.seen and board.seen[0] == (PHASE, 0, 0)
+    assert board.snapshot().phase == "serving"  # the gate is over
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("choice", ["float32", None])
+async def test_a_verdict_naming_no_candidate_keeps_the_served_format(engine, child, choice, caplog):
+    child(verdict(choice))
+    with caplog.at_level(logging.INFO, logger=background.__name__):
+        outcome = await BackgroundGate(job(), engine, CANDIDATES, Recording()).run()
+    assert outcome.verdict.choice == choice and outcome.switch is None
+    assert engine.active_variant() == "primary"
+    assert "background quality gate: keeping the served format" in caplog.messages
+    with pytest.raises(PreconditionFailed):  # still locked
+        await engine.set_variant("auto-int8", "operator")
+
+
+@pytest.mark.asyncio
+async def test_a_child_that_dies_without_a_verdict_changes_nothing(engine, child, caplog):
+    child("die")
+    board = Recording()
+    with caplog.at_level(logging.WARNING, logger=background.__name__):
+        outcome = await BackgroundGate(job(), engine, CANDIDATES, board).run()
+    assert outcome == background.Outcome(None, None) and engine.active_variant() == "primary"
+    [record] = [r for r in caplog.records if r.getMessage().startswith("background quality gate ended")]
+    assert record.exit_code == 3 and board.snapshot().phase == "serving"
+
+
+def _fake_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if "tests.inference.fake_startgate" in p.cmdline()]
+
+
+@pytest.mark.asyncio
+async def test_cancelling_the_gate_stops_its_child(engine, child):
+    child("hang")
+    board = Recording()
+    task = asyncio.create_task(BackgroundGate(job(), engine, CANDIDATES, board).run())
+    for _ in range(600):
+        if (PHASE, 3, 3) in board.seen:
+            break
+        await asyncio.sleep(0.05)
+    assert _fake_children()  # the child runs, waiting
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not _fake_children() and engine.active_variant() == "primary"
