@@ -7,10 +7,9 @@ import os
 import grpc
 from google.protobuf import json_format
 
-from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from shared import client, tls
-from shared.controls import Controls, ResponseFormat, fill_sampling, format_pb
+from shared.controls import Controls, ResponseFormat, Sampling, format_pb, sampling_pb
 
 DEV_API_KEY = "keel-dev-key"  # matches the dev key hashed in config/gateway.yaml; never use in production
 
@@ -18,9 +17,7 @@ DEV_API_KEY = "keel-dev-key"  # matches the dev key hashed in config/gateway.yam
 def build_request(prompt: str, *, max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
                   domain: str = "", source: str = "", adapter: str = "",
                   controls: Controls = Controls()) -> gateway_pb2.GenerateRequest:
-    sampling = fill_sampling(controls, common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature))
-    if seed is not None:
-        sampling.seed = seed
+    sampling = sampling_pb(Sampling(max_tokens, temperature, seed=seed, controls=controls))
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling, domain=domain, source=source,
                                        adapter=adapter, response_format=format_pb(controls.response_format))
 

@@ -9,15 +9,14 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from keelctl import ask
 from keelctl.layout import load_layout, read_state
+from shared.controls import Sampling, sampling_pb
 
 
 def payload_to_request(payload: dict) -> gateway_pb2.GenerateRequest:
     """The quarantined payload (the gateway request as the contract saw it) as a request again."""
-    sampling = common_pb2.SamplingParams(max_tokens=int(payload.get("max_tokens", 64)),
-                                         temperature=float(payload.get("temperature", 0.0)),
-                                         top_p=float(payload.get("top_p", 1.0)), top_k=int(payload.get("top_k", 0)))
-    if "seed" in payload:
-        sampling.seed = int(payload["seed"])
+    sampling = sampling_pb(Sampling(int(payload.get("max_tokens", 64)), float(payload.get("temperature", 0.0)),
+                                    float(payload.get("top_p", 1.0)), int(payload.get("top_k", 0)),
+                                    int(payload["seed"]) if "seed" in payload else None))
     req = gateway_pb2.GenerateRequest(sampling=sampling, domain=str(payload.get("domain", "")),
                                       source=str(payload.get("source", "")))
     if "messages" in payload:

@@ -23,6 +23,7 @@ from services.feedback import config as fb_config
 from services.feedback.replay import Outcome, can_run, compare
 from services.feedback.store import Store, now_ms, open_store
 from services.validator.quarantine_cli import parse_duration
+from shared.controls import Controls, Sampling, repetition_penalty_of, sampling_pb
 from shared import errors, metrics
 from shared.progress import Progress
 
@@ -32,11 +33,11 @@ RECORD_WAIT_S = 30.0
 def request_of(record: dict) -> gateway_pb2.GenerateRequest:
     s = record["sampling"]
     # Records older than the generation controls lack their keys: those answers had none.
-    sampling = common_pb2.SamplingParams(
-        max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=s["seed"],
-        stop=s.get("stop", []), repetition_penalty=s.get("repetition_penalty", 0.0),
-        frequency_penalty=s.get("frequency_penalty", 0.0), presence_penalty=s.get("presence_penalty", 0.0),
-        logprobs=s.get("logprobs", False), top_logprobs=s.get("top_logprobs", 0))
+    controls = Controls(stop=tuple(s.get("stop", ())),
+                        repetition_penalty=repetition_penalty_of(s.get("repetition_penalty", 0.0)),
+                        frequency_penalty=s.get("frequency_penalty", 0.0), presence_penalty=s.get("presence_penalty", 0.0),
+                        logprobs=s.get("logprobs", False), top_logprobs=s.get("top_logprobs", 0))
+    sampling = sampling_pb(Sampling(s["max_tokens"], s["temperature"], s["top_p"], s["top_k"], s["seed"], controls))
     # The adapter as it served ("id@version"), so a newer version registered since is not picked up.
     req = gateway_pb2.GenerateRequest(sampling=sampling, domain=record["domain"], source=record["source"],
                                       adapter=record.get("adapter", ""))

@@ -137,13 +137,29 @@ def format_of(fmt: common_pb2.ResponseFormat | None) -> ResponseFormat | None:
     return ResponseFormat(which, document=getattr(fmt, which))
 
 
-def fill_sampling(c: Controls, s: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """Set the controls' fields of `s` (the other sampling fields are the caller's); returns `s`."""
-    s.stop.extend(c.stop)
-    s.repetition_penalty = 0.0 if c.repetition_penalty == 1.0 else c.repetition_penalty
-    s.frequency_penalty, s.presence_penalty = c.frequency_penalty, c.presence_penalty
-    s.logprobs, s.top_logprobs = c.logprobs, c.top_logprobs
-    return s
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling parameters: the decoding ones and the controls (common.v1.SamplingParams)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None          # None: the engine draws one (and reports it)
+    controls: Controls = Controls()  # the response format travels beside SamplingParams (format_pb)
+
+
+def sampling_pb(s: Sampling) -> common_pb2.SamplingParams:
+    """The one builder of common.v1.SamplingParams (gateway, CLI, replay, quarantine, OpenAI API)."""
+    c = s.controls
+    pb = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=c.stop,
+        repetition_penalty=0.0 if c.repetition_penalty == 1.0 else c.repetition_penalty,
+        frequency_penalty=c.frequency_penalty, presence_penalty=c.presence_penalty, logprobs=c.logprobs,
+        top_logprobs=c.top_logprobs)
+    if s.seed is not None:
+        pb.seed = s.seed
+    return pb
 
 
 def format_pb(fmt: ResponseFormat | None) -> common_pb2.ResponseFormat | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 
 from shared import config
@@ -70,11 +71,18 @@ class ResampleConfig:
     out_dir: str = ""         # datasets go to <out_dir>/rotation-<decision id>; "" = KEEL_VAR_DIR/datasets
 
 
+class Mode(StrEnum):
+    """What the rotation executor does with an alert: record it for approval, or act at once."""
+
+    PROPOSE = "propose"
+    APPLY = "apply"
+
+
 @dataclass(frozen=True)
 class RotationConfig:
     # propose: record what an alert asks for and apply nothing until `keel rotation approve ID`;
     # apply: act at once. Every decision is recorded either way (docs/rotation.md).
-    mode: str = "propose"
+    mode: str = Mode.PROPOSE  # the schema allows exactly Mode's values
     # Alertmanager's webhook receiver (HTTP, Authorization: Bearer <mesh token>); port 0 = off.
     webhook_host: str = "127.0.0.1"
     webhook_port: int = 9107

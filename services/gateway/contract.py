@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared import adapters, errors
-from shared.controls import Controls, check_controls, check_max_tokens
+from shared.controls import Controls, Sampling, check_controls, check_max_tokens
 
 ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
@@ -43,6 +43,10 @@ class Ask:
     raw_prompt: str | None = None  # set when the client sent a bare prompt
     adapter: str = ""  # "" = the base model
     controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (shared/controls.py)
+
+    def sampling(self, seed: int) -> Sampling:
+        """What the engine samples with, under the seed the gateway settled on."""
+        return Sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, seed, self.controls)
 
 
 def check_ask(ask: Ask, limits: Limits) -> None:

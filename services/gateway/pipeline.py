@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from keel.common.v1 import common_pb2
 from shared import errors, tracing
 from shared.clip import clip_payload
+from shared.failures import FailureKind
 from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
@@ -336,7 +337,7 @@ class Pipeline:
             plugin, message = (first.plugin, first.message) if first else ("unknown", "")
             # The business-error breaker of the replica that generated it: enough blocked answers
             # in a window degrade it (docs/inference.md, Circuit breakers). Never delays the answer.
-            self._background(self.up.report_failure(done.replica, "output_limit", plugin, {}))
+            self._background(self.up.report_failure(done.replica, FailureKind.OUTPUT_LIMIT, plugin, {}))
             raise errors.PreconditionFailed(f"answer blocked by output validation: {message}",
                                             reason="OUTPUT_BLOCKED",
                                             metadata={"plugin": plugin, "trace_id": call.trace_id})

@@ -29,7 +29,7 @@ from services.gateway.pipeline import Served
 from services.gateway.submits import SubmitCoalescer
 from services.gateway.submitstream import SubmitStream
 from shared import client, errors, metrics
-from shared.controls import fill_sampling, format_pb
+from shared.controls import format_pb, sampling_pb
 
 log = logging.getLogger("keel.gateway")
 
@@ -49,11 +49,10 @@ class ReplayConfig:
 
 def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
     a = s.ask
-    sampling = fill_sampling(a.controls, common_pb2.SamplingParams(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=s.done.seed))
     return feedback_pb2.ReplayRecord(
         trace_id=s.trace_id, created_unix_ms=created_ms, prompt_ids=s.encoded.ids,
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in a.messages], sampling=sampling,
+        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in a.messages],
+        sampling=sampling_pb(a.sampling(s.done.seed)),
         domain=a.domain, source=a.source, output_ids=s.output_ids, finish_reason=s.done.finish_reason,
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,
         vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256,

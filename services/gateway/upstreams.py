@@ -24,7 +24,7 @@ from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
 from services.gateway.pipeline import Done, Encoded, Step
 from shared import client, errors
-from shared.controls import fill_sampling, format_pb
+from shared.controls import format_pb, sampling_pb
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 
 log = logging.getLogger("keel.gateway.upstreams")
@@ -211,9 +211,7 @@ class MeshUpstreams:
                        resp.vocab_sha256, resp.chat_template_sha256)
 
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
-        sampling = fill_sampling(ask.controls, common_pb2.SamplingParams(
-            max_tokens=ask.max_tokens, temperature=ask.temperature, top_p=ask.top_p, top_k=ask.top_k, seed=seed))
-        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling, input_fingerprint=enc.fingerprint,
+        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling_pb(ask.sampling(seed)), input_fingerprint=enc.fingerprint,
                                             adapter=ask.adapter, response_format=format_pb(ask.controls.response_format))
         pool = self.pools["inference"]
         target, timeout = await pool.pick_for(timeout)

@@ -16,10 +16,9 @@ from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine.controls import TokenLogprobs
 from services.inference.engine.core import Engine, Finished, GenerationRequest, TokenEvent
 from shared import errors, tracing
+from shared.failures import REPORTABLE
 from shared.controls import controls_of
 
-# Breaker kinds a caller may report (the others the engine sees itself: numerical, oom, timeout).
-REPORTABLE_KINDS = ("output_limit",)
 BASE_LABEL = "base"  # the adapter label of requests served by the base model
 
 
@@ -118,8 +117,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                        detail=s.detail, slot=s.slot) for s in table.states])
 
     async def ReportFailure(self, request, context):
-        if request.kind not in REPORTABLE_KINDS:
-            raise errors.InvalidInput(f"failure kind must be one of {', '.join(REPORTABLE_KINDS)}",
+        if request.kind not in REPORTABLE:
+            raise errors.InvalidInput(f"failure kind must be one of {', '.join(REPORTABLE)}",
                                       reason="UNKNOWN_FAILURE_KIND", metadata={"kind": request.kind[:64]})
         self.engine.report_failure(request.kind, request.cause[:200])
         return inference_pb2.ReportFailureResponse()

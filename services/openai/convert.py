@@ -10,7 +10,7 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.openai.schemas import ChatBody, CompletionBody, Sampling, unsupported
 from shared import errors
-from shared.controls import check_max_tokens
+from shared.controls import Controls, Sampling, check_max_tokens, sampling_pb
 from shared.modelfile import MODEL_ID
 
 INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
@@ -39,18 +39,16 @@ def _max_tokens(value: int | None, param: str) -> int:
 def sampling(body: Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is served")
-    s = common_pb2.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
-        stop=body.stop or (), frequency_penalty=body.frequency_penalty or 0.0,
-        presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
-        top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)))
-    if body.seed is not None:
-        if body.seed < 0:
-            raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
-        s.seed = min(body.seed, UINT64_MAX)  # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
-    return s
+    if body.seed is not None and body.seed < 0:
+        raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
+    controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,
+                        presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
+                        top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)))
+    return sampling_pb(Sampling(
+        max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        DEFAULT_TOP_P if body.top_p is None else body.top_p,
+        # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
+        seed=min(body.seed, UINT64_MAX) if body.seed is not None else None, controls=controls))
 
 
 def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:

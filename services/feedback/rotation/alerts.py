@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import json
 import re
+from enum import StrEnum
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from shared import errors
 
 ACTION_LABEL = "keel_action"
-PHASES = ("firing", "resolved")
+class Phase(StrEnum):
+    """An alert's status as Alertmanager sends it; a decision is kept per phase."""
+
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+PHASES = tuple(Phase)
 MAX_ALERTS = 1000
 _RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
 

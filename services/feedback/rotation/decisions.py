@@ -9,15 +9,28 @@ same action ran too recently), ``skipped`` (nothing to do, with the reason in ``
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 
 import sqlalchemy as sa
 
 from services.feedback import db
-from services.feedback.rotation.alerts import Alert
+from services.feedback.rotation.alerts import Alert, Phase
 from services.feedback.store import Store, now_ms
 from shared import errors
 
 _JSON = ("labels", "snapshot", "result")
+
+
+class Outcome(StrEnum):
+    """A decision's outcome as stored (the module docstring says what each means)."""
+
+    PENDING = "pending"
+    PROPOSED = "proposed"
+    APPLIED = "applied"
+    FAILED = "failed"
+    COOLDOWN = "cooldown"
+    SKIPPED = "skipped"
+    EXPIRED = "expired"
 
 
 def _row(r) -> dict:
@@ -32,7 +45,7 @@ class Decisions:
         self.store = store
         self._t = db.rotation_decisions
 
-    def claim(self, alert: Alert, mode: str, actor: str, *, outcome: str = "pending", detail: str = "",
+    def claim(self, alert: Alert, mode: str, actor: str, *, outcome: Outcome = Outcome.PENDING, detail: str = "",
               reverts: int | None = None) -> tuple[dict, bool]:
         """The decision of this alert phase: (row, True) when new, (the stored row, False) when the
         alert was seen before (Alertmanager repeats notifications; an executor restarts)."""
@@ -62,7 +75,7 @@ class Decisions:
         """The firing decision a resolved alert belongs to."""
         c = self._t.c
         q = sa.select(self._t).where(c.fingerprint == alert.fingerprint, c.starts_at == alert.starts_at,
-                                     c.phase == "firing")
+                                     c.phase == Phase.FIRING)
         with self.store.transaction() as conn:
             r = conn.execute(q).one_or_none()
         return _row(r) if r is not None else None
@@ -70,8 +83,8 @@ class Decisions:
     def last_active(self, action: str, exclude_id: int) -> dict | None:
         """The newest firing decision of ``action`` that was applied or proposed (the cooldown's start)."""
         c = self._t.c
-        q = (sa.select(self._t).where(c.action == action, c.phase == "firing", c.id != exclude_id,
-                                      c.outcome.in_(("applied", "proposed", "pending")))
+        q = (sa.select(self._t).where(c.action == action, c.phase == Phase.FIRING, c.id != exclude_id,
+                                      c.outcome.in_((Outcome.APPLIED, Outcome.PROPOSED, Outcome.PENDING)))
              .order_by(c.id.desc()).limit(1))
         with self.store.transaction() as conn:
             r = conn.execute(q).one_or_none()
@@ -81,15 +94,15 @@ class Decisions:
         """Proposed -> pending for ``actor`` (one approval wins); PreconditionFailed otherwise."""
         c = self._t.c
         with self.store.transaction() as conn:
-            n = conn.execute(sa.update(self._t).where(c.id == decision_id, c.outcome == "proposed")
-                             .values(outcome="pending", actor=actor, updated_ms=now_ms())).rowcount
+            n = conn.execute(sa.update(self._t).where(c.id == decision_id, c.outcome == Outcome.PROPOSED)
+                             .values(outcome=Outcome.PENDING, actor=actor, updated_ms=now_ms())).rowcount
         d = self.get(decision_id)
         if not n:
             raise errors.PreconditionFailed(f"decision {decision_id} is {d['outcome']}, not proposed",
                                             reason="DECISION_NOT_PROPOSED", metadata={"outcome": d["outcome"]})
         return d
 
-    def finish(self, decision_id: int, outcome: str, *, detail: str = "", result: dict | None = None,
+    def finish(self, decision_id: int, outcome: Outcome, *, detail: str = "", result: dict | None = None,
                attempts: int = 0, applied: bool = False) -> dict:
         t = now_ms()
         values = {"outcome": outcome, "detail": detail, "result": json.dumps(result or {}, sort_keys=True),
@@ -112,7 +125,7 @@ class Decisions:
         with self.store.transaction() as conn:
             return [_row(r) for r in conn.execute(q)]
 
-    def with_outcome(self, outcome: str, limit: int) -> list[dict]:
+    def with_outcome(self, outcome: Outcome, limit: int) -> list[dict]:
         c = self._t.c
         q = sa.select(self._t).where(c.outcome == outcome).order_by(c.id.desc()).limit(limit)
         with self.store.transaction() as conn:

@@ -17,10 +17,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from services.feedback.config import ROTATION_ACTIONS, RotationConfig
+from services.feedback.config import ROTATION_ACTIONS, Mode, RotationConfig
 from services.feedback.rotation.actions import REVERSIBLE, Actions, NothingToDo
-from services.feedback.rotation.alerts import Alert
-from services.feedback.rotation.decisions import Decisions
+from services.feedback.rotation.alerts import Alert, Phase
+from services.feedback.rotation.decisions import Decisions, Outcome
 from services.feedback.store import now_ms
 from shared import errors
 
@@ -49,13 +49,13 @@ class Executor:
     async def handle_one(self, alert: Alert) -> dict:
         decisions = self._decisions()
         if alert.action not in ROTATION_ACTIONS:
-            d, new = await self._db(decisions.claim, alert, self.cfg.mode, ALERTMANAGER, outcome="skipped",
+            d, new = await self._db(decisions.claim, alert, self.cfg.mode, ALERTMANAGER, outcome=Outcome.SKIPPED,
                                     detail=f"unknown action {alert.action!r}; known: {', '.join(ROTATION_ACTIONS)}")
             return self._decided(d) if new else d
         d, new = await self._db(decisions.claim, alert, self.cfg.mode, ALERTMANAGER)
-        if not new and not (d["outcome"] == "pending" and d["id"] not in self._running):
+        if not new and not (d["outcome"] == Outcome.PENDING and d["id"] not in self._running):
             return d
-        if alert.phase == "firing":
+        if alert.phase == Phase.FIRING:
             return await self._firing(decisions, d)
         return await self._resolved(decisions, alert, d)
 
@@ -66,28 +66,28 @@ class Executor:
             since = last["applied_ms"] or last["created_ms"]
             if now_ms() - since < cooldown_s * 1000:
                 return self._decided(await self._db(
-                    decisions.finish, d["id"], "cooldown",
+                    decisions.finish, d["id"], Outcome.COOLDOWN,
                     detail=f"decision {last['id']} ({last['outcome']}) is within the {cooldown_s:g} s cooldown"))
-        if self.cfg.mode == "propose":
-            return self._decided(await self._db(decisions.finish, d["id"], "proposed",
+        if self.cfg.mode == Mode.PROPOSE:
+            return self._decided(await self._db(decisions.finish, d["id"], Outcome.PROPOSED,
                                                 detail="propose mode: `keel rotation approve ID` applies it"))
         return await self._apply(decisions, d, revert=False)
 
     async def _resolved(self, decisions: Decisions, alert: Alert, d: dict) -> dict:
         firing = await self._db(decisions.firing_of, alert)
-        if firing is not None and firing["outcome"] == "proposed":
-            self._decided(await self._db(decisions.finish, firing["id"], "expired", result=firing["result"],
+        if firing is not None and firing["outcome"] == Outcome.PROPOSED:
+            self._decided(await self._db(decisions.finish, firing["id"], Outcome.EXPIRED, result=firing["result"],
                                          detail=f"resolved (decision {d['id']}) before it was approved"))
-            return self._decided(await self._db(decisions.finish, d["id"], "skipped",
+            return self._decided(await self._db(decisions.finish, d["id"], Outcome.SKIPPED,
                                                 detail=f"proposal {firing['id']} expired: nothing was applied"))
-        if firing is None or firing["outcome"] != "applied" or d["action"] not in REVERSIBLE:
+        if firing is None or firing["outcome"] != Outcome.APPLIED or d["action"] not in REVERSIBLE:
             why = ("no firing decision was recorded" if firing is None else
-                   f"decision {firing['id']} is {firing['outcome']}: nothing to undo" if firing["outcome"] != "applied"
+                   f"decision {firing['id']} is {firing['outcome']}: nothing to undo" if firing["outcome"] != Outcome.APPLIED
                    else f"{d['action']} is not undone when its alert resolves")
-            return self._decided(await self._db(decisions.finish, d["id"], "skipped", detail=why))
+            return self._decided(await self._db(decisions.finish, d["id"], Outcome.SKIPPED, detail=why))
         d = await self._db(decisions.set_reverts, d["id"], firing["id"])
-        if self.cfg.mode == "propose":
-            return self._decided(await self._db(decisions.finish, d["id"], "proposed",
+        if self.cfg.mode == Mode.PROPOSE:
+            return self._decided(await self._db(decisions.finish, d["id"], Outcome.PROPOSED,
                                                 detail=f"undo decision {firing['id']}: `keel rotation approve` applies it"))
         return await self._apply(decisions, d, revert=True)
 
@@ -96,7 +96,7 @@ class Executor:
             raise errors.InvalidInput("an approval must name who approves", reason="MISSING_ACTOR")
         decisions = self._decisions()
         d = await self._db(decisions.take_proposal, decision_id, actor)
-        return await self._apply(decisions, d, revert=d["phase"] == "resolved")
+        return await self._apply(decisions, d, revert=d["phase"] == Phase.RESOLVED)
 
     async def _apply(self, decisions: Decisions, d: dict, *, revert: bool) -> dict:
         retry = self.cfg.retry
@@ -107,7 +107,7 @@ class Executor:
                 try:
                     result = await self.actions.run(decisions, d, revert=revert)
                 except NothingToDo as exc:
-                    return self._decided(await self._db(decisions.finish, d["id"], "skipped", detail=str(exc),
+                    return self._decided(await self._db(decisions.finish, d["id"], Outcome.SKIPPED, detail=str(exc),
                                                         attempts=attempt))
                 except (errors.KeelError, OSError) as exc:
                     last_error = f"{type(exc).__name__}: {exc}"
@@ -118,9 +118,9 @@ class Executor:
                         backoff = min(backoff * 2, retry.max_backoff_s)
                     continue
                 what = f"undid decision {d['reverts']}" if revert else "applied"
-                return self._decided(await self._db(decisions.finish, d["id"], "applied", detail=what,
+                return self._decided(await self._db(decisions.finish, d["id"], Outcome.APPLIED, detail=what,
                                                     result=result, attempts=attempt, applied=True))
-            return self._decided(await self._db(decisions.finish, d["id"], "failed", attempts=retry.attempts,
+            return self._decided(await self._db(decisions.finish, d["id"], Outcome.FAILED, attempts=retry.attempts,
                                                 detail=f"{retry.attempts} tries failed; last: {last_error}"))
         finally:
             self._running.discard(d["id"])
@@ -131,7 +131,7 @@ class Executor:
         out = []
         for a in alerts:
             verdict = {"rule": a.rule, "action": a.action, "phase": a.phase, "fingerprint": a.fingerprint}
-            seen = await self._db(decisions.firing_of, a) if a.phase == "firing" else None
+            seen = await self._db(decisions.firing_of, a) if a.phase == Phase.FIRING else None
             last = await self._db(decisions.last_active, a.action, -1)
             cooldown_s = getattr(self.cfg.cooldown_s, a.action, None)
             if a.action not in ROTATION_ACTIONS:
@@ -141,7 +141,7 @@ class Executor:
             elif last is not None and now_ms() - (last["applied_ms"] or last["created_ms"]) < cooldown_s * 1000:
                 verdict["would"] = f"cooldown: decision {last['id']} is within {cooldown_s:g} s"
             else:
-                verdict["would"] = "propose" if self.cfg.mode == "propose" else "apply"
+                verdict["would"] = "propose" if self.cfg.mode == Mode.PROPOSE else "apply"
             out.append(verdict)
         return out
 

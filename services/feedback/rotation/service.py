@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from services.feedback.config import ROTATION_ACTIONS, FeedbackConfig
 from services.feedback.rotation.actions import Actions
-from services.feedback.rotation.decisions import Decisions
+from services.feedback.rotation.decisions import Decisions, Outcome
 from services.feedback.rotation.executor import Executor
 from services.feedback.rotation.inference import InferenceFleet
 from services.feedback.rotation.webhook import PATH, WebhookServer, make_app
@@ -74,7 +74,7 @@ class Rotation:
                 left = max(0.0, cooldown_s - (now_ms() - (last["applied_ms"] or last["created_ms"])) / 1000)
             cooldowns.append({"action": action, "cooldown_s": cooldown_s, "remaining_s": left,
                               "last_decision_id": last["id"] if last else 0})
-        proposals = await asyncio.to_thread(decisions.with_outcome, "proposed", PROPOSALS_SHOWN)
+        proposals = await asyncio.to_thread(decisions.with_outcome, Outcome.PROPOSED, PROPOSALS_SHOWN)
         return {"mode": self.cfg.mode, "webhook_url": self.webhook_url, "replicas": replicas,
                 "cooldowns": cooldowns, "proposals": proposals}
 

@@ -17,9 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from shared.failures import FailureKind
+
 log = logging.getLogger(__name__)
 
-KINDS = ("numerical_instability", "oom", "timeout", "output_limit")
+KINDS = tuple(FailureKind)  # one breaker each; BreakerConfig has a TripRule field per kind
 MAX_LEVEL = 3
 
 

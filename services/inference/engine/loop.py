@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
+from shared.failures import FailureKind
 
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import TokenEvent
@@ -272,7 +273,7 @@ class StepLoop:
         if isinstance(item, Exception):
             self.counters.fail(getattr(item, "reason", type(item).__name__))
             if isinstance(item, DeadlineExpired):
-                self.board.record("timeout", item.reason)
+                self.board.record(FailureKind.TIMEOUT, item.reason)
         self._outbox.append((ticket, item))
 
     def _flush(self) -> None:
@@ -286,7 +287,7 @@ class StepLoop:
 
     def _on_oom(self, exc: BaseException, batch: int) -> None:
         self.counters.oom_events += 1
-        self.board.record("oom", f"{type(exc).__name__} at batch {batch}")
+        self.board.record(FailureKind.OOM, f"{type(exc).__name__} at batch {batch}")
         self.oom.on_oom(exc, batch)
 
     def _oom_error(self, request_id: str) -> Overloaded:

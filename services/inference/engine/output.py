@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.errors import Fatal, KeelError, NumericalInstability
+from shared.failures import FailureKind
 
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import Finished, TokenEvent
@@ -63,7 +64,7 @@ class OutputProcessor:
     def _non_finite(self, row: Row, batch_size: int, out: Update) -> None:
         req = row.ticket.req
         self.counters.numerical_faults += 1
-        self.board.record("numerical_instability", f"non-finite logits, request {req.request_id}")
+        self.board.record(FailureKind.NUMERICAL_INSTABILITY, f"non-finite logits, request {req.request_id}")
         log.warning("non-finite logits; failing the row", extra={
             "request_id": req.request_id, "trace_id": req.trace_id, "fingerprint": req.fingerprint,
             "step": row.step, "batch_size": batch_size})
