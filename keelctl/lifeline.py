@@ -3,25 +3,21 @@
 Arms Linux's parent-death signal (prctl PR_SET_PDEATHSIG = SIGTERM, so a stage still drains what
 it has in flight), checks that the supervisor ``PID`` is still its parent (it may have died before
 the signal was armed), then execs ``ARGV``; the signal survives the exec. The kernel sends it when
-the thread that forked the child ends, so the supervisor forks every child from its main thread.
+the thread that forked the child ends (shared/parentdeath.py), so the supervisor forks every child
+from its main thread.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 
-PR_SET_PDEATHSIG = 1
+from shared import parentdeath
 
 
 def main(argv: list[str]) -> int:
     supervisor, command = int(argv[0]), argv[1:]
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
-    if os.getppid() != supervisor:
+    if not parentdeath.arm(signal.SIGTERM, supervisor):
         print(f"supervisor {supervisor} is gone; not starting {command[0]}", file=sys.stderr)
         return 1
     os.execv(command[0], command)

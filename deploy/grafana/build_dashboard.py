@@ -86,7 +86,8 @@ ROWS: list[tuple[str, list[dict]]] = [
                                     "{{instance}}")]),
         ts("Predicted memory vs budget", [
             ("keel_inference_predicted_memory_bytes", "predicted {{instance}}"),
-            ("keel_inference_memory_budget_bytes", "budget {{instance}}")], "bytes"),
+            ("keel_inference_memory_budget_bytes", "budget {{instance}}"),
+            ("keel_inference_observed_peak_memory_bytes", "observed peak {{instance}} (engine.memory_audit)")], "bytes"),
         ts("Breaker level by error type", [("max by (error_type) (keel_inference_breaker_level)", "{{error_type}}")],
            "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
         ts("Prefix cache hit rate by replica", [("keel_inference_prefix_cache_hit_rate", "{{instance}}")],

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared import adapters, errors
+from shared.stages import CONTEXT_TOKENS
 from shared.controls import Controls, Sampling, check_controls, check_max_tokens
 
 ROLES = ("system", "user", "assistant")
@@ -20,7 +21,7 @@ class Limits:
     max_messages: int = 64
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
-    max_context_tokens: int = 2048
+    max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
     default_deadline_ms: int = 60000
     # A rejected request whose JSON is larger goes to the quarantine clipped (shared/clip.py).
     max_quarantine_payload_bytes: int = 65536

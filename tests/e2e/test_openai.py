@@ -24,6 +24,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]
+UNENDING_STORY = {"type": "object", "properties": {"story": {"type": "string", "minLength": 6000}},
+                  "required": ["story"], "additionalProperties": False}
 
 
 def client(mesh, key: str = DEV_API_KEY) -> OpenAI:
@@ -227,7 +229,11 @@ def test_a_client_that_times_out_on_a_unary_answer_frees_the_model(mesh):
     cancelled_before = value(port, "keel_requests", **cancelled)
     impatient = OpenAI(base_url=f"http://{mesh.http}/v1", api_key=DEV_API_KEY, max_retries=0, timeout=8)
     with pytest.raises(openai.APITimeoutError):
-        impatient.chat.completions.create(model=MODEL_ID, messages=LONG, max_tokens=1000)
+        # the schema holds the answer open (no end of text before 6000 characters), so on any host
+        # the 1000 tokens take longer than the timeout; a sampled story could end within it
+        impatient.chat.completions.create(model=MODEL_ID, messages=LONG, max_tokens=1000,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "story", "schema": UNENDING_STORY}})
     wait_until(lambda: value(port, "keel_requests", **cancelled) == cancelled_before + 1, 30,
                "the inference call to end as CANCELLED")
     wait_until(lambda: value(port, batch) == 0, 10, "the row to leave the batch")

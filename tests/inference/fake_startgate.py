@@ -1,6 +1,7 @@
 """A stand-in for `python -m services.inference.startup.startgate` in background.py's unit tests: it
 reads the job, prints three progress lines, then does what FAKE_GATE says: a JSON verdict to print,
-"die" (exit 3 without a verdict) or "hang" (wait until killed)."""
+"die" (exit 3 without a verdict) or "hang" (wait until killed); "score" stops after the first of the
+three lines, as if scoring probes, and waits until killed."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,12 @@ import time
 from services.inference.startup.startgate import GateJob
 
 job = GateJob.from_json(sys.stdin.read())
+action = os.environ["FAKE_GATE"]
 for done in (1, 2, 3):
     print(json.dumps({"done": done, "total": 3}), flush=True)
+    if action == "score":
+        time.sleep(600)
 print("not json: a library printed this", flush=True)
-action = os.environ["FAKE_GATE"]
 if action == "die":
     sys.exit(3)
 if action == "hang":

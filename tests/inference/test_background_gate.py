@@ -6,6 +6,8 @@ real one on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import logging
 
@@ -134,3 +136,78 @@ async def test_cancelling_the_gate_stops_its_child(engine, child):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not _fake_children() and engine.active_variant() == "primary"
+
+
+def _busy(engine, monkeypatch, running: list[bool]) -> None:
+    """The engine reports a running row while running[0] is true."""
+    real = engine.stats
+    monkeypatch.setattr(engine, "stats", lambda: dataclasses.replace(real(), running_batch_size=int(running[0])))
+
+
+async def _states(seconds: float) -> list[str]:
+    """The fake child's process state, every 20 ms for `seconds`."""
+    seen = []
+    for _ in range(int(seconds / 0.02)):
+        seen.extend(p.status() for p in _fake_children())
+        await asyncio.sleep(0.02)
+    return seen
+
+
+async def _until(state: str, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if any(p.status() == state for p in _fake_children()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the child never was {state}: {[p.status() for p in _fake_children()]}")
+
+
+@pytest.mark.asyncio
+async def test_the_child_is_stopped_while_the_engine_has_work_and_continued_when_idle(engine, child, monkeypatch):
+    child("score")
+    running = [True]
+    _busy(engine, monkeypatch, running)
+    task = asyncio.create_task(BackgroundGate(job(), engine, CANDIDATES, Recording()).run())
+    await _until(psutil.STATUS_STOPPED)
+    assert set(await _states(0.5)) == {psutil.STATUS_STOPPED}
+    running[0] = False
+    await _until(psutil.STATUS_SLEEPING)
+    assert psutil.STATUS_STOPPED not in await _states(0.5)
+    running[0] = True
+    await _until(psutil.STATUS_STOPPED)
+    task.cancel()  # a stopped child is ended too
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not _fake_children()
+
+
+@pytest.mark.asyncio
+async def test_a_never_idle_engine_still_lets_the_child_run_between_pauses(engine, child, monkeypatch):
+    child("score")
+    monkeypatch.setattr(background, "MAX_PAUSE_S", 0.4)
+    monkeypatch.setattr(background, "RUN_S", 0.3)
+    _busy(engine, monkeypatch, [True])
+    task = asyncio.create_task(BackgroundGate(job(), engine, CANDIDATES, Recording()).run())
+    await _until(psutil.STATUS_STOPPED)
+    seen = await _states(2.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert psutil.STATUS_STOPPED in seen and set(seen) - {psutil.STATUS_STOPPED}, collections.Counter(seen)
+
+
+@pytest.mark.asyncio
+async def test_once_every_probe_is_scored_the_child_is_not_stopped(engine, child, monkeypatch):
+    """Its last phase times the formats: a stop would count into a format's time."""
+    child("hang")  # 3/3 scored, then waits as if timing
+    board = Recording()
+    _busy(engine, monkeypatch, [True])
+    task = asyncio.create_task(BackgroundGate(job(), engine, CANDIDATES, board).run())
+    for _ in range(600):
+        if (PHASE, 3, 3) in board.seen:
+            break
+        await asyncio.sleep(0.05)
+    seen = await _states(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen and psutil.STATUS_STOPPED not in seen, seen

@@ -24,6 +24,7 @@ import torch
 
 from shared.controls import Controls, check_controls
 from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
+from shared.stages import CONTEXT_TOKENS
 
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
 from services.inference.engine.api import Finished, GenerationRequest, TokenEvent, validate
@@ -60,16 +61,17 @@ class EngineConfig:
     max_queued_tokens: int = 131072
     queue_timeout_ms: int = 30_000
     max_batch_size: int = 16
-    max_context_tokens: int = 2048
+    max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     eos_token_ids: tuple[int, ...] = (2,)
     dtype: str = "float32"
     device: str = "cpu"
     warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
     warmup_max_tokens: int = 256                            # one probe with a long reserved completion
-    prefill_tokens_per_iteration: int = 2048  # prefill chunk size; also newcomers' first-chunk tokens per step
+    # prefill chunk size (this default never chunks); also newcomers' first-chunk tokens per step
+    prefill_tokens_per_iteration: int = CONTEXT_TOKENS
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
-    memory_audit: bool = False                # measure every iteration's peak (slow; for tests/bench)
+    memory_audit: bool = False                # measure every step's peak against the memory model (slow)
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
     prefix_cache_bytes: int = 0               # budget share kept for the prefix cache (0: no prefix cache)

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoopSettings:
     max_batch_size: int
-    memory_audit: bool  # measure every iteration's allocator peak (slow; tests and bench)
+    memory_audit: bool  # measure every step's allocator peak against the memory model (slow)
     device: str
     variants: Mapping[str, str]    # variant name -> the weight format (runner) it runs on
     breaker_fallback: str | None   # the weight format new requests run on at breaker level 2, if any

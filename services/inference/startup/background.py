@@ -10,12 +10,23 @@ switched to (Engine.set_variant): requests already running finish on the format 
 and each reply names the format and variant that served it (its replay record and its trace), so a
 replay of an answer served before the switch is "not comparable: engine.format differ". Any other
 verdict, or a child that dies, leaves the stage serving what it serves.
+
+Nice 19 shares out the CPU, not the memory bandwidth and the caches a decode step is bound by, so
+while the child scores probes and the engine has work (rows running, admitted or queued) the child
+is stopped (SIGSTOP) and continued when the engine is idle. A stage that is never idle still
+finishes its gate: after MAX_PAUSE_S stopped in a row, the child runs for RUN_S whatever the load
+(so at about RUN_S / (MAX_PAUSE_S + RUN_S) of its speed). Once every probe is scored the child times
+the formats (formats.choose_auto) and is never stopped: a stop would be counted into a format's time.
+The child arms SIGKILL for the stage's death (shared/parentdeath.py), which a stopped process obeys.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +42,9 @@ log = logging.getLogger(__name__)
 MODULE = "services.inference.startup.startgate"
 ACTOR = "auto quality gate"  # the SetVariant actor the switch is logged with
 STOP_GRACE_S = 5.0
+POLL_S = 0.05       # how often the engine's load is looked at while the child scores probes
+MAX_PAUSE_S = 20.0  # the longest the child stays stopped in a row
+RUN_S = 2.0         # how long it then runs, loaded or not
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,7 @@ class BackgroundGate:
         self.job, self.engine, self.candidates, self.board = job, engine, candidates, board
         self.phase = f"serving; gating {', '.join(job.formats)} in the background"
         self._proc: asyncio.subprocess.Process | None = None
+        self._scoring = True  # until the child reports its last probe scored
 
     async def run(self) -> Outcome:
         self.board.phase(self.phase)
@@ -60,11 +75,25 @@ class BackgroundGate:
 
     async def _gate(self) -> Verdict | None:
         self._proc = proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", MODULE, cwd=ROOT_DIR, stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", MODULE, str(os.getpid()), cwd=ROOT_DIR, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE)  # stderr: the stage's own (its JSON log lines)
         proc.stdin.write(self.job.to_json().encode())
         await proc.stdin.drain()
         proc.stdin.close()
+        yielding = asyncio.create_task(self._yield_to_requests(proc))
+        try:
+            verdict = await self._read(proc)
+        finally:
+            yielding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await yielding
+        code = await proc.wait()
+        if verdict is None:
+            log.warning("background quality gate ended without a verdict; serving on",
+                        extra={"exit_code": code, "formats": list(self.job.formats)})
+        return verdict
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> Verdict | None:
         verdict = None
         async for raw in proc.stdout:
             try:
@@ -77,13 +106,34 @@ class BackgroundGate:
                 if line["done"] <= 1:
                     self.board.phase(self.phase, total=line["total"])
                 self.board.advance(line["done"])
+                self._scoring = line["done"] < line["total"]
             elif "choice" in line:
                 verdict = Verdict(line["choice"], line["reason"])
-        code = await proc.wait()
-        if verdict is None:
-            log.warning("background quality gate ended without a verdict; serving on",
-                        extra={"exit_code": code, "formats": list(self.job.formats)})
         return verdict
+
+    def _engine_busy(self) -> bool:
+        s = self.engine.stats()
+        return bool(s.running_batch_size or s.pending_prefill or s.queue_depth)
+
+    async def _yield_to_requests(self, proc: asyncio.subprocess.Process) -> None:
+        """Stop the child while the engine has work and it scores probes (the module's docstring);
+        runs until cancelled, and leaves the child running."""
+        clock = asyncio.get_running_loop().time
+        stopped_at, run_until = None, 0.0
+        try:
+            while proc.returncode is None:
+                now, busy = clock(), self._scoring and self._engine_busy()
+                if stopped_at is None:
+                    if busy and now >= run_until:
+                        _signal(proc, signal.SIGSTOP)
+                        stopped_at = now
+                elif not busy or now - stopped_at >= MAX_PAUSE_S:
+                    _signal(proc, signal.SIGCONT)
+                    stopped_at, run_until = None, now + RUN_S if busy else 0.0
+                await asyncio.sleep(POLL_S)
+        finally:
+            if stopped_at is not None:
+                _signal(proc, signal.SIGCONT)
 
     async def _apply(self, verdict: Verdict) -> Switch | None:
         name = next((n for n, fmt in self.candidates.items() if fmt == verdict.choice), None)
@@ -102,8 +152,14 @@ class BackgroundGate:
         if proc is None or proc.returncode is not None:
             return
         proc.terminate()
+        _signal(proc, signal.SIGCONT)  # a stopped child acts on the SIGTERM only once continued
         try:
             await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it has just ended
+        proc.send_signal(sig)

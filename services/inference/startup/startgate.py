@@ -9,7 +9,8 @@ model's file under var/gate/ (the file `make gate` writes), then chooses among e
 start would (formats.choose_auto). A failing candidate is stored too, so a later start finds every
 candidate gated and runs nothing.
 
-Protocol: the job (a `GateJob`, JSON) on stdin; on stdout one JSON line per scored probe,
+Protocol: `python -m services.inference.startup.startgate STAGE_PID`, the job (a `GateJob`, JSON)
+on stdin; on stdout one JSON line per scored probe,
 {"done": n, "total": N}, then one {"choice": format or null, "reason": why}. Logs go to stderr as JSON.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from shared import parentdeath
 from shared.config import ConfigError
 from shared.errors import InvalidInput
 
@@ -130,6 +133,11 @@ def main() -> int:
     from shared.logging import setup_logging
 
     setup_logging("inference")
+    # SIGKILL, not SIGTERM: the stage stops this process while it serves requests (background.py),
+    # and a stopped process acts on no other signal; it has nothing to drain either
+    if not parentdeath.arm(signal.SIGKILL, int(sys.argv[1])):
+        log.warning("the stage that started this gate is gone; not gating")
+        return 1
     os.nice(NICE)
     job = GateJob.from_json(sys.stdin.read())
     torch.set_num_threads(job.threads)
