@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shared import config
 from shared.config import VAR_DIR  # tests point KEEL_VAR_DIR at a temporary folder
+from shared.topology import LOOPBACK
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = VAR_DIR / "run"
@@ -65,7 +66,7 @@ class Layout:
         return getattr(self.stages, name)
 
     def targets(self, name: str) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.stage(name).ports]
+        return [f"{LOOPBACK}:{p}" for p in self.stage(name).ports]
 
 
 def load_layout(path: Path | None = None) -> Layout:

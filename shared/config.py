@@ -2,11 +2,13 @@
 
 Each stage has ``config/<stage>.yaml`` and ``config/schemas/<stage>.schema.json``. Loading:
 1. parse the YAML (safe loader; ``"16"`` stays a string and fails an integer rule -- no coercion);
-2. apply environment overrides ``KEEL_<STAGE>_<KEY>`` where KEY is the dotted path upper-cased
+2. fill in what the file leaves out of the stage's ports and its upstreams' addresses from the
+   mesh layout, config/keel.yaml (shared/topology.py), so that each port is written once;
+3. apply environment overrides ``KEEL_<STAGE>_<KEY>`` where KEY is the dotted path upper-cased
    with ``__`` for nesting (``KEEL_INFERENCE_SERVER__PORT=50060``); the value is parsed as a YAML
    scalar, so an override is typed exactly like the file;
-3. validate against the schema (unknown keys rejected); the first error names the field and rule;
-4. build the stage's frozen dataclass.
+4. validate against the schema (unknown keys rejected); the first error names the field and rule;
+5. build the stage's frozen dataclass.
 
 A changed file is picked up on restart (``keel restart STAGE`` or the supervisor); nothing is built.
 """
@@ -24,6 +26,7 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from shared.errors import KeelError
+from shared.topology import Topology
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = Path(os.environ.get("KEEL_CONFIG_DIR", ROOT_DIR / "config"))
@@ -114,9 +117,35 @@ def build(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
         raise ConfigError(f"field '{where.rstrip('.') or '(top level)'}' breaks rule '{cls.__name__}': {exc}") from exc
 
 
-def load(stage: str, cls: type[T], path: Path | None = None,
-         environ: Mapping[str, str] | None = None, schema_dir: Path | None = None) -> T:
-    path = Path(path or os.environ.get(f"KEEL_{stage.upper()}_CONFIG") or CONFIG_DIR / f"{stage}.yaml")
+def config_path(stage: str, environ: Mapping[str, str]) -> Path:
+    """config/<stage>.yaml, or the file KEEL_<STAGE>_CONFIG names."""
+    return Path(environ.get(f"KEEL_{stage.upper()}_CONFIG") or CONFIG_DIR / f"{stage}.yaml")
+
+
+def _with_topology(data: dict, stage: str, upstreams: Mapping[tuple[str, ...], str], topo: Topology) -> dict:
+    """Fill what the file leaves out from the layout: the stage's first port and metrics port
+    (`server.port`, `server.metrics_port`), and each upstream list at its path (e.g.
+    ("upstreams", "inference") -> the inference stage's addresses)."""
+    if topo.ports(stage):
+        server = data.setdefault("server", {})
+        if isinstance(server, dict):  # else the schema names the field
+            for key, ports in (("port", topo.ports(stage)), ("metrics_port", topo.metrics_ports(stage))):
+                if ports:
+                    server.setdefault(key, ports[0])
+    for path, upstream in upstreams.items():
+        node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {}) if isinstance(node, dict) else node
+        if isinstance(node, dict) and topo.ports(upstream):
+            node.setdefault(path[-1], topo.targets(upstream))
+    return data
+
+
+def load(stage: str, cls: type[T], path: Path | None = None, environ: Mapping[str, str] | None = None,
+         schema_dir: Path | None = None, upstreams: Mapping[tuple[str, ...], str] | None = None) -> T:
+    """`upstreams`: where in this stage's config the addresses of which stage go (see _with_topology)."""
+    environ = os.environ if environ is None else environ
+    path = Path(path or config_path(stage, environ))
     schema_dir = schema_dir or CONFIG_DIR / "schemas"
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -124,7 +153,8 @@ def load(stage: str, cls: type[T], path: Path | None = None,
         raise ConfigError(f"{path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
-    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k != f"KEEL_{stage.upper()}_CONFIG"}
+    data = _with_topology(data, stage, upstreams or {}, Topology(config_path("keel", environ)))
+    env = {k: v for k, v in environ.items() if k != f"KEEL_{stage.upper()}_CONFIG"}
     data = _apply_env(data, stage, env)
     validate(data, f"{stage}.schema.json", schema_dir)
     return build(cls, data)

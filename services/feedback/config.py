@@ -86,8 +86,9 @@ class RotationConfig:
     # Alertmanager's webhook receiver (HTTP, Authorization: Bearer <mesh token>); port 0 = off.
     webhook_host: str = "127.0.0.1"
     webhook_port: int = 9107
-    # The inference replicas a variant switch goes to (every one, or none: never half of them).
-    inference: tuple[str, ...] = ("127.0.0.1:50053",)
+    # The inference replicas a variant switch goes to (every one, or none: never half of them);
+    # config/keel.yaml's unless set.
+    inference: tuple[str, ...] = ()
     primary_variant: str = "primary"   # what a resolved switch_variant alert switches back to
     call_timeout_s: float = 10.0
     # After an action was applied or proposed, a new alert asking for the same action within this
@@ -122,7 +123,7 @@ class FeedbackConfig:
 
 
 def load(path=None, environ=None) -> FeedbackConfig:
-    cfg = config.load("feedback", FeedbackConfig, path, environ)
+    cfg = config.load("feedback", FeedbackConfig, path, environ, upstreams={("rotation", "inference"): "inference"})
     return replace(cfg, etl=replace(cfg.etl, severities=tuple(cfg.etl.severities),
                                     error_types=tuple(cfg.etl.error_types)),
                    rotation=replace(cfg.rotation, inference=tuple(cfg.rotation.inference)))

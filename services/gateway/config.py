@@ -11,6 +11,7 @@ from services.gateway.recording import ReplayConfig
 from services.gateway.retry import RetryConfig
 from shared import config
 from shared.config import ServerConfig
+from shared.stages import GATEWAY_UPSTREAMS
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class GatewayConfig:
 
 def load(path=None, environ=None) -> GatewayConfig:
     """Load and validate; API keys and per-key rate limits are records inside lists/maps."""
-    cfg = config.load("gateway", GatewayConfig, path, environ)
+    cfg = config.load("gateway", GatewayConfig, path, environ,
+                      upstreams={("upstreams", s): s for s in (*GATEWAY_UPSTREAMS, "feedback")})
     per_key = {k: RateLimit(**v) for k, v in dict(cfg.rate_limits.per_key).items()}
     return replace(cfg, api_keys=tuple(ApiKeyEntry(**k) for k in cfg.api_keys),
                    rate_limits=replace(cfg.rate_limits, per_key=per_key))

@@ -18,4 +18,4 @@ class OpenAIConfig:
 
 
 def load(path=None, environ=None) -> OpenAIConfig:
-    return config.load("openai", OpenAIConfig, path, environ)
+    return config.load("openai", OpenAIConfig, path, environ, upstreams={("gateway",): "gateway"})

@@ -6,16 +6,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shared.stages import SERVICE_NAMES
+from shared.topology import Topology
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "prod", "gpu")
-STAGES = {  # stage: (grpc port, metrics port, health service name)
-    "gateway": (50051, 9101, "keel.gateway.v1.Gateway"),
-    "tokenizer": (50052, 9102, "keel.tokenizer.v1.Tokenizer"),
-    "inference": (50053, 9103, "keel.inference.v1.Inference"),
-    "validator": (50054, 9104, "keel.validator.v1.Validator"),
-    "feedback": (50055, 9106, "keel.feedback.v1.Feedback"),
-}
+TOPOLOGY = Topology(ROOT / "config" / "keel.yaml")
+# stage: (grpc port, metrics port, health service name), as config/keel.yaml and the descriptors say:
+# the manifests must state the same ports
+STAGES = {stage: (TOPOLOGY.ports(stage)[0], TOPOLOGY.metrics_ports(stage)[0], SERVICE_NAMES[stage])
+          for stage in ("gateway", "tokenizer", "inference", "validator", "feedback")}
 
 
 def kustomize(path: Path) -> subprocess.CompletedProcess:

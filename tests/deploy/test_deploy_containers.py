@@ -7,6 +7,7 @@ read-only config, multi-stage, pinned bases, non-root.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from tests.deploy.dockerfiles import DOCKERFILE, dockerfile, section, stages_of
-from tests.deploy.k8s_objects import STAGES
+from tests.deploy.k8s_objects import STAGES, TOPOLOGY
 
 ROOT = Path(__file__).resolve().parents[2]
 PINNED = re.compile(r"^[\w./-]+(:[\w.-]*\d+\.\d+\.\d+[\w.-]*)?(@sha256:[0-9a-f]{64})?$")
@@ -131,7 +132,8 @@ def test_observability_profile_provisions_prometheus_and_grafana_from_deploy():
     assert "./deploy/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
-    assert published.pop("gateway") == ["50051:50051"] and published.pop("openai") == ["8080:8080"]
+    public = {s: TOPOLOGY.ports(s)[0] for s in ("gateway", "openai")}
+    assert {s: published.pop(s) for s in public} == {s: [f"{p}:{p}"] for s, p in public.items()}
     assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports), published
 
 
@@ -214,8 +216,8 @@ def test_one_dockerfile_builds_every_stage_by_its_build_argument():
 @pytest.mark.parametrize("stage", STAGES)
 def test_each_image_runs_its_stage_on_the_ports_of_its_config(stage):
     port, mport, _ = STAGES[stage]
-    server = yaml.safe_load((ROOT / "config" / f"{stage}.yaml").read_text())["server"]
-    assert (server["port"], server["metrics_port"]) == (port, mport)
+    server = importlib.import_module(f"services.{stage}.config").load(environ={}).server
+    assert (server.port, server.metrics_port) == (port, mport)
     body = section(stage)
     words = dict(body)  # last value per instruction
     assert words["ENTRYPOINT"] == f'["python", "-m", "services.{stage}"]'

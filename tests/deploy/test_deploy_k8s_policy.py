@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from shared import config as keel_config
-from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, container, find, one
+from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, TOPOLOGY, container, find, one
 from tests.deploy.dockerfiles import section
 
 # --- NetworkPolicy evaluation --------------------------------------------------------------------
@@ -120,11 +120,11 @@ def test_metrics_ports_accept_the_monitoring_namespace_only(rendered, overlay):
 def test_the_evaluator_denies_when_a_policy_is_missing_its_rule(rendered):
     # Drop the gateway's public rule: the default deny must then close it.
     objs = [o for o in rendered["dev"] if o["metadata"]["name"] != "gateway-public"]
-    assert not allowed(objs, "gateway", 50051, EXTERNAL)
+    assert not allowed(objs, "gateway", STAGES["gateway"][0], EXTERNAL)
     # Without the default deny and the stage policy, anything goes.
     objs = [o for o in objs if o["metadata"]["name"] not in ("default-deny-ingress", "stages-mesh-only",
                                                              "metrics-from-monitoring")]
-    assert allowed(objs, "tokenizer", 50052, EXTERNAL)
+    assert allowed(objs, "tokenizer", STAGES["tokenizer"][0], EXTERNAL)
 
 
 # --- effective configuration -----------------------------------------------------------------------
@@ -154,7 +154,9 @@ def effective_config(stage: str, file_text: str, env: dict[str, str]) -> dict:
     schema = ROOT / "config" / "schemas" / f"{stage}.schema.json"
     assert schema.exists(), f"{schema.relative_to(ROOT)} is missing: cannot check {stage}'s config and env"
     overrides = {k: v for k, v in env.items() if k != f"KEEL_{stage.upper()}_CONFIG"}
-    data = keel_config._apply_env(yaml.safe_load(file_text) or {}, stage, overrides)
+    # the image's /app/config/keel.yaml is the repository's: the stage's ports when its file sets none
+    data = keel_config._with_topology(yaml.safe_load(file_text) or {}, stage, {}, TOPOLOGY)
+    data = keel_config._apply_env(data, stage, overrides)
     keel_config.validate(data, f"{stage}.schema.json", schema.parent)
     return data
 

@@ -8,18 +8,19 @@ import pytest
 import yaml
 
 from tests.deploy.dockerfiles import section
-from tests.deploy.k8s_objects import OVERLAYS, ROOT, container, one
+from services.openai import config as openai_config
+from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, one
 from tests.deploy.test_deploy_containers import compose
 from tests.deploy.test_deploy_k8s_policy import EXTERNAL, allowed, effective_config, image_env, pod
 
-PORT = 8080
+PORT = TOPOLOGY.ports("openai")[0]
 
 
 def test_the_image_runs_the_stage_on_8080_from_the_shared_deps_stage():
     body = section("openai")
     words = dict(body)
     assert words["ENTRYPOINT"] == '["python", "-m", "services.openai"]' and words["EXPOSE"].split() == [str(PORT)]
-    assert yaml.safe_load((ROOT / "config" / "openai.yaml").read_text())["server"]["port"] == PORT
+    assert openai_config.load(environ={}).server.port == PORT
     env = " ".join(args for word, args in body if word == "ENV")
     assert "KEEL_OPENAI_SERVER__HOST=0.0.0.0" in env and words["USER"] == "10001:10001"
     assert "COPY --from=deps /app/.venv .venv" in [f"{w} {a}" for w, a in body]  # the light venv, no torch
@@ -28,7 +29,7 @@ def test_the_image_runs_the_stage_on_8080_from_the_shared_deps_stage():
 def test_compose_publishes_8080_in_front_of_the_gateway():
     svc = compose()["services"]["openai"]
     assert svc["build"]["args"] == {"STAGE": "openai"} and svc["ports"] == [f"{PORT}:{PORT}"]
-    assert svc["environment"]["KEEL_OPENAI_GATEWAY"] == "[gateway:50051]"
+    assert svc["environment"]["KEEL_OPENAI_GATEWAY"] == f"[gateway:{STAGES['gateway'][0]}]"
     assert "KEEL_MESH_TOKEN" not in svc["environment"]  # it calls the gateway with the caller's key only
     assert sorted(svc["networks"]) == ["edge", "mesh"]
     assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
@@ -46,7 +47,7 @@ def test_the_service_and_probes_use_the_http_port(rendered, overlay):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"port": "http", "path": "/health"}
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["KEEL_OPENAI_GATEWAY"] == "[gateway:50051]" and "KEEL_MESH_TOKEN" not in env
+    assert env["KEEL_OPENAI_GATEWAY"] == f"[gateway:{STAGES['gateway'][0]}]" and "KEEL_MESH_TOKEN" not in env
     assert env["KEEL_OPENAI_CONFIG"] == "/etc/keel/openai.yaml"
 
 
@@ -55,9 +56,9 @@ def test_the_network_policy_opens_the_http_port_to_clients_and_it_reaches_the_ga
     objs = rendered[overlay]
     assert allowed(objs, "openai", PORT, EXTERNAL)
     assert not allowed(objs, "openai", 9999, EXTERNAL)
-    assert allowed(objs, "gateway", 50051, pod(objs, "openai"))
-    for stage, port in (("tokenizer", 50052), ("inference", 50053), ("validator", 50054)):
-        assert not allowed(objs, stage, port, EXTERNAL), stage
+    assert allowed(objs, "gateway", STAGES["gateway"][0], pod(objs, "openai"))
+    for stage in ("tokenizer", "inference", "validator"):
+        assert not allowed(objs, stage, STAGES[stage][0], EXTERNAL), stage
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -68,11 +69,11 @@ def test_the_pod_config_passes_the_schema(rendered, overlay):
     cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
     data = effective_config("openai", one(objs, "ConfigMap", cm_name)["data"]["openai.yaml"], env)
     assert data["server"]["host"] == "0.0.0.0" and data["server"]["port"] == PORT
-    assert data["gateway"] == ["gateway:50051"]
+    assert data["gateway"] == [f"gateway:{STAGES['gateway'][0]}"]
 
 
 def test_the_compose_config_passes_the_schema():
     svc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["openai"]
     env = {**image_env("openai"), **{k: str(v) for k, v in svc["environment"].items()}}
     data = effective_config("openai", (ROOT / "config" / "openai.yaml").read_text(), env)
-    assert data["server"]["host"] == "0.0.0.0" and data["gateway"] == ["gateway:50051"]
+    assert data["server"]["host"] == "0.0.0.0" and data["gateway"] == [f"gateway:{STAGES['gateway'][0]}"]

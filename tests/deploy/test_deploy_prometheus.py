@@ -14,12 +14,13 @@ import yaml
 
 from keelctl.supervisor import worker_metrics_port
 from tests.deploy.deploy_promql import catalogue_series, metric_names
+from tests.deploy.k8s_objects import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
 RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
 RULE_TESTS = sorted((PROM / "tests").glob("*.yml"))
-METRICS_PORTS = {"gateway": 9101, "tokenizer": 9102, "inference": 9103, "validator": 9104}
+METRICS_PORTS = {s: STAGES[s][1] for s in ("gateway", "tokenizer", "inference", "validator")}
 
 
 def promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -1,11 +1,15 @@
 """Config loading: schema rules are enforced, nothing is coerced, env overrides are typed."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from services.feedback import config as feedback_config
 from services.gateway import config as gateway_config
+from services.openai import config as openai_config
 from services.tokenizer import config as tokenizer_config
-from shared.config import ConfigError
+from shared.config import CONFIG_DIR, ConfigError
 from keelctl.layout import load_layout
 
 
@@ -16,7 +20,7 @@ def write(tmp_path, text: str):
 
 
 def test_shipped_configs_load():
-    assert tokenizer_config.load().server.port == 50052
+    assert tokenizer_config.load().server.port == load_layout().stages.tokenizer.ports[0]
     assert gateway_config.load().api_keys[0].key_id == "dev"
     assert load_layout().stages.tokenizer.workers >= 1
 
@@ -84,3 +88,48 @@ def test_stage_exits_2_with_its_json_log_line_on_a_dataclass_rule():
     assert "Traceback" not in proc.stderr
     line = json.loads([l for l in proc.stderr.splitlines() if l.startswith("{")][-1])
     assert line["msg"] == "invalid configuration; not starting" and "retry" in line["error"]
+
+
+def _layout(tmp_path, stages: dict) -> dict[str, str]:
+    """An environment whose mesh layout (KEEL_KEEL_CONFIG) has these stages."""
+    path = tmp_path / "keel.json"
+    path.write_text(json.dumps({"stages": stages}))  # JSON is YAML
+    return {"KEEL_KEEL_CONFIG": str(path)}
+
+
+def test_ports_and_upstreams_a_file_leaves_out_come_from_the_mesh_layout(tmp_path):
+    env = _layout(tmp_path, {"tokenizer": {"ports": [51002, 51012], "metrics_ports": [9202, 9212]},
+                             "inference": {"ports": [51003]}, "validator": {"ports": [51004]},
+                             "feedback": {"ports": [51005]}, "gateway": {"ports": [51001]}, "openai": {"ports": [8180]}})
+    tok = tokenizer_config.load(write(tmp_path, "vocab_file: x\n"), environ=env)
+    assert (tok.server.port, tok.server.metrics_port) == (51002, 9202)  # a stage run alone: the first replica's
+    gw = gateway_config.load(environ=env)
+    assert gw.server.port == 51001 and gw.server.metrics_port == 0  # the layout gives it no metrics port
+    assert gw.upstreams.tokenizer == ("127.0.0.1:51002", "127.0.0.1:51012")
+    assert (gw.upstreams.inference, gw.upstreams.feedback) == (("127.0.0.1:51003",), ("127.0.0.1:51005",))
+    assert feedback_config.load(environ=env).rotation.inference == ("127.0.0.1:51003",)
+    assert openai_config.load(environ=env).gateway == ("127.0.0.1:51001",)
+
+
+def test_the_file_and_then_the_environment_win_over_the_layout(tmp_path):
+    env = _layout(tmp_path, {"tokenizer": {"ports": [51002], "metrics_ports": [9202]}, "inference": {"ports": [51003]},
+                             "validator": {"ports": [51004]}})
+    tok = tokenizer_config.load(write(tmp_path, "server: {port: 1}\nvocab_file: x\n"), environ=env)
+    assert (tok.server.port, tok.server.metrics_port) == (1, 9202)
+    gw_file = tmp_path / "gateway.yaml"
+    shipped = (CONFIG_DIR / "gateway.yaml").read_text()
+    gw_file.write_text(shipped.replace("upstreams:\n", "upstreams:\n  inference: [inference:50053]\n  feedback: []\n", 1))
+    gw = gateway_config.load(gw_file, environ={**env, "KEEL_GATEWAY_SERVER__PORT": "50999"})
+    assert gw.upstreams.inference == ("inference:50053",) and gw.upstreams.feedback == ()
+    assert gw.server.port == 50999
+
+
+def test_without_a_layout_file_a_stage_must_name_its_port(tmp_path):
+    env = {"KEEL_KEEL_CONFIG": str(tmp_path / "absent.yaml")}
+    with pytest.raises(ConfigError, match="'server' is a required property"):
+        tokenizer_config.load(write(tmp_path, "vocab_file: x\n"), environ=env)
+    tok = tokenizer_config.load(write(tmp_path, "server: {port: 1}\nvocab_file: x\n"), environ=env)
+    assert (tok.server.port, tok.server.metrics_port) == (1, 0)
+    env["KEEL_GATEWAY_SERVER__PORT"] = "50999"
+    with pytest.raises(ConfigError, match="field 'upstreams' breaks rule 'required'"):
+        gateway_config.load(environ=env)
