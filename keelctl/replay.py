@@ -12,7 +12,6 @@ import sys
 import time
 
 import grpc
-from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, push_to_gateway, write_to_textfile
 
 from keel.common.v1 import common_pb2
@@ -20,34 +19,29 @@ from keel.gateway.v1 import gateway_pb2
 from keelctl import ask
 from keelctl.layout import load_layout
 from services.feedback import config as fb_config
+from services.feedback.records import ReplayRecord
 from services.feedback.replay import Outcome, can_run, compare
 from services.feedback.store import Store, now_ms, open_store
 from services.validator.quarantine_cli import parse_duration
-from shared.controls import Controls, Sampling, repetition_penalty_of, sampling_pb
+from shared.controls import format_pb, sampling_pb
 from shared import errors, metrics
 from shared.progress import Progress
 
 RECORD_WAIT_S = 30.0
 
 
-def request_of(record: dict) -> gateway_pb2.GenerateRequest:
-    s = record["sampling"]
-    # Records older than the generation controls lack their keys: those answers had none.
-    controls = Controls(stop=tuple(s.get("stop", ())),
-                        repetition_penalty=repetition_penalty_of(s.get("repetition_penalty", 0.0)),
-                        frequency_penalty=s.get("frequency_penalty", 0.0), presence_penalty=s.get("presence_penalty", 0.0),
-                        logprobs=s.get("logprobs", False), top_logprobs=s.get("top_logprobs", 0))
-    sampling = sampling_pb(Sampling(s["max_tokens"], s["temperature"], s["top_p"], s["top_k"], s["seed"], controls))
+def request_of(record: ReplayRecord) -> gateway_pb2.GenerateRequest:
     # The adapter as it served ("id@version"), so a newer version registered since is not picked up.
-    req = gateway_pb2.GenerateRequest(sampling=sampling, domain=record["domain"], source=record["source"],
-                                      adapter=record.get("adapter", ""))
-    if record.get("response_format"):
-        json_format.ParseDict(record["response_format"], req.response_format)
-    req.chat.messages.extend(common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in record["messages"])
+    req = gateway_pb2.GenerateRequest(sampling=sampling_pb(record.sampling), domain=record.domain,
+                                      source=record.source, adapter=record.adapter)
+    fmt = format_pb(record.sampling.controls.response_format)
+    if fmt is not None:
+        req.response_format.CopyFrom(fmt)
+    req.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in record.messages)
     return req
 
 
-def replay_one(store: Store, record: dict, target: str) -> Outcome:
+def replay_one(store: Store, record: ReplayRecord, target: str) -> Outcome:
     blocked = can_run(record)
     if blocked is not None:
         return blocked
@@ -119,13 +113,13 @@ def verify_main(argv: list[str]) -> int:
             try:
                 outcome = replay_one(store, record, target)
                 counts[outcome.result] += 1
-                bar.write(f"{record['trace_id']}  {outcome.describe()}")
+                bar.write(f"{record.trace_id}  {outcome.describe()}")
             except grpc.RpcError as err:  # one failed replay is counted, the check goes on
                 counts["failed"] += 1
-                bar.write(f"{record['trace_id']}  failed: {err.code().name}: {err.details()}")
+                bar.write(f"{record.trace_id}  failed: {err.code().name}: {err.details()}")
             except (TimeoutError, errors.KeelError) as exc:
                 counts["failed"] += 1
-                bar.write(f"{record['trace_id']}  failed: {exc}")
+                bar.write(f"{record.trace_id}  failed: {exc}")
             bar.update()
     print(" ".join(f"{k}={v}" for k, v in counts.items()))
     registry = CollectorRegistry()

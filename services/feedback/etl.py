@@ -49,17 +49,18 @@ def select(store: Store, since_ms: int, cfg: fb_config.EtlConfig,
     for fb, rec in store.feedback_with_records(since_ms, cfg.severities, cfg.error_types):
         if progress is not None:
             progress(1)
-        if not rec.get("prompt_stored"):
+        if not rec.prompt_stored:
             skipped["prompt_not_stored"] += 1
             continue
-        key = rec["prompt_sha256"]
+        key = rec.prompt_sha256
         ex = by_input.get(key)
         if ex is None:
-            by_input[key] = {"id": key, "messages": rec["messages"], "rejected_output_ids": rec["output_ids"],
+            body = rec.to_body()  # the example carries the record's own JSON form of these fields
+            by_input[key] = {"id": key, "messages": body["messages"], "rejected_output_ids": body["output_ids"],
                              "expected_keywords": list(fb["expected_keywords"]),
-                             "source_trace_id": rec["trace_id"], "source_feedback_ids": [fb["feedback_id"]],
+                             "source_trace_id": rec.trace_id, "source_feedback_ids": [fb["feedback_id"]],
                              "error_type": fb["error_type"], "severity": fb["severity"],
-                             "sampling": rec["sampling"], "engine": rec["engine"]}
+                             "sampling": body["sampling"], "engine": body["engine"]}
             continue
         skipped["duplicate_input"] += 1
         ex["source_feedback_ids"].append(fb["feedback_id"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.feedback.records import ReplayRecord
+
 TOKENIZER_FIELDS = ("vocab_sha256", "chat_template_sha256")
 
 
@@ -37,28 +39,28 @@ def _tok(t: int | None) -> str:
     return "(end)" if t is None else str(t)
 
 
-def can_run(record: dict) -> Outcome | None:
+def can_run(record: ReplayRecord) -> Outcome | None:
     """None when the record holds what a replay needs, else the cannot_run outcome saying why."""
-    if not record.get("prompt_stored") or record.get("messages") is None:
+    if not record.prompt_stored or record.messages is None:
         return Outcome("cannot_run", fields=("the prompt was not stored (replay.store_prompts: false)",))
     return None
 
 
-def compare(original: dict, replay: dict) -> Outcome:
-    engines = original.get("engine") or {}, replay.get("engine") or {}
+def compare(original: ReplayRecord, replay: ReplayRecord) -> Outcome:
+    engines = original.engine, replay.engine
     differ = sorted(f"engine.{k}" for k in set(engines[0]) | set(engines[1]) if engines[0].get(k) != engines[1].get(k))
-    differ += [f for f in TOKENIZER_FIELDS if original.get(f) and replay.get(f) and original[f] != replay[f]]
-    if original["prompt_ids"] != replay["prompt_ids"]:
+    differ += [f for f in TOKENIZER_FIELDS
+               if getattr(original, f) and getattr(replay, f) and getattr(original, f) != getattr(replay, f)]
+    if original.prompt_ids != replay.prompt_ids:
         differ.append("prompt_ids")
-    # A record without the key predates adapters: the base model ("") served it.
-    if original.get("adapter", "") != replay.get("adapter", ""):
+    if original.adapter != replay.adapter:  # a record from before adapters: the base model ("") served it
         differ.append("adapter")
     if differ:
-        return Outcome("not_comparable", fields=tuple(differ), replay_trace_id=replay["trace_id"])
-    a, b = original["output_ids"], replay["output_ids"]
+        return Outcome("not_comparable", fields=tuple(differ), replay_trace_id=replay.trace_id)
+    a, b = original.output_ids or (), replay.output_ids or ()
     for i in range(max(len(a), len(b))):
         x = a[i] if i < len(a) else None
         y = b[i] if i < len(b) else None
         if x != y:
-            return Outcome("mismatch", position=i, original=x, replayed=y, replay_trace_id=replay["trace_id"])
-    return Outcome("identical", replay_trace_id=replay["trace_id"])
+            return Outcome("mismatch", position=i, original=x, replayed=y, replay_trace_id=replay.trace_id)
+    return Outcome("identical", replay_trace_id=replay.trace_id)

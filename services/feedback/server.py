@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 
 from keel.feedback.v1 import feedback_pb2_grpc
 from services.feedback import config as fb_config
 from services.feedback.batcher import Result, SubmitBatcher
-from services.feedback.records import Feedback, check_record, stored_body
+from services.feedback.records import Feedback, ReplayRecord, stored_body
 from services.feedback.rotation.service import Rotation
 from services.feedback.servicer import FeedbackServicer
 from services.feedback.store import now_ms, open_store
@@ -51,14 +52,11 @@ class FeedbackCore:
         self.submits = SubmitBatcher(self.write_feedback, max_batch=cfg.submit.max_batch,
                                      queue_size=cfg.submit.queue_size)
 
-    def record(self, records: list[dict]) -> tuple[int, int]:
+    def record(self, records: list[ReplayRecord]) -> tuple[int, int]:
         for r in records:
-            check_record(r)
-        bodies = [stored_body(r, self.cfg.replay.store_prompts) for r in records]
-        for b in bodies:
-            if not b["created_ms"]:
-                b["created_ms"] = now_ms()
-        return self.writer.put(bodies)
+            r.check()
+        return self.writer.put([stored_body(r if r.created_ms else replace(r, created_ms=now_ms()),
+                                            self.cfg.replay.store_prompts) for r in records])
 
     async def write_feedback(self, items: list[Feedback]) -> list[Result]:
         """One transaction for a batch of feedback items (SubmitBatcher's write)."""

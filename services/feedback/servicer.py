@@ -10,30 +10,24 @@ from opentelemetry import trace
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.feedback.batcher import Result
-from services.feedback.records import Feedback
+from services.feedback.records import Feedback, ReplayRecord
 from services.feedback.rotation import alerts
 from shared import errors, tracing
+from shared.controls import Sampling, controls_of
 
 
-def record_from_proto(r: feedback_pb2.ReplayRecord) -> dict:
-    """A replay record as a plain dict (the shape services/feedback/records.py stores)."""
+def record_from_proto(r: feedback_pb2.ReplayRecord) -> ReplayRecord:
     s = r.sampling
-    v = r.validation
-    return {"trace_id": r.trace_id, "created_ms": r.created_unix_ms, "prompt_ids": list(r.prompt_ids),
-            "messages": [{"role": m.role, "content": m.content} for m in r.messages],
-            "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                         "top_k": s.top_k, "seed": s.seed, "stop": list(s.stop),
-                         "repetition_penalty": s.repetition_penalty, "frequency_penalty": s.frequency_penalty,
-                         "presence_penalty": s.presence_penalty, "logprobs": s.logprobs,
-                         "top_logprobs": s.top_logprobs},
-            "response_format": json_format.MessageToDict(r.response_format, preserving_proto_field_name=True)
-            if r.HasField("response_format") else None,
-            "domain": r.domain, "source": r.source, "output_ids": list(r.output_ids),
-            "finish_reason": r.finish_reason, "engine": dict(r.engine), "input_fingerprint": r.input_fingerprint,
-            "vocab_sha256": r.vocab_sha256, "chat_template_sha256": r.chat_template_sha256,
-            "adapter": r.adapter,
-            "validation": json_format.MessageToDict(v, preserving_proto_field_name=True,
-                                                    always_print_fields_with_no_presence=True)}
+    fmt = r.response_format if r.HasField("response_format") else None
+    return ReplayRecord(
+        trace_id=r.trace_id, created_ms=r.created_unix_ms, messages=tuple((m.role, m.content) for m in r.messages),
+        prompt_ids=tuple(r.prompt_ids), output_ids=tuple(r.output_ids),
+        sampling=Sampling(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, controls_of(s, fmt)),
+        domain=r.domain, source=r.source, finish_reason=r.finish_reason, engine=dict(r.engine),
+        input_fingerprint=r.input_fingerprint, vocab_sha256=r.vocab_sha256,
+        chat_template_sha256=r.chat_template_sha256, adapter=r.adapter,
+        validation=json_format.MessageToDict(r.validation, preserving_proto_field_name=True,
+                                             always_print_fields_with_no_presence=True))
 
 
 def feedback_from_proto(f: feedback_pb2.SubmitRequest) -> Feedback:

@@ -16,7 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from services.feedback import db
-from services.feedback.records import Feedback, dumps
+from services.feedback.records import Feedback, ReplayRecord, dumps
 from services.feedback.upsert import feedback_upsert
 from shared import errors
 
@@ -71,17 +71,17 @@ class Store:
         with self._tx() as conn:
             return len(conn.execute(stmt, rows).all())
 
-    def get_record(self, trace_id: str) -> dict | None:
+    def get_record(self, trace_id: str) -> ReplayRecord | None:
         with self._tx() as conn:
             body = conn.execute(sa.select(db.replay_records.c.body)
                                 .where(db.replay_records.c.trace_id == trace_id)).scalar_one_or_none()
-        return json.loads(body) if body is not None else None
+        return ReplayRecord.from_body(json.loads(body)) if body is not None else None
 
-    def list_records(self, since_ms: int, limit: int | None = None) -> list[dict]:
+    def list_records(self, since_ms: int, limit: int | None = None) -> list[ReplayRecord]:
         q = (sa.select(db.replay_records.c.body).where(db.replay_records.c.created_ms >= since_ms)
              .order_by(db.replay_records.c.created_ms, db.replay_records.c.trace_id).limit(limit))
         with self._tx() as conn:
-            return [json.loads(b) for b in conn.execute(q).scalars()]
+            return [ReplayRecord.from_body(json.loads(b)) for b in conn.execute(q).scalars()]
 
     def purge_records(self, older_than_ms: int) -> int:
         with self._tx() as conn:
@@ -131,7 +131,7 @@ class Store:
             r["expected_keywords"] = json.loads(r["expected_keywords"])
         return rows
 
-    def feedback_with_records(self, since_ms: int, severities, error_types) -> Iterator[tuple[dict, dict]]:
+    def feedback_with_records(self, since_ms: int, severities, error_types) -> Iterator[tuple[dict, ReplayRecord]]:
         """(feedback row, replay record) pairs for the selected feedback, joined on trace_id."""
         f, r = db.feedback.c, db.replay_records.c
         q = (sa.select(db.feedback, r.body).join(db.replay_records, r.trace_id == f.trace_id)
@@ -143,7 +143,7 @@ class Store:
             item = dict(row._mapping)
             body = json.loads(item.pop("body"))
             item["expected_keywords"] = json.loads(item["expected_keywords"])
-            yield item, body
+            yield item, ReplayRecord.from_body(body)
 
 
 def open_store(url: str, *, connect_timeout_s: int = 2, pool_size: int = 5) -> Store:

@@ -43,20 +43,20 @@ def answered(mesh):
 
 def test_every_answer_leaves_a_replay_record_with_the_seed_the_gateway_picked(mesh, answered):
     rec = wait_until(lambda: store(mesh).get_record(answered.trace_id), 30, "the replay record")
-    assert rec["sampling"]["seed"] == answered.seed and rec["sampling"]["temperature"] == pytest.approx(0.8)
-    assert len(rec["prompt_ids"]) == answered.usage.prompt_tokens
-    assert len(rec["output_ids"]) == answered.usage.completion_tokens
-    assert rec["finish_reason"] == answered.finish_reason and rec["engine"]["dtype"]
+    assert rec.sampling.seed == answered.seed and rec.sampling.temperature == pytest.approx(0.8)
+    assert len(rec.prompt_ids) == answered.usage.prompt_tokens
+    assert len(rec.output_ids) == answered.usage.completion_tokens
+    assert rec.finish_reason == answered.finish_reason and rec.engine["dtype"]
     # the engine facts behind the client's system_fingerprint are in the record, field by field
     assert {"weights_sha256", "format", "torch", "blas_build", "cpu_capability", "threads",
-            "engine_version"} <= set(rec["engine"])
+            "engine_version"} <= set(rec.engine)
     assert len(answered.system_fingerprint) == 16
-    assert len(rec["prompt_sha256"]) == len(rec["output_sha256"]) == len(rec["raw_text_sha256"]) == 64
-    assert "entropy_mean" in rec["validation"]["probes"]
+    assert len(rec.prompt_sha256) == len(rec.output_sha256) == len(rec.raw_text_sha256) == 64
+    assert "entropy_mean" in rec.validation["probes"]
     # the tokenizer stage's identity, as its Encode reported it: the hashes of the vocabulary in use
     tok = Tokenizer.open(ROOT_DIR / tokenizer_config.load().vocab_file)
     tok.warmup()
-    assert (rec["vocab_sha256"], rec["chat_template_sha256"]) == (tok.vocab_sha256, tok.chat_template_sha256)
+    assert (rec.vocab_sha256, rec.chat_template_sha256) == (tok.vocab_sha256, tok.chat_template_sha256)
 
 
 def test_submit_feedback_through_the_gateway(mesh, api_md, answered):

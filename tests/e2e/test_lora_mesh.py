@@ -193,7 +193,7 @@ def test_gateway_counts_answers_by_the_serving_adapter(lora_mesh, answers):
 def test_keel_replay_reruns_with_the_same_adapter(lora_mesh, answers):
     pirate = answers[1]
     record = wait_until(lambda: store(lora_mesh).get_record(pirate.trace_id), 30, "the replay record")
-    assert record["adapter"] == f"pirate@{VERSION}"
+    assert record.adapter == f"pirate@{VERSION}"
     out = keel(lora_mesh, "replay", pirate.trace_id)
     assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr
 

@@ -1,13 +1,16 @@
 """Comparing a replay with its original record: identical, first differing token, not comparable."""
 from __future__ import annotations
 
-from services.feedback.records import stored_body
+from dataclasses import replace
+
+from services.feedback.records import ReplayRecord, stored_body
 from services.feedback.replay import can_run, compare
 from testing.records import record
 
 
-def body(trace_id="a" * 32, **kw):
-    return stored_body(record(trace_id, **kw), store_prompts=True)
+def body(trace_id="a" * 32, **kw) -> ReplayRecord:
+    """A record as the store gives it back."""
+    return ReplayRecord.from_body(stored_body(record(trace_id, **kw), store_prompts=True))
 
 
 def test_identical():
@@ -27,33 +30,29 @@ def test_a_shorter_replay_differs_where_it_ended():
 
 
 def test_a_different_engine_or_prompt_is_not_comparable_naming_the_fields():
-    other = body("b" * 32, prompt=(9, 9), output=(0,))
-    other["engine"] = {"dtype": "bfloat16"}
+    other = replace(body("b" * 32, prompt=(9, 9), output=(0,)), engine={"dtype": "bfloat16"})
     out = compare(body(), other)
     assert out.result == "not_comparable" and out.fields == ("engine.dtype", "prompt_ids")
     assert out.describe() == "not comparable: engine.dtype, prompt_ids differ"
 
 
 def test_a_different_tokenizer_or_chat_template_is_not_comparable_naming_the_hashes():
-    original = body()
-    original.update(vocab_sha256="v1" * 32, chat_template_sha256="c1" * 32)
-    replay = body("b" * 32)
-    replay.update(vocab_sha256="v2" * 32, chat_template_sha256="c2" * 32)
+    original = replace(body(), vocab_sha256="v1" * 32, chat_template_sha256="c1" * 32)
+    replay = replace(body("b" * 32), vocab_sha256="v2" * 32, chat_template_sha256="c2" * 32)
     out = compare(original, replay)           # even with the same prompt ids and output
     assert out.result == "not_comparable" and out.fields == ("vocab_sha256", "chat_template_sha256")
     assert out.describe() == "not comparable: vocab_sha256, chat_template_sha256 differ"
-    replay["chat_template_sha256"] = original["chat_template_sha256"]
+    replay = replace(replay, chat_template_sha256=original.chat_template_sha256)
     assert compare(original, replay).fields == ("vocab_sha256",)
-    replay["vocab_sha256"] = original["vocab_sha256"]
+    replay = replace(replay, vocab_sha256=original.vocab_sha256)
     assert compare(original, replay).result == "identical"
 
 
 def test_a_record_written_before_the_hashes_existed_is_still_compared():
-    replay = body("b" * 32)
-    replay.update(vocab_sha256="v" * 64, chat_template_sha256="c" * 64)
+    replay = replace(body("b" * 32), vocab_sha256="v" * 64, chat_template_sha256="c" * 64)
     assert compare(body(), replay).result == "identical"
 
 
 def test_hashes_only_cannot_run():
-    assert can_run(stored_body(record("a" * 32), store_prompts=False)).result == "cannot_run"
+    assert can_run(ReplayRecord.from_body(stored_body(record("a" * 32), store_prompts=False))).result == "cannot_run"
     assert can_run(body()) is None

@@ -1,4 +1,4 @@
-"""The generation controls survive the replay record: gateway record -> stored dict -> the replay's request."""
+"""The generation controls survive the replay record: gateway record -> its stored JSON -> the replay's request."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from keelctl.replay import request_of
+from services.feedback.records import ReplayRecord, stored_body
 from services.feedback.servicer import record_from_proto
 from services.gateway.recording import to_record
 from shared.controls import Controls, ResponseFormat, controls_of, format_of
@@ -24,16 +25,16 @@ CONTROLS = [
 def test_a_replay_asks_for_the_same_controls(controls):
     s = served("t" * 32)
     s = dataclasses.replace(s, ask=dataclasses.replace(s.ask, controls=controls))
-    req = request_of({**record_from_proto(to_record(s, 1)), "prompt_stored": True})
+    req = request_of(ReplayRecord.from_body(stored_body(record_from_proto(to_record(s, 1)), True)))
     again = controls_of(req.sampling, req.response_format if req.HasField("response_format") else None)
     assert again == controls
     assert req.sampling.seed == 1234 and format_of(None) is None
 
 
 def test_a_record_from_before_the_controls_replays_with_none():
-    record = record_from_proto(to_record(served("t" * 32), 1))
+    body = stored_body(record_from_proto(to_record(served("t" * 32), 1)), True)
     for key in ("stop", "repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs"):
-        del record["sampling"][key]
-    del record["response_format"]
-    req = request_of(record)
+        del body["sampling"][key]
+    del body["response_format"]
+    req = request_of(ReplayRecord.from_body(body))
     assert controls_of(req.sampling, None) == Controls() and not req.HasField("response_format")

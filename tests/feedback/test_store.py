@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from services.feedback import db
-from services.feedback.records import Feedback, ids_sha256, stored_body
+from services.feedback.records import Feedback, ReplayRecord, ids_sha256, stored_body
 from services.feedback.store import open_store
 from shared import errors
 from testing.postgres import PgServer
@@ -42,18 +42,18 @@ def test_a_record_is_stored_once_per_trace_id(db_url):
     assert store.put_records([body]) == 1
     assert store.put_records([body, stored_body(record("b" * 32), True)]) == 1
     got = store.get_record("a" * 32)
-    assert got["prompt_ids"] == [1, 2, 3] and got["output_sha256"] == ids_sha256([7, 8, 9])
-    assert got["sampling"]["seed"] == 42
-    assert [r["trace_id"] for r in store.list_records(0)] == ["a" * 32, "b" * 32]
+    assert got.prompt_ids == (1, 2, 3) and got.output_sha256 == ids_sha256([7, 8, 9])
+    assert got.sampling.seed == 42 and got == ReplayRecord.from_body(body)
+    assert [r.trace_id for r in store.list_records(0)] == ["a" * 32, "b" * 32]
 
 
 def test_store_prompts_false_keeps_hashes_only(db_url):
     store = open_store(db_url)
     store.put_records([stored_body(record("a" * 32), store_prompts=False)])
     got = store.get_record("a" * 32)
-    assert got["prompt_ids"] is None and got["messages"] is None and got["output_ids"] is None
-    assert got["prompt_sha256"] == ids_sha256([1, 2, 3]) and len(got["raw_text_sha256"]) == 64
-    assert not got["prompt_stored"]
+    assert got.prompt_ids is None and got.messages is None and got.output_ids is None
+    assert got.prompt_sha256 == ids_sha256([1, 2, 3]) and len(got.raw_text_sha256) == 64
+    assert not got.prompt_stored
 
 
 def test_feedback_upsert_is_idempotent_per_feedback_id(db_url):
@@ -181,7 +181,7 @@ def test_retention_purges_only_old_records(db_url):
     store.put_records([stored_body(record("a" * 32, created_ms=1000), True),
                        stored_body(record("b" * 32, created_ms=5000), True)])
     assert store.purge_records(older_than_ms=2000) == 1
-    assert [r["trace_id"] for r in store.list_records(0)] == ["b" * 32]
+    assert [r.trace_id for r in store.list_records(0)] == ["b" * 32]
 
 
 def test_a_locked_sqlite_file_is_database_unavailable(tmp_path):

@@ -42,7 +42,7 @@ def test_killing_postgresql_mid_load_loses_and_duplicates_nothing(tmp_path):
         loader.join()
         assert writer.wait_drained(60), f"{writer.backlog()} records still in the spill"
         rows = writer.store().list_records(0)
-        ids = [r["trace_id"] for r in rows]
+        ids = [r.trace_id for r in rows]
         assert len(ids) == len(set(ids)) == total
         assert set(ids) == set(sent)
         assert counts["spilled"] > 0 and counts["replayed"] == counts["spilled"]
@@ -68,7 +68,7 @@ def test_a_database_down_at_start_gets_the_spilled_records_once_it_is_up(tmp_pat
         assert writer.backlog() == 1
         available.set()
         assert writer.wait_drained(30)
-        assert [r["trace_id"] for r in writer.store().list_records(0)] == ["a" * 32]
+        assert [r.trace_id for r in writer.store().list_records(0)] == ["a" * 32]
         assert writer.put([stored_body(record("b" * 32), True)]) == (1, 0)
     finally:
         writer.close()
@@ -85,6 +85,6 @@ def test_a_spill_left_by_a_crash_is_replayed_by_the_next_process_without_duplica
     writer.start()
     try:
         assert writer.wait_drained(30)
-        assert sorted(r["trace_id"] for r in writer.store().list_records(0)) == [b["trace_id"] for b in first]
+        assert sorted(r.trace_id for r in writer.store().list_records(0)) == [b["trace_id"] for b in first]
     finally:
         writer.close()

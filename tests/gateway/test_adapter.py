@@ -3,11 +3,14 @@ check, the adapter carried to inference and echoed back, the engine's refusals p
 the client unchanged and never retried, the usage metrics by served adapter, and the replay record."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from prometheus_client import CollectorRegistry
 
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2
+from services.feedback.records import ReplayRecord, stored_body
 from services.feedback.replay import compare
 from services.feedback.servicer import record_from_proto
 from services.gateway.adapter_usage import AdapterUsage
@@ -18,6 +21,7 @@ from services.gateway.servicer import to_ask, to_response
 from keelctl.replay import request_of
 from shared import errors, metrics
 from tests.gateway.test_pipeline import ask, pipeline
+from testing.records import record
 from testing.upstreams import FakeUpstreams
 
 # What the fake engine knows: one accepted adapter (newest version 2) and one refused at start.
@@ -146,20 +150,20 @@ async def test_replay_record_keeps_the_served_adapter_and_a_replay_asks_for_exac
     p = pipeline(up)
     p._on_served = served.append
     await p.generate(ask(adapter="pirate", seed=3), CALL)
-    record = record_from_proto(to_record(served[0], 1))
-    assert record["adapter"] == "pirate@2"
-    record["prompt_stored"] = True
+    record = ReplayRecord.from_body(stored_body(record_from_proto(to_record(served[0], 1)), True))
+    assert record.adapter == "pirate@2"
     assert request_of(record).adapter == "pirate@2"  # the version that served, not "newest"
 
 
 def test_a_replay_with_another_adapter_is_not_comparable():
-    original = {"engine": {}, "prompt_ids": [1], "output_ids": [5], "trace_id": "a" * 32, "adapter": "pirate@2"}
-    assert compare(original, {**original, "adapter": ""}).fields == ("adapter",)
-    assert compare(original, dict(original)).result == "identical"
+    original = record("a" * 32)
+    original = replace(original, adapter="pirate@2")
+    assert compare(original, replace(original, adapter="")).fields == ("adapter",)
+    assert compare(original, original).result == "identical"
     # Records written before adapters existed have no key: they were served by the base model.
-    legacy = {k: v for k, v in original.items() if k != "adapter"}
-    assert compare(legacy, {**original, "adapter": ""}).result == "identical"
+    legacy = {k: v for k, v in stored_body(original, True).items() if k != "adapter"}
+    assert compare(ReplayRecord.from_body(legacy), replace(original, adapter="")).result == "identical"
 
 
 def test_feedback_record_without_adapter_is_the_base_model():
-    assert record_from_proto(feedback_pb2.ReplayRecord(trace_id="a" * 32))["adapter"] == ""
+    assert record_from_proto(feedback_pb2.ReplayRecord(trace_id="a" * 32)).adapter == ""

@@ -6,13 +6,16 @@ naming the format. A restart finds the results stored and serves the winner from
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from keel.inference.v1 import inference_pb2
 from keel.stage.v1 import stage_pb2, stage_pb2_grpc
+from services.feedback.records import ReplayRecord
 from services.feedback.replay import compare
+from testing.records import record
 from tests.inference.test_variant_server import MODEL, PROMPT, Stage, _generate
 
 pytestmark = [pytest.mark.slow,
@@ -26,9 +29,9 @@ def _phase(channel) -> stage_pb2.GetStatusResponse:
     return stage_pb2_grpc.StageStatusStub(channel).GetStatus(stage_pb2.GetStatusRequest(), timeout=30)
 
 
-def _record(fin: inference_pb2.Finished, output: list[int]) -> dict:
-    """The fields of a replay record compare() reads, as the feedback stage stores them."""
-    return {"engine": dict(fin.engine), "prompt_ids": PROMPT, "output_ids": output, "trace_id": "t"}
+def _record(fin: inference_pb2.Finished, output: list[int]) -> ReplayRecord:
+    """A replay record of this answer: its engine facts, prompt and output are what compare() reads."""
+    return replace(record("t" * 32, prompt=PROMPT, output=output), engine=dict(fin.engine))
 
 
 def test_a_first_start_answers_before_the_background_gate_ends_then_switches_to_the_winner(tmp_path):
