@@ -12,6 +12,7 @@ from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.feedback.batcher import Result
 from services.feedback.records import Feedback, ReplayRecord
 from services.feedback.rotation import alerts
+from services.feedback.rotation.decisions import Decision
 from shared import errors, tracing
 from shared.controls import Sampling, controls_of
 
@@ -43,13 +44,13 @@ def result_to_proto(fb: Feedback, result: Result) -> feedback_pb2.SubmitResult:
         retry_after_ms=result.retry_after_ms))
 
 
-def decision_to_proto(d: dict) -> feedback_pb2.RotationDecision:
+def decision_to_proto(d: Decision) -> feedback_pb2.RotationDecision:
     return feedback_pb2.RotationDecision(
-        id=d["id"], rule=d["rule"], action=d["action"], phase=d["phase"], mode=d["mode"], outcome=d["outcome"],
-        detail=d["detail"], actor=d["actor"], labels=d["labels"], snapshot=d["snapshot"],
-        result_json=json.dumps(d["result"], sort_keys=True), attempts=d["attempts"], reverts=d["reverts"] or 0,
-        created_unix_ms=d["created_ms"], updated_unix_ms=d["updated_ms"], applied_unix_ms=d["applied_ms"] or 0,
-        fingerprint=d["fingerprint"], starts_at=d["starts_at"])
+        id=d.id, rule=d.rule, action=d.action, phase=d.phase, mode=d.mode, outcome=d.outcome,
+        detail=d.detail, actor=d.actor, labels=d.labels, snapshot=d.snapshot,
+        result_json=json.dumps(d.result, sort_keys=True), attempts=d.attempts, reverts=d.reverts or 0,
+        created_unix_ms=d.created_ms, updated_unix_ms=d.updated_ms, applied_unix_ms=d.applied_ms or 0,
+        fingerprint=d.fingerprint, starts_at=d.starts_at)
 
 
 def alerts_from_proto(request: feedback_pb2.RotationDryRunRequest) -> list[alerts.Alert]:

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from services.feedback import etl
 from services.feedback.config import EtlConfig, RotationConfig
-from services.feedback.rotation.decisions import Decisions
+from services.feedback.rotation.decisions import Decision, Decisions
 from services.feedback.rotation.inference import InferenceFleet
 from services.feedback.store import now_ms
 from services.validator.quarantine_cli import parse_duration
@@ -35,18 +35,18 @@ class Actions:
     def __init__(self, cfg: RotationConfig, etl_cfg: EtlConfig, fleet: InferenceFleet):
         self.cfg, self.etl_cfg, self.fleet = cfg, etl_cfg, fleet
 
-    async def run(self, decisions: Decisions, d: dict, *, revert: bool) -> dict:
+    async def run(self, decisions: Decisions, d: Decision, *, revert: bool) -> dict:
         """Do (or, with ``revert``, undo) decision ``d``'s action; the result to record."""
-        if d["action"] == "switch_variant":
-            variant = self.cfg.primary_variant if revert else d["labels"].get("variant", "")
+        if d.action == "switch_variant":
+            variant = self.cfg.primary_variant if revert else d.labels.get("variant", "")
             if not variant:
                 raise NothingToDo("the alert has no variant label")
-            return await self.switch_variant(variant, f"rotation:{d['id']}")
-        if d["action"] == "retrain_adapters":
+            return await self.switch_variant(variant, f"rotation:{d.id}")
+        if d.action == "retrain_adapters":
             return await self.retrain_adapters(decisions, d)
-        if d["action"] == "resample_data":
+        if d.action == "resample_data":
             return await asyncio.to_thread(self.resample_data, decisions, d)
-        raise NothingToDo(f"unknown action {d['action']!r}")
+        raise NothingToDo(f"unknown action {d.action!r}")
 
     async def switch_variant(self, variant: str, actor: str) -> dict:
         if not self.fleet.targets:
@@ -82,16 +82,16 @@ class Actions:
         return sorted(found)
 
     async def retrain_adapters(self, decisions: Decisions, d: dict) -> dict:
-        adapters = await self._adapters_in_use(d["labels"])
+        adapters = await self._adapters_in_use(d.labels)
         if not adapters:
             raise NothingToDo("no adapter is in use: nothing to retrain")
-        await asyncio.to_thread(decisions.add_retrain_requests, d["id"], adapters)
+        await asyncio.to_thread(decisions.add_retrain_requests, d.id, adapters)
         return {"retrain_requests": [{"adapter": a, "version": v} for a, v in adapters]}
 
     def resample_data(self, decisions: Decisions, d: dict) -> dict:
-        out = self.cfg.resample_dir / f"rotation-{d['id']}"
+        out = self.cfg.resample_dir / f"rotation-{d.id}"
         since_ms = now_ms() - int(parse_duration(self.cfg.resample.since) * 1000)
-        cfg = replace(self.etl_cfg, seed=self.etl_cfg.seed + d["id"])
+        cfg = replace(self.etl_cfg, seed=self.etl_cfg.seed + d.id)
         manifest = etl.run(decisions.store, out, since_ms, cfg)
         return {"out": str(out), "dataset_version": manifest["dataset_version"], "counts": manifest["counts"],
                 "seed": cfg.seed, "since": self.cfg.resample.since}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from services.feedback.config import ROTATION_ACTIONS, FeedbackConfig
 from services.feedback.rotation.actions import Actions
-from services.feedback.rotation.decisions import Decisions, Outcome
+from services.feedback.rotation.decisions import Decision, Decisions, Outcome
 from services.feedback.rotation.executor import Executor
 from services.feedback.rotation.inference import InferenceFleet
 from services.feedback.rotation.webhook import PATH, WebhookServer, make_app
@@ -26,7 +26,7 @@ class Rotation:
         self.fleet = fleet or InferenceFleet(self.cfg.inference, self.cfg.call_timeout_s)
         self.decisions = lambda: Decisions(store())
         self.executor = Executor(self.cfg, self.decisions, Actions(self.cfg, cfg.etl, self.fleet),
-                                 on_decision=lambda d: decided.labels(action=d["action"], outcome=d["outcome"]).inc())
+                                 on_decision=lambda d: decided.labels(action=d.action, outcome=d.outcome).inc())
         self._on_request = lambda code: webhook.labels(code=str(code)).inc()
         self._server: WebhookServer | None = None
 
@@ -71,12 +71,12 @@ class Rotation:
             last = await asyncio.to_thread(decisions.last_active, action, -1)
             left = 0.0
             if last is not None:
-                left = max(0.0, cooldown_s - (now_ms() - (last["applied_ms"] or last["created_ms"])) / 1000)
+                left = max(0.0, cooldown_s - (now_ms() - (last.applied_ms or last.created_ms)) / 1000)
             cooldowns.append({"action": action, "cooldown_s": cooldown_s, "remaining_s": left,
-                              "last_decision_id": last["id"] if last else 0})
+                              "last_decision_id": last.id if last else 0})
         proposals = await asyncio.to_thread(decisions.with_outcome, Outcome.PROPOSED, PROPOSALS_SHOWN)
         return {"mode": self.cfg.mode, "webhook_url": self.webhook_url, "replicas": replicas,
                 "cooldowns": cooldowns, "proposals": proposals}
 
-    async def history(self, limit: int, since_ms: int) -> list[dict]:
+    async def history(self, limit: int, since_ms: int) -> list[Decision]:
         return await asyncio.to_thread(self.decisions().history, limit or 50, since_ms)

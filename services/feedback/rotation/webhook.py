@@ -14,6 +14,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from services.feedback.rotation import alerts
+from services.feedback.rotation.decisions import Decision
 from services.feedback.rotation.executor import Executor
 from shared import errors, meshauth
 
@@ -28,8 +29,8 @@ def _bearer(request: web.Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def _summary(d: dict) -> dict:
-    return {k: d[k] for k in ("id", "rule", "action", "phase", "mode", "outcome", "detail")}
+def _summary(d: Decision) -> dict:
+    return {k: getattr(d, k) for k in ("id", "rule", "action", "phase", "mode", "outcome", "detail")}
 
 
 def make_app(executor: Executor, token: str, on_request: Callable[[int], None] = lambda code: None) -> web.Application:

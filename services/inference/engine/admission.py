@@ -45,10 +45,6 @@ class Ticket:
     adapter: str = ""     # that adapter as "id@version" ("" = the base model)
     controls: RowControls | None = None  # the request's penalties, grammar, stops, logprobs (controls.py)
 
-    @property
-    def total_tokens(self) -> int:
-        return len(self.req.prompt_ids) + self.req.max_tokens
-
     def send(self, item) -> None:
         """Thread-safe delivery; once a terminal item is sent nothing else is."""
         if self.closed:
@@ -82,7 +78,7 @@ class Admission:
         return self.memory.request_bytes(len(req.prompt_ids), req.max_tokens)
 
     def blocks(self, req: GenerationRequest) -> int:
-        return self.memory.cache_positions(len(req.prompt_ids) + req.max_tokens) // self.memory.block_tokens
+        return self.memory.cache_positions(req.total_tokens) // self.memory.block_tokens
 
     def check_fits_ever(self, req: GenerationRequest) -> None:
         if self.memory.static_bytes + self.kept + self.cost(req) > self.budget or self.blocks(req) > self.pool_blocks:
@@ -101,7 +97,7 @@ class Admission:
         """The refusal of `ticket` by a queue holding `depth` requests of `queued_tokens` tokens, or None
         when it has room. Reads only the fixed limits, so any thread may ask it about published counts."""
         lim = self.limits
-        if depth < lim.max_queued_requests and queued_tokens + ticket.total_tokens <= lim.max_queued_tokens:
+        if depth < lim.max_queued_requests and queued_tokens + ticket.req.total_tokens <= lim.max_queued_tokens:
             return None
         return Overloaded(f"inference queue is full ({depth} requests, {queued_tokens} tokens)",
                           reason="QUEUE_FULL", retry_after_ms=retry_after_ms,
@@ -112,7 +108,7 @@ class Admission:
         if err := self.queue_full(len(self.queue), self.queued_tokens, ticket, retry_after_ms):
             raise err
         self.queue.append(ticket)
-        self.queued_tokens += ticket.total_tokens
+        self.queued_tokens += ticket.req.total_tokens
 
     def pop_ready(self, free_slots: int) -> list[Ticket]:
         """Strict FIFO: take queued tickets from the head while they fit (no overtaking)."""
@@ -138,7 +134,7 @@ class Admission:
     def remove(self, ticket: Ticket) -> bool:
         if ticket in self.queue:
             self.queue.remove(ticket)
-            self.queued_tokens -= ticket.total_tokens
+            self.queued_tokens -= ticket.req.total_tokens
             return True
         return False
 
@@ -167,5 +163,5 @@ class Admission:
 
     def _pop_head(self) -> Ticket:
         ticket = self.queue.popleft()
-        self.queued_tokens -= ticket.total_tokens
+        self.queued_tokens -= ticket.req.total_tokens
         return ticket

@@ -26,6 +26,12 @@ class GenerationRequest:
     adapter: str = ""  # LoRA adapter "id" or "id@version"; "" = the base model (lora/registry.py resolves it)
     controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (controls.py)
 
+    @property
+    def total_tokens(self) -> int:
+        """prompt + max_tokens: the most positions this request's row can hold (context check, memory
+        charge, KV blocks, queue accounting)."""
+        return len(self.prompt_ids) + self.max_tokens
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -77,7 +83,7 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int) -
             raise bad(f"prompt_ids[{i}]={t!r} is not a token id in [0, {vocab_size})", "TOKEN_OUT_OF_RANGE",
                       index=i)
     check_max_tokens(req.max_tokens, request_id=req.request_id)
-    if len(ids) + req.max_tokens > max_context_tokens:
+    if req.total_tokens > max_context_tokens:
         raise bad(f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context window "
                   f"({max_context_tokens})", "CONTEXT_LENGTH_EXCEEDED",
                   max_context_tokens=max_context_tokens, prompt_tokens=len(ids))

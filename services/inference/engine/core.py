@@ -41,7 +41,7 @@ from services.inference.engine.output import OutputProcessor
 from services.inference.engine.prefix import PrefixCache
 from services.inference.engine.runner import ModelRunner
 from services.inference.engine.schedule import Scheduler, batch_cap
-from services.inference.engine.stats import Counters, EngineStats
+from services.inference.engine.stats import Counters, EngineState, EngineStats
 from services.inference.engine.torchthread import TorchThread
 from services.inference.engine.variants import NAME, PRIMARY, Switch
 from services.inference.engine.warmup import Calibration, build_runners, measure_memory, set_deterministic
@@ -50,6 +50,8 @@ from services.inference.engine.warmup import Calibration, build_runners, measure
 # 2: runners (and their batch-invariant sizes) are keyed by weight format, no longer "primary"/"fallback".
 # 3: the KV cache is a block pool; the memory model charges caches in whole blocks.
 ENGINE_VERSION = 3
+# The reason a request gets from an engine that is not serving (else WARMING_UP).
+NOT_SERVING_REASONS = {EngineState.DRAINING: "DRAINING", EngineState.STOPPED: "SHUTTING_DOWN"}
 
 __all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished"]
 
@@ -140,7 +142,7 @@ class Engine:
         self.vocabulary: Vocabulary | None = None  # token bytes for stop strings, logprobs and grammars
         self._grammars: Grammars | None = None
         self._tickets: dict[str, Ticket] = {}
-        self._state = "created"  # created -> warm -> serving -> draining -> stopped
+        self._state = EngineState.CREATED
 
     def warmup(self, calibration: Calibration | None = None) -> None:
         """Measure the engine on this host (batch-invariant sizes, memory model, tokens/s), kept as
@@ -188,7 +190,7 @@ class Engine:
                               self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device,
                                                         self.variants, cfg.breaker.fallback_dtype),
                               tokens_per_s, prefix)
-        self._state = "warm"
+        self._state = EngineState.WARM
 
     @property
     def primary_runner(self) -> LlamaRunner:
@@ -200,7 +202,7 @@ class Engine:
 
         The slots' stacks are resident for the process's life, so they join the memory model's static
         bytes; one chunk of gathered stacks is the LoRA term's largest temporary, added to fixed_bytes."""
-        if self._state != "warm":
+        if self._state != EngineState.WARM:
             raise NotReady("adapters are installed between warmup() and start()", reason="WARMING_UP",
                            retry_after_ms=1000)
         for runner in self._runners.values():
@@ -222,11 +224,11 @@ class Engine:
 
     async def start(self, thread: TorchThread | None = None) -> None:
         """Start the batching loop, on `thread` when the caller keeps all torch work on one."""
-        if self._state != "warm":
+        if self._state != EngineState.WARM:
             raise NotReady(f"engine cannot start from state {self._state} (call warmup() first)",
                            reason="WARMING_UP", retry_after_ms=1000)
         self._loop.start(thread)
-        self._state = "serving"
+        self._state = EngineState.SERVING
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
         matcher = None
@@ -287,10 +289,10 @@ class Engine:
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new work, let in-flight requests finish for up to grace_s, then fail the rest."""
-        if self._state != "serving":
-            self._state = "stopped"
+        if self._state != EngineState.SERVING:
+            self._state = EngineState.STOPPED
             return
-        self._state = "draining"
+        self._state = EngineState.DRAINING
         end = time.monotonic() + max(0.0, grace_s)
         while self._tickets and time.monotonic() < end:  # requests whose consumer has not seen their end
             await asyncio.sleep(0.02)
@@ -299,11 +301,11 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(None, self._loop.shutdown, err)
         if self._grammars is not None:
             self._grammars.close()
-        self._state = "stopped"
+        self._state = EngineState.STOPPED
 
     def _check_serving(self) -> None:
-        if self._state != "serving":
-            reason = {"draining": "DRAINING", "stopped": "SHUTTING_DOWN"}.get(self._state, "WARMING_UP")
+        if self._state != EngineState.SERVING:
+            reason = NOT_SERVING_REASONS.get(self._state, "WARMING_UP")
             raise NotReady(f"inference engine is {self._state}", reason=reason, retry_after_ms=1000)
 
     def _refuse_if_queue_full(self, ticket: Ticket) -> None:

@@ -225,7 +225,7 @@ class StepLoop:
         fallback = self.settings.breaker_fallback if policy.use_fallback and not ticket.slot else None
         name = fallback or self.settings.variants[variant]
         try:
-            cache = self.kv.new_cache(name, len(req.prompt_ids) + req.max_tokens)
+            cache = self.kv.new_cache(name, req.total_tokens)
         except Exception as exc:
             if not is_oom(exc):
                 raise

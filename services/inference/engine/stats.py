@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 
 from services.inference.engine.breaker import BreakerState
@@ -17,6 +18,16 @@ from services.inference.engine.prefix import PrefixStats
 
 def _empty() -> Mapping:
     return MappingProxyType({})
+
+
+class EngineState(StrEnum):
+    """The engine's life: created -> warm (warmup) -> serving (start) -> draining (stop) -> stopped."""
+
+    CREATED = "created"
+    WARM = "warm"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
 
 
 @dataclass
@@ -64,7 +75,7 @@ class MemoryStats:
 
 @dataclass(frozen=True)
 class EngineStats:
-    state: str = "created"            # created | warm | serving | draining | stopped
+    state: EngineState = EngineState.CREATED
     queue_depth: int = 0
     queued_tokens: int = 0
     retry_after_ms: int = 0           # the hint a request refused now would get (Scheduler.retry_after_ms)
