@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from shared import config as keel_config
-from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, TOPOLOGY, container, find, one
+from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, find, one
 from tests.deploy.dockerfiles import section
 
 # --- NetworkPolicy evaluation --------------------------------------------------------------------

@@ -4,7 +4,9 @@ logged retry decision, and the gateway must not send to a dead replica until it 
 
 One mesh for the module. The traffic runs once, in the fixture, in three phases:
 
-- burst: 40 requests from 4 clients; tokenizer-1.0 and inference-1.0 are killed -9 mid-run;
+- burst: 40 requests from 4 clients; tokenizer-1.0 and inference-1.0 are killed -9 mid-run, and
+  right after the tokenizer kill a request starts every 0.25 s for 3 s (the tokenizer replica is
+  back within about a second, and its outage must see traffic for the test to mean anything);
 - recovery: one request at a time until the gateway's health watch sees both SERVING again
   (the inference replica reloads the model: tens of seconds, so the balancer's re-admission
   probes would come due several times);
@@ -34,6 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]  # tw
 REQUESTS, CLIENTS, MAX_TOKENS = 40, 4, 6
 KILLS = {"tokenizer-1.0": 6, "inference-1.0": 10}  # process -> kill once this many requests are done
 AFTER_RECOVERY = 6
+TRICKLE_S, TRICKLE_EVERY_S = 3.0, 0.25  # extra requests right after the tokenizer kill (trickle())
 RECOVERY_TIMEOUT_S = 240
 PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "Name an animal.")
 
@@ -82,17 +85,34 @@ def endpoint_of(mesh, name: str) -> str:
     return f"127.0.0.1:{mesh.state()['processes'][name]['port']}"
 
 
+def trickle(stub, first: int) -> list:
+    """A request every TRICKLE_EVERY_S for TRICKLE_S: each starts with a tokenizer call at once, so the
+    short outage of a killed tokenizer replica (its restart takes about a second) sees traffic."""
+    n = int(TRICKLE_S / TRICKLE_EVERY_S)
+    with ThreadPoolExecutor(n) as pool:
+        futures = []
+        for i in range(n):
+            futures.append(pool.submit(ask, stub, first + i))
+            time.sleep(TRICKLE_EVERY_S)
+        return [f.result() for f in futures]
+
+
 def burst(mesh, pids: dict[str, int], killed_at: dict[str, float]) -> dict[int, object]:
     results = {}
-    with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(CLIENTS) as pool:
+    with grpc.insecure_channel(mesh.gateway) as ch, ThreadPoolExecutor(CLIENTS) as pool, \
+            ThreadPoolExecutor(1) as side:
         stub = mesh.stub(ch)
         futures = {pool.submit(ask, stub, i): i for i in range(REQUESTS)}
+        extra = None
         for done, fut in enumerate(as_completed(futures), 1):
             results[futures[fut]] = fut.result()
             for name, after in KILLS.items():
                 if done == after:
                     killed_at[name] = time.time()  # before the kill: the gateway may log it within the same ms
                     os.kill(pids[name], signal.SIGKILL)
+                    if name.startswith("tokenizer"):
+                        extra = side.submit(trickle, stub, REQUESTS)
+        results.update(enumerate(extra.result(), REQUESTS))
     return results
 
 

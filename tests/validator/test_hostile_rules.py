@@ -14,7 +14,7 @@ from services.validator.domains import DomainConfig
 from services.validator.plugins import OutputContext
 from services.validator.rules import CompiledRules, RequestText
 from shared.errors import INPUT_CHECK_BUDGET_EXCEEDED, INVISIBLE_INPUT
-from testing.hostile import DELIMITERS, OPENED, PATTERN_RULES, PIPELINE, ROOT, SIZE, cost_s, fill
+from testing.hostile import DELIMITERS, OPENED, PATTERN_RULES, PIPELINE, ROOT, cost_s, fill
 
 # Linear rules take a few ms on 32 KB; the backtracking engine took seconds (quadratic). The
 # bound is far above the first and far below the second, whatever else runs on the machine.
