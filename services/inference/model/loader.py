@@ -1,9 +1,10 @@
 """Load the serving model in one weight format and build a tiny random one for tests.
 
 Formats: float32, bfloat16, float16 (the whole model cast), int8 and int4 (weight-only: every Linear,
-lm_head included, swapped for a quantized module from quant.py; the rest stays float32), and gguf (the
-model file's own Q4_1/Q8_0 blocks on Keel's C++ kernel, blocks.py; read from the GGUF, never
-converted from another format; the rest stays float32). The engine
+lm_head included, swapped for a quantized module from quant.py; the rest stays float32), and gguf and
+gguf_f32 (the model file's own Q4_1/Q8_0 blocks on Keel's C++ kernels with 8-bit or float32
+activations, blocks.py; read from the GGUF, never converted from another format; the rest stays
+float32). The engine
 only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj, mlp,
 input/post_attention_layernorm, norm, rotary_emb, lm_head) and calls the modules; see forward.py.
 The module is Keel's own (llama.py): the serving process never imports transformers.
@@ -22,9 +23,9 @@ from shared.errors import InvalidInput
 from services.inference.model import blocks, kernels, llama
 from services.inference.model.quant import QUANTIZED, quantize_linears, weight_format
 
-DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED + (blocks.FORMAT,)
+DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED + blocks.FORMATS
 # Formats whose models cannot be converted to another format: the others are loaded from the files.
-FROM_FILE_ONLY = QUANTIZED + (blocks.FORMAT,)
+FROM_FILE_ONLY = QUANTIZED + blocks.FORMATS
 AUTO = "auto"  # the stage picks a format at start (formats.py); a model is never "auto"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,11 +42,11 @@ def check_dtype(dtype: str, device: str = "cpu", allow_auto: bool = False) -> No
         # gguf_mm) are CPU ones; on another device the dequantized formats (float32, bfloat16) serve.
         raise InvalidInput(f"{dtype} runs on CPU only", reason="UNSUPPORTED_DTYPE",
                            metadata={"dtype": dtype, "device": device})
-    if dtype == blocks.FORMAT:
+    if dtype in blocks.FORMATS:
         try:
             kernels.load()
         except kernels.KernelUnavailable as exc:
-            raise InvalidInput(f"gguf needs Keel's C++ kernel, which is unavailable here: {exc.reason}",
+            raise InvalidInput(f"{dtype} needs Keel's C++ kernel, which is unavailable here: {exc.reason}",
                                reason="KERNEL_UNAVAILABLE", metadata={"dtype": dtype}) from exc
 
 
@@ -54,22 +55,21 @@ def convert_model(model: torch.nn.Module, dtype: str, device: str = "cpu") -> to
     check_dtype(dtype, device)
     if model_dtype(model) == dtype:
         return model
-    if model_dtype(model) in FROM_FILE_ONLY or dtype == blocks.FORMAT:
+    if model_dtype(model) in FROM_FILE_ONLY or dtype in blocks.FORMATS:
         raise InvalidInput(f"a {model_dtype(model)} model cannot be converted to {dtype} (load it from the files)",
                            reason="UNSUPPORTED_DTYPE", metadata={"dtype": dtype})
     return _to_format(copy.deepcopy(model), dtype, device)
 
 
 def model_in_format(reference: torch.nn.Module, dtype: str, model_dir: Path, device: str = "cpu") -> torch.nn.Module:
-    """`reference` (float32) in `dtype`: converted, or for gguf read from the model's GGUF."""
-    return load_model(model_dir, dtype, device) if dtype == blocks.FORMAT else convert_model(reference, dtype, device)
+    """`reference` (float32) in `dtype`: converted, or for the gguf formats read from the model's GGUF."""
+    return load_model(model_dir, dtype, device) if dtype in blocks.FORMATS else convert_model(reference, dtype, device)
 
 
 def model_dtype(model: torch.nn.Module) -> str:
     """The format name load_model would use for this model."""
-    if blocks.is_block_model(model):
-        return blocks.FORMAT
-    return weight_format(model) or {v: k for k, v in _TORCH_DTYPES.items()}[residual_dtype(model)]
+    by_dtype = {v: k for k, v in _TORCH_DTYPES.items()}
+    return blocks.block_format(model) or weight_format(model) or by_dtype[residual_dtype(model)]
 
 
 def residual_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -84,8 +84,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     if not (path / "config.json").exists():
         raise InvalidInput(f"no model at {path} (config.json missing); run `make model`",
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
-    if dtype == blocks.FORMAT:
-        return blocks.load(path)
+    if dtype in blocks.FORMATS:
+        return blocks.load(path, dtype)
     return _to_format(llama.load(path), dtype, device)
 
 

@@ -151,6 +151,6 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
 def _other_models(cfg: InferenceConfig, e: EngineConfig, served: str) -> dict[str, torch.nn.Module]:
     """The variants' and the breaker's formats the engine cannot convert from the served model at warm-up,
     loaded from the weight files: every one when the served model is quantized or gguf (it converts to
-    nothing else), and gguf whatever serves (it is read from the GGUF, never converted)."""
+    nothing else), and the gguf formats whatever serves (read from the GGUF, never converted)."""
     return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats()
-            if fmt != served and (served in FROM_FILE_ONLY or fmt == blocks.FORMAT)}
+            if fmt != served and (served in FROM_FILE_ONLY or fmt in blocks.FORMATS)}

@@ -79,12 +79,12 @@ def fingerprint(model_sha: str, requested_format: str, engine_version: int, sett
 
 
 def kernel_identity() -> str:
-    """Keel's gguf kernel on this host: the path it runs and its build's hash ("" where it cannot load)."""
+    """Keel's gguf kernels on this host: the paths they run and their build's hash ("" where they cannot load)."""
     try:
         k = kernels.load()
     except kernels.KernelUnavailable:
         return ""
-    return f"{k.isa}/{k.path.parent.name}"
+    return f"{k.isa}+{k.q8_isas[0]}/{k.path.parent.name}"
 
 
 def serving_facts(model_sha: str, served_format: str, engine_version: int) -> dict[str, str]:
@@ -94,7 +94,7 @@ def serving_facts(model_sha: str, served_format: str, engine_version: int) -> di
             "blas_build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
             "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
             "threads": str(torch.get_num_threads()), "engine_version": str(engine_version),
-            **({"kernel": kernel_identity()} if served_format == blocks.FORMAT else {})}
+            **({"kernel": kernel_identity()} if served_format in blocks.FORMATS else {})}
 
 
 def fingerprint_key(fp: dict) -> str:

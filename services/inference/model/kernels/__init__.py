@@ -1,12 +1,14 @@
-"""Keel's CPU kernels: matmul over GGUF-quantized weight blocks (``gguf_mm.cpp``).
+"""Keel's CPU kernels: matmul over GGUF-quantized weight blocks.
 
     from services.inference.model.kernels import load, KernelUnavailable, SUPPORTED_TYPES
-    k = load()                  # builds on first use, then loads the cached library
-    y = k.matmul(x, w, 3, n)    # x [M, K] float32, w [n, K/32*20] uint8 Q4_1 blocks -> y [M, n]
+    k = load()                     # builds on first use, then loads the cached library
+    y = k.matmul(x, w, 3, n)       # gguf_mm.cpp: x [M, K] float32, w [n, K/32*20] uint8 Q4_1 blocks -> y [M, n]
+    y = k.matmul_q8(x, wp, 3, n)   # gguf_q8.cpp: the same blocks interleaved by 16 rows (blocks.pack_x16),
+                                   # activations quantized to 8 bits per block, integer dot products
 
 The library is compiled once per source (torch.utils.cpp_extension, -O3, no -march=native: the
 SIMD paths are chosen at run time) and cached under ``ROOT_DIR/build/kernels/<hash>/``, the hash
-covering the source, the flags and the torch version. A build happens in a private temporary folder
+covering the sources, the flags and the torch version. A build happens in a private temporary folder
 that is renamed into place, so two processes building at once cannot leave a half-written cache; a
 later process only loads the ``.so``. ``python -m services.inference.model.kernels`` builds it ahead of time.
 """
@@ -25,7 +27,7 @@ import torch
 
 from shared.config import ROOT_DIR
 
-__all__ = ["BLOCK", "ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
+__all__ = ["BLOCK", "ISAS", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
 
 
 class QuantType(NamedTuple):
@@ -36,10 +38,13 @@ class QuantType(NamedTuple):
 BLOCK = 32  # weights per ggml block, along the input dimension K
 SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20), 8: QuantType("Q8_0", 34)}
 ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in keel::gguf_mm's isa
+Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
-SOURCE = Path(__file__).with_name("gguf_mm.cpp")
+SOURCES = (Path(__file__).with_name("gguf_mm.cpp"), Path(__file__).with_name("gguf_q8.cpp"))
 LIB_NAME = "keel_gguf_mm"
-CFLAGS = ("-O3", "-ffp-contract=off")  # no fused multiply-adds the source did not write
+# -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
+# torch's OpenMP loop, inlined into the kernel; without the flag it runs on one thread.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 CACHE_DIR = ROOT_DIR / "build" / "kernels"
 
 
@@ -53,9 +58,11 @@ class KernelUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded library. ``isas``: the paths this host can run, best first; ``isa``: the default."""
+    """The loaded library. ``isas`` / ``q8_isas``: the paths of gguf_mm / gguf_q8_mm this host can run,
+    best first; ``isa``: gguf_mm's default."""
 
     isas: tuple[str, ...]
+    q8_isas: tuple[str, ...]
     path: Path  # the .so
 
     @property
@@ -67,6 +74,14 @@ class Kernels:
         if isa is not None and isa not in ISAS:
             raise ValueError(f"unknown isa {isa!r}; known: {', '.join(ISAS)}")
         return torch.ops.keel.gguf_mm(x, w, ggml_type, n, -1 if isa is None else ISAS.index(isa))
+
+    def matmul_q8(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, n: int,
+                  isa: str | None = None) -> torch.Tensor:
+        """y [M, n] ~= x [M, K] @ dequant(w).T, w [ceil(n/16), K/32*16*bytes] (blocks.pack_x16), with x
+        quantized to 8 bits per 32-block; ``isa`` None runs the best path."""
+        if isa is not None and isa not in Q8_ISAS:
+            raise ValueError(f"unknown isa {isa!r}; known: {', '.join(Q8_ISAS)}")
+        return torch.ops.keel.gguf_q8_mm(x, w, ggml_type, n, -1 if isa is None else Q8_ISAS.index(isa))
 
 
 _lock = threading.Lock()
@@ -83,7 +98,9 @@ def load() -> Kernels:
 
 
 def _digest() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     h.update(repr((CFLAGS, torch.__version__)).encode())
     return h.hexdigest()[:24]
 
@@ -107,7 +124,7 @@ def _load() -> Kernels:
                 torch.ops.load_library(str(so))
             except OSError as e:
                 raise KernelUnavailable(f"cannot load {so}: {e}") from None
-    return Kernels(isas=tuple(torch.ops.keel.gguf_isas()), path=so)
+    return Kernels(isas=tuple(torch.ops.keel.gguf_isas()), q8_isas=tuple(torch.ops.keel.gguf_q8_isas()), path=so)
 
 
 def _build(final: Path, so: Path) -> None:
@@ -122,7 +139,8 @@ def _build(final: Path, so: Path) -> None:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=LIB_NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        cpp_extension.load(name=LIB_NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_ldflags=["-fopenmp"],
                            build_directory=str(tmp), is_python_module=False, verbose=False)
         tmp.chmod(0o755)  # mkdtemp made it private
         try:
@@ -132,6 +150,6 @@ def _build(final: Path, so: Path) -> None:
                 raise
     except Exception as e:  # compiler errors, ninja missing, unwritable cache: the caller gets a reason
         tail = "\n".join(str(e).strip().splitlines()[-20:])
-        raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {tail}") from None
+        raise KernelUnavailable(f"building {', '.join(s.name for s in SOURCES)} failed: {type(e).__name__}: {tail}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

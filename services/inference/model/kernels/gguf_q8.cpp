@@ -1,0 +1,369 @@
+// Keel's CPU matmul over ggml weight blocks with 8-bit activations:  y ~= x @ dequant(w).T
+//
+//   x [M, K] float32 contiguous
+//   w [G, K/32 * 16 * B] uint8: the file's blocks of N <= 16 G weight rows, interleaved by groups of 16
+//       rows ("x16", the same bytes; blocks.pack_x16). Group g, block b is one 16 * B byte unit for
+//       rows 16g..16g+15 (r = row - 16g):
+//       Q4_1 (ggml type 3, B = 20): d[16] fp16, m[16] fp16, then chunks c = 0..3 of 64 bytes: at
+//            4r..4r+3 row r's qs[4c..4c+3] (low nibbles: elements 4c..4c+3, high: 16+4c..16+4c+3)
+//       Q8_0 (ggml type 8, B = 34): d[16] fp16, then chunks c = 0..7 of 64 bytes: at 4r..4r+3 row r's
+//            qs[4c..4c+3] (elements 4c..4c+3)
+//   y [M, n] float32
+//
+// Activations are quantized per row and 32-element block, as ggml's Q8_1 but with fp32 scales:
+//   a = max_j |x_j|,  dx = a / 127,  id = dx != 0 ? 1 / dx : 0,  qx_j = round-half-even(x_j * id),
+//   sx = dx * sum_j qx_j     (every operation one fp32 rounding; a block holding NaN or inf gets
+//                            dx = NaN and qx = 0, so the outputs it reaches are NaN)
+// Summation order per output element (m, n), fixed by K alone: acc = +0, then for b = 0..K/32-1
+//   isum = sum_j qw_j * qx_j               (exact in int32)
+//   acc  = fma(dw * dx, float(isum), acc)  (dw * dx rounded once; float(isum) is exact, |isum| < 2^24)
+//   acc  = fma(mw, sx, acc)                (Q4_1 only)
+// and y = acc. Q4_1's w = dw * qw + mw, so the block's dot product is dw dx isum + mw sx.
+// Every path computes these same integers and fp32 operations, so all give the same bits. Threads
+// split (M tile, group tile) as in gguf_mm.cpp: no output depends on the batch or the thread count.
+// The integer dot products: AVX-512 VNNI vpdpbusd (u8 x s8, 4 products per int32 lane; Q8_0 weights
+// are signed, so the activations go in as qx + 128 and 128 * sum(w) is subtracted); AVX2 vpmaddubsw
+// + vpmaddwd (Q8_0 by |w| x sign(qx, w), since maddubs saturates its int16 pairs).
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32, R = 16;  // elements per block, weight rows per group
+constexpr int Q4_1 = 3, Q8_0 = 8;
+constexpr int PORTABLE = 0, AVX2 = 1, VNNI = 2;  // the op's isa codes
+const char* const kIsaNames[] = {"portable", "avx2", "avx512_vnni"};
+
+constexpr int unit_bytes(int64_t type) { return R * (type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0); }
+constexpr int quant_offset(int type) { return type == Q4_1 ? 4 * R : 2 * R; }  // after d (and m)
+constexpr int chunks(int type) { return type == Q4_1 ? 4 : 8; }
+
+bool cpu_has(int isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == VNNI)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+  if (isa == AVX2) return avx2;
+  return isa == PORTABLE;
+}
+
+struct Problem {
+  const int8_t* qx;   // [M, K] quantized activations
+  const uint8_t* ux;  // [M, K] qx + 128 (as unsigned bytes)
+  const float* dx;    // [M, nb] scales
+  const float* sx;    // [M, nb] dx * sum qx
+  const uint8_t* w;   // [G, nb * unit]
+  float* y;           // [M, n]
+  int64_t M, n, K, nb, G;
+};
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(v);
+}
+
+// One row's activation blocks (the order above; scalar, M * K work against the matmul's n * K).
+void quantize_row(const float* x, int64_t nb, int8_t* qx, uint8_t* ux, float* dx, float* sx) {
+  for (int64_t b = 0; b < nb; ++b, x += QK, qx += QK, ux += QK) {
+    float a = 0.f;
+    bool finite = true;
+    for (int j = 0; j < QK; ++j) {
+      finite &= std::isfinite(x[j]);
+      a = std::max(a, std::fabs(x[j]));
+    }
+    const float d = finite ? a / 127.f : NAN, id = finite && d != 0.f ? 1.f / d : 0.f;
+    int s = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int q = int(std::clamp(std::nearbyint(x[j] * id), -127.f, 127.f));
+      qx[j] = int8_t(q);
+      ux[j] = uint8_t(q + 128);
+      s += q;
+    }
+    dx[b] = d;
+    sx[b] = d * float(s);
+  }
+}
+
+// At M = 1 a tile streams its groups' blocks from memory; it prefetches the tile kPrefetchTiles
+// tiles ahead (the next groups: one contiguous span), a block step's share at a time.
+constexpr int kPrefetchTiles = 2;
+
+inline void prefetch_span(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+
+// ---------------------------------------------------------------- portable
+
+template <int T, int MR, int NG>
+void tile_portable(const Problem& p, int64_t m0, int64_t g0) {
+  constexpr int U = unit_bytes(T), Q = quant_offset(T);
+  float acc[MR][NG][R] = {};
+  for (int64_t b = 0; b < p.nb; ++b)
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* u = p.w + std::min(g0 + j, p.G - 1) * p.nb * U + b * U;
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
+        const float dx = p.dx[(m0 + i) * p.nb + b], sx = p.sx[(m0 + i) * p.nb + b];
+        for (int r = 0; r < R; ++r) {
+          int32_t s = 0;
+          for (int c = 0; c < chunks(T); ++c)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t q = u[Q + 64 * c + 4 * r + t];
+              if constexpr (T == Q4_1)
+                s += int(q & 15) * x[4 * c + t] + int(q >> 4) * x[16 + 4 * c + t];
+              else
+                s += int(int8_t(q)) * x[4 * c + t];
+            }
+          float& a = acc[i][j][r];
+          a = std::fma(half(u + 2 * r) * dx, float(s), a);
+          if constexpr (T == Q4_1) a = std::fma(half(u + 2 * R + 2 * r), sx, a);
+        }
+      }
+    }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j)
+      for (int r = 0; r < R && (g0 + j) * R + r < p.n; ++r) p.y[(m0 + i) * p.n + (g0 + j) * R + r] = acc[i][j][r];
+}
+
+// ---------------------------------------------------------------- AVX2: a group is two ymm of 8 rows
+
+#define KEEL_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <int T, int MR, int NG>
+KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t g0) {
+  constexpr int U = unit_bytes(T), Q = quant_offset(T);
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NG][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const uint8_t* ahead = p.w + std::min(g0 + kPrefetchTiles * NG, p.G - 1) * p.nb * U;
+  for (int64_t b = 0; b < p.nb; ++b)
+    for (int j = 0; j < NG; ++j) {
+      prefetch_span(ahead + (j * p.nb + b) * U, U);
+      const uint8_t* u = p.w + std::min(g0 + j, p.G - 1) * p.nb * U + b * U;
+      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7
+        __m256i is[MR];
+        if constexpr (T == Q4_1) {
+          // int16 pair sums stay below 8 * 2 * 15 * 127 = 30480 over the whole block
+          __m256i s16[MR];
+          for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + Q + 64 * c + 32 * h));
+            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            for (int i = 0; i < MR; ++i) {
+              const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
+              s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x + 4 * c))));
+              s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 16 + 4 * c))));
+            }
+          }
+          for (int i = 0; i < MR; ++i) is[i] = _mm256_madd_epi16(s16[i], ones);
+        } else {
+          for (int i = 0; i < MR; ++i) is[i] = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + Q + 64 * c + 32 * h));
+            const __m256i av = _mm256_abs_epi8(v);
+            for (int i = 0; i < MR; ++i) {
+              const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
+              const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x + 4 * c)), v);
+              is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
+            }
+          }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16 * h)));
+        for (int i = 0; i < MR; ++i) {
+          const int64_t s = (m0 + i) * p.nb + b;
+          __m256& a = acc[i][j][h];
+          a = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(p.dx[s])), _mm256_cvtepi32_ps(is[i]), a);
+          if constexpr (T == Q4_1) {
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 2 * R + 16 * h)));
+            a = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.sx[s]), a);
+          }
+        }
+      }
+    }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n0 = (g0 + j) * R + 8 * h;
+        float* y = p.y + (m0 + i) * p.n + n0;
+        if (n0 + 8 <= p.n) {
+          _mm256_storeu_ps(y, acc[i][j][h]);
+        } else if (n0 < p.n) {
+          float tmp[8];
+          _mm256_storeu_ps(tmp, acc[i][j][h]);
+          std::memcpy(y, tmp, sizeof(float) * (p.n - n0));
+        }
+      }
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI: a group is one zmm
+
+#define KEEL_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+
+template <int T, int MR, int NG>
+KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
+  constexpr int U = unit_bytes(T), Q = quant_offset(T);
+  const __m512i nib = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(char(0x80));
+  __m512 acc[MR][NG];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint8_t* w[NG];
+  for (int j = 0; j < NG; ++j) w[j] = p.w + std::min(g0 + j, p.G - 1) * p.nb * U;
+  const uint8_t* ahead = p.w + std::min(g0 + kPrefetchTiles * NG, p.G - 1) * p.nb * U;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    for (int j = 0; j < NG; ++j) prefetch_span(ahead + (j * p.nb + b) * U, U);
+    __m512i is[MR][NG];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NG; ++j) is[i][j] = _mm512_setzero_si512();
+    if constexpr (T == Q4_1) {
+      for (int c = 0; c < 4; ++c) {
+        __m512i xl[MR], xh[MR];
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
+          xl[i] = _mm512_set1_epi32(load_i32(x + 4 * c));
+          xh[i] = _mm512_set1_epi32(load_i32(x + 16 + 4 * c));
+        }
+        for (int j = 0; j < NG; ++j) {
+          const __m512i v = _mm512_loadu_si512(w[j] + b * U + Q + 64 * c);
+          const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          for (int i = 0; i < MR; ++i) {
+            is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo, xl[i]);
+            is[i][j] = _mm512_dpbusd_epi32(is[i][j], hi, xh[i]);
+          }
+        }
+      }
+    } else {
+      __m512i corr[NG];
+      for (int j = 0; j < NG; ++j) corr[j] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        __m512i xu[MR];
+        for (int i = 0; i < MR; ++i) xu[i] = _mm512_set1_epi32(load_i32(p.ux + (m0 + i) * p.K + b * QK + 4 * c));
+        for (int j = 0; j < NG; ++j) {
+          const __m512i v = _mm512_loadu_si512(w[j] + b * U + Q + 64 * c);
+          corr[j] = _mm512_dpbusd_epi32(corr[j], bias, v);
+          for (int i = 0; i < MR; ++i) is[i][j] = _mm512_dpbusd_epi32(is[i][j], xu[i], v);
+        }
+      }
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NG; ++j) is[i][j] = _mm512_sub_epi32(is[i][j], corr[j]);
+    }
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* u = w[j] + b * U;
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u)));
+      for (int i = 0; i < MR; ++i) {
+        const int64_t s = (m0 + i) * p.nb + b;
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(p.dx[s])), _mm512_cvtepi32_ps(is[i][j]), acc[i][j]);
+        if constexpr (T == Q4_1) {
+          const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 2 * R)));
+          acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(p.sx[s]), acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NG; ++j) {
+      const int64_t n0 = (g0 + j) * R;
+      if (n0 >= p.n) continue;
+      const __mmask16 keep = p.n - n0 >= R ? __mmask16(0xFFFF) : __mmask16((1u << (p.n - n0)) - 1);
+      _mm512_mask_storeu_ps(p.y + (m0 + i) * p.n + n0, keep, acc[i][j]);
+    }
+}
+
+// ---------------------------------------------------------------- driver
+
+using TileFn = void (*)(const Problem&, int64_t m0, int64_t g0);
+
+struct Tiling {
+  int mr, ng;
+  TileFn tile[4];  // tile[r - 1]: a tile of r activation rows
+};
+
+template <int T>
+Tiling tiling(int isa) {
+  if (isa == VNNI) return {4, 2, {tile_vnni<T, 1, 2>, tile_vnni<T, 2, 2>, tile_vnni<T, 3, 2>, tile_vnni<T, 4, 2>}};
+  if (isa == AVX2) return {4, 1, {tile_avx2<T, 1, 1>, tile_avx2<T, 2, 1>, tile_avx2<T, 3, 1>, tile_avx2<T, 4, 1>}};
+  return {4, 1, {tile_portable<T, 1, 1>, tile_portable<T, 2, 1>, tile_portable<T, 3, 1>, tile_portable<T, 4, 1>}};
+}
+
+void run(const Problem& p, const Tiling& t, int type) {
+  const int64_t mt = (p.M + t.mr - 1) / t.mr, gt = (p.G + t.ng - 1) / t.ng;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, t.ng * p.nb * unit_bytes(type))) * mt;
+  at::parallel_for(0, mt * gt, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m0 = (i % mt) * t.mr, g0 = (i / mt) * t.ng;
+      t.tile[std::min<int64_t>(t.mr, p.M - m0) - 1](p, m0, g0);
+    }
+  });
+}
+
+int best_isa() {
+  static const int best = cpu_has(VNNI) ? VNNI : cpu_has(AVX2) ? AVX2 : PORTABLE;
+  return best;
+}
+
+at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
+  const int u = unit_bytes(ggml_type);
+  TORCH_CHECK(u, "keel::gguf_q8_mm: unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "keel::gguf_q8_mm: x and w must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "keel::gguf_q8_mm: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "keel::gguf_q8_mm: x must be a contiguous [M, K] matrix");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "keel::gguf_q8_mm: K = ", K, " is not a multiple of the block size 32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "keel::gguf_q8_mm: w must be a contiguous uint8 [G, K/32 * 16 * bytes] matrix");
+  const int64_t G = (n + R - 1) / R;
+  TORCH_CHECK(n >= 0 && w.size(0) == G && w.size(1) == nb * u, "keel::gguf_q8_mm: for n = ", n, " and K = ", K,
+              " w must be [", G, ", ", nb * u, "], got ", w.sizes());
+  TORCH_CHECK(isa >= -1 && isa <= VNNI, "keel::gguf_q8_mm: unknown isa ", isa);
+  const int path = isa < 0 ? best_isa() : int(isa);
+  TORCH_CHECK(cpu_has(path), "keel::gguf_q8_mm: this CPU cannot run the ", kIsaNames[path], " path");
+
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  std::vector<int8_t> qx(M * K);
+  std::vector<uint8_t> ux(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xp + m * K, nb, qx.data() + m * K, ux.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+  const Problem p{qx.data(), ux.data(), dx.data(), sx.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, nb, G};
+  if (ggml_type == Q4_1)
+    run(p, tiling<Q4_1>(path), Q4_1);
+  else
+    run(p, tiling<Q8_0>(path), Q8_0);
+  return y;
+}
+
+std::vector<std::string> gguf_q8_isas() {  // best first
+  std::vector<std::string> out;
+  for (int isa = VNNI; isa >= PORTABLE; --isa)
+    if (cpu_has(isa)) out.emplace_back(kIsaNames[isa]);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(keel, m) {
+  m.def("gguf_q8_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &gguf_q8_mm);
+  m.def("gguf_q8_isas() -> str[]", &gguf_q8_isas);
+}
