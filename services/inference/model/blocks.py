@@ -104,12 +104,12 @@ class BlockEmbedding(nn.Module):
 def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """File-order blocks [N, K/32 * B] -> x16 [ceil(N/16), K/32 * 16 B] (module docstring)."""
     n, row_bytes = blocks.shape
-    bb = kernels.SUPPORTED_TYPES[ggml_type].block_bytes
+    kind = kernels.SUPPORTED_TYPES[ggml_type]
+    bb, scales = kind.block_bytes, kind.scale_bytes
     nb, g = row_bytes // bb, -(-n // ROWS)
     padded = torch.zeros(g * ROWS, row_bytes, dtype=torch.uint8)
     padded[:n] = blocks
     b = padded.view(g, ROWS, nb, bb).transpose(1, 2)                   # [G, nb, 16, B]
-    scales = 4 if ggml_type != 8 else 2                                # d, m (Q4_1) or d (Q8_0): bytes
     head = b[..., :scales].reshape(g, nb, ROWS, scales // 2, 2).transpose(2, 3)  # [G, nb, scale, 16, 2]
     qs = b[..., scales:].reshape(g, nb, ROWS, -1, 4).transpose(2, 3)   # [G, nb, chunks, 16, 4]
     return torch.cat((head.reshape(g, nb, -1), qs.reshape(g, nb, -1)), dim=-1).reshape(g, -1).contiguous()
@@ -117,9 +117,9 @@ def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 def unpack_x16(packed: torch.Tensor, rows: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The file-order blocks [R, K/32 * B] of weight rows `rows` [R] of an x16 matrix."""
-    bb = kernels.SUPPORTED_TYPES[ggml_type].block_bytes
+    kind = kernels.SUPPORTED_TYPES[ggml_type]
+    bb, scales = kind.block_bytes, kind.scale_bytes
     nb = packed.shape[1] // (ROWS * bb)
-    scales = 4 if ggml_type != 8 else 2
     units = packed[rows // ROWS].view(-1, nb, ROWS * bb)               # [R, nb, 16 B]
     at, lane = torch.arange(len(rows)), rows % ROWS
     head = units[..., :ROWS * scales].reshape(-1, nb, scales // 2, ROWS, 2)[at, :, :, lane]  # [R, nb, s, 2]

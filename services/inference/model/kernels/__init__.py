@@ -33,14 +33,16 @@ __all__ = ["BLOCK", "ISAS", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "
 class QuantType(NamedTuple):
     name: str
     block_bytes: int  # bytes per block of BLOCK weights
+    scale_bytes: int  # of which the fp16 scales at its start: d and m (Q4_1), d (Q8_0)
 
 
 BLOCK = 32  # weights per ggml block, along the input dimension K
-SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20), 8: QuantType("Q8_0", 34)}
+SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20, 4), 8: QuantType("Q8_0", 34, 2)}
 ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in keel::gguf_mm's isa
 Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
 SOURCES = (Path(__file__).with_name("gguf_mm.cpp"), Path(__file__).with_name("gguf_q8.cpp"))
+HEADERS = (Path(__file__).with_name("common.h"),)  # included by the sources: part of the build's hash
 LIB_NAME = "keel_gguf_mm"
 # -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
 # torch's OpenMP loop, inlined into the kernel; without the flag it runs on one thread.
@@ -99,7 +101,7 @@ def load() -> Kernels:
 
 def _digest() -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         h.update(source.read_bytes())
     h.update(repr((CFLAGS, torch.__version__)).encode())
     return h.hexdigest()[:24]

@@ -23,40 +23,31 @@
 //   stays emulable: float64 holds the product exactly, and rounding product + acc to odd in float64
 //   before the final rounding to fp32 reproduces the fp32 fma bit for bit.
 //
-// Threads split the (M tile, N tile) grid with at::parallel_for, never K: every output element is
+// Threads split the (M tile, N tile) grid (common.h's parallel_tiles), never K: every output element is
 // computed by one tile in the order above, so its bits do not depend on M, N, the row's position in
 // the batch, the tile shape or the thread count. A tile holds MR activation rows x NR weight rows of
 // accumulators in registers; each weight block is dequantized once per tile and applied to all MR
 // rows (a GEMM, not M GEMVs).
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
+
+#include "common.h"
 
 namespace {
 
-constexpr int QK = 32;  // elements per block
-constexpr int Q4_1 = 3, Q8_0 = 8;
-constexpr int PORTABLE = 0, AVX2 = 1, AVX512 = 2;  // the op's isa codes
+using namespace keel;
+
+constexpr int AVX2 = 1, AVX512 = 2;  // the op's isa codes (0: portable)
 const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
 
-constexpr int block_bytes(int64_t type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }
-
 bool cpu_has(int isa) {
-  __builtin_cpu_init();
-  const bool fma_f16c = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == AVX512) return fma_f16c && __builtin_cpu_supports("avx512f");
-  if (isa == AVX2) return fma_f16c && __builtin_cpu_supports("avx2");
+  if (isa == AVX512) return cpu_avx2_fma_f16c() && __builtin_cpu_supports("avx512f");
+  if (isa == AVX2) return cpu_avx2_fma_f16c();
   return isa == PORTABLE;
 }
 
@@ -66,12 +57,6 @@ struct Problem {
   float* y;          // [M, N]
   int64_t M, N, K, nb, row_bytes;  // nb = K / 32 blocks per weight row
 };
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 // Weight row n0 + j of a tile; past the end of N a tile recomputes row N-1 and does not store it.
 inline const uint8_t* weight_row(const Problem& p, int64_t n) {
@@ -94,9 +79,9 @@ inline void prefetch_step(const uint8_t* ahead, int64_t step_bytes, int64_t b) {
 
 template <int T>
 void deq_portable(const uint8_t* b, float* w) {  // b: one block -> w[32]
-  const float d = c10::detail::fp16_ieee_to_fp32_value(load_u16(b));
+  const float d = half(b);
   if constexpr (T == Q4_1) {
-    const float m = c10::detail::fp16_ieee_to_fp32_value(load_u16(b + 2));
+    const float m = half(b + 2);
     for (int j = 0; j < 16; ++j) {
       w[j] = d * float(b[4 + j] & 15) + m;
       w[j + 16] = d * float(b[4 + j] >> 4) + m;
@@ -268,43 +253,25 @@ Tiling tiling(int isa, int64_t M) {
 }
 
 void run(const Problem& p, const Tiling& t) {
-  const int64_t mt = (p.M + t.mr - 1) / t.mr, nt = (p.N + t.nr - 1) / t.nr;
-  // Tiles are numbered n-tile-major so a thread's consecutive tiles reuse the same weight rows
-  // (from L1) across the M tiles. A thread gets at least ~32 KiB of weight blocks.
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, t.nr * p.row_bytes)) * mt;
-  at::parallel_for(0, mt * nt, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = (i % mt) * t.mr, n0 = (i / mt) * t.nr;
-      t.tile[std::min<int64_t>(t.mr, p.M - m0) - 1](p, m0, n0);
-    }
+  parallel_tiles(p.M, p.N, t.mr, t.nr, p.row_bytes, [&](int64_t m0, int64_t n0) {
+    t.tile[std::min<int64_t>(t.mr, p.M - m0) - 1](p, m0, n0);
   });
 }
 
-int best_isa() {
-  static const int best = cpu_has(AVX512) ? AVX512 : cpu_has(AVX2) ? AVX2 : PORTABLE;
-  return best;
-}
-
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
+  constexpr const char* op = "keel::gguf_mm";
+  check_inputs(op, x, w, ggml_type);
   const int bb = block_bytes(ggml_type);
-  TORCH_CHECK(bb, "keel::gguf_mm: unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");
   const char* type_name = ggml_type == Q4_1 ? "Q4_1" : "Q8_0";
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "keel::gguf_mm: x and w must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "keel::gguf_mm: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "keel::gguf_mm: x must be a contiguous [M, K] matrix, got sizes ",
-              x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % QK == 0, "keel::gguf_mm: K = ", K, " is not a multiple of the block size 32");
   TORCH_CHECK(w.scalar_type() == at::kByte, "keel::gguf_mm: w must be uint8 ggml blocks, got ", w.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "keel::gguf_mm: w must be a contiguous [N, K/32*bytes] matrix, got sizes ",
               w.sizes(), w.is_contiguous() ? "" : " (not contiguous)");
   const int64_t row_bytes = K / QK * bb;
   TORCH_CHECK(n >= 0 && w.size(0) == n && w.size(1) == row_bytes, "keel::gguf_mm: for ", type_name, " with K = ", K,
               " and n = ", n, " w must be [", n, ", ", row_bytes, "] (", bb, " bytes per block), got ", w.sizes());
-  TORCH_CHECK(isa >= -1 && isa <= AVX512, "keel::gguf_mm: unknown isa ", isa,
-              " (-1 = best, 0 = portable, 1 = avx2, 2 = avx512)");
-  const int path = isa < 0 ? best_isa() : int(isa);
-  TORCH_CHECK(cpu_has(path), "keel::gguf_mm: this CPU cannot run the ", kIsaNames[path], " path");
+  static const int best = resolve_isa(op, -1, kIsaNames, cpu_has);
+  const int path = isa < 0 ? best : resolve_isa(op, isa, kIsaNames, cpu_has);
 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
@@ -313,12 +280,7 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   return y;
 }
 
-std::vector<std::string> gguf_isas() {  // best first
-  std::vector<std::string> out;
-  for (int isa = AVX512; isa >= PORTABLE; --isa)
-    if (cpu_has(isa)) out.emplace_back(kIsaNames[isa]);
-  return out;
-}
+std::vector<std::string> gguf_isas() { return isas(kIsaNames, cpu_has); }
 
 }  // namespace
 

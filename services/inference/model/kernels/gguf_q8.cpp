@@ -20,43 +20,37 @@
 //   acc  = fma(mw, sx, acc)                (Q4_1 only)
 // and y = acc. Q4_1's w = dw * qw + mw, so the block's dot product is dw dx isum + mw sx.
 // Every path computes these same integers and fp32 operations, so all give the same bits. Threads
-// split (M tile, group tile) as in gguf_mm.cpp: no output depends on the batch or the thread count.
+// split (M tile, group tile) (common.h's parallel_tiles): no output depends on the batch or the thread count.
 // The integer dot products: AVX-512 VNNI vpdpbusd (u8 x s8, 4 products per int32 lane; Q8_0 weights
 // are signed, so the activations go in as qx + 128 and 128 * sum(w) is subtracted); AVX2 vpmaddubsw
 // + vpmaddwd (Q8_0 by |w| x sign(qx, w), since maddubs saturates its int16 pairs).
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
+
+#include "common.h"
 
 namespace {
 
-constexpr int QK = 32, R = 16;  // elements per block, weight rows per group
-constexpr int Q4_1 = 3, Q8_0 = 8;
-constexpr int PORTABLE = 0, AVX2 = 1, VNNI = 2;  // the op's isa codes
+using namespace keel;
+
+constexpr int R = 16;              // weight rows per group
+constexpr int AVX2 = 1, VNNI = 2;  // the op's isa codes (0: portable)
 const char* const kIsaNames[] = {"portable", "avx2", "avx512_vnni"};
 
-constexpr int unit_bytes(int64_t type) { return R * (type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0); }
+constexpr int unit_bytes(int64_t type) { return R * block_bytes(type); }
 constexpr int quant_offset(int type) { return type == Q4_1 ? 4 * R : 2 * R; }  // after d (and m)
 constexpr int chunks(int type) { return type == Q4_1 ? 4 : 8; }
 
 bool cpu_has(int isa) {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == VNNI)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    return cpu_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vnni");
-  if (isa == AVX2) return avx2;
+  if (isa == AVX2) return cpu_avx2_fma_f16c();
   return isa == PORTABLE;
 }
 
@@ -74,12 +68,6 @@ inline int32_t load_i32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
-}
-
-inline float half(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(v);
 }
 
 // One row's activation blocks (the order above; scalar, M * K work against the matmul's n * K).
@@ -306,37 +294,23 @@ Tiling tiling(int isa) {
 }
 
 void run(const Problem& p, const Tiling& t, int type) {
-  const int64_t mt = (p.M + t.mr - 1) / t.mr, gt = (p.G + t.ng - 1) / t.ng;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, t.ng * p.nb * unit_bytes(type))) * mt;
-  at::parallel_for(0, mt * gt, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = (i % mt) * t.mr, g0 = (i / mt) * t.ng;
-      t.tile[std::min<int64_t>(t.mr, p.M - m0) - 1](p, m0, g0);
-    }
+  parallel_tiles(p.M, p.G, t.mr, t.ng, p.nb * unit_bytes(type), [&](int64_t m0, int64_t g0) {
+    t.tile[std::min<int64_t>(t.mr, p.M - m0) - 1](p, m0, g0);
   });
 }
 
-int best_isa() {
-  static const int best = cpu_has(VNNI) ? VNNI : cpu_has(AVX2) ? AVX2 : PORTABLE;
-  return best;
-}
-
 at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
+  constexpr const char* op = "keel::gguf_q8_mm";
+  check_inputs(op, x, w, ggml_type);
   const int u = unit_bytes(ggml_type);
-  TORCH_CHECK(u, "keel::gguf_q8_mm: unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "keel::gguf_q8_mm: x and w must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "keel::gguf_q8_mm: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "keel::gguf_q8_mm: x must be a contiguous [M, K] matrix");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  TORCH_CHECK(K % QK == 0, "keel::gguf_q8_mm: K = ", K, " is not a multiple of the block size 32");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "keel::gguf_q8_mm: w must be a contiguous uint8 [G, K/32 * 16 * bytes] matrix");
   const int64_t G = (n + R - 1) / R;
   TORCH_CHECK(n >= 0 && w.size(0) == G && w.size(1) == nb * u, "keel::gguf_q8_mm: for n = ", n, " and K = ", K,
               " w must be [", G, ", ", nb * u, "], got ", w.sizes());
-  TORCH_CHECK(isa >= -1 && isa <= VNNI, "keel::gguf_q8_mm: unknown isa ", isa);
-  const int path = isa < 0 ? best_isa() : int(isa);
-  TORCH_CHECK(cpu_has(path), "keel::gguf_q8_mm: this CPU cannot run the ", kIsaNames[path], " path");
+  static const int best = resolve_isa(op, -1, kIsaNames, cpu_has);
+  const int path = isa < 0 ? best : resolve_isa(op, isa, kIsaNames, cpu_has);
 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
@@ -354,12 +328,7 @@ at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_typ
   return y;
 }
 
-std::vector<std::string> gguf_q8_isas() {  // best first
-  std::vector<std::string> out;
-  for (int isa = VNNI; isa >= PORTABLE; --isa)
-    if (cpu_has(isa)) out.emplace_back(kIsaNames[isa]);
-  return out;
-}
+std::vector<std::string> gguf_q8_isas() { return isas(kIsaNames, cpu_has); }
 
 }  // namespace
 
