@@ -124,13 +124,14 @@ def test_every_isa_path_gives_the_same_bits(k, real):
                 assert torch.equal(y, outs["portable"]), f"{label} M={M}: {isa} differs from portable"
 
 
-def assert_batch_invariant(k, w, t, n, K, isa, label):
-    x = activations(max(BATCHES), K, seed=7)
-    alone = torch.cat([k.matmul(x[i:i + 1], w, t, n, isa) for i in range(len(x))])
-    for M in BATCHES:
+def assert_batch_invariant(mm, K, label, batches=BATCHES):
+    """mm(x [M, K]) -> [M, n] gives every row the bits it gets alone, for each M in `batches`."""
+    x = activations(max(batches), K, seed=7)
+    alone = torch.cat([mm(x[i:i + 1]) for i in range(len(x))])
+    for M in batches:
         for start in (0, len(x) - M):  # the same rows at the front and at the back of the input
-            y = k.matmul(x[start:start + M].contiguous(), w, t, n, isa)
-            assert torch.equal(y, alone[start:start + M]), f"{label} {isa}: M={M} rows {start}.. differ from alone"
+            y = mm(x[start:start + M].contiguous())
+            assert torch.equal(y, alone[start:start + M]), f"{label}: M={M} rows {start}.. differ from alone"
 
 
 @pytest.mark.slow
@@ -144,7 +145,7 @@ def test_batch_invariance(k, real, threads):
             # The portable path is slow (libm fma); on the 49152-row head the fast paths cover it.
             isas = k.isas if n < 10000 else [i for i in k.isas if i != "portable"]
             for isa in isas:
-                assert_batch_invariant(k, w, t, n, K, isa, label)
+                assert_batch_invariant(lambda x: k.matmul(x, w, t, n, isa), K, f"{label} {isa}")
     finally:
         torch.set_num_threads(before)
 

@@ -11,7 +11,8 @@ import torch
 
 from services.inference.model import blocks
 from services.inference.model.kernels import BLOCK, Q8_ISAS, SUPPORTED_TYPES, load
-from tests.inference.test_gguf_kernel import Q4_1, Q8_0, activations, dequant, fma32, random_blocks, real  # noqa: F401
+from tests.inference.test_gguf_kernel import (Q4_1, Q8_0, activations, assert_batch_invariant, dequant, fma32,  # noqa: F401
+                                              random_blocks, real)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -106,13 +107,8 @@ def test_batch_invariance(k, real, threads):
         for label, w, t in cases(real):
             n, K = w.shape[0], w.shape[1] // SUPPORTED_TYPES[t].block_bytes * BLOCK
             packed = blocks.pack_x16(w, t)
-            x = activations(max(BATCHES), K, seed=7)
             for isa in [i for i in k.q8_isas if n < 10000 or i != "portable"]:
-                alone = torch.cat([k.matmul_q8(x[i:i + 1], packed, t, n, isa) for i in range(len(x))])
-                for M in BATCHES:
-                    for start in (0, len(x) - M):
-                        y = k.matmul_q8(x[start:start + M].contiguous(), packed, t, n, isa)
-                        assert torch.equal(y, alone[start:start + M]), f"{label} {isa}: M={M} rows {start}.."
+                assert_batch_invariant(lambda x: k.matmul_q8(x, packed, t, n, isa), K, f"{label} {isa}", BATCHES)
     finally:
         torch.set_num_threads(before)
 
