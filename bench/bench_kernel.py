@@ -3,11 +3,14 @@
 Shapes (N out x K in): attention 576x576 and 192x576, gate/up 1536x576, down 576x1536, the
 concatenated QKV 960x576 and gate+up 3072x576 (Q4_1), the tied 49152x576 head (Q8_0); M = 1, 4, 16.
 Per shape and M, median microseconds per call of:
-  keel      the kernel on its default path (and `avx2` when the host has AVX-512, as AVX2-only hosts run)
+  keel      keel::gguf_mm (format gguf_f32: float32 activations) on its default path (and `avx2` when
+            the host has AVX-512, as AVX2-only hosts run)
+  q8        keel::gguf_q8_mm (format gguf: 8-bit activations, integer dot products) on the same blocks
+            regrouped by 16 rows (blocks.pack_x16), its default path
   fp32      torch F.linear on the dequantized float32 weights (MKL)
   int8wo    torch.ops.aten._weight_int8pack_mm: int8 per-channel weights, bf16 activations
 Each repeat times every candidate once, round robin, so a busy host slows them alike. At M = 1 the
-kernel's GB/s (bytes of blocks read / time) is set against a STREAM-like copy of a 256 MiB tensor
+kernels' GB/s (bytes of blocks read / time) is set against a STREAM-like copy of a 256 MiB tensor
 timed in the same run (GB/s counts read + write). Prints the CPU flags and the load average.
 
 Run: .venv/bin/python bench/bench_kernel.py [--threads N] [--repeats R]
@@ -30,6 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from services.inference.model.blocks import pack_x16  # noqa: E402
 from services.inference.model.kernels import SUPPORTED_TYPES, load  # noqa: E402
 from shared.modelfile import gguf_path  # noqa: E402
 
@@ -105,7 +109,8 @@ def main() -> None:
     extra = ["avx2"] if k.isa == "avx512" else []
     print(f"cpu: {cpu_flags()}")
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; torch {torch.__version__}, "
-          f"{args.threads} threads; kernel path {k.isa} (host runs {', '.join(k.isas)})")
+          f"{args.threads} threads; kernel path {k.isa} (host runs {', '.join(k.isas)}), "
+          f"q8 path {k.q8_isas[0]}")
 
     src = torch.ones(64 << 20)  # 256 MiB
     dst = torch.empty_like(src)
@@ -113,25 +118,27 @@ def main() -> None:
     copy_gbs = 2 * src.numel() * 4 / copy_s / 1e9
     print(f"STREAM-like copy of 256 MiB: {copy_gbs:.1f} GB/s (read + write)\n")
 
-    cols = ["keel", *extra, "fp32", "int8wo"]
+    cols = ["keel", *extra, "q8", "fp32", "int8wo"]
     print(f"{'shape':22} {'M':>3} " + " ".join(f"{c + ' us':>10}" for c in cols)
-          + f" {'keel/fp32':>9} {'keel/int8':>9} {'keel GB/s':>9}")
+          + f" {'keel/fp32':>9} {'keel/int8':>9} {'q8/keel':>9} {'keel GB/s':>9} {'q8 GB/s':>9}")
     for label, (w, t) in weights().items():
         W = torch.from_numpy(gguf.quants.dequantize(w.numpy(), t))
         N, K = W.shape
         q8, s8 = int8_per_channel(W)
+        wp = pack_x16(w, t)
         for M in BATCHES:
             x = torch.randn(M, K)
             xb = x.bfloat16()
             fns = {"keel": lambda: k.matmul(x, w, t, N)}
             for isa in extra:
                 fns[isa] = lambda isa=isa: k.matmul(x, w, t, N, isa)
+            fns["q8"] = lambda: k.matmul_q8(x, wp, t, N)
             fns["fp32"] = lambda: F.linear(x, W)
             fns["int8wo"] = lambda: torch.ops.aten._weight_int8pack_mm(xb, q8, s8)
             us = {name: s * 1e6 for name, s in timed(fns, args.repeats).items()}
-            gbs = f"{w.numel() / us['keel'] / 1e3:9.1f}" if M == 1 else f"{'':9}"
+            gbs = " ".join(f"{w.numel() / us[c] / 1e3:9.1f}" if M == 1 else f"{'':9}" for c in ("keel", "q8"))
             print(f"{label:22} {M:>3} " + " ".join(f"{us[c]:10.1f}" for c in cols)
-                  + f" {us['keel'] / us['fp32']:9.2f} {us['keel'] / us['int8wo']:9.2f} {gbs}")
+                  + f" {us['keel'] / us['fp32']:9.2f} {us['keel'] / us['int8wo']:9.2f} {us['q8'] / us['keel']:9.2f} {gbs}")
     print(f"\nload average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; "
           f"blocks: {', '.join(f'{v.name} {v.block_bytes} B per 32' for v in SUPPORTED_TYPES.values())}; "
           f"M = 1 GB/s relative to the copy's {copy_gbs:.1f}")

@@ -112,3 +112,18 @@ def test_bad_format_is_refused(tiny, dtype, device, reason):
 def test_quantize_linears_rejects_unknown_format(tiny):
     with pytest.raises(ValueError, match="int3"):
         quantize_linears(tiny, "int3")
+
+
+def test_the_config_schema_names_exactly_the_formats_the_loader_knows():
+    """A format the loader serves but the schema lacks would stop the stage at config load."""
+    import json
+
+    from services.inference.model.loader import AUTO, DTYPES
+    from shared.config import ROOT_DIR
+
+    schema = json.loads((ROOT_DIR / "config" / "schemas" / "inference.schema.json").read_text())
+    engine, formats = schema["properties"]["engine"]["properties"], schema["properties"]["formats"]["properties"]
+    assert engine["dtype"]["enum"] == [AUTO, *DTYPES]
+    assert engine["breaker"]["properties"]["fallback_dtype"]["enum"] == [*DTYPES, None]
+    assert formats["auto_candidates"]["items"]["enum"] == list(DTYPES)
+    assert engine["variants"]["additionalProperties"]["enum"] == list(DTYPES)
