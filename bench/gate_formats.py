@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="the first N probes (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     # float16 is left out by default: this CPU has no fp16 GEMM and one pass takes seconds.
-    ap.add_argument("--formats", default="bfloat16,int8,int4,gguf")
+    ap.add_argument("--formats", default="bfloat16,int8,int4,gguf,gguf_f32")
     ap.add_argument("--write-probes", action="store_true", help=f"write {gateprobes.PROBES_FILE.name} and exit")
     args = ap.parse_args(argv)
     if args.write_probes:
