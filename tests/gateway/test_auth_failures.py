@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import pytest_asyncio
+import yaml
 
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway import config as gateway_config
@@ -140,11 +141,26 @@ class Echo(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.DecodeResponse(text="ok")
 
 
+def shipped_config() -> dict:
+    with open("config/gateway.yaml") as f:
+        return yaml.safe_load(f)
+
+
+def stage_with(tmp_path, cfg: dict) -> GatewayStage:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return GatewayStage(gateway_config.load(path))
+
+
 @pytest_asyncio.fixture
-async def gateway_channel():
+async def gateway_channel(tmp_path):
     """The gateway stage's own authenticate (keys and limits from config/gateway.yaml) behind the
-    real interceptor, in front of a trivial servicer."""
-    stage = GatewayStage(gateway_config.load())
+    real interceptor, in front of a trivial servicer. The first block lasts the backoff cap, so
+    that a slow machine taking longer than the shipped 1 s base over 200 calls cannot let a guess
+    through mid-test (which the limiter rightly allows once the backoff has passed)."""
+    cfg = shipped_config()
+    cfg["auth_failures"]["backoff_base_s"] = cfg["auth_failures"]["backoff_cap_s"]
+    stage = stage_with(tmp_path, cfg)
     srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Echo(), srv)
     port = srv.add_insecure_port("127.0.0.1:0")
@@ -178,14 +194,12 @@ async def test_200_wrong_keys_from_one_address_are_cut_off(gateway_channel):
 async def test_a_key_flooding_an_address_does_not_limit_another_key_from_it(tmp_path):
     """Two keys behind one address: one floods past its rate limit and sends wrong keys until the
     address is blocked; the other keeps being served throughout."""
-    import yaml
-    cfg = yaml.safe_load(open("config/gateway.yaml"))
+    cfg = shipped_config()
+    cfg["auth_failures"]["backoff_base_s"] = cfg["auth_failures"]["backoff_cap_s"]
     cfg["api_keys"] = [{"key_id": "flooder", "key_hash": hash_key(KEY)},
                        {"key_id": "neighbour", "key_hash": hash_key(OTHER_KEY)}]
     cfg["rate_limits"] = {"default": {"rate_per_s": 1, "burst": 5}, "per_key": {}}
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    stage = GatewayStage(gateway_config.load(path))
+    stage = stage_with(tmp_path, cfg)
     srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Echo(), srv)
     port = srv.add_insecure_port("127.0.0.1:0")
