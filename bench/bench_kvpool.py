@@ -44,17 +44,18 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
         spec.loader.exec_module(module)
         runner = module.LlamaRunner(load_model(ROOT / "var/model", dtype=dtype))
     else:
-        from services.inference.model.forward import LlamaRunner
+        from services.inference.model.forward import DecodeView, LlamaRunner
 
         class Pow2Runner(LlamaRunner):
             """The engine's runner with the decode block tables padded further, to a power of two blocks."""
 
             def _decode_view(self, caches):
-                table, masked = super()._decode_view(caches)
-                table = table.view(len(caches), -1)
-                extra = (1 << (table.shape[1] - 1).bit_length()) - table.shape[1]
-                table = torch.nn.functional.pad(table, (0, extra)).flatten()  # block 0: the padding block
-                return table, torch.nn.functional.pad(masked, (0, extra * self.block_tokens), value=True)
+                view = super()._decode_view(caches)
+                extra = (1 << (view.table.shape[1] - 1).bit_length()) - view.table.shape[1]
+                table = torch.nn.functional.pad(view.table, (0, extra))  # block 0: the padding block
+                masked = None if view.masked is None else torch.nn.functional.pad(
+                    view.masked, (0, extra * self.block_tokens), value=True)
+                return DecodeView(table, view.lengths, masked)
 
         cls = Pow2Runner if kind == "pool-pow2" else LlamaRunner
         runner = cls(load_model(ROOT / "var/model", dtype=dtype), block_tokens=block_tokens)

@@ -20,8 +20,9 @@ x16, for the 8-bit kernel (the same bytes, regrouped; a weight [N, K] becomes [c
   zero blocks. One 64-byte load gives the kernel 4 quants of 16 rows, one int32 lane per row.
 
 The modules keep the Llama layout of llama.py (forward.py, the LoRA term, the gate see the same
-attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding. Each layer also holds
-its query/key/value blocks as one [Nq + Nk + Nv, ...] matrix (`self_attn.qkv`) and gate/up as one
+attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding and `KernelRMSNorm`
+RMSNorm (kernels/layer_ops.cpp, as are the rotary embedding and decode attention forward.py runs
+for these formats). Each layer also holds its query/key/value blocks as one [Nq + Nk + Nv, ...] matrix (`self_attn.qkv`) and gate/up as one
 (`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj and up_proj as row views of them: forward.py
 runs one kernel call for each fused matrix. The kernels' order per output element depends only on
 K (services/inference/model/kernels), so a fused call gives the bits of the separate ones (x16 parts
@@ -75,9 +76,10 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32."""
-        op = torch.ops.keel.gguf_q8_mm if self.q8 else torch.ops.keel.gguf_mm
-        y = op(x.reshape(-1, self.in_features).contiguous(), self.blocks, self.ggml_type, self.out_features,
-               -1)  # -1: the best path this CPU runs
+        op = torch.ops.keel.gguf_q8_mm if self.q8 else torch.ops.keel.gguf_mm  # isa -1: the best path this CPU runs
+        if x.dim() == 2 and x.is_contiguous():  # the engine's steps: no reshapes to dispatch
+            return op(x, self.blocks, self.ggml_type, self.out_features, -1)
+        y = op(x.reshape(-1, self.in_features).contiguous(), self.blocks, self.ggml_type, self.out_features, -1)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -99,6 +101,20 @@ class BlockEmbedding(nn.Module):
         flat = ids.reshape(-1)
         rows = unpack_x16(self.blocks, flat, self.ggml_type) if self.q8 else self.blocks[flat]
         return dequantize(rows, self.ggml_type).reshape(*ids.shape, self.embedding_dim)
+
+
+class KernelRMSNorm(nn.Module):
+    """llama.RMSNorm in one call of keel::rms_norm (kernels/layer_ops.cpp): x [..., E] float32 -> [..., E]."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight, self.variance_epsilon = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return torch.ops.keel.rms_norm(x, self.weight, self.variance_epsilon)
+        y = torch.ops.keel.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon)
+        return y.reshape(x.shape)
 
 
 def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -180,8 +196,8 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
         data = torch.from_numpy(ggufindex.read(path, entry))
         return (data if rows is None else data[rows].contiguous()), entry.ggml_type
 
-    def norm(name: str) -> nn.Parameter:
-        return nn.Parameter(tensor(name)[0], requires_grad=False)
+    def norm(name: str) -> KernelRMSNorm:
+        return KernelRMSNorm(nn.Parameter(tensor(name)[0], requires_grad=False), config.rms_norm_eps)
 
     def linear(part: tuple[torch.Tensor, int], in_features: int) -> BlockLinear:
         b, t = part
@@ -198,10 +214,10 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
     model.lm_head = linear(head or (embed, embed_type), e)
     rows = model.lm_head.blocks if head is None else linear((embed, embed_type), e).blocks
     model.model.embed_tokens = BlockEmbedding(rows, embed_type, e, q8)
-    model.model.norm.weight = norm("output_norm.weight")
+    model.model.norm = norm("output_norm.weight")
     for i, layer in enumerate(model.model.layers):
-        layer.input_layernorm.weight = norm(f"blk.{i}.attn_norm.weight")
-        layer.post_attention_layernorm.weight = norm(f"blk.{i}.ffn_norm.weight")
+        layer.input_layernorm = norm(f"blk.{i}.attn_norm.weight")
+        layer.post_attention_layernorm = norm(f"blk.{i}.ffn_norm.weight")
         q = tensor(f"blk.{i}.attn_q.weight", _unpermute_rows(heads * config.head_dim, heads))
         k = tensor(f"blk.{i}.attn_k.weight", _unpermute_rows(kv * config.head_dim, kv))
         attn, mlp = layer.self_attn, layer.mlp

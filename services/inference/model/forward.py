@@ -7,6 +7,9 @@ lm_head) run batched, their batch dimension padded to a size that the BLAS kerne
 gathered blocks, padded to the longest row's number of blocks and masked (`_decode_attention`); every
 reduction in it runs along one row's own keys, in an order that depends neither on the batch nor on
 the padded capacity. So a row's logits are bitwise the same alone or inside any batch.
+The block formats (`gguf`, `gguf_f32`) run the rotary embedding with the cache write, and decode
+attention, as one call each of Keel's layer ops (kernels/layer_ops.cpp: the same guarantee, each row
+along its own positions in a fixed order, no padding read); the other formats run the aten ops here.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
 (lora/slots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.
@@ -20,10 +23,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.inference.model.blocks import block_format
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.model.llama import rotate_half
 from services.inference.lora.slots import NO_LORA, LoraSlots
 from services.inference.model.loader import model_dtype, residual_dtype
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """The decode rows of a step: their block tables padded with the padding block to the longest
+    one's blocks [B, W], their lengths once this step's token is in [B], and for the aten path the
+    mask [1, B, 1, W * block_tokens] of the positions past each length (True = not attended)."""
+
+    table: torch.Tensor
+    lengths: torch.Tensor
+    masked: torch.Tensor | None
 
 
 @dataclass
@@ -61,6 +76,7 @@ class LlamaRunner:
         # int8 and gguf models keep a float32 residual stream (embeddings, norms, attention).
         self.dtype = residual_dtype(model)
         self.dtype_name = model_dtype(model)
+        self.layer_ops = block_format(model) is not None  # kernels/layer_ops.cpp serve rotary and attention
         self.invariant_sizes: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
         self.block_tokens = block_tokens
@@ -123,7 +139,7 @@ class LlamaRunner:
         x = core.embed_tokens(ids)  # [N', hidden]; rows >= N are padding and never read back
         pos = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)]).to(self.device)
         cos, sin = core.rotary_emb(x[None, :n_tok], pos[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]
+        cos, sin = cos[0], sin[0]  # [N, D]
         lora = NO_LORA
         if self.lora is not None and any(s.slot for s in segments):
             lora = self.lora.step([s.slot for s, n in zip(segments, lens) for _ in range(n)], padded, self.device)
@@ -134,28 +150,23 @@ class LlamaRunner:
         decoding = [r for r, n in enumerate(lens) if n == 1]
         if decoding:
             dec_tokens = torch.tensor([offsets[r] for r in decoding], device=self.device)
-            table, masked = self._decode_view([segments[r].cache for r in decoding])
+            view = self._decode_view([segments[r].cache for r in decoding])
         chunks = [(offsets[r], n, starts[r], self._blocks(segments[r].cache, starts[r] + n))
                   for r, n in enumerate(lens) if n > 1]
         for i, layer in enumerate(core.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = _projections(i, attn, ("q_proj", "k_proj", "v_proj"), getattr(attn, "qkv", None), h, lora)
-            q = _rope(q[:n_tok].view(n_tok, self.heads, self.head_dim), cos, sin)
-            k = _rope(k[:n_tok].view(n_tok, self.kv_heads, self.head_dim), cos, sin)
-            v = v[:n_tok].view(n_tok, self.kv_heads, self.head_dim)
-            flat_k, flat_v = pool.layer(i)  # [KV, blocks * block_tokens, D]
-            flat_k.index_copy_(1, slots, k.transpose(0, 1))
-            flat_v.index_copy_(1, slots, v.transpose(0, 1))
+            q = self._rope_store(i, q[:n_tok], k[:n_tok], v[:n_tok], cos, sin, slots)
             if decoding:
-                attn_out[dec_tokens] = self._decode_attention(i, q[dec_tokens], table, masked)
+                self._decode_attention(i, q, dec_tokens, view, attn_out)
             for o, n, st, blocks in chunks:
                 # A prompt chunk (one row) at positions st..st+n-1 attends causally to everything cached so far.
                 keys = pool.keys[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]  # [1, KV, st+n, D]
                 values = pool.values[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]
                 mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
                 out = F.scaled_dot_product_attention(
-                    q[o:o + n].transpose(0, 1)[None], keys, values,
+                    q[o:o + n].view(n, self.heads, self.head_dim).transpose(0, 1)[None], keys, values,
                     attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                 attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
             x = x + lora.linear(i, "o_proj", attn.o_proj, attn_out)
@@ -175,39 +186,59 @@ class LlamaRunner:
         """Ids of the blocks holding the cache's first `positions` positions."""
         return torch.tensor(cache.blocks[:self.pool.blocks_for(positions)], dtype=torch.long, device=self.device)
 
-    def _decode_view(self, caches: list[RowCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables of the decode rows, each padded with the padding block to the longest one's
-        blocks, flattened [B * blocks]; and the mask [1, B, 1, capacity] of the positions past each
-        row's length once this step's token is in (True = not attended).
+    def _decode_view(self, caches: list[RowCache]) -> DecodeView:
+        """The decode rows' block tables, lengths and (aten path) mask.
 
         The capacity follows the batch's longest row block by block: rounding it further (to a power of
         two) changes no bits but copies more (measured: bench/bench_kvpool.py, docs/BENCHMARKS.md)."""
         used = [self.pool.blocks_for(c.length + 1) for c in caches]
         width = max(used)
-        table = torch.tensor([b for c, u in zip(caches, used) for b in c.blocks[:u] + [PAD_BLOCK] * (width - u)],
+        table = torch.tensor([c.blocks[:u] + [PAD_BLOCK] * (width - u) for c, u in zip(caches, used)],
                              dtype=torch.long, device=self.device)
         lengths = torch.tensor([c.length + 1 for c in caches], device=self.device)
+        if self.layer_ops:
+            return DecodeView(table, lengths, None)
         masked = torch.arange(width * self.block_tokens, device=self.device)[None, :] >= lengths[:, None]
-        return table, masked[None, :, None, :]
+        return DecodeView(table, lengths, masked[None, :, None, :])
 
-    def _decode_attention(self, i: int, q: torch.Tensor, table: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        """Layer i's attention for B one-token rows at once: q [B, H, D] -> [B, H * D].
+    def _rope_store(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Layer i: the rotary embedding on q [N, H * D] and k [N, KV * D] at the tokens' positions
+        (cos, sin [N, D]); the keys and values v to their cache slots [N]. Returns the rotated q [N, H * D]."""
+        flat_k, flat_v = self.pool.layer(i)  # [KV, blocks * block_tokens, D]
+        if self.layer_ops:
+            return torch.ops.keel.rope_store(q, k, v, cos, sin, slots, flat_k, flat_v)
+        n, cos, sin = q.shape[0], cos[:, None, :], sin[:, None, :]
+        k = _rope(k.view(n, self.kv_heads, self.head_dim), cos, sin)
+        flat_k.index_copy_(1, slots, k.transpose(0, 1))
+        flat_v.index_copy_(1, slots, v.view(n, self.kv_heads, self.head_dim).transpose(0, 1))
+        return _rope(q.view(n, self.heads, self.head_dim), cos, sin).view(n, -1)
 
-        The G query heads sharing a KV head attend together: q is viewed [KV, B, G, D] against keys and
-        values gathered [KV, B, capacity, D]. Scores are one matmul (each element a dot product over D),
-        masked to -inf past a row's length, softmaxed in float32 along the row's own positions, then
-        multiplied with the values (a sum along those positions, in position order; the padded ones add
-        exact zeros: weight 0 times a finite value). Nothing mixes rows, and the padding only appends
-        zero terms at the end of each sum, so a row gets the same bits in any batch and any capacity
-        (tested; bench/bench_kvpool.py shows it on the host at hand).
+    def _decode_attention(self, i: int, q: torch.Tensor, rows: torch.Tensor, view: DecodeView,
+                          out: torch.Tensor) -> None:
+        """Layer i's attention for the B one-token rows at once: out[rows] <- attention of q[rows]
+        (q [N, H * D], rows [B], out [N', H * D]) over each row's cached positions.
+
+        Aten path: the G query heads sharing a KV head attend together: q is viewed [KV, B, G, D]
+        against keys and values gathered [KV, B, capacity, D]. Scores are one matmul (each element a
+        dot product over D), masked to -inf past a row's length, softmaxed in float32 along the row's
+        own positions, then multiplied with the values (a sum along those positions, in position
+        order; the padded ones add exact zeros: weight 0 times a finite value). Nothing mixes rows,
+        and the padding only appends zero terms at the end of each sum, so a row gets the same bits
+        in any batch and any capacity (tested; bench/bench_kvpool.py shows it on the host at hand).
         """
-        b = q.shape[0]
+        if self.layer_ops:
+            flat_k, flat_v = self.pool.layer(i)
+            torch.ops.keel.decode_attention_(out, rows, q, flat_k, flat_v, view.table, view.lengths,
+                                             self.block_tokens, self.scale)
+            return
+        b, table = rows.shape[0], view.table.view(-1)
         keys = self.pool.keys[i].index_select(1, table).view(self.kv_heads, b, -1, self.head_dim)
         values = self.pool.values[i].index_select(1, table).view(self.kv_heads, b, -1, self.head_dim)
-        qg = q.view(b, self.kv_heads, self.groups, self.head_dim).transpose(0, 1)  # [KV, B, G, D]
+        qg = q[rows].view(b, self.kv_heads, self.groups, self.head_dim).transpose(0, 1)  # [KV, B, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale   # [KV, B, G, capacity]
-        probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).transpose(0, 1).reshape(b, self.heads * self.head_dim)
+        probs = torch.softmax(scores.masked_fill(view.masked, float("-inf")), dim=-1).to(values.dtype)
+        out[rows] = torch.matmul(probs, values).transpose(0, 1).reshape(b, self.heads * self.head_dim)
 
     @torch.inference_mode()
     def calibrate_invariant_sizes(self, max_batch: int, seed: int = 0) -> tuple[int, ...]:

@@ -45,6 +45,8 @@ class KvPool:
             self.values = torch.empty(shape, dtype=dtype, device=device)
         self.keys[:, :, PAD_BLOCK] = 0
         self.values[:, :, PAD_BLOCK] = 0
+        flat = (kv_heads, (blocks + 1) * block_tokens, head_dim)
+        self._layers = [(k.view(flat), v.view(flat)) for k, v in zip(self.keys, self.values)]
         self._free = list(range(1, blocks + 1))  # a heap: the lowest free id is lent first
         self._holders = [0] * (blocks + 1)        # per block id: rows and prefix entries holding it
 
@@ -99,8 +101,7 @@ class KvPool:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values viewed [KV, blocks * block_tokens, D] (flat positions)."""
-        k, v = self.keys[i], self.values[i]
-        return k.view(k.shape[0], -1, k.shape[-1]), v.view(v.shape[0], -1, v.shape[-1])
+        return self._layers[i]
 
 
 @dataclass(eq=False)
