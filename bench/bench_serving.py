@@ -2,7 +2,7 @@
 in the same run on the same prompts, output lengths mixed.
 
 Run:  .venv/bin/python bench/bench_serving.py [--requests 64] [--concurrency 1,4,16,64]
-      [--dtypes gguf] [--write docs/bench/serving.md]
+      [--dtypes gguf[,gguf@1]] [--write docs/bench/serving.md]     (dtype@T: T intra-op threads)
 Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles llama-cpp-python, ~5 min).
 
 Workload: --requests chat prompts (the FORMS x SUBJECTS of bench_inference), max_tokens cycling through
@@ -188,14 +188,19 @@ async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concu
     return out
 
 
-def keel(dtype: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[str, int], Result]:
+def keel(variant: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[str, int], Result]:
+    """One mesh serving `variant`: a dtype, or dtype@T for T intra-op threads in the inference stage
+    (else the config's)."""
+    dtype, _, threads = variant.partition("@")
     # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
     # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
+    env = {"KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
+    if threads:
+        env["KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS"] = threads
     tmp = Path(tempfile.mkdtemp(prefix="keel-serving-"))
     if (var_dir() / "gate").exists():  # the mesh's scratch var/ gets the gate results a format needs
         shutil.copytree(var_dir() / "gate", tmp / "var" / "gate")
-    mesh = start_mesh(tmp, extra_env={
-        "KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))})
+    mesh = start_mesh(tmp, extra_env=env)
     try:
         stage = f"127.0.0.1:{mesh.ports['inference'][0]}"
         procs = mesh.state()["processes"]

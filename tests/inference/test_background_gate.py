@@ -200,12 +200,15 @@ async def test_once_every_probe_is_scored_the_child_is_not_stopped(engine, child
     """Its last phase times the formats: a stop would count into a format's time."""
     child("hang")  # 3/3 scored, then waits as if timing
     board = Recording()
-    _busy(engine, monkeypatch, [True])
+    running = [False]  # idle while the child starts and scores: a busy engine would stop it for 20 s
+    _busy(engine, monkeypatch, running)
     task = asyncio.create_task(BackgroundGate(job(), engine, CANDIDATES, board).run())
-    for _ in range(600):
+    for _ in range(1200):
         if (PHASE, 3, 3) in board.seen:
             break
         await asyncio.sleep(0.05)
+    assert (PHASE, 3, 3) in board.seen, board.seen
+    running[0] = True  # requests arrive once every probe is scored
     seen = await _states(1.0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
