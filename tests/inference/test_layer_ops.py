@@ -93,12 +93,13 @@ def pool(blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attend(q, keys, values, tables: list[list[int]], lengths: list[int], rows: list[int], width: int | None = None,
-           out_rows: int | None = None) -> torch.Tensor:
+           isa: str | None = None) -> torch.Tensor:
     width = width or max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    out = torch.zeros(out_rows or q.shape[0], H * D)
+    out = torch.zeros(q.shape[0], q.shape[1])
     torch.ops.keel.decode_attention_(out, torch.tensor(rows), q, keys, values, table, torch.tensor(lengths), BT,
-                                     D ** -0.5)
+                                     keys.shape[-1] ** -0.5,
+                                     -1 if isa is None else kernels.ISAS.index(isa))
     return out
 
 
@@ -142,6 +143,17 @@ def test_a_rows_attention_is_bitwise_the_same_alone_and_in_any_batch(threads, n_
         assert (out[untouched] == 0).all()
 
 
+@pytest.mark.parametrize("d", [D, 48, 40])  # 40: not whole 16s, every isa runs the portable code
+def test_every_attention_path_gives_the_portable_bits(d):
+    gen = torch.Generator().manual_seed(d)
+    keys, values = torch.randn(KV, 10 * BT, d, generator=gen), torch.randn(KV, 10 * BT, d, generator=gen)
+    q = torch.randn(4, H * d, generator=gen)
+    tables, lengths = [[3, 1], [2], [5, 6, 7], [9]], [20, 1, 40, 16]
+    portable = attend(q, keys, values, tables, lengths, [0, 1, 2, 3], isa="portable")
+    for isa in kernels.load().isas:
+        assert torch.equal(attend(q, keys, values, tables, lengths, [0, 1, 2, 3], isa=isa), portable), isa
+
+
 def test_a_non_finite_key_reaches_only_the_rows_that_attend_to_it():
     keys, values = pool(6, 3)
     keys[1, 2 * BT + 4] = float("nan")  # block 2, position 4, KV head 1
@@ -161,6 +173,9 @@ def test_a_non_finite_key_reaches_only_the_rows_that_attend_to_it():
     (lambda k, v: attend(torch.randn(1, H * D), k, v, [[1]], [BT + 1], [0]), "length"),
     (lambda k, v: attend(torch.randn(1, H * D), k, v, [[99]], [3], [0]), "block 99"),
     (lambda k, v: attend(torch.randn(1, H * D), k, v, [[1]], [3], [5]), "row 5"),
+    (lambda k, v: torch.ops.keel.decode_attention_(torch.zeros(1, H * D), torch.tensor([0]), torch.randn(1, H * D),
+                                                   k, v, torch.tensor([[1]]), torch.tensor([3]), BT, 0.1, 7),
+     "unknown isa 7"),
 ])
 def test_malformed_calls_raise_naming_the_op(call, message):
     keys, values = pool(4, 4)

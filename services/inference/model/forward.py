@@ -230,7 +230,7 @@ class LlamaRunner:
         if self.layer_ops:
             flat_k, flat_v = self.pool.layer(i)
             torch.ops.keel.decode_attention_(out, rows, q, flat_k, flat_v, view.table, view.lengths,
-                                             self.block_tokens, self.scale)
+                                             self.block_tokens, self.scale, -1)  # -1: the best path
             return
         b, table = rows.shape[0], view.table.view(-1)
         keys = self.pool.keys[i].index_select(1, table).view(self.kv_heads, b, -1, self.head_dim)

@@ -13,7 +13,7 @@
 //       keys and the values go to the pool at flat positions slots[n] (keys[h, slots[n]] = k'[n, h]);
 //       returns the rotated queries
 //   decode_attention_(out [*, H*D], rows [B], q [*, H*D], keys [KV, S, D], values [KV, S, D],
-//                     table [B, W], lengths [B], block_tokens, scale)
+//                     table [B, W], lengths [B], block_tokens, scale, isa)
 //       for each row b, query token t = rows[b], head h (KV head h / G, G = H / KV):
 //         s_p = scale * (q[t, h] . k_p)  for the row's positions p < lengths[b], where position p
 //               lies at flat slot table[b, p / block_tokens] * block_tokens + p % block_tokens
@@ -24,21 +24,28 @@
 // (element j in lane j % 16, in order of j) combined by a fixed tree; softmax's sum and the value sum
 // run along p in order. Each row (and head) is computed by one thread from its own data only, so no
 // result depends on the batch, the padding of the table, the other rows or the thread count. The
-// functions are compiled for AVX-512, AVX2 and baseline x86-64 (target_clones: the loader picks one
-// from the CPU); the lanes give every width the same bits (no contraction: -ffp-contract=off).
+// norm and rotary are compiled for AVX-512, AVX2 and baseline x86-64 (target_clones: the loader picks
+// one from the CPU); attention has hand-written AVX-512 and AVX2 versions beside the portable one
+// (isa: 0 portable, 1 avx2, 2 avx512, -1 the best the CPU runs). The lanes give every width the same
+// bits (no contraction: -ffp-contract=off).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
+using keel::PORTABLE;
 constexpr int L = 16;  // partial sums of a reduction
 
 #define KEEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -84,30 +91,114 @@ KEEL_CLONES void rope_token(const float* q, const float* k, const float* v, cons
   }
 }
 
-// One row's KV head: its g query heads q [g, D] (rows D apart) over the row's len positions, whose
-// flat slots are slot[0..len-1], into o [g, D]; score [g * len] is scratch.
-KEEL_CLONES void attend_unit(const float* q, const float* keys, const float* values, const int64_t* slot,
-                             int64_t len, int64_t g, int64_t d, float scale, float* score, float* o) {
-  for (int64_t p = 0; p < len; ++p) {
-    const float* kp = keys + slot[p] * d;
-    for (int64_t i = 0; i < g; ++i) score[i * len + p] = scale * dot(q + i * d, kp, d);
-  }
+// Softmax along each of the g rows of score [g, len], in place: top = max, e_p = exp(s_p - top),
+// sum of e_p in order of p, then e_p / sum.
+KEEL_INLINE void softmax_rows(float* score, int64_t g, int64_t len) {
   for (int64_t i = 0; i < g; ++i) {
     float* si = score + i * len;
     float top = -INFINITY, sum = 0.f;
     for (int64_t p = 0; p < len; ++p) top = std::max(top, si[p]);
     for (int64_t p = 0; p < len; ++p) sum += (si[p] = std::exp(si[p] - top));
     for (int64_t p = 0; p < len; ++p) si[p] = si[p] / sum;
-    std::fill(o + i * d, o + (i + 1) * d, 0.f);
   }
-  for (int64_t p = 0; p < len; ++p) {
-    const float* vp = values + slot[p] * d;
-    for (int64_t i = 0; i < g; ++i) {
-      const float w = score[i * len + p];
-      float* oi = o + i * d;
-      for (int64_t j = 0; j < d; ++j) oi[j] += w * vp[j];
+}
+
+// One row's KV head (a unit): its g query heads q [g, D] (rows D apart) over the row's len
+// positions, whose flat slots are slot[0..len-1], into o [g, D]; score [g * len] is scratch.
+// Three steps: score[i, p] = scale * dot(q_i, k_p); softmax along p; o_i = sum_p score[i, p] * v_p
+// in order of p (from +0). The SIMD versions below (D a multiple of 16) compute the same operations:
+// a dot's 16 lanes are one zmm (AVX-512) or two ymm (AVX2, lanes 0-7 and 8-15), added by the same tree.
+struct Unit {
+  const float *q, *keys, *values;
+  const int64_t* slot;
+  int64_t len, g, d;
+  float scale;
+  float *score, *o;
+};
+
+void attend_portable(const Unit& u) {
+  for (int64_t p = 0; p < u.len; ++p)
+    for (int64_t i = 0; i < u.g; ++i) u.score[i * u.len + p] = u.scale * dot(u.q + i * u.d, u.keys + u.slot[p] * u.d, u.d);
+  softmax_rows(u.score, u.g, u.len);
+  std::fill(u.o, u.o + u.g * u.d, 0.f);
+  for (int64_t p = 0; p < u.len; ++p)
+    for (int64_t i = 0; i < u.g; ++i) {
+      const float w = u.score[i * u.len + p];
+      const float* v = u.values + u.slot[p] * u.d;
+      for (int64_t j = 0; j < u.d; ++j) u.o[i * u.d + j] += w * v[j];
+    }
+}
+
+#define KEEL_AVX2 __attribute__((target("avx2")))
+#define KEEL_AVX512 __attribute__((target("avx512f")))
+
+// The tree's last three levels on lanes 0-7 (each already lane l + lane l + 8): l + 4, l + 2, l + 1.
+KEEL_AVX2 inline float tree8(__m256 s8) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+KEEL_AVX2 void attend_avx2(const Unit& u) {  // D a multiple of 16
+  for (int64_t p = 0; p < u.len; ++p) {
+    const float* k = u.keys + u.slot[p] * u.d;
+    for (int64_t i = 0; i < u.g; ++i) {
+      const float* q = u.q + i * u.d;
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int64_t j = 0; j < u.d; j += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8)));
+      }
+      u.score[i * u.len + p] = u.scale * tree8(_mm256_add_ps(lo, hi));
     }
   }
+  softmax_rows(u.score, u.g, u.len);
+  std::fill(u.o, u.o + u.g * u.d, 0.f);
+  for (int64_t p = 0; p < u.len; ++p) {
+    const float* v = u.values + u.slot[p] * u.d;
+    for (int64_t i = 0; i < u.g; ++i) {
+      const __m256 w = _mm256_set1_ps(u.score[i * u.len + p]);
+      float* o = u.o + i * u.d;
+      for (int64_t j = 0; j < u.d; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(w, _mm256_loadu_ps(v + j))));
+    }
+  }
+}
+
+KEEL_AVX512 void attend_avx512(const Unit& u) {  // D a multiple of 16
+  for (int64_t p = 0; p < u.len; ++p) {
+    const float* k = u.keys + u.slot[p] * u.d;
+    for (int64_t i = 0; i < u.g; ++i) {
+      const float* q = u.q + i * u.d;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < u.d; j += 16)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j)));
+      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+      u.score[i * u.len + p] = u.scale * tree8(_mm256_add_ps(_mm512_castps512_ps256(acc), high));
+    }
+  }
+  softmax_rows(u.score, u.g, u.len);
+  std::fill(u.o, u.o + u.g * u.d, 0.f);
+  for (int64_t p = 0; p < u.len; ++p) {
+    const float* v = u.values + u.slot[p] * u.d;
+    for (int64_t i = 0; i < u.g; ++i) {
+      const __m512 w = _mm512_set1_ps(u.score[i * u.len + p]);
+      float* o = u.o + i * u.d;
+      for (int64_t j = 0; j < u.d; j += 16)
+        _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(o + j), _mm512_mul_ps(w, _mm512_loadu_ps(v + j))));
+    }
+  }
+}
+
+using AttendFn = void (*)(const Unit&);
+
+const char* const kIsaNames[] = {"portable", "avx2", "avx512"};  // decode_attention_'s isa codes
+const AttendFn kAttend[] = {attend_portable, attend_avx2, attend_avx512};
+
+bool cpu_has(int isa) {
+  __builtin_cpu_init();
+  return isa == PORTABLE || (isa == 1 && __builtin_cpu_supports("avx2")) ||
+         (isa == 2 && __builtin_cpu_supports("avx512f"));
 }
 
 void check_f32(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
@@ -175,7 +266,7 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 void decode_attention_(const at::Tensor& out, const at::Tensor& rows, const at::Tensor& q, const at::Tensor& keys,
                        const at::Tensor& values, const at::Tensor& table, const at::Tensor& lengths,
-                       int64_t block_tokens, double scale) {
+                       int64_t block_tokens, double scale, int64_t isa) {
   const char* op = "keel::decode_attention_";
   check_f32(op, "out", out, 2);
   check_f32(op, "q", q, 2);
@@ -206,12 +297,15 @@ void decode_attention_(const at::Tensor& out, const at::Tensor& rows, const at::
   std::vector<int64_t> slots(nb * longest);
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t p = 0; p < lp[b]; ++p) slots[b * longest + p] = tp[b * w + p / block_tokens] * block_tokens + p % block_tokens;
+  static const int best = keel::resolve_isa(op, -1, kIsaNames, cpu_has);
+  const int path = isa < 0 ? best : keel::resolve_isa(op, isa, kIsaNames, cpu_has);
+  const AttendFn attend = d % 16 ? attend_portable : kAttend[path];  // the SIMD versions take D in 16s
   at::parallel_for(0, nb * kv, grain(2 * g * longest * d), [&](int64_t a, int64_t z) {
     std::vector<float> score(g * longest);
     for (int64_t u = a; u < z; ++u) {
       const int64_t b = u / kv, hk = u % kv;
-      attend_unit(qp + rp[b] * q.stride(0) + hk * g * d, kp + hk * s * d, vp + hk * s * d, slots.data() + b * longest,
-                  lp[b], g, d, float(scale), score.data(), o + rp[b] * out.stride(0) + hk * g * d);
+      attend({qp + rp[b] * q.stride(0) + hk * g * d, kp + hk * s * d, vp + hk * s * d, slots.data() + b * longest,
+              lp[b], g, d, float(scale), score.data(), o + rp[b] * out.stride(0) + hk * g * d});
     }
   });
 }
@@ -223,5 +317,5 @@ TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def("rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) keys, "
         "Tensor(b!) values) -> Tensor", &rope_store);
   m.def("decode_attention_(Tensor(a!) out, Tensor rows, Tensor q, Tensor keys, Tensor values, Tensor table, "
-        "Tensor lengths, int block_tokens, float scale) -> ()", &decode_attention_);
+        "Tensor lengths, int block_tokens, float scale, int isa) -> ()", &decode_attention_);
 }
