@@ -10,7 +10,7 @@ before the restart; warm rounds keep them. The page cache is warm in both (the m
 before). For each restart the stage's own "engine warm" log line gives its start-up phases.
 
 Run: .venv/bin/python bench/bench_restart.py [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
-     [--peer-root ../keel-main]
+     [--adapters var/adapters-src/pirate ... [--corrupt-last]] [--peer-root ../keel-main]
 """
 from __future__ import annotations
 
@@ -91,6 +91,17 @@ class Stage:
                     # the model of this checkout (var/ is per checkout; the scratch var dir is not)
                     "KEEL_INFERENCE_MODEL_PATH": str(root / "var" / "model")}
         self.log = self.scratch / "stage.log"
+        registered = []
+        for adapter in args.adapters:  # registered in the scratch registry before the first start
+            out = subprocess.run([sys.executable, "-m", "keelctl", "lora", "register", str(adapter.resolve()),
+                                  "--format", args.dtype], cwd=root, env=self.env, check=True, capture_output=True,
+                                 text=True).stdout
+            registered.append(Path(next(x for x in out.splitlines() if x.startswith("registered")).split(" in ")[1]))
+        if args.corrupt_last and registered:  # its weights no longer match its manifest: refused at every start
+            weights = registered[-1] / "adapter_model.safetensors"
+            data = bytearray(weights.read_bytes())
+            data[-1] ^= 0xFF
+            weights.write_bytes(bytes(data))
         self.results: dict[str, list[float]] = {"cold": [], "warm": []}
         self.phases: dict[str, list[dict]] = {"cold": [], "warm": []}
         self.listening: dict[str, list[float]] = {"cold": [], "warm": []}
@@ -113,8 +124,10 @@ class Stage:
         # Process start to "listening" (interpreter, imports, config, model hash, gRPC server up).
         self.listening[mode].append(last_line(self.log, "listening").get("ts", wall0) - wall0)
         self.phases[mode].append(line.get("phases_s", {}))
+        checked = last_line(self.log, "adapters checked")
         print(f"{self.label} {mode}: {self.results[mode][-1]:.2f} s to SERVING, format {line.get('format')}, "
-              f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}", flush=True)
+              f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}"
+              + (f", adapters accepted {checked.get('accepted')} refused {checked.get('refused')}" if checked else ""), flush=True)
 
     def close(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -128,6 +141,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cold-kills", type=int, default=5)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--adapters", type=Path, nargs="*", default=[],
+                    help="PEFT adapter folders to register before the first start (e.g. var/adapters-src/*)")
+    ap.add_argument("--corrupt-last", action="store_true",
+                    help="flip a byte of the last registered adapter's weights, so that every start refuses it")
     ap.add_argument("--peer-root", type=Path, default=None,
                     help="another checkout (e.g. a `git worktree` of the previous main) restarted in turn with this one")
     args = ap.parse_args(argv)
