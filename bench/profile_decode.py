@@ -7,6 +7,7 @@ time) against a STREAM-like copy timed in the same run (a 256 MiB tensor copied;
 counted): a batch-1 step is bound by bandwidth, so the copy is its physical limit.
 
 Run: .venv/bin/python bench/profile_decode.py [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
+     [--aten-layers]   (a block format without its layer ops, as before kernels/layer_ops.cpp)
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_inference import machine  # noqa: E402
 from services.inference.model.forward import LlamaRunner  # noqa: E402
 from services.inference.engine.memory import static_bytes  # noqa: E402
+from services.inference.model.blocks import KernelRMSNorm  # noqa: E402
+from services.inference.model.llama import RMSNorm  # noqa: E402
 from services.inference.model.loader import load_model  # noqa: E402
 
 
@@ -74,9 +77,19 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=40)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--aten-layers", action="store_true",
+                    help="a block format's norms, rotary and attention on aten ops instead of its layer ops")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     runner = LlamaRunner(load_model(ROOT / "var/model", dtype=args.dtype))
+    if args.aten_layers:
+        runner.layer_ops = False
+        for m in list(runner.model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
+            for name, child in m.named_children():
+                if isinstance(child, KernelRMSNorm):
+                    norm = RMSNorm(child.weight.shape[0], child.variance_epsilon)
+                    norm.weight = child.weight
+                    setattr(m, name, norm)
     if args.dtype == "float32":
         runner.calibrate_invariant_sizes(args.batch)  # as the engine does: padded to an invariant size
     caches = [runner.new_cache(args.context + args.steps * 3 + 8) for _ in range(args.batch)]
