@@ -73,13 +73,15 @@ class BlockLinear(nn.Module):
             self.register_buffer("blocks", blocks, persistent=False)
         else:
             self.blocks = blocks
+        # The op and its arguments as plain attributes: a buffer's lookup goes through nn.Module.__getattr__.
+        self._op = torch.ops.keel.gguf_q8_mm if q8 else torch.ops.keel.gguf_mm
+        self._args = (blocks, ggml_type, out_features, -1)  # isa -1: the best path this CPU runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32."""
-        op = torch.ops.keel.gguf_q8_mm if self.q8 else torch.ops.keel.gguf_mm  # isa -1: the best path this CPU runs
         if x.dim() == 2 and x.is_contiguous():  # the engine's steps: no reshapes to dispatch
-            return op(x, self.blocks, self.ggml_type, self.out_features, -1)
-        y = op(x.reshape(-1, self.in_features).contiguous(), self.blocks, self.ggml_type, self.out_features, -1)
+            return self._op(x, *self._args)
+        y = self._op(x.reshape(-1, self.in_features).contiguous(), *self._args)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -41,6 +41,48 @@ class DecodeView:
     masked: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class Projections:
+    """Projections of one input, as the step calls them: one call of `fused` (the rows of every
+    projection stacked, block formats) split by columns into `sizes`, or one call per module."""
+
+    names: tuple[str, ...]
+    modules: tuple[torch.nn.Module, ...]
+    fused: torch.nn.Module | None
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, parent: torch.nn.Module, names: tuple[str, ...], fused: str) -> Projections:
+        modules = tuple(getattr(parent, n) for n in names)
+        return cls(names, modules, getattr(parent, fused, None), tuple(m.out_features for m in modules))
+
+    def __call__(self, i: int, h: torch.Tensor, lora) -> list[torch.Tensor]:
+        """Each projection of h [N, E] with its LoRA terms (layer i)."""
+        if self.fused is None:
+            return [lora.linear(i, n, m, h) for n, m in zip(self.names, self.modules)]
+        return [lora.add(i, n, y, h) for n, y in zip(self.names, self.fused(h).split(self.sizes, dim=-1))]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A decoder layer's modules, looked up once: an nn.Module attribute lookup costs as much as a
+    small op, and a step made hundreds of them."""
+
+    input_norm: torch.nn.Module
+    qkv: Projections
+    o_proj: torch.nn.Module
+    post_norm: torch.nn.Module
+    gate_up: Projections
+    down_proj: torch.nn.Module
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(layer.input_layernorm, Projections.of(attn, ("q_proj", "k_proj", "v_proj"), "qkv"), attn.o_proj,
+                   layer.post_attention_layernorm, Projections.of(mlp, ("gate_proj", "up_proj"), "gate_up"),
+                   mlp.down_proj)
+
+
 @dataclass
 class Segment:
     """One row's share of a forward step: its cache, the tokens to append and its adapter slot (0 = base)."""
@@ -79,6 +121,7 @@ class LlamaRunner:
         self.layer_ops = block_format(model) is not None  # kernels/layer_ops.cpp serve rotary and attention
         self.invariant_sizes: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
+        self.layers = [Layer.of(layer) for layer in model.model.layers]
         self.block_tokens = block_tokens
         self.pool = self._new_pool(-(-pool_tokens // block_tokens))
 
@@ -153,10 +196,8 @@ class LlamaRunner:
             view = self._decode_view([segments[r].cache for r in decoding])
         chunks = [(offsets[r], n, starts[r], self._blocks(segments[r].cache, starts[r] + n))
                   for r, n in enumerate(lens) if n > 1]
-        for i, layer in enumerate(core.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = _projections(i, attn, ("q_proj", "k_proj", "v_proj"), getattr(attn, "qkv", None), h, lora)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(i, layer.input_norm(x), lora)
             q = self._rope_store(i, q[:n_tok], k[:n_tok], v[:n_tok], cos, sin, slots)
             if decoding:
                 self._decode_attention(i, q, dec_tokens, view, attn_out)
@@ -169,11 +210,9 @@ class LlamaRunner:
                     q[o:o + n].view(n, self.heads, self.head_dim).transpose(0, 1)[None], keys, values,
                     attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                 attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
-            x = x + lora.linear(i, "o_proj", attn.o_proj, attn_out)
-            h, mlp = layer.post_attention_layernorm(x), layer.mlp  # llama.MLP.forward, with the LoRA term
-            gate, up = _projections(i, mlp, ("gate_proj", "up_proj"), getattr(mlp, "gate_up", None), h, lora)
-            up = F.silu(gate) * up
-            x = x + lora.linear(i, "down_proj", mlp.down_proj, up)
+            x = x + lora.linear(i, "o_proj", layer.o_proj, attn_out)
+            gate, up = layer.gate_up(i, layer.post_norm(x), lora)  # llama.MLP.forward, with the LoRA term
+            x = x + lora.linear(i, "down_proj", layer.down_proj, F.silu(gate) * up)
         for seg, n in zip(segments, lens):
             seg.cache.length += n
         rows = len(segments)
@@ -275,16 +314,6 @@ class LlamaRunner:
         if small in sizes and all(invariant(lin, m, 1100) for lin in dense for m in large):
             self.invariant_sizes = tuple(sizes)
         return self.invariant_sizes
-
-
-def _projections(i: int, parent: torch.nn.Module, names: tuple[str, ...], fused: torch.nn.Module | None,
-                 h: torch.Tensor, lora) -> list[torch.Tensor]:
-    """parent.<name>(h) for each name, with their LoRA terms: one call of the `fused` module (the rows of
-    every projection stacked, gguf models) split by columns, or one call per projection."""
-    if fused is None:
-        return [lora.linear(i, name, getattr(parent, name), h) for name in names]
-    parts = fused(h).split([getattr(parent, name).out_features for name in names], dim=-1)
-    return [lora.add(i, name, y, h) for name, y in zip(names, parts)]
 
 
 def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
