@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import meshauth, metrics, notify
+from shared import meshauth, metrics, notify, proxyauth
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, RestartPolicy, write_state
 from shared.stages import GATEWAY_UPSTREAMS, STAGE_ORDER
 from keelctl.procs import RUN_DIR_ENV
@@ -122,7 +122,9 @@ class Supervisor:
         self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
         self._ready = ReadySocket()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        base_env = dict(os.environ, **{meshauth.ENV: self.mesh_token}, PYTHONUNBUFFERED="1",
+        # The proxy credential (shared/proxyauth.py): the HTTP server names its callers to the gateway.
+        proxy_token = proxyauth.token() or secrets.token_hex(16)
+        base_env = dict(os.environ, **{meshauth.ENV: self.mesh_token, proxyauth.ENV: proxy_token}, PYTHONUNBUFFERED="1",
                         **{RUN_DIR_ENV: str(RUN_DIR.resolve()), notify.ENV: self._ready.name})
         if redis:
             redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.gateway.ratelimit import AuthFailureLimit, AuthFailureLimiter
+from shared import proxyauth
 from shared.errors import AMBIGUOUS_API_KEY, Unauthenticated
 
 API_KEY_HEADER = "x-api-key"
@@ -63,6 +64,16 @@ def peer_host(peer: str) -> str:
         return peer
     host = rest.rsplit(":", 1)[0].replace("%5B", "[").replace("%5D", "]")
     return host.strip("[]")
+
+
+def client_peer(metadata: Metadata, peer: str, proxy_token: str | None) -> str:
+    """The peer whose authentication failures a call counts against: the client that a process
+    fronting clients names (proxyauth.CLIENT_HEADER) beside the proxy credential ``proxy_token``,
+    as ``client:<address>``; else the transport peer."""
+    named, given = header_value(metadata, proxyauth.CLIENT_HEADER), header_value(metadata, proxyauth.HEADER)
+    if named is None or given is None or proxy_token is None or not proxyauth.believed(given, proxy_token):
+        return peer
+    return f"client:{named}"
 
 
 def _digest(salt: bytes, key: str) -> bytes:

@@ -7,15 +7,14 @@ import grpc
 
 from keel.gateway.v1 import gateway_pb2_grpc
 from services.gateway import config as gateway_config
-from services.gateway.auth import ApiKeyAuthenticator, Metadata
+from services.gateway.auth import ApiKeyAuthenticator, Metadata, client_peer
 from services.gateway.adapter_usage import AdapterUsage
 from services.gateway.pipeline import Pipeline, Served
 from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
-from services.gateway.ratelimit import RateLimiter
 from services.gateway import recording
 from services.gateway.retry import RetryExecutor
 from services.gateway.retry_alerts import RetryMonitor
-from shared import metrics
+from shared import metrics, proxyauth
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
 from shared.config import ServerConfig
@@ -29,6 +28,7 @@ class GatewayStage:
     def __init__(self, cfg: gateway_config.GatewayConfig):
         self.cfg = cfg
         self._auth = ApiKeyAuthenticator(cfg.api_keys, AuthFailureLimiter(cfg.auth_failures))
+        self._proxy_token = proxyauth.token()  # a caller holding it may name the client it calls for
         self._limiter = RateLimiter(cfg.rate_limits)
         self.upstreams = MeshUpstreams({up: getattr(cfg.upstreams, up) for up in GATEWAY_UPSTREAMS},
                                        cfg.server.max_message_bytes, cfg.upstreams.channels_per_replica)
@@ -54,7 +54,7 @@ class GatewayStage:
         self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits, on_served=on_served)
 
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
-        key_id = self._auth.authenticate(metadata, peer)
+        key_id = self._auth.authenticate(metadata, client_peer(metadata, peer, self._proxy_token))
         self._limiter.check(key_id)
         return key_id
 

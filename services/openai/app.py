@@ -25,7 +25,7 @@ from starlette.routing import Route
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.openai import convert, httperrors
 from services.openai.schemas import ChatBody, CompletionBody, invalid_body, parse
-from shared import client, errors
+from shared import client, errors, proxyauth
 from shared.interceptor import NOT_SERVING_RETRY_MS, TRACE_ID_KEY
 from shared.modelfile import MODEL_ID
 
@@ -53,7 +53,11 @@ def _printable(value: str) -> bool:
 
 
 def metadata(request: Request) -> tuple[tuple[str, str], ...]:
-    return tuple((name, v) for name in FORWARDED for v in request.headers.getlist(name) if _printable(v))
+    """The caller's forwarded headers, and the proxy credential with the caller's address: the
+    gateway then counts the caller's failed authentications by that address, not this server's."""
+    client_address = request.client.host if request.client else ""
+    return (*((name, v) for name in FORWARDED for v in request.headers.getlist(name) if _printable(v)),
+            *proxyauth.on_behalf_of(client_address))
 
 
 def deadline_s(request: Request) -> float | None:

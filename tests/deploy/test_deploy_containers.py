@@ -143,12 +143,12 @@ def test_every_image_is_pinned():
 
 
 def run_compose(*args: str, token: str | None = "test-token", redis_password: str | None = "test-redis-pw",
-                quiet: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("KEEL_MESH_TOKEN", "KEEL_REDIS_PASSWORD")}
-    if token is not None:
-        env["KEEL_MESH_TOKEN"] = token
-    if redis_password is not None:
-        env["KEEL_REDIS_PASSWORD"] = redis_password
+                proxy_token: str | None = "test-proxy-token", quiet: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("KEEL_MESH_TOKEN", "KEEL_REDIS_PASSWORD", "KEEL_PROXY_TOKEN")}
+    for name, value in (("KEEL_MESH_TOKEN", token), ("KEEL_REDIS_PASSWORD", redis_password),
+                        ("KEEL_PROXY_TOKEN", proxy_token)):
+        if value is not None:
+            env[name] = value
     return subprocess.run([str(compose_binary()), "-f", str(ROOT / "docker-compose.yml"), *args, "config",
                            *(["-q"] if quiet else [])], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
@@ -162,6 +162,14 @@ def test_compose_file_passes_the_real_compose_loader_with_and_without_the_profil
 def test_compose_refuses_to_start_without_a_mesh_token():
     done = run_compose(token=None)
     assert done.returncode != 0 and "KEEL_MESH_TOKEN" in done.stderr
+
+
+def test_compose_refuses_to_start_without_a_proxy_token_and_only_the_gateway_and_http_api_get_it():
+    done = run_compose(proxy_token=None)
+    assert done.returncode != 0 and "KEEL_PROXY_TOKEN" in done.stderr
+    done = run_compose(quiet=False)
+    services = yaml.safe_load(done.stdout)["services"]
+    assert sorted(n for n, svc in services.items() if "test-proxy-token" in yaml.safe_dump(svc)) == ["gateway", "openai"]
 
 
 def test_compose_refuses_to_start_without_a_redis_password():
@@ -190,7 +198,8 @@ def test_compose_loader_catches_a_broken_file(tmp_path):
     bad.write_text((ROOT / "docker-compose.yml").read_text().replace("stop_grace_period:", "stop_grace_perid:"))
     done = subprocess.run([str(compose_binary()), "-f", str(bad), "--project-directory", str(ROOT), "config", "-q"],
                           capture_output=True, text=True, env=dict(os.environ, KEEL_MESH_TOKEN="t",
-                                                                   KEEL_REDIS_PASSWORD="r"), timeout=120)
+                                                                   KEEL_REDIS_PASSWORD="r", KEEL_PROXY_TOKEN="p"),
+                          timeout=120)
     assert done.returncode != 0 and "stop_grace_perid" in done.stderr
 
 

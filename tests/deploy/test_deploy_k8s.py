@@ -97,6 +97,8 @@ def test_stage_reads_its_config_file_from_the_generated_configmap(rendered, over
     env = {e["name"]: e for e in container(dep)["env"]}
     assert env[f"KEEL_{stage.upper()}_CONFIG"]["value"] == f"/etc/keel/{stage}.yaml"
     assert env["KEEL_MESH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
+    # the proxy credential (shared/proxyauth.py) reaches the gateway, among the stages, only
+    assert ("KEEL_PROXY_TOKEN" in env) == (stage == "gateway")
     volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
     cm = one(rendered[overlay], "ConfigMap", volume["configMap"]["name"])
     assert f"{stage}.yaml" in cm["data"]

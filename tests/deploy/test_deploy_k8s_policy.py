@@ -131,6 +131,7 @@ def test_the_evaluator_denies_when_a_policy_is_missing_its_rule(rendered):
 
 SECRET_SAMPLES = {  # what the Secrets referenced by env hold, in the format the stage expects
     "KEEL_MESH_TOKEN": "0" * 64,
+    "KEEL_PROXY_TOKEN": "0" * 64,
     "KEEL_GATEWAY_API_KEYS": "[{key_id: prod, key_hash: 'sha256$00000000000000000000000000000000$" + "0" * 64 + "'}]",
     "KEEL_FEEDBACK_DATABASE__URL": "postgresql+psycopg://keel:secret@postgres:5432/keel",
     "KEEL_REDIS_PASSWORD": "0" * 64,

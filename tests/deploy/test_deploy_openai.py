@@ -11,7 +11,7 @@ from tests.deploy.dockerfiles import section
 from services.openai import config as openai_config
 from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, one
 from tests.deploy.test_deploy_containers import compose
-from tests.deploy.test_deploy_k8s_policy import EXTERNAL, allowed, effective_config, image_env, pod
+from tests.deploy.test_deploy_k8s_policy import SECRET_SAMPLES, EXTERNAL, allowed, effective_config, image_env, pod
 
 PORT = TOPOLOGY.ports("openai")[0]
 
@@ -30,7 +30,8 @@ def test_compose_publishes_8080_in_front_of_the_gateway():
     svc = compose()["services"]["openai"]
     assert svc["build"]["args"] == {"STAGE": "openai"} and svc["ports"] == [f"{PORT}:{PORT}"]
     assert svc["environment"]["KEEL_OPENAI_GATEWAY"] == f"[gateway:{STAGES['gateway'][0]}]"
-    assert "KEEL_MESH_TOKEN" not in svc["environment"]  # it calls the gateway with the caller's key only
+    # it calls the gateway with the caller's key only, and names the caller with the proxy credential
+    assert "KEEL_MESH_TOKEN" not in svc["environment"] and "KEEL_PROXY_TOKEN" in svc["environment"]
     assert sorted(svc["networks"]) == ["edge", "mesh"]
     assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
     assert svc["healthcheck"]["test"] == ["CMD", "python", "/app/healthcheck.py", "--port", str(PORT), "--http", "/health"]
@@ -48,6 +49,9 @@ def test_the_service_and_probes_use_the_http_port(rendered, overlay):
         assert c[probe]["httpGet"] == {"port": "http", "path": "/health"}
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KEEL_OPENAI_GATEWAY"] == f"[gateway:{STAGES['gateway'][0]}]" and "KEEL_MESH_TOKEN" not in env
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+    assert list(secrets) == ["KEEL_PROXY_TOKEN"] and secrets["KEEL_PROXY_TOKEN"]["key"] == "proxy-token"
+    assert secrets["KEEL_PROXY_TOKEN"]["name"].startswith("keel-mesh")  # dev's generated name has a hash suffix
     assert env["KEEL_OPENAI_CONFIG"] == "/etc/keel/openai.yaml"
 
 
@@ -65,7 +69,7 @@ def test_the_network_policy_opens_the_http_port_to_clients_and_it_reaches_the_ga
 def test_the_pod_config_passes_the_schema(rendered, overlay):
     objs = rendered[overlay]
     dep = one(objs, "Deployment", "openai")
-    env = {**image_env("openai"), **{e["name"]: e["value"] for e in container(dep)["env"]}}
+    env = {**image_env("openai"), **{e["name"]: e.get("value", SECRET_SAMPLES.get(e["name"])) for e in container(dep)["env"]}}
     cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
     data = effective_config("openai", one(objs, "ConfigMap", cm_name)["data"]["openai.yaml"], env)
     assert data["server"]["host"] == "0.0.0.0" and data["server"]["port"] == PORT

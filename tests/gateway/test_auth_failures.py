@@ -10,10 +10,10 @@ import yaml
 
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway import config as gateway_config
-from services.gateway.auth import ApiKeyAuthenticator, ApiKeyEntry, hash_key, peer_host
+from services.gateway.auth import ApiKeyAuthenticator, ApiKeyEntry, client_peer, hash_key, peer_host
 from services.gateway.ratelimit import AuthFailureLimit, AuthFailureLimiter
 from services.gateway.server import GatewayStage
-from shared import client
+from shared import client, proxyauth
 from shared.errors import AMBIGUOUS_API_KEY, AUTH_FAILURES_LIMITED, Overloaded, Unauthenticated
 from shared.interceptor import ServerInterceptor
 
@@ -224,3 +224,49 @@ async def test_two_api_key_headers_are_refused_over_the_wire(gateway_channel):
     code, err = await status_of(ch, (("x-api-key", "keel-dev-key"), ("x-api-key", "other")))
     assert code == grpc.StatusCode.UNAUTHENTICATED and err.reason == AMBIGUOUS_API_KEY
     assert (await status_of(ch, (("x-api-key", "keel-dev-key"),)))[0] == grpc.StatusCode.OK
+
+
+PROXY = "proxy-secret-0123"
+
+
+@pytest.mark.parametrize("metadata,expected", [
+    (((proxyauth.HEADER, PROXY), (proxyauth.CLIENT_HEADER, "10.1.2.3")), "client:10.1.2.3"),
+    (((proxyauth.HEADER, "wrong"), (proxyauth.CLIENT_HEADER, "10.1.2.3")), PEER),   # not the proxy
+    (((proxyauth.CLIENT_HEADER, "10.1.2.3"),), PEER),                              # no credential at all
+    (((proxyauth.HEADER, PROXY),), PEER),                                          # names no client
+])
+def test_only_the_proxy_credential_lets_a_caller_name_the_client_it_calls_for(metadata, expected):
+    assert client_peer(metadata, PEER, PROXY) == expected
+    assert client_peer(metadata, PEER, None) == PEER  # a gateway without a proxy token believes nobody
+
+
+@pytest.mark.asyncio
+async def test_one_http_client_guessing_keys_does_not_lock_out_the_others_behind_the_same_server(
+        tmp_path, monkeypatch):
+    """The OpenAI server calls the gateway from one address for all its clients; it names each
+    client beside the proxy credential. A client flooding wrong keys is cut off; a client whose key
+    never authenticated before, behind the same server, is still served. A caller without the
+    credential cannot pick the address its failures count against."""
+    monkeypatch.setenv(proxyauth.ENV, PROXY)
+    cfg = shipped_config()
+    cfg["auth_failures"]["backoff_base_s"] = cfg["auth_failures"]["backoff_cap_s"]
+    cfg["api_keys"] = [{"key_id": "newcomer", "key_hash": hash_key(KEY)}]
+    stage = stage_with(tmp_path, cfg)
+    srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Echo(), srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    limit = stage.cfg.auth_failures.max_failures
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            flooder = ((proxyauth.HEADER, PROXY), (proxyauth.CLIENT_HEADER, "203.0.113.9"))
+            guesses = [await status_of(ch, (*flooder, ("x-api-key", f"wrong-{i}"))) for i in range(limit + 5)]
+            assert guesses[-1][1].reason == AUTH_FAILURES_LIMITED
+            neighbour = ((proxyauth.HEADER, PROXY), (proxyauth.CLIENT_HEADER, "198.51.100.4"), ("x-api-key", KEY))
+            assert (await status_of(ch, neighbour))[0] == grpc.StatusCode.OK
+            forged = ((proxyauth.HEADER, "forged"), (proxyauth.CLIENT_HEADER, "192.0.2.1"))
+            for i in range(limit + 1):  # counted against the transport peer, 127.0.0.1
+                await status_of(ch, (*forged, ("x-api-key", f"forged-{i}")))
+            assert (await status_of(ch, (("x-api-key", "another"),)))[1].reason == AUTH_FAILURES_LIMITED
+    finally:
+        await srv.stop(None)

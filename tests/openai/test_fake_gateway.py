@@ -24,13 +24,14 @@ from openai import OpenAI
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
-from shared import errors
+from shared import errors, proxyauth
 from shared.interceptor import to_status
 from shared.modelfile import MODEL_ID
 from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "0af7651916cd43dd8448eb211c80319c"
+PROXY = "proxy-token-for-this-test"
 pytestmark = pytest.mark.slow
 
 
@@ -88,7 +89,8 @@ def stage():
     gport = server.add_insecure_port("127.0.0.1:0")
     server.start()
     port = free_port()
-    env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{gport}]")
+    env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{gport}]",
+               **{proxyauth.ENV: PROXY})
     env.pop("KEEL_MESH_TLS_DIR", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -117,6 +119,8 @@ def test_controls_reach_the_gateway_and_logprobs_come_back(stage):
         ("french@2", True, 2, ["\n"])
     assert json.loads(req.response_format.json_schema) == {"type": "object"} and req.sampling.seed == 5
     assert md["authorization"] == "Bearer k-123" and md["traceparent"] == f"00-{TRACE}-00f067aa0ba902b7-01"
+    # the caller's address, beside the proxy credential the gateway believes it with
+    assert md[proxyauth.CLIENT_HEADER] == "127.0.0.1" and md[proxyauth.HEADER] == PROXY
     assert raw.headers["x-keel-trace-id"] == TRACE and r.model == "french@2"
     content = r.choices[0].logprobs.content
     assert [(t.token, t.logprob, t.bytes) for t in content] == [("Hel", -0.5, [72, 101, 108]), ("lo", -0.25, [108, 111])]
