@@ -12,8 +12,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-# Loopback for `keel up`; the bare service names for compose and Kubernetes.
-SERVER_NAMES = "DNS:localhost,IP:127.0.0.1,DNS:gateway,DNS:tokenizer,DNS:inference,DNS:validator"
+from shared.stages import STAGE_ORDER
+
+# Loopback for `keel up`; every stage's bare service name for compose and Kubernetes.
+SERVER_NAMES = ",".join(("DNS:localhost", "IP:127.0.0.1", *(f"DNS:{stage}" for stage in STAGE_ORDER)))
 KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 
