@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
                 print(f"inference@{target}  {r.active} (was {r.previous})")
             else:
                 r = _call(target, "GetVariant", inference_pb2.GetVariantRequest())
-                others = " ".join(f"{k}={v}" for k, v in sorted(r.variants.items()))
+                others = " ".join(f"{k}={v}" + (" (locked: not gated yet)" if k in r.locked else "")
+                                  for k, v in sorted(r.variants.items()))
                 print(f"inference@{target}  active {r.active}  variants {others}")
         except grpc.RpcError as exc:
             err = client.translate(exc)

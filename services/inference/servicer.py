@@ -128,4 +128,5 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.SetVariantResponse(active=switch.active, previous=switch.previous)
 
     async def GetVariant(self, request, context):
-        return inference_pb2.GetVariantResponse(active=self.engine.active_variant(), variants=self.engine.variants)
+        return inference_pb2.GetVariantResponse(active=self.engine.active_variant(), variants=self.engine.variants,
+                                                locked=sorted(self.engine.locked_variants()))

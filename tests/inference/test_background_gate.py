@@ -14,14 +14,18 @@ import logging
 import psutil
 import pytest
 import pytest_asyncio
+from prometheus_client import CollectorRegistry
 
+from keel.inference.v1 import inference_pb2
 from services.inference.engine.core import Engine
 from services.inference.engine.variants import Switch
+from services.inference.servicer import InferenceServicer
 from services.inference.startup import background
 from services.inference.startup.background import BackgroundGate
 from services.inference.startup.formats import FormatsConfig
 from services.inference.startup.startgate import GateJob, Verdict
 from shared.errors import PreconditionFailed
+from shared.metrics import metrics_for
 from shared.stagestatus import StatusBoard
 from tests.inference.helpers import collect, prompt, request, tiny_config
 
@@ -71,11 +75,15 @@ def verdict(choice) -> dict:
 
 
 @pytest.mark.asyncio
-async def test_a_candidate_is_refused_until_its_gate_passes(engine):
+async def test_a_candidate_is_refused_until_its_gate_passes_and_get_variant_marks_it(engine):
+    servicer = InferenceServicer(engine, metrics_for("inference", CollectorRegistry()))
+    shown = await servicer.GetVariant(inference_pb2.GetVariantRequest(), None)
+    assert list(shown.locked) == ["auto-int8"] and dict(shown.variants)["auto-int8"] == "int8"
     with pytest.raises(PreconditionFailed) as err:
         await engine.set_variant("auto-int8", "operator")
     assert err.value.reason == "VARIANT_NOT_GATED" and engine.active_variant() == "primary"
     engine.unlock_variant("auto-int8")
+    assert list((await servicer.GetVariant(inference_pb2.GetVariantRequest(), None)).locked) == []
     assert await engine.set_variant("auto-int8", "operator") == Switch("auto-int8", "primary")
 
 

@@ -272,6 +272,10 @@ class Engine:
         """Let SetVariant select `name` (its format passed the quality gate)."""
         self._locked.discard(name)
 
+    def locked_variants(self) -> frozenset[str]:
+        """The variants SetVariant refuses until they are unlocked."""
+        return frozenset(self._locked)
+
     def active_variant(self) -> str:
         return self._loop.stats().active_variant if self._loop is not None else PRIMARY
 
