@@ -32,6 +32,25 @@ def test_greedy_takes_the_lowest_id_among_ties_and_reports_logprob_and_entropy()
     assert p.entropy == pytest.approx(float(-(logp.exp() * logp).sum()))
 
 
+def test_a_vocabulary_long_entropy_has_the_same_bits_at_any_thread_count_and_in_any_batch():
+    """torch splits a reduction over more than 32768 elements across threads; the entropy of a
+    49152-token row must not depend on how many there are, nor on the row's batch-mates."""
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    draws = [Draw(0.0, 1.0, 0, 0, 5)] * 3
+    before = torch.get_num_threads()
+    try:
+        seen = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            seen.append([p.entropy for p in pick(logits, draws)])
+            seen.append([pick(logits[r:r + 1], draws[:1])[0].entropy for r in range(3)])
+    finally:
+        torch.set_num_threads(before)
+    assert all(s == seen[0] for s in seen), seen
+    logp = torch.log_softmax(logits.double(), -1)
+    assert seen[0] == pytest.approx((-(logp.exp() * logp).sum(-1)).tolist(), rel=1e-5)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     for pos in range(20):
         assert pick1(logits_fixture(), 1.0, 1.0, 1, 0, pos).token_id == 1

@@ -74,7 +74,17 @@ def pick(logits: torch.Tensor, draws: Sequence[Draw], scores: torch.Tensor | Non
                                                               d.position)
               for r, d in enumerate(draws)]
     chosen = logp[torch.arange(len(draws)), torch.tensor(tokens)].tolist()
-    return [Pick(t, lp, max(0.0, float(plogp[r].sum()))) for r, (t, lp) in enumerate(zip(tokens, chosen))]
+    entropy = _row_sums(plogp).tolist()
+    return [Pick(t, lp, max(0.0, h)) for t, lp, h in zip(tokens, chosen, entropy)]
+
+
+def _row_sums(x: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """[R, V] -> [R]: each row's sum in an order fixed by V alone. torch splits one reduction longer
+    than its grain (32768 elements) across threads, so a plain sum of a vocabulary-long row has bits
+    that depend on the thread count; here one thread sums each `chunk`-element piece, and then each
+    row's V / chunk partial sums (a reduction short enough never to be split)."""
+    rows, v = x.shape
+    return torch.nn.functional.pad(x, (0, -v % chunk)).view(rows, -1, chunk).sum(-1).sum(-1)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int) -> int:
