@@ -81,15 +81,16 @@ def main() -> int:
                     help="a block format's norms, rotary and attention on aten ops instead of its layer ops")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    runner = LlamaRunner(load_model(ROOT / "var/model", dtype=args.dtype))
-    if args.aten_layers:
-        runner.layer_ops = False
-        for m in list(runner.model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
+    model = load_model(ROOT / "var/model", dtype=args.dtype)
+    if args.aten_layers:  # before the runner looks its layers' modules up
+        for m in list(model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
             for name, child in m.named_children():
                 if isinstance(child, KernelRMSNorm):
                     norm = RMSNorm(child.weight.shape[0], child.variance_epsilon)
                     norm.weight = child.weight
                     setattr(m, name, norm)
+    runner = LlamaRunner(model)
+    runner.layer_ops = runner.layer_ops and not args.aten_layers
     if args.dtype == "float32":
         runner.calibrate_invariant_sizes(args.batch)  # as the engine does: padded to an invariant size
     caches = [runner.new_cache(args.context + args.steps * 3 + 8) for _ in range(args.batch)]
