@@ -89,6 +89,22 @@ def test_every_isa_path_gives_the_emulations_bits(k, real):
         assert err < 0.02, f"{label}: relative error {err:.3g} (8-bit activations)"
 
 
+def test_every_path_quantizes_ties_zero_blocks_and_extremes_as_the_emulation(k):
+    """Activation blocks that the random ones rarely hold: halves (rounding ties go to even), an
+    all-zero block (dx = 0), a block whose max is one tiny value, and one of huge values."""
+    K = 4 * BLOCK
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(9))
+    x[:, :BLOCK] = torch.tensor([127.0] + [h + 0.5 for h in range(-15, 16)])  # dx = 1: every x * id a tie
+    x[0, BLOCK:2 * BLOCK] = 0.0
+    x[1, BLOCK:2 * BLOCK] = 0.0
+    x[1, BLOCK + 7] = 1e-30
+    x[2, 2 * BLOCK:3 * BLOCK] *= 3e37
+    w = random_blocks(Q4_1, 32, K, seed=9)
+    want = emulate(x, w, Q4_1)
+    for isa in k.q8_isas:
+        assert torch.equal(k.matmul_q8(x, blocks.pack_x16(w, Q4_1), Q4_1, 32, isa), want), isa
+
+
 def test_the_emulation_tells_orders_apart(k):
     w = random_blocks(Q4_1, 48, 1536, seed=5)
     x = activations(2, 1536, seed=5)
