@@ -30,10 +30,15 @@ def outgoing() -> list[tuple[str, str]]:
 
 def check(expected: str, metadata: Mapping[str, str]) -> None:
     """Unauthenticated MISSING_MESH_CREDENTIAL / INVALID_MESH_CREDENTIAL unless the caller sent
-    ``expected``. Fixed-length digests keep the comparison constant-time in the token's length."""
+    ``expected`` (compared by ``same_secret``)."""
     given = metadata.get(HEADER, "")
     if not given:
         raise errors.Unauthenticated("this stage accepts only calls from the Keel mesh",
                                      reason="MISSING_MESH_CREDENTIAL")
-    if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(expected.encode()).digest()):
+    if not same_secret(given, expected):
         raise errors.Unauthenticated("wrong mesh credential", reason="INVALID_MESH_CREDENTIAL")
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Whether two secrets are equal; fixed-length digests keep it constant-time in their length."""
+    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(expected.encode()).digest())

@@ -11,8 +11,6 @@ internet-facing HTTP server holds no key to the inner stages.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 
 HEADER = "x-keel-proxy-token"
@@ -30,8 +28,3 @@ def on_behalf_of(address: str) -> list[tuple[str, str]]:
     address would not be believed)."""
     t = token()
     return [(HEADER, t), (CLIENT_HEADER, address)] if t and address else []
-
-
-def believed(given: str, expected: str) -> bool:
-    """Whether ``given`` is the proxy token ``expected``; constant-time in the token's length."""
-    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(expected.encode()).digest())

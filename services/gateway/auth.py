@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.gateway.ratelimit import AuthFailureLimit, AuthFailureLimiter
-from shared import proxyauth
+from shared import meshauth, proxyauth
 from shared.errors import AMBIGUOUS_API_KEY, Unauthenticated
 
 API_KEY_HEADER = "x-api-key"
@@ -71,7 +71,7 @@ def client_peer(metadata: Metadata, peer: str, proxy_token: str | None) -> str:
     fronting clients names (proxyauth.CLIENT_HEADER) beside the proxy credential ``proxy_token``,
     as ``client:<address>``; else the transport peer."""
     named, given = header_value(metadata, proxyauth.CLIENT_HEADER), header_value(metadata, proxyauth.HEADER)
-    if named is None or given is None or proxy_token is None or not proxyauth.believed(given, proxy_token):
+    if named is None or given is None or proxy_token is None or not meshauth.same_secret(given, proxy_token):
         return peer
     return f"client:{named}"
 

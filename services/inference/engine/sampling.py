@@ -84,7 +84,9 @@ def _row_sums(x: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     that depend on the thread count; here one thread sums each `chunk`-element piece, and then each
     row's V / chunk partial sums (a reduction short enough never to be split)."""
     rows, v = x.shape
-    return torch.nn.functional.pad(x, (0, -v % chunk)).view(rows, -1, chunk).sum(-1).sum(-1)
+    if v % chunk:
+        x = torch.nn.functional.pad(x, (0, -v % chunk))  # zeros: exact terms at the end
+    return x.reshape(rows, -1, chunk).sum(-1).sum(-1)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int, position: int) -> int:

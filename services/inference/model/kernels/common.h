@@ -34,6 +34,16 @@ inline bool cpu_avx2_fma_f16c() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+// The float32 ops' paths (keel::gguf_mm, keel::decode_attention_): isa code i is kFloatIsas[i].
+constexpr int FLOAT_AVX2 = 1, FLOAT_AVX512 = 2;
+inline const char* const kFloatIsas[] = {"portable", "avx2", "avx512"};
+
+inline bool cpu_has_float_isa(int isa) {
+  if (isa == FLOAT_AVX512) return cpu_avx2_fma_f16c() && __builtin_cpu_supports("avx512f");
+  if (isa == FLOAT_AVX2) return cpu_avx2_fma_f16c();
+  return isa == PORTABLE;
+}
+
 // x [M, K]: a contiguous float32 CPU matrix, K whole blocks; w a CPU tensor.
 inline void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t ggml_type) {
   TORCH_CHECK(block_bytes(ggml_type), op, ": unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");

@@ -42,14 +42,7 @@ namespace {
 
 using namespace keel;
 
-constexpr int AVX2 = 1, AVX512 = 2;  // the op's isa codes (0: portable)
-const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
-
-bool cpu_has(int isa) {
-  if (isa == AVX512) return cpu_avx2_fma_f16c() && __builtin_cpu_supports("avx512f");
-  if (isa == AVX2) return cpu_avx2_fma_f16c();
-  return isa == PORTABLE;
-}
+constexpr int AVX2 = FLOAT_AVX2, AVX512 = FLOAT_AVX512;  // the op's isa codes (0: portable)
 
 struct Problem {
   const float* x;    // [M, K]
@@ -270,8 +263,8 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   const int64_t row_bytes = K / QK * bb;
   TORCH_CHECK(n >= 0 && w.size(0) == n && w.size(1) == row_bytes, "keel::gguf_mm: for ", type_name, " with K = ", K,
               " and n = ", n, " w must be [", n, ", ", row_bytes, "] (", bb, " bytes per block), got ", w.sizes());
-  static const int best = resolve_isa(op, -1, kIsaNames, cpu_has);
-  const int path = isa < 0 ? best : resolve_isa(op, isa, kIsaNames, cpu_has);
+  static const int best = resolve_isa(op, -1, kFloatIsas, cpu_has_float_isa);
+  const int path = isa < 0 ? best : resolve_isa(op, isa, kFloatIsas, cpu_has_float_isa);
 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
@@ -280,7 +273,7 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   return y;
 }
 
-std::vector<std::string> gguf_isas() { return isas(kIsaNames, cpu_has); }
+std::vector<std::string> gguf_isas() { return isas(kFloatIsas, cpu_has_float_isa); }
 
 }  // namespace
 

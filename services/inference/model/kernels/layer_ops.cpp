@@ -91,23 +91,11 @@ KEEL_CLONES void rope_token(const float* q, const float* k, const float* v, cons
   }
 }
 
-// Softmax along each of the g rows of score [g, len], in place: top = max, e_p = exp(s_p - top),
-// sum of e_p in order of p, then e_p / sum.
-KEEL_INLINE void softmax_rows(float* score, int64_t g, int64_t len) {
-  for (int64_t i = 0; i < g; ++i) {
-    float* si = score + i * len;
-    float top = -INFINITY, sum = 0.f;
-    for (int64_t p = 0; p < len; ++p) top = std::max(top, si[p]);
-    for (int64_t p = 0; p < len; ++p) sum += (si[p] = std::exp(si[p] - top));
-    for (int64_t p = 0; p < len; ++p) si[p] = si[p] / sum;
-  }
-}
-
 // One row's KV head (a unit): its g query heads q [g, D] (rows D apart) over the row's len
 // positions, whose flat slots are slot[0..len-1], into o [g, D]; score [g * len] is scratch.
-// Three steps: score[i, p] = scale * dot(q_i, k_p); softmax along p; o_i = sum_p score[i, p] * v_p
-// in order of p (from +0). The SIMD versions below (D a multiple of 16) compute the same operations:
-// a dot's 16 lanes are one zmm (AVX-512) or two ymm (AVX2, lanes 0-7 and 8-15), added by the same tree.
+// score[i, p] = scale * dot(q_i, k_p), then weigh_values. The versions differ in the scores only:
+// the SIMD ones (D a multiple of 16) keep a dot's 16 lanes in one zmm (AVX-512) or two ymm (AVX2,
+// lanes 0-7 and 8-15), added by the portable code's tree.
 struct Unit {
   const float *q, *keys, *values;
   const int64_t* slot;
@@ -116,17 +104,34 @@ struct Unit {
   float *score, *o;
 };
 
+// The steps after the scores, shared by every version (inlined into each, so the compiler
+// vectorizes the element-wise value sum for that version's width; element-wise, the bits are
+// those of any width): softmax along each of the g rows of score [g, len] (top = max,
+// e_p = exp(s_p - top), their sum in order of p, then e_p / sum), then o_i = sum_p score[i, p] * v_p
+// in order of p, from +0.
+KEEL_INLINE void weigh_values(const Unit& u) {
+  for (int64_t i = 0; i < u.g; ++i) {
+    float* si = u.score + i * u.len;
+    float top = -INFINITY, sum = 0.f;
+    for (int64_t p = 0; p < u.len; ++p) top = std::max(top, si[p]);
+    for (int64_t p = 0; p < u.len; ++p) sum += (si[p] = std::exp(si[p] - top));
+    for (int64_t p = 0; p < u.len; ++p) si[p] = si[p] / sum;
+  }
+  std::fill(u.o, u.o + u.g * u.d, 0.f);
+  for (int64_t p = 0; p < u.len; ++p) {
+    const float* __restrict v = u.values + u.slot[p] * u.d;
+    for (int64_t i = 0; i < u.g; ++i) {
+      const float w = u.score[i * u.len + p];
+      float* __restrict o = u.o + i * u.d;
+      for (int64_t j = 0; j < u.d; ++j) o[j] += w * v[j];
+    }
+  }
+}
+
 void attend_portable(const Unit& u) {
   for (int64_t p = 0; p < u.len; ++p)
     for (int64_t i = 0; i < u.g; ++i) u.score[i * u.len + p] = u.scale * dot(u.q + i * u.d, u.keys + u.slot[p] * u.d, u.d);
-  softmax_rows(u.score, u.g, u.len);
-  std::fill(u.o, u.o + u.g * u.d, 0.f);
-  for (int64_t p = 0; p < u.len; ++p)
-    for (int64_t i = 0; i < u.g; ++i) {
-      const float w = u.score[i * u.len + p];
-      const float* v = u.values + u.slot[p] * u.d;
-      for (int64_t j = 0; j < u.d; ++j) u.o[i * u.d + j] += w * v[j];
-    }
+  weigh_values(u);
 }
 
 #define KEEL_AVX2 __attribute__((target("avx2")))
@@ -152,17 +157,7 @@ KEEL_AVX2 void attend_avx2(const Unit& u) {  // D a multiple of 16
       u.score[i * u.len + p] = u.scale * tree8(_mm256_add_ps(lo, hi));
     }
   }
-  softmax_rows(u.score, u.g, u.len);
-  std::fill(u.o, u.o + u.g * u.d, 0.f);
-  for (int64_t p = 0; p < u.len; ++p) {
-    const float* v = u.values + u.slot[p] * u.d;
-    for (int64_t i = 0; i < u.g; ++i) {
-      const __m256 w = _mm256_set1_ps(u.score[i * u.len + p]);
-      float* o = u.o + i * u.d;
-      for (int64_t j = 0; j < u.d; j += 8)
-        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(w, _mm256_loadu_ps(v + j))));
-    }
-  }
+  weigh_values(u);
 }
 
 KEEL_AVX512 void attend_avx512(const Unit& u) {  // D a multiple of 16
@@ -177,29 +172,12 @@ KEEL_AVX512 void attend_avx512(const Unit& u) {  // D a multiple of 16
       u.score[i * u.len + p] = u.scale * tree8(_mm256_add_ps(_mm512_castps512_ps256(acc), high));
     }
   }
-  softmax_rows(u.score, u.g, u.len);
-  std::fill(u.o, u.o + u.g * u.d, 0.f);
-  for (int64_t p = 0; p < u.len; ++p) {
-    const float* v = u.values + u.slot[p] * u.d;
-    for (int64_t i = 0; i < u.g; ++i) {
-      const __m512 w = _mm512_set1_ps(u.score[i * u.len + p]);
-      float* o = u.o + i * u.d;
-      for (int64_t j = 0; j < u.d; j += 16)
-        _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(o + j), _mm512_mul_ps(w, _mm512_loadu_ps(v + j))));
-    }
-  }
+  weigh_values(u);
 }
 
 using AttendFn = void (*)(const Unit&);
 
-const char* const kIsaNames[] = {"portable", "avx2", "avx512"};  // decode_attention_'s isa codes
-const AttendFn kAttend[] = {attend_portable, attend_avx2, attend_avx512};
-
-bool cpu_has(int isa) {
-  __builtin_cpu_init();
-  return isa == PORTABLE || (isa == 1 && __builtin_cpu_supports("avx2")) ||
-         (isa == 2 && __builtin_cpu_supports("avx512f"));
-}
+const AttendFn kAttend[] = {attend_portable, attend_avx2, attend_avx512};  // by isa code (common.h kFloatIsas)
 
 void check_f32(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name, " must be a float32 CPU tensor");
@@ -297,8 +275,8 @@ void decode_attention_(const at::Tensor& out, const at::Tensor& rows, const at::
   std::vector<int64_t> slots(nb * longest);
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t p = 0; p < lp[b]; ++p) slots[b * longest + p] = tp[b * w + p / block_tokens] * block_tokens + p % block_tokens;
-  static const int best = keel::resolve_isa(op, -1, kIsaNames, cpu_has);
-  const int path = isa < 0 ? best : keel::resolve_isa(op, isa, kIsaNames, cpu_has);
+  static const int best = keel::resolve_isa(op, -1, keel::kFloatIsas, keel::cpu_has_float_isa);
+  const int path = isa < 0 ? best : keel::resolve_isa(op, isa, keel::kFloatIsas, keel::cpu_has_float_isa);
   const AttendFn attend = d % 16 ? attend_portable : kAttend[path];  // the SIMD versions take D in 16s
   at::parallel_for(0, nb * kv, grain(2 * g * longest * d), [&](int64_t a, int64_t z) {
     std::vector<float> score(g * longest);
