@@ -3,8 +3,8 @@ contexts, one token each, timed against its floor (the same step's linear layers
 projection and MLP layer at the step's padded batch, lm_head on its rows, nothing else), then
 profiled by operator (torch.profiler). At batch 1 it also sets the step's effective memory bandwidth
 (bytes of weights it reads, blocks for gguf, plus the KV cache it attends over, divided by the step's
-time) against a STREAM-like copy timed in the same run (a 256 MiB tensor copied; read + write
-counted): a batch-1 step is bound by bandwidth, so the copy is its physical limit.
+time) against a STREAM-like copy (a 256 MiB tensor copied; read + write counted) timed right after
+each of five rounds of steps: a batch-1 step is bound by bandwidth, so the copy is its physical limit.
 
 Run: .venv/bin/python bench/profile_decode.py [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
      [--aten-layers]   (a block format without its layer ops, as before kernels/layer_ops.cpp)
@@ -65,6 +65,16 @@ def copy_gb_s(repeats: int = 5) -> float:
     return 2 * src.nbytes / (best / 1e3) / 1e9
 
 
+def bandwidth_rounds(step, moved: int, steps: int, rounds: int = 5) -> list[tuple[float, float]]:
+    """(step GB/s, copy GB/s) of `rounds` rounds, each timing `steps` steps and then the copy: the
+    bandwidth a host lends moves by up to 2x from minute to minute, so each ratio is taken in one window."""
+    out = []
+    for _ in range(rounds):
+        ms = timed_ms(step, steps)
+        out.append((moved / (ms / 1e3) / 1e9, copy_gb_s(3)))
+    return out
+
+
 def step_bytes(runner: LlamaRunner, context: int) -> int:
     """Bytes one batch-1 decode step reads: every weight once, and its row's keys and values."""
     return static_bytes(runner.model) + context * runner.kv_bytes_per_token
@@ -112,9 +122,12 @@ def main() -> int:
           f"{ms / floor:.2f}x. Machine: {machine()}")
     if args.batch == 1:
         moved = step_bytes(runner, args.context)
-        copy = copy_gb_s()
-        print(f"batch 1: {moved / 1e6:.1f} MB read per step -> {moved / (ms / 1e3) / 1e9:.2f} GB/s; a 256 MiB copy "
-              f"in the same run: {copy:.2f} GB/s; step / copy bandwidth {moved / (ms / 1e3) / 1e9 / copy:.0%}")
+        rounds = bandwidth_rounds(step, moved, args.steps)
+        ratios = sorted(s / c for s, c in rounds)
+        print(f"batch 1: {moved / 1e6:.1f} MB read per step; {len(rounds)} rounds of {args.steps} steps, each "
+              f"followed by a 256 MiB copy: step GB/s / copy GB/s "
+              + ", ".join(f"{s:.1f}/{c:.1f}" for s, c in rounds)
+              + f"; step / copy bandwidth median {ratios[len(ratios) // 2]:.0%} (range {ratios[0]:.0%}-{ratios[-1]:.0%})")
     print("| operator | share of self CPU time | calls per step |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]:
         print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.count // 5} |")

@@ -34,6 +34,7 @@ llama.cpp stores the query and key rows of each head interleaved for its rotary 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -252,6 +253,35 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...], parts: tuple[tu
         setattr(parent, name, BlockLinear(whole.blocks[start:start + step], t, in_features, b.shape[0], q8,
                                           owner=False))
         start += step
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """A decoder layer's weights as keel::layer_attention and keel::layer_mlp take them (kernels/layer.cpp):
+    `attention` = (input norm, eps, qkv blocks, type, (H*D, KV*D, KV*D), q8), `mlp` = (o blocks, type,
+    width, post norm, eps, gate_up blocks, type, width, down blocks, type, width, q8)."""
+
+    attention: tuple
+    mlp: tuple
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerArgs | None:
+        """None unless every part is a block module and the projections are fused (see load)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = getattr(attn, "qkv", None), getattr(mlp, "gate_up", None)
+        linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not (all(isinstance(m, BlockLinear) for m in linears) and all(isinstance(m, KernelRMSNorm) for m in norms)):
+            return None
+
+        def weight(m: BlockLinear) -> tuple:
+            return m.blocks, m.ggml_type, m.out_features
+
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        first, second = norms
+        return cls((first.weight, first.variance_epsilon, qkv.blocks, qkv.ggml_type, sizes, qkv.q8),
+                   (*weight(attn.o_proj), second.weight, second.variance_epsilon, *weight(gate_up),
+                    *weight(mlp.down_proj), qkv.q8))
 
 
 def block_format(model: nn.Module) -> str | None:

@@ -10,6 +10,9 @@ the padded capacity. So a row's logits are bitwise the same alone or inside any 
 The block formats (`gguf`, `gguf_f32`) run the rotary embedding with the cache write, and decode
 attention, as one call each of Keel's layer ops (kernels/layer_ops.cpp: the same guarantee, each row
 along its own positions in a fixed order, no padding read); the other formats run the aten ops here.
+In a step without LoRA terms a block format's layer is two calls (kernels/layer.cpp: norm, QKV,
+rotary and decode attention; then o_proj, norm, MLP and both residual adds), the same ops in the
+same order as the op-by-op path that a step with adapters takes, so the bits are those of that path.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
 (lora/slots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.inference.model.blocks import block_format
+from services.inference.model.blocks import LayerArgs, block_format
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.model.llama import rotate_half
 from services.inference.lora.slots import NO_LORA, LoraSlots
@@ -74,13 +77,14 @@ class Layer:
     post_norm: torch.nn.Module
     gate_up: Projections
     down_proj: torch.nn.Module
+    blocks: LayerArgs | None  # a block format's layer: its two composed calls (kernels/layer.cpp)
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         return cls(layer.input_layernorm, Projections.of(attn, ("q_proj", "k_proj", "v_proj"), "qkv"), attn.o_proj,
                    layer.post_attention_layernorm, Projections.of(mlp, ("gate_proj", "up_proj"), "gate_up"),
-                   mlp.down_proj)
+                   mlp.down_proj, LayerArgs.of(layer))
 
 
 @dataclass
@@ -196,11 +200,20 @@ class LlamaRunner:
             view = self._decode_view([segments[r].cache for r in decoding])
         chunks = [(offsets[r], n, starts[r], self._blocks(segments[r].cache, starts[r] + n))
                   for r, n in enumerate(lens) if n > 1]
+        # Without LoRA terms a block format's layer is two composed calls (the same ops, the same bits).
+        composed = self.layer_ops and lora is NO_LORA
+        if composed:
+            decode_rows = (dec_tokens, view.table, view.lengths) if decoding else _NO_DECODE_ROWS
+            step = (n_tok, cos, sin, slots)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(i, layer.input_norm(x), lora)
-            q = self._rope_store(i, q[:n_tok], k[:n_tok], v[:n_tok], cos, sin, slots)
-            if decoding:
-                self._decode_attention(i, q, dec_tokens, view, attn_out)
+            if composed and layer.blocks is not None:
+                q = torch.ops.keel.layer_attention(x, *layer.blocks.attention, *step, *pool.layer(i), attn_out,
+                                                   *decode_rows, self.block_tokens, self.scale)
+            else:
+                q, k, v = layer.qkv(i, layer.input_norm(x), lora)
+                q = self._rope_store(i, q[:n_tok], k[:n_tok], v[:n_tok], cos, sin, slots)
+                if decoding:
+                    self._decode_attention(i, q, dec_tokens, view, attn_out)
             for o, n, st, blocks in chunks:
                 # A prompt chunk (one row) at positions st..st+n-1 attends causally to everything cached so far.
                 keys = pool.keys[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]  # [1, KV, st+n, D]
@@ -210,6 +223,9 @@ class LlamaRunner:
                     q[o:o + n].view(n, self.heads, self.head_dim).transpose(0, 1)[None], keys, values,
                     attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                 attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
+            if composed and layer.blocks is not None:
+                x = torch.ops.keel.layer_mlp(x, attn_out, *layer.blocks.mlp)
+                continue
             x = x + lora.linear(i, "o_proj", layer.o_proj, attn_out)
             gate, up = layer.gate_up(i, layer.post_norm(x), lora)  # llama.MLP.forward, with the LoRA term
             x = x + lora.linear(i, "down_proj", layer.down_proj, F.silu(gate) * up)
@@ -314,6 +330,10 @@ class LlamaRunner:
         if small in sizes and all(invariant(lin, m, 1100) for lin in dense for m in large):
             self.invariant_sizes = tuple(sizes)
         return self.invariant_sizes
+
+
+# keel::layer_attention's decode rows, table and lengths for a step without decode rows.
+_NO_DECODE_ROWS = (torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
 
 
 def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@
     y = k.matmul_q8(x, wp, 3, n)   # gguf_q8.cpp: the same blocks interleaved by 16 rows (blocks.pack_x16),
                                    # activations quantized to 8 bits per block, integer dot products
     torch.ops.keel.rms_norm, .rope_store, .decode_attention_   # layer_ops.cpp: the step's other work
+    torch.ops.keel.layer_attention, .layer_mlp                 # layer.cpp: a decoder layer in two calls
 
 The library is compiled once per source (torch.utils.cpp_extension, -O3, no -march=native: the
 SIMD paths are chosen at run time) and cached under ``ROOT_DIR/build/kernels/<hash>/``, the hash
@@ -42,8 +43,8 @@ SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20, 4), 8: QuantTy
 ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in keel::gguf_mm's isa
 Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_mm.cpp", "gguf_q8.cpp", "layer_ops.cpp"))
-HEADERS = (Path(__file__).with_name("common.h"),)  # included by the sources: part of the build's hash
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_mm.cpp", "gguf_q8.cpp", "layer_ops.cpp", "layer.cpp"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "ops.h"))  # included by the sources: part of the build's hash
 LIB_NAME = "keel_gguf_mm"
 # -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
 # torch's OpenMP loop, inlined into the kernel; without the flag it runs on one thread.

@@ -37,6 +37,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -251,6 +252,10 @@ void run(const Problem& p, const Tiling& t) {
   });
 }
 
+}  // namespace
+
+namespace keel {
+
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
   constexpr const char* op = "keel::gguf_mm";
   check_inputs(op, x, w, ggml_type);
@@ -273,11 +278,15 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
   return y;
 }
 
-std::vector<std::string> gguf_isas() { return isas(kFloatIsas, cpu_has_float_isa); }
+}  // namespace keel
+
+namespace {
+
+std::vector<std::string> gguf_isas() { return keel::isas(keel::kFloatIsas, keel::cpu_has_float_isa); }
 
 }  // namespace
 
 TORCH_LIBRARY(keel, m) {
-  m.def("gguf_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &gguf_mm);
+  m.def("gguf_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &keel::gguf_mm);
   m.def("gguf_isas() -> str[]", &gguf_isas);
 }

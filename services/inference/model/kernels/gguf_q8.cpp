@@ -34,6 +34,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -368,6 +369,10 @@ void run(const Problem& p, const Tiling& t, int type) {
   });
 }
 
+}  // namespace
+
+namespace keel {
+
 at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
   constexpr const char* op = "keel::gguf_q8_mm";
   check_inputs(op, x, w, ggml_type);
@@ -400,11 +405,15 @@ at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_typ
   return y;
 }
 
-std::vector<std::string> gguf_q8_isas() { return isas(kIsaNames, cpu_has); }
+}  // namespace keel
+
+namespace {
+
+std::vector<std::string> gguf_q8_isas() { return keel::isas(kIsaNames, cpu_has); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
-  m.def("gguf_q8_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &gguf_q8_mm);
+  m.def("gguf_q8_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &keel::gguf_q8_mm);
   m.def("gguf_q8_isas() -> str[]", &gguf_q8_isas);
 }

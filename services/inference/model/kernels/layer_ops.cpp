@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -196,6 +197,10 @@ int64_t grain(int64_t cost_per_row, int64_t target = 1 << 15) {
   return std::max<int64_t>(1, target / std::max<int64_t>(1, cost_per_row));
 }
 
+}  // namespace
+
+namespace keel {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_f32("keel::rms_norm", "x", x, 2);
   check_f32("keel::rms_norm", "w", w, 1);
@@ -288,12 +293,12 @@ void decode_attention_(const at::Tensor& out, const at::Tensor& rows, const at::
   });
 }
 
-}  // namespace
+}  // namespace keel
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &keel::rms_norm);
   m.def("rope_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) keys, "
-        "Tensor(b!) values) -> Tensor", &rope_store);
+        "Tensor(b!) values) -> Tensor", &keel::rope_store);
   m.def("decode_attention_(Tensor(a!) out, Tensor rows, Tensor q, Tensor keys, Tensor values, Tensor table, "
-        "Tensor lengths, int block_tokens, float scale, int isa) -> ()", &decode_attention_);
+        "Tensor lengths, int block_tokens, float scale, int isa) -> ()", &keel::decode_attention_);
 }

@@ -1,0 +1,67 @@
+// A block-format decoder layer in two calls instead of a score of dispatches (forward.py runs them
+// for every step without LoRA terms): each is the chain of Keel's ops and aten ops the step makes
+// op by op, in the same order on the same tensors, so it gives the same bits (tested).
+//
+//   layer_attention(x [N', E], norm [E], eps, qkv [*, *] blocks, qkv_type, sizes [3] = (H*D, KV*D, KV*D),
+//                   q8, n, cos [n, D], sin [n, D], slots [n], keys, values [KV, S, D],
+//                   out [N', H*D], rows [B], table [B, W], lengths [B], block_tokens, scale) -> q' [n, H*D]
+//       h = rms_norm(x); q | k | v = (h @ qkv.T)[:n] split by columns into sizes;
+//       q' = rope_store(q, k, v, cos, sin, slots, keys, values)   (k', v into the pool);
+//       B > 0: decode_attention_(out, rows, q', keys, values, table, lengths, block_tokens, scale)
+//   layer_mlp(x [N', E], attn [N', H*D], o, o_type, norm [E], eps, gate_up, gate_up_type, down, down_type,
+//             q8) -> x'' [N', E]
+//       x' = x + attn @ o.T;  g | u = rms_norm(x') @ gate_up.T split in halves;  x'' = x' + (silu(g) * u) @ down.T
+//
+// A weight is its BlockLinear's blocks and ggml type with its output width (q8: x16 blocks on
+// keel::gguf_q8_mm, else the file's order on keel::gguf_mm).
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <torch/library.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace {
+
+// One of the layer's linear layers: y [M, n] = x [M, K] @ w.T over its blocks.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, bool q8) {
+  return q8 ? keel::gguf_q8_mm(x, w, type, n, -1) : keel::gguf_mm(x, w, type, n, -1);
+}
+
+at::Tensor layer_attention(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv,
+                           int64_t qkv_type, at::IntArrayRef sizes, bool q8, int64_t n, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& out, const at::Tensor& rows,
+                           const at::Tensor& table, const at::Tensor& lengths, int64_t block_tokens, double scale) {
+  TORCH_CHECK(sizes.size() == 3, "keel::layer_attention: sizes must be the widths of q, k and v");
+  TORCH_CHECK(n >= 0 && n <= x.size(0), "keel::layer_attention: n = ", n, " tokens outside the ", x.size(0), " rows of x");
+  const at::Tensor y = linear(keel::rms_norm(x, norm, eps), qkv, qkv_type, sizes[0] + sizes[1] + sizes[2], q8);
+  const at::Tensor t = y.narrow(0, 0, n);
+  const at::Tensor q = keel::rope_store(t.narrow(1, 0, sizes[0]), t.narrow(1, sizes[0], sizes[1]),
+                                        t.narrow(1, sizes[0] + sizes[1], sizes[2]), cos, sin, slots, keys, values);
+  if (rows.numel() > 0) keel::decode_attention_(out, rows, q, keys, values, table, lengths, block_tokens, scale, -1);
+  return q;
+}
+
+at::Tensor layer_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o, int64_t o_type, int64_t o_n,
+                     const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_type,
+                     int64_t gate_up_n, const at::Tensor& down, int64_t down_type, int64_t down_n, bool q8) {
+  TORCH_CHECK(gate_up_n % 2 == 0, "keel::layer_mlp: gate_up has an odd width ", gate_up_n);
+  const at::Tensor x1 = at::add(x, linear(attn, o, o_type, o_n, q8));
+  const at::Tensor gu = linear(keel::rms_norm(x1, norm, eps), gate_up, gate_up_type, gate_up_n, q8);
+  const int64_t f = gate_up_n / 2;
+  const at::Tensor m = at::mul(at::silu(gu.narrow(1, 0, f)), gu.narrow(1, f, f));
+  return at::add(x1, linear(m, down, down_type, down_n, q8));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(keel, m) {
+  m.def("layer_attention(Tensor x, Tensor norm, float eps, Tensor qkv, int qkv_type, int[] sizes, bool q8, int n, "
+        "Tensor cos, Tensor sin, Tensor slots, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) out, Tensor rows, "
+        "Tensor table, Tensor lengths, int block_tokens, float scale) -> Tensor", &layer_attention);
+  m.def("layer_mlp(Tensor x, Tensor attn, Tensor o, int o_type, int o_n, Tensor norm, float eps, Tensor gate_up, "
+        "int gate_up_type, int gate_up_n, Tensor down, int down_type, int down_n, bool q8) -> Tensor", &layer_mlp);
+}
