@@ -8,11 +8,13 @@ each of five rounds of steps: a batch-1 step is bound by bandwidth, so the copy 
 
 Run: .venv/bin/python bench/profile_decode.py [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
      [--aten-layers]   (a block format without its layer ops, as before kernels/layer_ops.cpp)
+     [--op-by-op]      (a block format's layers op by op, as before kernels/layer.cpp)
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -89,6 +91,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--aten-layers", action="store_true",
                     help="a block format's norms, rotary and attention on aten ops instead of its layer ops")
+    ap.add_argument("--op-by-op", action="store_true",
+                    help="a block format's layers op by op (as a step with LoRA terms runs them), not in two calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(ROOT / "var/model", dtype=args.dtype)
@@ -101,9 +105,11 @@ def main() -> int:
                     setattr(m, name, norm)
     runner = LlamaRunner(model)
     runner.layer_ops = runner.layer_ops and not args.aten_layers
+    if args.op_by_op:
+        runner.layers = [replace(layer, blocks=None) for layer in runner.layers]
     if args.dtype == "float32":
         runner.calibrate_invariant_sizes(args.batch)  # as the engine does: padded to an invariant size
-    caches = [runner.new_cache(args.context + args.steps * 3 + 8) for _ in range(args.batch)]
+    caches = [runner.new_cache(args.context + (args.steps + 3) * 8 + 8) for _ in range(args.batch)]
     for c in caches:
         runner.prefill(list(range(10, 10 + args.context)), c)
 

@@ -206,25 +206,26 @@ class LlamaRunner:
             decode_rows = (dec_tokens, view.table, view.lengths) if decoding else _NO_DECODE_ROWS
             step = (n_tok, cos, sin, slots)
         for i, layer in enumerate(self.layers):
-            if composed and layer.blocks is not None:
-                q = torch.ops.keel.layer_attention(x, *layer.blocks.attention, *step, *pool.layer(i), attn_out,
+            blocks = layer.blocks if composed else None
+            if blocks is not None:
+                q = torch.ops.keel.layer_attention(x, *blocks.attention, *step, *pool.layer(i), attn_out,
                                                    *decode_rows, self.block_tokens, self.scale)
             else:
                 q, k, v = layer.qkv(i, layer.input_norm(x), lora)
                 q = self._rope_store(i, q[:n_tok], k[:n_tok], v[:n_tok], cos, sin, slots)
                 if decoding:
                     self._decode_attention(i, q, dec_tokens, view, attn_out)
-            for o, n, st, blocks in chunks:
+            for o, n, st, chunk_blocks in chunks:
                 # A prompt chunk (one row) at positions st..st+n-1 attends causally to everything cached so far.
-                keys = pool.keys[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]  # [1, KV, st+n, D]
-                values = pool.values[i].index_select(1, blocks).flatten(1, 2)[None, :, :st + n]
+                keys = pool.keys[i].index_select(1, chunk_blocks).flatten(1, 2)[None, :, :st + n]  # [1, KV, st+n, D]
+                values = pool.values[i].index_select(1, chunk_blocks).flatten(1, 2)[None, :, :st + n]
                 mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
                 out = F.scaled_dot_product_attention(
                     q[o:o + n].view(n, self.heads, self.head_dim).transpose(0, 1)[None], keys, values,
                     attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
                 attn_out[o:o + n] = out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
-            if composed and layer.blocks is not None:
-                x = torch.ops.keel.layer_mlp(x, attn_out, *layer.blocks.mlp)
+            if blocks is not None:
+                x = torch.ops.keel.layer_mlp(x, attn_out, *blocks.mlp)
                 continue
             x = x + lora.linear(i, "o_proj", layer.o_proj, attn_out)
             gate, up = layer.gate_up(i, layer.post_norm(x), lora)  # llama.MLP.forward, with the LoRA term
