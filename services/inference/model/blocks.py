@@ -274,12 +274,12 @@ class LayerArgs:
         if not (all(isinstance(m, BlockLinear) for m in linears) and all(isinstance(m, KernelRMSNorm) for m in norms)):
             return None
 
-        def weight(m: BlockLinear) -> tuple:
-            return m.blocks, m.ggml_type, m.out_features
+        def weight(m: BlockLinear) -> tuple:  # its op's (blocks, type, width), without the isa
+            return m._args[:3]
 
         sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         first, second = norms
-        return cls((first.weight, first.variance_epsilon, qkv.blocks, qkv.ggml_type, sizes, qkv.q8),
+        return cls((first.weight, first.variance_epsilon, *weight(qkv)[:2], sizes, qkv.q8),
                    (*weight(attn.o_proj), second.weight, second.variance_epsilon, *weight(gate_up),
                     *weight(mlp.down_proj), qkv.q8))
 

@@ -8,8 +8,8 @@
 //       h = rms_norm(x); q | k | v = (h @ qkv.T)[:n] split by columns into sizes;
 //       q' = rope_store(q, k, v, cos, sin, slots, keys, values)   (k', v into the pool);
 //       B > 0: decode_attention_(out, rows, q', keys, values, table, lengths, block_tokens, scale)
-//   layer_mlp(x [N', E], attn [N', H*D], o, o_type, norm [E], eps, gate_up, gate_up_type, down, down_type,
-//             q8) -> x'' [N', E]
+//   layer_mlp(x [N', E], attn [N', H*D], o, o_type, o_n, norm [E], eps, gate_up, gate_up_type, gate_up_n,
+//             down, down_type, down_n, q8) -> x'' [N', E]
 //       x' = x + attn @ o.T;  g | u = rms_norm(x') @ gate_up.T split in halves;  x'' = x' + (silu(g) * u) @ down.T
 //
 // A weight is its BlockLinear's blocks and ggml type with its output width (q8: x16 blocks on
@@ -20,7 +20,6 @@
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
-#include "common.h"
 #include "ops.h"
 
 namespace {
