@@ -177,6 +177,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "the engine answered, or base); never a name a client asked for.", ("adapter",), "gateway"),
     _c("keel_gateway_adapter_tokens_total", "Tokens of answered requests by serving adapter and kind (prompt, "
        "completion).", ("adapter", "kind"), "gateway"),
+    _c("keel_gateway_route_decisions_total", "Inference replicas picked by the router, by reason (prefix: the "
+       "longest cached prefix; miss: none cached, least loaded; imbalanced: least loaded over the cache; "
+       "least_loaded, round_robin: those policies).", ("reason",), "gateway"),
     # Feedback (replay records, feedback; services/feedback) and the gateway's side of it.
     _c("keel_feedback_total", "Feedback items created (an update of the same feedback_id is not counted again).",
        ("error_type", "severity"), "feedback"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from shared.errors import KeelError, NotReady
 
@@ -50,23 +50,32 @@ class RoundRobinBalancer:
         (``pick`` starts a re-admission probe)."""
         return tuple(e for e in self._endpoints if self._eligible(e, self._clock()))
 
-    def pick(self) -> str:
-        """The next eligible endpoint in round-robin order."""
+    def pick(self, choose: Callable[[Sequence[str]], str] | None = None, skip: Collection[str] = ()) -> str:
+        """The next eligible endpoint in round-robin order, or the one ``choose`` takes from the
+        eligible ones (given in that order). Eligible endpoints in ``skip`` are passed over and
+        marked down (their health says they cannot serve)."""
         now = self._clock()
         n = len(self._endpoints)
-        for step in range(n):
-            endpoint = self._endpoints[(self._next + step) % n]
+        order = [self._endpoints[(self._next + step) % n] for step in range(n)]
+        eligible = []
+        for endpoint in order:
             if self._eligible(endpoint, now):
-                self._next = (self._next + step + 1) % n
-                if endpoint in self._down_since:
-                    # Re-admission probe: restart the clock so concurrent requests do not all
-                    # pile onto an endpoint that is still recovering.
+                if endpoint in skip:
                     self._down_since[endpoint] = now
-                return endpoint
-        wait_s = min(self._down_since.values()) + self._readmit_after_s - now
-        raise NotReady(f"no healthy {self.upstream} endpoint ({n} configured, all down)",
-                       reason="NO_HEALTHY_UPSTREAM", metadata={"upstream": self.upstream},
-                       retry_after_ms=max(0, math.ceil(wait_s * 1000)))
+                else:
+                    eligible.append(endpoint)
+        if not eligible:
+            wait_s = min(self._down_since.values()) + self._readmit_after_s - now
+            raise NotReady(f"no healthy {self.upstream} endpoint ({n} configured, all down)",
+                           reason="NO_HEALTHY_UPSTREAM", metadata={"upstream": self.upstream},
+                           retry_after_ms=max(0, math.ceil(wait_s * 1000)))
+        endpoint = eligible[0] if choose is None else choose(eligible)
+        self._next = (self._endpoints.index(endpoint) + 1) % n
+        if endpoint in self._down_since:
+            # Re-admission probe: restart the clock so concurrent requests do not all
+            # pile onto an endpoint that is still recovering.
+            self._down_since[endpoint] = now
+        return endpoint
 
     def mark_down(self, endpoint: str) -> bool:
         """Take ``endpoint`` out of rotation; False (ignored) if it is not in the current list,

@@ -9,6 +9,7 @@ from services.gateway.ratelimit import AuthFailureLimit, RateLimit, RateLimitCon
 from services.gateway.ratelimit import RateLimit, RateLimitConfig
 from services.gateway.recording import ReplayConfig
 from services.gateway.retry import RetryConfig
+from services.gateway.routing import RoutingConfig
 from shared import config
 from shared.config import ServerConfig
 from shared.stages import GATEWAY_UPSTREAMS
@@ -29,6 +30,7 @@ class Upstreams:
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     upstreams: Upstreams = field(default_factory=Upstreams)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     limits: Limits = field(default_factory=Limits)
     retry: RetryConfig = field(default_factory=RetryConfig)
     api_keys: tuple[ApiKeyEntry, ...] = ()

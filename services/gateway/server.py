@@ -14,6 +14,7 @@ from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
 from services.gateway import recording
 from services.gateway.retry import RetryExecutor
 from services.gateway.retry_alerts import RetryMonitor
+from services.gateway.routing import Router
 from shared import metrics, proxyauth
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
@@ -30,9 +31,11 @@ class GatewayStage:
         self._auth = ApiKeyAuthenticator(cfg.api_keys, AuthFailureLimiter(cfg.auth_failures))
         self._proxy_token = proxyauth.token()  # a caller holding it may name the client it calls for
         self._limiter = RateLimiter(cfg.rate_limits)
-        self.upstreams = MeshUpstreams({up: getattr(cfg.upstreams, up) for up in GATEWAY_UPSTREAMS},
-                                       cfg.server.max_message_bytes, cfg.upstreams.channels_per_replica)
         m = metrics.metrics_for("gateway")
+        decisions = m.counter("keel_gateway_route_decisions_total")
+        router = Router(cfg.routing, on_decision=lambda d: decisions.labels(reason=d.reason).inc())
+        self.upstreams = MeshUpstreams({up: getattr(cfg.upstreams, up) for up in GATEWAY_UPSTREAMS},
+                                       cfg.server.max_message_bytes, cfg.upstreams.channels_per_replica, router)
         retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
                                       m.counter("keel_retry_alerts_total"))
         for up in GATEWAY_UPSTREAMS:  # export from 0 so increase() sees the first alert

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,6 +23,7 @@ from keel.validator.v1 import validator_pb2, validator_pb2_grpc
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
 from services.gateway.pipeline import Done, Encoded, Step
+from services.gateway.routing import Decision, Router
 from shared import client, errors
 from shared.controls import format_pb, sampling_pb
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
@@ -50,9 +51,12 @@ class Pool:
     some of the connections, so every worker gets calls (one connection would pin them all to one).
     """
 
-    def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int, channels_per_replica: int = 1):
+    def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int, channels_per_replica: int = 1,
+                 router: Router | None = None):
         self.stage, self.targets, self.max_message_bytes = stage, targets, max_message_bytes
         self.channels_per_replica = channels_per_replica
+        # Picks among the healthy replicas (inference, with more than one replica); None: round robin.
+        self.router = router
         self.balancer = RoundRobinBalancer(stage, targets)
         self.channels: dict[str, list[grpc.aio.Channel]] = {}
         self.stubs: dict[str, list] = {}
@@ -87,6 +91,8 @@ class Pool:
             self._came_up = asyncio.Event()
         else:
             self._not_serving.add(target)
+            if self.router is not None:
+                self.router.index.forget(target)  # restarting or gone: its prefix cache with it
             if self.balancer.mark_down(target):
                 log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target, "via": how})
 
@@ -103,27 +109,23 @@ class Pool:
             self._note_health(target, False, "watch_ended")
             await asyncio.sleep(0.1)
 
-    def _pick_serving(self) -> str:
-        """balancer.pick(), passing over replicas whose health says they are not SERVING. The
+    def _pick_serving(self, choose: Callable[[Sequence[str]], str] | None) -> str:
+        """balancer.pick(choose), passing over replicas whose health says they are not SERVING. The
         balancer re-admits a down replica after a while for one probe, meant for a replica that
         failed while its health said SERVING; probing one that is still restarting or loading its
         model only fails the attempt. Each replica passed over is marked down again, so once every
         replica is, pick() raises NotReady."""
-        while True:
-            target = self.balancer.pick()
-            if target not in self._not_serving:
-                return target
-            self.balancer.mark_down(target)
+        return self.balancer.pick(choose, skip=self._not_serving)
 
-    async def pick(self, wait_s: float) -> str:
-        """Next healthy replica. With none, hold the request up to ``wait_s`` (what its deadline
+    async def pick(self, wait_s: float, choose: Callable[[Sequence[str]], str] | None = None) -> str:
+        """Next healthy replica (or the one ``choose`` takes among the healthy ones). With none, hold the request up to ``wait_s`` (what its deadline
         leaves): it wakes when a health watch reports a replica SERVING, or when the balancer
         re-admits one for a probe; then NO_HEALTHY_UPSTREAM with a retry hint."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait_s
         while True:
             try:
-                return self._pick_serving()
+                return self._pick_serving(choose)
             except errors.NotReady as none:
                 left = give_up - loop.time()
                 if left <= 0:
@@ -157,10 +159,11 @@ class Pool:
         self.balancer.observe_success(target)
         return result
 
-    async def pick_for(self, timeout: float) -> tuple[str, float]:
+    async def pick_for(self, timeout: float, choose: Callable[[Sequence[str]], str] | None = None
+                       ) -> tuple[str, float]:
         """pick(), holding the call up to its whole ``timeout``; and what the timeout leaves."""
         started = asyncio.get_running_loop().time()
-        target = await self.pick(timeout)
+        target = await self.pick(timeout, choose)
         _note_endpoint(target)
         return target, timeout - (asyncio.get_running_loop().time() - started)
 
@@ -172,6 +175,14 @@ class Pool:
                 await ch.close()
 
 
+def _note_route(decision: Decision, policy: str) -> None:
+    # The routing decision on the attempt's client span: why this replica (docs/gateway.md, Routing).
+    span = trace.get_current_span()
+    span.set_attribute("keel.route.policy", policy)
+    span.set_attribute("keel.route.reason", decision.reason)
+    span.set_attribute("keel.route.matched_blocks", decision.matched_blocks)
+
+
 def _md(extra: dict) -> tuple:
     return client.mesh_metadata(extra.items())
 
@@ -179,8 +190,12 @@ def _md(extra: dict) -> tuple:
 class MeshUpstreams:
     """Implements pipeline.Upstreams over gRPC."""
 
-    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, channels_per_replica: int):
-        self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes, channels_per_replica)
+    def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, channels_per_replica: int,
+                 router: Router | None = None):
+        # The router only where it has a choice to make: one inference replica needs no index.
+        routers = {"inference": router} if router is not None and len(set(targets["inference"])) > 1 else {}
+        self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes, channels_per_replica,
+                                  routers.get(stage))
                       for stage in GATEWAY_UPSTREAMS}
 
     def start(self) -> None:
@@ -213,8 +228,14 @@ class MeshUpstreams:
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
         req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling_pb(ask.sampling(seed)), input_fingerprint=enc.fingerprint,
                                             adapter=ask.adapter, response_format=format_pb(ask.controls.response_format))
-        pool = self.pools["inference"]
-        target, timeout = await pool.pick_for(timeout)
+        pool, router = self.pools["inference"], self.pools["inference"].router
+        if router is None:
+            target, timeout = await pool.pick_for(timeout)
+        else:
+            route = router.plan(enc.ids, ask.adapter, ask.max_tokens)
+            target, timeout = await pool.pick_for(timeout, router.choose(route))
+            _note_route(route.decision, router.cfg.policy)
+            router.started(target, route)
         call = pool.stub(target).Generate(req, timeout=timeout, metadata=_md(md))
         try:
             async for ev in call:
@@ -229,6 +250,8 @@ class MeshUpstreams:
             raise pool.failed(target, exc) from None
         finally:
             call.cancel()  # the consumer stopped early: free the row in the inference batch
+            if router is not None:
+                router.ended(target, route)
         pool.balancer.observe_success(target)
 
     async def report_failure(self, replica: str, kind: str, cause: str, md: dict) -> None:
