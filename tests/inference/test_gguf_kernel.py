@@ -181,7 +181,7 @@ def test_errors_are_clear(k):
         ((x, w[:, :20].contiguous(), Q4_1, 8), r"w must be \[8, 40\]"),
         ((x, w, Q4_1, 9), r"w must be \[9, 40\]"),
         ((x, w, Q8_0, 8), r"Q8_0 .* w must be \[8, 68\]"),
-        ((x, w, 2, 8), "unsupported ggml_type 2"),
+        ((x, w, 10, 8), "unsupported ggml_type 10"),
     ]
     for args, message in bad:
         with pytest.raises(RuntimeError, match=message):

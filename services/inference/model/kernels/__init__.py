@@ -3,6 +3,7 @@
     from services.inference.model.kernels import load, KernelUnavailable, SUPPORTED_TYPES
     k = load()                     # builds on first use, then loads the cached library
     y = k.matmul(x, w, 3, n)       # gguf_mm.cpp: x [M, K] float32, w [n, K/32*20] uint8 Q4_1 blocks -> y [M, n]
+                                   # (any of MM_TYPES: F32, F16, BF16, Q4_0..Q8_0, Q4_K, Q5_K, Q6_K)
     y = k.matmul_q8(x, wp, 3, n)   # gguf_q8.cpp: the same blocks interleaved by 16 rows (blocks.pack_x16),
                                    # activations quantized to 8 bits per block, integer dot products
     torch.ops.keel.rms_norm, .rope_store, .decode_attention_   # layer_ops.cpp: the step's other work
@@ -29,7 +30,7 @@ import torch
 
 from shared.config import ROOT_DIR
 
-__all__ = ["BLOCK", "ISAS", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
+__all__ = ["BLOCK", "ISAS", "MM_TYPES", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
 
 
 class QuantType(NamedTuple):
@@ -39,7 +40,10 @@ class QuantType(NamedTuple):
 
 
 BLOCK = 32  # weights per ggml block, along the input dimension K
-SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20, 4), 8: QuantType("Q8_0", 34, 2)}
+SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20, 4), 8: QuantType("Q8_0", 34, 2)}  # gguf_q8_mm's
+# The ggml type ids keel::gguf_mm computes (their block layouts: gguf_mm.cpp; sizes: gguf.GGML_QUANT_SIZES):
+# F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16.
+MM_TYPES = (0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30)
 ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in keel::gguf_mm's isa
 Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
@@ -74,7 +78,8 @@ class Kernels:
         return self.isas[0]
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, n: int, isa: str | None = None) -> torch.Tensor:
-        """y [M, n] = x [M, K] @ dequant(w [n, K/32*bytes]).T; ``isa`` None runs the best path."""
+        """y [M, n] = x [M, K] @ dequant(w [n, K/E*bytes]).T, w of a type in MM_TYPES; ``isa`` None runs the
+        best path."""
         if isa is not None and isa not in ISAS:
             raise ValueError(f"unknown isa {isa!r}; known: {', '.join(ISAS)}")
         return torch.ops.keel.gguf_mm(x, w, ggml_type, n, -1 if isa is None else ISAS.index(isa))

@@ -19,7 +19,7 @@ constexpr int QK = 32;  // elements per block
 constexpr int Q4_1 = 3, Q8_0 = 8;  // ggml type ids
 constexpr int PORTABLE = 0;        // every op's isa code 0; -1 asks for the best path
 
-constexpr int block_bytes(int64_t type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }
+constexpr int block_bytes(int64_t type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }  // gguf_q8's types
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -44,9 +44,8 @@ inline bool cpu_has_float_isa(int isa) {
   return isa == PORTABLE;
 }
 
-// x [M, K]: a contiguous float32 CPU matrix, K whole blocks; w a CPU tensor.
-inline void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t ggml_type) {
-  TORCH_CHECK(block_bytes(ggml_type), op, ": unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");
+// x [M, K]: a contiguous float32 CPU matrix, K whole blocks of 32; w a CPU tensor.
+inline void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": x and w must be CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K] matrix, got sizes ", x.sizes(),

@@ -1,18 +1,33 @@
 // Keel's CPU matmul over ggml-quantized weight blocks:  y = x @ dequant(w).T
 //
 //   x [M, K] float32 contiguous
-//   w [N, K/32*bytes] uint8: N rows of K/32 ggml blocks, little-endian, no alignment assumed
-//       Q4_1 (ggml type 3), 20 bytes: fp16 d, fp16 m, uint8 qs[16]; element j = qs[j] & 15,
-//            element j+16 = qs[j] >> 4; w = d*q + m
-//       Q8_0 (ggml type 8), 34 bytes: fp16 d, int8 qs[32]; w = d*q
+//   w [N, K/E*bytes] uint8: N rows of K/E ggml blocks of E elements, little-endian, no alignment assumed
 //   y [M, N] float32
+//
+// Block types (ggml type id, E elements, bytes), element j of a block; d, m, dmin fp16; q unsigned
+// unless said; "j < 16" and "j >= 16" take the low and high nibble of the same byte qs[j % 16]:
+//   F32  (0, 1, 4), F16 (1, 1, 2), BF16 (30, 1, 2): the value itself
+//   Q4_0 (2, 32, 18):  d, qs[16];                w = d * (q - 8)
+//   Q4_1 (3, 32, 20):  d, m, qs[16];             w = d * q + m
+//   Q5_0 (6, 32, 22):  d, qh[4], qs[16];         q |= bit j of qh << 4;  w = d * (q - 16)
+//   Q5_1 (7, 32, 24):  d, m, qh[4], qs[16];      q |= bit j of qh << 4;  w = d * q + m
+//   Q8_0 (8, 32, 34):  d, int8 qs[32];           w = d * q
+//   Q4_K (12, 256, 144): d, dmin, scales[12] (8 pairs of 6-bit scale sc_s and min m_s), qs[128];
+//        sub-block s = 0..7 of 32: q = nibble (s odd: high) of qs[32 (s/2) + j];
+//        w = (d * sc_s) * q - dmin * m_s
+//   Q5_K (13, 256, 176): as Q4_K with qh[32] before qs: q |= bit s of qh[j] << 4
+//   Q6_K (14, 256, 210): ql[128], qh[64], int8 scales[16], d; element e = 128 h + 32 r + j:
+//        q = (nibble r/2 of ql[64 h + 32 (r%2) + j]) | (bits 2r, 2r+1 of qh[32 h + j]) << 4, signed
+//        q - 32; w = (d * scales[e / 16]) * q
+// Every w is the float32 of ggml's reference dequantization bit for bit: the products shown are
+// exact in float32 (at most 24 significant bits), so the one add or subtract rounds once, as there.
+// The K-quant types need K % 256 == 0; the kernel walks them 32 elements (one sub-block) at a time.
 //
 // Summation order, fixed by K alone and shared by every code path:
 //   each output element owns 16 fp32 lanes, all starting at +0.0. For block b = 0, 1, ..., K/32-1:
 //       acc[l] = fma(x[32b + l],      w[32b + l],      acc[l])      l = 0..15
 //       acc[l] = fma(x[32b + l + 16], w[32b + l + 16], acc[l])
-//   where w is the dequantized fp32 weight (d*q is exact in fp32, so d*q + m rounds once and equals
-//   ggml's reference dequantization bit for bit). Then a fixed tree over the lanes:
+//   where w is the dequantized fp32 weight above. Then a fixed tree over the lanes:
 //       s8[l] = a[l] + a[l+8];  s4[l] = s8[l] + s8[l+4];  s2[l] = s4[l] + s4[l+2];  y = s2[0] + s2[1]
 //   AVX-512 keeps the 16 lanes in one zmm, AVX2 in two ymm (lanes 0-7 and 8-15), the portable path
 //   in 16 floats using std::fma. fma and + are correctly rounded IEEE operations on every path, so
@@ -44,12 +59,35 @@ namespace {
 using namespace keel;
 
 constexpr int AVX2 = FLOAT_AVX2, AVX512 = FLOAT_AVX512;  // the op's isa codes (0: portable)
+constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30;
+
+struct TypeInfo {
+  const char* name;
+  int elems, bytes;  // per block; 0 bytes: a type this kernel does not compute
+};
+
+constexpr TypeInfo type_info(int64_t t) {
+  switch (t) {
+    case F32: return {"F32", 1, 4};
+    case F16: return {"F16", 1, 2};
+    case BF16: return {"BF16", 1, 2};
+    case Q4_0: return {"Q4_0", 32, 18};
+    case Q4_1: return {"Q4_1", 32, 20};
+    case Q5_0: return {"Q5_0", 32, 22};
+    case Q5_1: return {"Q5_1", 32, 24};
+    case Q8_0: return {"Q8_0", 32, 34};
+    case Q4_K: return {"Q4_K", 256, 144};
+    case Q5_K: return {"Q5_K", 256, 176};
+    case Q6_K: return {"Q6_K", 256, 210};
+    default: return {"", 0, 0};
+  }
+}
 
 struct Problem {
   const float* x;    // [M, K]
   const uint8_t* w;  // [N, row_bytes]
   float* y;          // [M, N]
-  int64_t M, N, K, nb, row_bytes;  // nb = K / 32 blocks per weight row
+  int64_t M, N, K, nb, row_bytes;  // nb = K / 32 steps (32 elements each) per weight row
 };
 
 // Weight row n0 + j of a tile; past the end of N a tile recomputes row N-1 and does not store it.
@@ -58,32 +96,110 @@ inline const uint8_t* weight_row(const Problem& p, int64_t n) {
 }
 
 // At M = 1 the kernel streams weight blocks from memory. While a tile works through its K steps it
-// prefetches the tile kPrefetchTiles N-tiles ahead (NR whole rows: one contiguous span), a step's
-// share at a time. On the 49152x576 Q8_0 head at M = 1 (AVX-512, one thread, a busy host) this
-// reads 8-13 GB/s against 2-4.5 GB/s without; one tile ahead gave 7-12, four 9-12; in-cache
-// shapes are unchanged.
+// prefetches the tile kPrefetchTiles N-tiles ahead (NR whole rows: one contiguous span of `span`
+// bytes), a step's share at a time. On the 49152x576 Q8_0 head at M = 1 (AVX-512, one thread, a
+// busy host) this read 8-13 GB/s against 2-4.5 GB/s without; one tile ahead gave 7-12, four 9-12;
+// in-cache shapes are unchanged.
 constexpr int kPrefetchTiles = 2;
 
-inline void prefetch_step(const uint8_t* ahead, int64_t step_bytes, int64_t b) {
-  for (int64_t o = b * step_bytes; o < (b + 1) * step_bytes; o += 64)
+inline void prefetch_step(const uint8_t* ahead, int64_t span, int64_t nb, int64_t b) {
+  for (int64_t o = b * span / nb & ~int64_t(63); o < (b + 1) * span / nb; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
 }
 
-// ---------------------------------------------------------------- portable (baseline x86-64, any CPU)
+// ---------------------------------------------------------------- dequantization of one 32-element step
 
-template <int T>
-void deq_portable(const uint8_t* b, float* w) {  // b: one block -> w[32]
-  const float d = half(b);
-  if constexpr (T == Q4_1) {
-    const float m = half(b + 2);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * float(b[4 + j] & 15) + m;
-      w[j + 16] = d * float(b[4 + j] >> 4) + m;
-    }
+// 6-bit scale and min of sub-block s of a Q4_K / Q5_K super-block's 12 scale bytes (ggml's
+// get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* sc, int s, int& scale, int& min) {
+  if (s < 4) {
+    scale = sc[s] & 63;
+    min = sc[s + 4] & 63;
   } else {
-    for (int j = 0; j < 32; ++j) w[j] = d * float(int8_t(b[2 + j]));
+    scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+    min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
   }
 }
+
+// Elements 32b .. 32b+31 of a weight row -> w[32], every type, plain C++. Always inlined, so each
+// path compiles it for its own instruction set; -ffp-contract=off keeps its multiplies and adds
+// as written, so every path gets these bits.
+template <int T>
+__attribute__((always_inline)) inline void deq32(const uint8_t* row, int64_t b, float* w) {
+  if constexpr (T == F32) {
+    std::memcpy(w, row + b * 128, 128);
+  } else if constexpr (T == F16) {
+    for (int j = 0; j < 32; ++j) w[j] = half(row + b * 64 + 2 * j);
+  } else if constexpr (T == BF16) {
+    for (int j = 0; j < 32; ++j) {
+      const uint32_t u = uint32_t(load_u16(row + b * 64 + 2 * j)) << 16;
+      std::memcpy(w + j, &u, 4);
+    }
+  } else if constexpr (T == Q4_0) {
+    const uint8_t* p = row + b * 18;
+    const float d = half(p);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * float(int(p[2 + j] & 15) - 8);
+      w[j + 16] = d * float(int(p[2 + j] >> 4) - 8);
+    }
+  } else if constexpr (T == Q4_1) {
+    const uint8_t* p = row + b * 20;
+    const float d = half(p), m = half(p + 2);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * float(p[4 + j] & 15) + m;
+      w[j + 16] = d * float(p[4 + j] >> 4) + m;
+    }
+  } else if constexpr (T == Q5_0 || T == Q5_1) {
+    constexpr int hb = T == Q5_0 ? 2 : 4;  // qh after d (and m)
+    const uint8_t* p = row + b * (T == Q5_0 ? 22 : 24);
+    const float d = half(p);
+    uint32_t qh;
+    std::memcpy(&qh, p + hb, 4);
+    for (int j = 0; j < 16; ++j) {
+      const int q0 = (p[hb + 4 + j] & 15) | ((qh >> j) & 1) << 4;
+      const int q1 = (p[hb + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+      if constexpr (T == Q5_0) {
+        w[j] = d * float(q0 - 16);
+        w[j + 16] = d * float(q1 - 16);
+      } else {
+        const float m = half(p + 2);
+        w[j] = d * float(q0) + m;
+        w[j + 16] = d * float(q1) + m;
+      }
+    }
+  } else if constexpr (T == Q8_0) {
+    const uint8_t* p = row + b * 34;
+    const float d = half(p);
+    for (int j = 0; j < 32; ++j) w[j] = d * float(int8_t(p[2 + j]));
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const uint8_t* sb = row + b / 8 * (T == Q4_K ? 144 : 176);
+    const int s = int(b % 8);
+    int sc, mn;
+    scale_min_k4(sb + 4, s, sc, mn);
+    const float d = half(sb) * float(sc), m = half(sb + 2) * float(mn);
+    const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * (s / 2);
+    const int shift = 4 * (s & 1);
+    for (int j = 0; j < 32; ++j) {
+      int q = (qs[j] >> shift) & 15;
+      if constexpr (T == Q5_K) q |= ((sb[16 + j] >> s) & 1) << 4;
+      w[j] = d * float(q) - m;
+    }
+  } else {
+    static_assert(T == Q6_K);
+    const uint8_t* sb = row + b / 8 * 210;
+    const int s = int(b % 8), h = s / 4, r = s % 4;
+    const float d = half(sb + 208);
+    const float d0 = d * float(int8_t(sb[192 + 2 * s])), d1 = d * float(int8_t(sb[192 + 2 * s + 1]));
+    const uint8_t* ql = sb + 64 * h + 32 * (r % 2);
+    const uint8_t* qh = sb + 128 + 32 * h;
+    for (int j = 0; j < 32; ++j) {
+      const int q = (((ql[j] >> (4 * (r / 2))) & 15) | ((qh[j] >> (2 * r)) & 3) << 4) - 32;
+      w[j] = (j < 16 ? d0 : d1) * float(q);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- portable (baseline x86-64, any CPU)
 
 float hsum_portable(const float* a) {  // the fixed 16-lane tree
   float s8[8], s4[4];
@@ -94,11 +210,10 @@ float hsum_portable(const float* a) {  // the fixed 16-lane tree
 
 template <int T, int MR, int NR>
 void tile_portable(const Problem& p, int64_t m0, int64_t n0) {
-  constexpr int BB = block_bytes(T);
   float acc[MR][NR][16] = {};
   float w[NR][32];
   for (int64_t b = 0; b < p.nb; ++b) {
-    for (int j = 0; j < NR; ++j) deq_portable<T>(weight_row(p, n0 + j) + b * BB, w[j]);
+    for (int j = 0; j < NR; ++j) deq32<T>(weight_row(p, n0 + j), b, w[j]);
     for (int i = 0; i < MR; ++i) {
       const float* x = p.x + (m0 + i) * p.K + b * QK;
       for (int j = 0; j < NR; ++j)
@@ -122,31 +237,45 @@ KEEL_AVX2 inline float hsum8(__m256 s8) {  // s8 = lanes l + l+8; finish the tre
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// A whole block as 4 ymm: elements 0-7, 8-15, 16-23, 24-31. Lanes 0-7 live in the accumulator for
-// q[0] and q[2], lanes 8-15 in the one for q[1] and q[3].
+// Step b of a row as 4 ymm: elements 0-7, 8-15, 16-23, 24-31. Lanes 0-7 live in the accumulator for
+// w[0] and w[2], lanes 8-15 in the one for w[1] and w[3]. Q4_1, Q8_0, F32, F16 and BF16 in
+// intrinsics (the same operations as deq32); the other types through deq32 and a buffer.
 template <int T>
-KEEL_AVX2 inline void deq_avx2(const uint8_t* b, __m256* w) {
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
+KEEL_AVX2 inline void deq_avx2(const uint8_t* row, int64_t b, __m256* w) {
   if constexpr (T == Q4_1) {
-    const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(b + 2)));
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    const uint8_t* p = row + b * 20;
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
+    const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
     const __m256i q0 = _mm256_cvtepu8_epi32(q), q1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q, q));
     const __m256i nib = _mm256_set1_epi32(15);
     w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q0, nib)), m);
     w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q1, nib)), m);
     w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), m);
     w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), m);
-  } else {
+  } else if constexpr (T == Q8_0) {
+    const uint8_t* p = row + b * 34;
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
     for (int k = 0; k < 4; ++k) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * k));
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * k));
       w[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
+  } else if constexpr (T == F32) {
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps(reinterpret_cast<const float*>(row + b * 128) + 8 * k);
+  } else if constexpr (T == F16 || T == BF16) {
+    for (int k = 0; k < 4; ++k) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 64 + 16 * k));
+      w[k] = T == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  } else {
+    alignas(32) float buf[32];
+    deq32<T>(row, b, buf);
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_load_ps(buf + 8 * k);
   }
 }
 
 template <int T, int MR, int NR>
 KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t n0) {
-  constexpr int BB = block_bytes(T);
   const uint8_t* w[NR];
   for (int j = 0; j < NR; ++j) w[j] = weight_row(p, n0 + j);
   __m256 lo[MR][NR], hi[MR][NR];  // lanes 0-7 and 8-15
@@ -154,9 +283,9 @@ KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
   const uint8_t* ahead = p.w + (n0 + kPrefetchTiles * NR) * p.row_bytes;
   for (int64_t b = 0; b < p.nb; ++b) {
-    prefetch_step(ahead, NR * BB, b);
+    prefetch_step(ahead, NR * p.row_bytes, p.nb, b);
     __m256 wv[NR][4];
-    for (int j = 0; j < NR; ++j) deq_avx2<T>(w[j] + b * BB, wv[j]);
+    for (int j = 0; j < NR; ++j) deq_avx2<T>(w[j], b, wv[j]);
     for (int i = 0; i < MR; ++i) {
       const float* x = p.x + (m0 + i) * p.K + b * QK;
       for (int j = 0; j < NR; ++j) {  // lane l: element l, then element l + 16
@@ -181,25 +310,45 @@ KEEL_AVX512 inline float hsum16(__m512 a) {
   return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), top));
 }
 
-// A whole block: elements 0-15 (lo) and 16-31 (hi).
+// Step b of a row: elements 0-15 (lo) and 16-31 (hi); as deq_avx2.
 template <int T>
-KEEL_AVX512 inline void deq_avx512(const uint8_t* b, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b)));
+KEEL_AVX512 inline void deq_avx512(const uint8_t* row, int64_t b, __m512& lo, __m512& hi) {
   if constexpr (T == Q4_1) {
-    const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 2)));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+    const uint8_t* p = row + b * 20;
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(p)));
+    const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(p + 2)));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
     lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
     hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
-  } else {
-    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+  } else if constexpr (T == Q8_0) {
+    const uint8_t* p = row + b * 34;
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(p)));
+    const __m128i* q = reinterpret_cast<const __m128i*>(p + 2);
     lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
     hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  } else if constexpr (T == F32) {
+    lo = _mm512_loadu_ps(reinterpret_cast<const float*>(row + b * 128));
+    hi = _mm512_loadu_ps(reinterpret_cast<const float*>(row + b * 128) + 16);
+  } else if constexpr (T == F16 || T == BF16) {
+    const __m256i* h = reinterpret_cast<const __m256i*>(row + b * 64);
+    const __m256i h0 = _mm256_loadu_si256(h), h1 = _mm256_loadu_si256(h + 1);
+    if constexpr (T == F16) {
+      lo = _mm512_cvtph_ps(h0);
+      hi = _mm512_cvtph_ps(h1);
+    } else {
+      lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
+      hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
+    }
+  } else {
+    alignas(64) float buf[32];
+    deq32<T>(row, b, buf);
+    lo = _mm512_load_ps(buf);
+    hi = _mm512_load_ps(buf + 16);
   }
 }
 
 template <int T, int MR, int NR>
 KEEL_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t n0) {
-  constexpr int BB = block_bytes(T);
   const uint8_t* w[NR];
   for (int j = 0; j < NR; ++j) w[j] = weight_row(p, n0 + j);
   __m512 acc[MR][NR];
@@ -207,9 +356,9 @@ KEEL_AVX512 void tile_avx512(const Problem& p, int64_t m0, int64_t n0) {
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint8_t* ahead = p.w + (n0 + kPrefetchTiles * NR) * p.row_bytes;
   for (int64_t b = 0; b < p.nb; ++b) {
-    prefetch_step(ahead, NR * BB, b);
+    prefetch_step(ahead, NR * p.row_bytes, p.nb, b);
     __m512 wl[NR], wh[NR];
-    for (int j = 0; j < NR; ++j) deq_avx512<T>(w[j] + b * BB, wl[j], wh[j]);
+    for (int j = 0; j < NR; ++j) deq_avx512<T>(w[j], b, wl[j], wh[j]);
     for (int i = 0; i < MR; ++i) {
       const float* x = p.x + (m0 + i) * p.K + b * QK;
       const __m512 xl = _mm512_loadu_ps(x), xh = _mm512_loadu_ps(x + 16);
@@ -258,23 +407,37 @@ namespace keel {
 
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
   constexpr const char* op = "keel::gguf_mm";
-  check_inputs(op, x, w, ggml_type);
-  const int bb = block_bytes(ggml_type);
-  const char* type_name = ggml_type == Q4_1 ? "Q4_1" : "Q8_0";
+  const TypeInfo t = type_info(ggml_type);
+  TORCH_CHECK(t.bytes, op, ": unsupported ggml_type ", ggml_type, " (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
+              "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  check_inputs(op, x, w);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kByte, "keel::gguf_mm: w must be uint8 ggml blocks, got ", w.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "keel::gguf_mm: w must be a contiguous [N, K/32*bytes] matrix, got sizes ",
+  TORCH_CHECK(K % t.elems == 0, op, ": K = ", K, " is not a multiple of ", t.name, "'s block of ", t.elems);
+  TORCH_CHECK(w.scalar_type() == at::kByte, op, ": w must be uint8 ggml blocks, got ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": w must be a contiguous [N, K/E*bytes] matrix, got sizes ",
               w.sizes(), w.is_contiguous() ? "" : " (not contiguous)");
-  const int64_t row_bytes = K / QK * bb;
-  TORCH_CHECK(n >= 0 && w.size(0) == n && w.size(1) == row_bytes, "keel::gguf_mm: for ", type_name, " with K = ", K,
-              " and n = ", n, " w must be [", n, ", ", row_bytes, "] (", bb, " bytes per block), got ", w.sizes());
+  const int64_t row_bytes = K / t.elems * t.bytes;
+  TORCH_CHECK(n >= 0 && w.size(0) == n && w.size(1) == row_bytes, op, ": for ", t.name, " with K = ", K, " and n = ", n,
+              " w must be [", n, ", ", row_bytes, "] (", t.bytes, " bytes per ", t.elems, "), got ", w.sizes());
   static const int best = resolve_isa(op, -1, kFloatIsas, cpu_has_float_isa);
   const int path = isa < 0 ? best : resolve_isa(op, isa, kFloatIsas, cpu_has_float_isa);
 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   const Problem p{x.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, K / QK, row_bytes};
-  run(p, ggml_type == Q4_1 ? tiling<Q4_1>(path, M) : tiling<Q8_0>(path, M));
+  switch (ggml_type) {
+    case F32: run(p, tiling<F32>(path, M)); break;
+    case F16: run(p, tiling<F16>(path, M)); break;
+    case BF16: run(p, tiling<BF16>(path, M)); break;
+    case Q4_0: run(p, tiling<Q4_0>(path, M)); break;
+    case Q4_1: run(p, tiling<Q4_1>(path, M)); break;
+    case Q5_0: run(p, tiling<Q5_0>(path, M)); break;
+    case Q5_1: run(p, tiling<Q5_1>(path, M)); break;
+    case Q8_0: run(p, tiling<Q8_0>(path, M)); break;
+    case Q4_K: run(p, tiling<Q4_K>(path, M)); break;
+    case Q5_K: run(p, tiling<Q5_K>(path, M)); break;
+    default: run(p, tiling<Q6_K>(path, M)); break;
+  }
   return y;
 }
 

@@ -375,7 +375,8 @@ namespace keel {
 
 at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
   constexpr const char* op = "keel::gguf_q8_mm";
-  check_inputs(op, x, w, ggml_type);
+  TORCH_CHECK(block_bytes(ggml_type), op, ": unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");
+  check_inputs(op, x, w);
   const int u = unit_bytes(ggml_type);
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
