@@ -145,6 +145,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "over keel_inference_generated_tokens_total, the share of decode steps run in it.", owner="inference"),
     _g("keel_inference_prefix_cache_hit_rate", "Prompt tokens whose keys/values came from the prefix cache, "
        "over prompt tokens, since the stage started.", owner="inference"),
+    _c("keel_inference_prefix_cache_prompt_tokens_total", "Prompt tokens looked up in the prefix cache.",
+       owner="inference"),
+    _c("keel_inference_prefix_cache_hit_tokens_total", "Of those, tokens whose keys/values came from the cache "
+       "(per replica: what the gateway's routing gains).", owner="inference"),
     _c("keel_inference_numerical_faults_total", "Rows failed with NaN/inf logits.", owner="inference"),
     _g("keel_inference_adapter_state", "1 per registered LoRA adapter version, labelled with its state at start "
        "(accepted or refused) and the refusal reason.", ("adapter", "version", "state", "reason"), "inference"),

@@ -61,6 +61,9 @@ ROWS: list[tuple[str, list[dict]]] = [
         ts("Retry alerts (1h)", [("sum by (upstream, kind) (increase(keel_retry_alerts_total[1h]))",
                                   "{{upstream}} {{kind}}")], "short",
            "retry_clustering: intervals bunched or not uniform; retry_rate: retries over 10% of requests."),
+        ts("Inference routing decisions/s", [(f"sum by (reason) (rate(keel_gateway_route_decisions_total{RATE}))",
+                                              "{{reason}}")], "ops",
+           "Why the router picked a replica: prefix (longest cached prefix), miss, imbalanced, or the policy."),
     ]),
     ("Tokenizer", [
         ts("Requests/s and errors", [
@@ -90,8 +93,12 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("keel_inference_observed_peak_memory_bytes", "observed peak {{instance}} (engine.memory_audit)")], "bytes"),
         ts("Breaker level by error type", [("max by (error_type) (keel_inference_breaker_level)", "{{error_type}}")],
            "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
-        ts("Prefix cache hit rate by replica", [("keel_inference_prefix_cache_hit_rate", "{{instance}}")],
-           "percentunit", "Prompt tokens served from the prefix cache over prompt tokens, since start."),
+        ts("Prefix cache hit rate by replica", [(
+            f"sum by (instance) (rate(keel_inference_prefix_cache_hit_tokens_total{RATE})) / "
+            f"sum by (instance) (rate(keel_inference_prefix_cache_prompt_tokens_total{RATE}))", "{{instance}}"),
+            ("keel_inference_prefix_cache_hit_rate", "since start {{instance}}")],
+           "percentunit", "Prompt tokens served from the prefix cache over prompt tokens looked up, per replica "
+           "(the rotation rules read the since-start gauge)."),
         stat("LoRA adapters refused", [('count by (adapter, version, reason) (keel_inference_adapter_state{state="refused"})',
                                         "{{adapter}}@{{version}} {{reason}}")], "none",
              "Adapter versions a replica refused at start, by reason (keel lora list says more)."),

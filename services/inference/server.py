@@ -91,7 +91,9 @@ class InferenceStage:
         observed = m.gauge("keel_inference_observed_peak_memory_bytes")
         level, hit_rate = m.gauge("keel_inference_breaker_level"), m.gauge("keel_inference_prefix_cache_hit_rate")
         faults, ooms = m.counter("keel_inference_numerical_faults_total"), m.counter("keel_inference_oom_recoveries_total")
-        seen = {"numerical_faults": 0, "oom_recoveries": 0}
+        looked_up, hits = (m.counter("keel_inference_prefix_cache_prompt_tokens_total"),
+                           m.counter("keel_inference_prefix_cache_hit_tokens_total"))
+        seen = {"numerical_faults": 0, "oom_recoveries": 0, "prompt_tokens": 0, "hit_tokens": 0}
         while True:
             s = self.engine.stats()
             queue.set(s.queue_depth)
@@ -104,8 +106,10 @@ class InferenceStage:
             self._show_variant(self.engine)
             for kind, state in s.breaker.items():
                 level.labels(error_type=kind).set(state.level)
-            for key, counter in (("numerical_faults", faults), ("oom_recoveries", ooms)):
-                now = getattr(s.counters, key)
+            for key, counter, source in (("numerical_faults", faults, s.counters), ("oom_recoveries", ooms, s.counters),
+                                         ("prompt_tokens", looked_up, s.prefix_cache),
+                                         ("hit_tokens", hits, s.prefix_cache)):
+                now = getattr(source, key)
                 counter.inc(max(0, now - seen[key]))
                 seen[key] = now
             await asyncio.sleep(1.0)

@@ -23,8 +23,11 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import urllib.request
+
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
@@ -213,3 +216,27 @@ def test_restarted_replicas_get_traffic_again(run, stage):
     hit = {a["attributes"]["server.address"] for a in attempts(run["mesh"])
            if a["trace_id"] in after and a["attributes"]["upstream"] == stage and a["status"] != "ERROR"}
     assert hit == {f"127.0.0.1:{p}" for p in run["mesh"].ports[stage]}
+
+
+def test_every_generation_attempt_names_its_route(run):
+    """With two inference replicas the gateway's router picks each one (prefix_affinity, the default);
+    every attempt's span says why. These prompts are shorter than one block: no prefix to match, so
+    each pick is the least loaded (miss), or imbalanced under the burst."""
+    generations = [a for a in attempts(run["mesh"]) if a["name"] == "call inference/Generate"]
+    assert generations
+    for a in generations:
+        attrs = a["attributes"]
+        assert attrs["keel.route.policy"] == "prefix_affinity", attrs
+        assert attrs["keel.route.reason"] in ("miss", "imbalanced") and attrs["keel.route.matched_blocks"] == 0, attrs
+
+
+def test_each_replica_counts_its_prefix_cache_lookups(run):
+    """The per-replica counters the routing's hit rate is read from (the dashboard, bench_routing)."""
+    totals = {"keel_inference_prefix_cache_prompt_tokens": 0.0, "keel_inference_prefix_cache_hit_tokens": 0.0}
+    for port in run["mesh"].layout["stages"]["inference"]["metrics_ports"]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(body):
+            if family.name in totals:
+                totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    assert totals["keel_inference_prefix_cache_prompt_tokens"] > 0, totals
+    assert 0 <= totals["keel_inference_prefix_cache_hit_tokens"] <= totals["keel_inference_prefix_cache_prompt_tokens"]
