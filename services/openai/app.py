@@ -8,6 +8,11 @@ retries and refusals apply as to any gRPC client. This app only converts: HTTP J
 ``data: [DONE]``; the HTTP status is sent once the gateway's first message (or its refusal) is
 there, so a refused stream is an ordinary error response. A client that goes away mid-stream
 cancels the gateway call, which cancels the generation in the inference stage.
+
+What a client may send is bounded before the gateway sees it (services/openai/limits.py): the
+connection's timeouts and header limits (connection.py), the headers read here (headers.py), the
+body's size and depth (body.py); a body that may be large is read only once the gateway has
+accepted the caller's key. Nothing a client sends is answered 500.
 """
 from __future__ import annotations
 
@@ -17,13 +22,14 @@ import logging
 from typing import AsyncIterator
 
 import grpc
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.openai import body as bodies, convert, httperrors
+from services.openai import body as bodies
+from services.openai import convert, httperrors
 from services.openai.headers import deadline_s, has_key, metadata
 from services.openai.limits import EdgeLimits
 from services.openai.schemas import ChatBody, CompletionBody, parse
@@ -90,9 +96,8 @@ class Gateway:
 
 
 class Api:
-    def __init__(self, gateway: Gateway, max_body_bytes: int, limits: EdgeLimits | None = None):
-        self.gateway, self.max_body_bytes = gateway, max_body_bytes
-        self.limits = limits or EdgeLimits()
+    def __init__(self, gateway: Gateway, max_body_bytes: int, limits: EdgeLimits):
+        self.gateway, self.max_body_bytes, self.limits = gateway, max_body_bytes, limits
         self.serving = False
 
     async def _read(self, request: Request, md) -> bytes:

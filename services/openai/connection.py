@@ -121,7 +121,7 @@ class LimitedConnection(HttpToolsProtocol):
         self._timer = None
         if not self.transport.is_closing():
             log.info("closing a connection that did not send its request's %s in time", what,
-                     extra={"client": f"{self.client[0]}" if self.client else "", "timeout_s": seconds})
+                     extra={"client": self.client[0] if self.client else "", "timeout_s": seconds})
             self.transport.close()
 
     def _refuse(self, status: int, err: errors.KeelError) -> None:
