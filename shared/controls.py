@@ -110,7 +110,14 @@ def _check_format(f: ResponseFormat, bad) -> None:
     else:
         size = len(f.document.encode("utf-8", "surrogatepass"))
     if size > MAX_FORMAT_BYTES:
-        raise bad(f"{field} is {size} bytes, the limit is {MAX_FORMAT_BYTES}", "RESPONSE_FORMAT_TOO_LARGE", field)
+        raise format_too_large(field, size)
+
+
+def format_too_large(field: str, size: int) -> InvalidInput:
+    """RESPONSE_FORMAT_TOO_LARGE for a document of ``size`` UTF-8 bytes at ``field`` (the OpenAI HTTP
+    stage raises it too, for a schema nested too deep to parse, as the gateway would answer it)."""
+    return InvalidInput(f"{field} is {size} bytes, the limit is {MAX_FORMAT_BYTES}", reason="RESPONSE_FORMAT_TOO_LARGE",
+                        metadata={"field": field})
 
 
 def _penalty(x) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from typing import Callable, Mapping, Sequence
@@ -275,8 +276,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     self._idle.set()
                 names.requests(code).inc()
                 names.duration.observe(time.perf_counter() - start)
-                trace_id_var.reset(tokens[0])
-                rpc_var.reset(tokens[1])
+                _reset((trace_id_var, tokens[0]), (rpc_var, tokens[1]))
 
 
 class _MethodNames:
@@ -295,6 +295,16 @@ class _MethodNames:
         if child is None:
             child = self._requests[code] = self._counter(code)
         return child
+
+
+def _reset(*pairs: tuple[contextvars.ContextVar, contextvars.Token]) -> None:
+    """Restore the log context variables. A cancelled stream's handler generator may be closed
+    by asyncio's async-generator finalizer, in a task of its own and so in another context,
+    where the tokens do not apply (ValueError) and there is nothing of this call's to restore:
+    raising there would only leave "Task exception was never retrieved" in the log."""
+    for var, token in pairs:
+        with contextlib.suppress(ValueError):
+            var.reset(token)
 
 
 def _record_error(span: trace.Span, err: errors.KeelError) -> None:

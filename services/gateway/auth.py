@@ -14,8 +14,8 @@ No grpc here: ``metadata`` is whatever the servicer has, a mapping or the
 a mapping has already collapsed). A request that presents more than one key (two
 ``x-api-key`` headers, two ``authorization`` headers, or ``x-api-key`` and a Bearer token that
 differ) is refused as AMBIGUOUS_API_KEY rather than picking one. Failed authentications count
-per peer address; a blocked address still admits the keys that authenticated from it before
-(:class:`services.gateway.ratelimit.AuthFailureLimiter`).
+per peer address and per key prefix; a blocked address still admits the keys that authenticated
+from it before (:class:`services.gateway.ratelimit.AuthFailureLimiter`).
 """
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ from shared.errors import AMBIGUOUS_API_KEY, Unauthenticated
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
 _SALT_BYTES = 16
+# Failures also count per the presented key's first this many characters: longer than any fixed
+# prefix keys share ("keel_" from `new`), so each issued key has its own count.
+KEY_PREFIX_CHARS = 12
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 Metadata = Mapping[str, str] | Sequence[tuple[str, str | bytes]] | None
@@ -129,13 +132,32 @@ def presented_api_key(metadata: Metadata) -> str | None:
     return key or bearer or None
 
 
+def key_prefix(metadata: Metadata) -> str | None:
+    """What the per-prefix failure count keys on: a digest of the presented key's first
+    KEY_PREFIX_CHARS characters (the limiter holds no key material); None without one key."""
+    try:
+        key = presented_api_key(metadata)
+    except Unauthenticated:
+        return None
+    if not key:
+        return None
+    return "prefix:" + hashlib.sha256(key[:KEY_PREFIX_CHARS].encode("utf-8", "replace")).hexdigest()[:32]
+
+
 class ApiKeyAuthenticator:
     """Checks a request's API key against the configured hashes and names the matching key.
-    A peer that failed too often (``failures``; default limits when not given) is refused before
-    its key is looked at."""
 
-    def __init__(self, entries: Iterable[ApiKeyEntry], failures: AuthFailureLimiter | None = None):
+    Failed authentications count per peer address and, in a second limiter with the same limits,
+    per key prefix (``key_prefix``): guesses at one key's completion spread over many addresses are
+    cut off too. While either is blocked, a request is refused before its key is looked at, unless
+    its key already authenticated from that address (with that prefix); each refused try counts as
+    a further failure, so the block doubles while a client keeps trying."""
+
+    def __init__(self, entries: Iterable[ApiKeyEntry], failures: AuthFailureLimiter | None = None,
+                 prefixes: AuthFailureLimiter | None = None):
         self._failures = failures or AuthFailureLimiter(AuthFailureLimit())
+        self._prefixes = prefixes or AuthFailureLimiter(self._failures.limit, clock=self._failures.clock,
+                                                        subject="keys with this prefix")
         self._entries: list[tuple[str, bytes, bytes]] = []
         seen: set[str] = set()
         for entry in entries:
@@ -147,26 +169,32 @@ class ApiKeyAuthenticator:
 
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
         """Key id of the presented key; Unauthenticated MISSING_API_KEY / INVALID_API_KEY /
-        AMBIGUOUS_API_KEY otherwise, each counted as a failure of ``peer`` (a gRPC peer string);
-        Overloaded AUTH_FAILURES_LIMITED while that peer is blocked, unless the key is one that
-        already authenticated from the same address (other clients behind a shared address)."""
-        host = peer_host(peer)
-        refusal = self._failures.refusal(host)
-        if refusal is not None:
-            known = self._failures.known_keys(host)
+        AMBIGUOUS_API_KEY otherwise, each counted as a failure of ``peer`` (a gRPC peer string)
+        and of the key's prefix; Overloaded AUTH_FAILURES_LIMITED while either is blocked, unless
+        the key is one that already authenticated from both (other clients behind a shared
+        address, the key's own holder)."""
+        prefix = key_prefix(metadata)
+        subjects = [(self._failures, peer_host(peer))] + ([(self._prefixes, prefix)] if prefix else [])
+        blocked = [(limiter, subject) for limiter, subject in subjects if limiter.refusal(subject) is not None]
+        if blocked:
+            known = frozenset.intersection(*(limiter.known_keys(subject) for limiter, subject in blocked))
             try:
                 key_id = self._check(metadata, among=known) if known else None
             except Unauthenticated:
                 key_id = None
             if key_id is None:
-                raise refusal
+                for limiter, subject in blocked:
+                    limiter.failed(subject)  # a try while blocked: the block doubles
+                raise next(limiter.refusal(subject) for limiter, subject in blocked)
             return key_id
         try:
             key_id = self._check(metadata)
         except Unauthenticated:
-            self._failures.failed(host)
+            for limiter, subject in subjects:
+                limiter.failed(subject)
             raise
-        self._failures.succeeded(host, key_id)
+        for limiter, subject in subjects:
+            limiter.succeeded(subject, key_id)
         return key_id
 
     def _check(self, metadata: Metadata, among: frozenset[str] | None = None) -> str:

@@ -23,6 +23,9 @@ class Limits:
     default_max_tokens: int = 128
     max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
     default_deadline_ms: int = 60000
+    # A client's deadline is held to at most this (a call with a 30-year deadline would otherwise
+    # be held that long, e.g. waiting for a replica): one hour.
+    max_deadline_ms: int = 3_600_000
     # A rejected request whose JSON is larger goes to the quarantine clipped (shared/clip.py).
     max_quarantine_payload_bytes: int = 65536
     # The gateway gives up this long before the client's deadline, so that its status (with a

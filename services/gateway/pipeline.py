@@ -362,9 +362,11 @@ def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> e
 
 
 def deadline_from(time_remaining: float | None, limits: Limits) -> float:
-    """Absolute monotonic deadline: the client's less the answer margin, else the configured default."""
+    """Absolute monotonic deadline: the client's (at most ``max_deadline_ms``) less the answer
+    margin, else the configured default."""
     if time_remaining is None:
         return time.monotonic() + limits.default_deadline_ms / 1000
+    time_remaining = min(time_remaining, limits.max_deadline_ms / 1000)
     return time.monotonic() + max(0.0, time_remaining - limits.answer_margin_ms / 1000)
 
 

@@ -7,10 +7,12 @@ with ``retry_after_ms`` = the time until one token is back, rounded up, so a cli
 honours the hint succeeds on its next try (absent other traffic on the key).
 
 Failed authentications are limited per peer address (the port is ignored, so new connections
-do not help): after ``max_failures`` failures a peer is refused for ``backoff_base_s``, doubled
-with each further failure up to ``backoff_cap_s``, with Overloaded(reason=AUTH_FAILURES_LIMITED)
-and the time left as ``retry_after_ms``. While blocked its requests are refused before any key
-is checked, so guesses are not even tried. ``window_s`` without a failure after the last block
+do not help), and by a second limiter per key prefix (services/gateway/auth.py): after
+``max_failures`` failures a peer is refused for ``backoff_base_s``, doubled with each further
+failure up to ``backoff_cap_s``, with Overloaded(reason=AUTH_FAILURES_LIMITED) and the time left
+as ``retry_after_ms``. While blocked its requests are refused before any key is checked, so
+guesses are not even tried, and each such try counts as a further failure (the caller does that),
+so a client that ignores the hint is blocked ever longer. ``window_s`` without a failure after the last block
 ended forgets the failures (a success does not: interleaving a valid key would otherwise reset
 the count). At most ``max_peers`` peers are tracked (the one idle
 longest is forgotten first), so many addresses cannot exhaust memory.
@@ -54,13 +56,13 @@ class RateLimiter:
 
     def __init__(self, config: RateLimitConfig, *, clock: Callable[[], float] = time.monotonic):
         self._config = config
-        self._clock = clock
+        self.clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}  # key_id -> (tokens, at)
 
     def check(self, key_id: str) -> None:
         """Take one token for ``key_id``, or raise Overloaded RATE_LIMITED with a retry hint."""
         limit = self._config.per_key.get(key_id, self._config.default)
-        now = self._clock()
+        now = self.clock()
         tokens, at = self._buckets.get(key_id, (limit.burst, now))
         tokens = min(limit.burst, tokens + (now - at) * limit.rate_per_s)
         if tokens >= 1.0:
@@ -102,18 +104,19 @@ class AuthFailureLimiter:
     """Counts failed authentications per peer host and blocks a peer with backoff; clock
     injectable."""
 
-    def __init__(self, limit: AuthFailureLimit, *, clock: Callable[[], float] = time.monotonic):
-        self._limit, self._clock = limit, clock
+    def __init__(self, limit: AuthFailureLimit, *, clock: Callable[[], float] = time.monotonic,
+                 subject: str = "this address"):
+        self.limit, self.clock, self.subject = limit, clock, subject  # subject: what a refusal names
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
 
     def refusal(self, peer: str) -> Overloaded | None:
         """The AUTH_FAILURES_LIMITED error (with the time left) while ``peer`` is blocked, else None."""
         state = self._peers.get(peer)
-        now = self._clock()
+        now = self.clock()
         if state is None or now >= state.blocked_until:
             return None
         wait_ms = math.ceil((state.blocked_until - now) * 1000.0)
-        return Overloaded(f"{state.failures} failed authentications from this address; "
+        return Overloaded(f"{state.failures} failed authentications from {self.subject}; "
                           f"try again in {wait_ms} ms", reason=AUTH_FAILURES_LIMITED,
                           retry_after_ms=wait_ms, metadata={"failures": state.failures})
 
@@ -127,13 +130,13 @@ class AuthFailureLimiter:
         state = self._peers.pop(peer, None) or _Peer()
         state.keys.pop(key_id, None)
         state.keys[key_id] = None
-        while len(state.keys) > self._limit.max_keys_per_peer:
+        while len(state.keys) > self.limit.max_keys_per_peer:
             state.keys.popitem(last=False)
         self._remember(peer, state)
 
     def failed(self, peer: str) -> None:
         """Count one failed authentication of ``peer``; block it once over the limit."""
-        limit, now = self._limit, self._clock()
+        limit, now = self.limit, self.clock()
         state = self._peers.pop(peer, None) or _Peer()
         if now - state.last_s > limit.window_s:
             state.failures = 0
@@ -147,5 +150,5 @@ class AuthFailureLimiter:
 
     def _remember(self, peer: str, state: _Peer) -> None:
         self._peers[peer] = state
-        while len(self._peers) > self._limit.max_peers:
+        while len(self._peers) > self.limit.max_peers:
             self._peers.popitem(last=False)

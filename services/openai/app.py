@@ -8,6 +8,11 @@ retries and refusals apply as to any gRPC client. This app only converts: HTTP J
 ``data: [DONE]``; the HTTP status is sent once the gateway's first message (or its refusal) is
 there, so a refused stream is an ordinary error response. A client that goes away mid-stream
 cancels the gateway call, which cancels the generation in the inference stage.
+
+What a client may send is bounded before the gateway sees it (services/openai/limits.py): the
+connection's timeouts and header limits (connection.py), the headers read here (headers.py), the
+body's size and depth (body.py); a body that may be large is read only once the gateway has
+accepted the caller's key. Nothing a client sends is answered 500.
 """
 from __future__ import annotations
 
@@ -17,26 +22,26 @@ import logging
 from typing import AsyncIterator
 
 import grpc
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.openai import body as bodies
 from services.openai import convert, httperrors
-from services.openai.schemas import ChatBody, CompletionBody, invalid_body, parse
-from shared import client, errors, proxyauth
+from services.openai.headers import deadline_s, has_key, metadata
+from services.openai.limits import EdgeLimits
+from services.openai.schemas import ChatBody, CompletionBody, parse
+from shared import client, errors
 from shared.interceptor import NOT_SERVING_RETRY_MS, TRACE_ID_KEY
 from shared.modelfile import MODEL_ID
 
 log = logging.getLogger("keel.openai")
 
-# Request headers passed on to the gateway as gRPC metadata (the API key and the W3C trace context).
-FORWARDED = ("authorization", "x-api-key", "traceparent", "tracestate")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-# The request's deadline in milliseconds (a stream's whole stream), as a gRPC client sets one;
-# absent: the gateway's default deadline.
-DEADLINE_HEADER = "x-keel-deadline-ms"
+# An answer given before the body was read closes the connection (the rest of the body is not read).
+CLOSE = {"connection": "close"}
 
 
 def dumps(obj: dict) -> str:
@@ -45,29 +50,6 @@ def dumps(obj: dict) -> str:
 
 def sse(obj: dict | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n".encode()
-
-
-def _printable(value: str) -> bool:
-    """gRPC metadata values are printable ASCII; anything else is not sent on."""
-    return all(" " <= c <= "~" for c in value)
-
-
-def metadata(request: Request) -> tuple[tuple[str, str], ...]:
-    """The caller's forwarded headers, and the proxy credential with the caller's address: the
-    gateway then counts the caller's failed authentications by that address, not this server's."""
-    client_address = request.client.host if request.client else ""
-    return (*((name, v) for name in FORWARDED for v in request.headers.getlist(name) if _printable(v)),
-            *proxyauth.on_behalf_of(client_address))
-
-
-def deadline_s(request: Request) -> float | None:
-    raw = request.headers.get(DEADLINE_HEADER)
-    if raw is None:
-        return None
-    if not raw.isdigit() or int(raw) == 0:
-        raise errors.InvalidInput(f"{DEADLINE_HEADER} must be a positive integer (milliseconds)",
-                                  reason="INVALID_HEADER", metadata={"field": DEADLINE_HEADER})
-    return int(raw) / 1000
 
 
 async def _disconnected(request: Request) -> None:
@@ -85,10 +67,10 @@ def translate(exc: grpc.aio.AioRpcError) -> errors.KeelError:
     return err
 
 
-def error_response(err: errors.KeelError, trace_id: str = "") -> JSONResponse:
+def error_response(err: errors.KeelError, trace_id: str = "", extra: dict | None = None) -> JSONResponse:
     trace_id = trace_id or err.metadata.get("trace_id", "")
     return JSONResponse(httperrors.error_body(err), status_code=httperrors.http_status(err),
-                        headers=httperrors.headers(err, trace_id))
+                        headers={**httperrors.headers(err, trace_id), **(extra or {})})
 
 
 class Gateway:
@@ -114,21 +96,35 @@ class Gateway:
 
 
 class Api:
-    def __init__(self, gateway: Gateway, max_body_bytes: int):
-        self.gateway, self.max_body_bytes = gateway, max_body_bytes
+    def __init__(self, gateway: Gateway, max_body_bytes: int, limits: EdgeLimits):
+        self.gateway, self.max_body_bytes, self.limits = gateway, max_body_bytes, limits
         self.serving = False
 
-    async def _json(self, request: Request):
+    async def _read(self, request: Request, md) -> bytes:
+        """The body, read within the limits. One that may be large (over
+        ``preauth_body_bytes``, or chunked) is read only once the gateway has accepted the key:
+        a caller without a valid key cannot make this stage buffer megabytes."""
+        size = bodies.declared_size(request.headers.get("content-length"), self.max_body_bytes)
+        if size is None or size > self.limits.preauth_body_bytes:
+            if not has_key(request):
+                raise errors.Unauthenticated("no API key: send it in 'x-api-key' or 'authorization: Bearer'",
+                                             reason="MISSING_API_KEY")
+            await self._authenticated(md)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > self.max_body_bytes:
-                raise errors.Overloaded(f"the body is larger than {self.max_body_bytes} bytes",
-                                        reason="MESSAGE_TOO_LARGE")
+                raise bodies.too_large(self.max_body_bytes)
+        return bytes(body)
+
+    async def _authenticated(self, md) -> None:
+        """Asks the gateway to check the caller's key (ListModels: authenticated, and counted
+        against the key's rate limit and, refused, the address's failure budget as any call)."""
         try:
-            return json.loads(body)
-        except ValueError as exc:  # also bytes that are not UTF-8
-            raise invalid_body("(body)", f"the body is not JSON: {exc}") from None
+            await self.gateway.stub().ListModels(gateway_pb2.ListModelsRequest(), metadata=md,
+                                                 timeout=self.limits.header_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc) from None
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, ChatBody, convert.chat_request)
@@ -137,15 +133,22 @@ class Api:
         return await self._generate(request, CompletionBody, convert.completion_request)
 
     async def _generate(self, request: Request, cls, build) -> Response:
+        read = False
         try:
-            timeout = deadline_s(request)
-            body = parse(cls, await self._json(request))
-            req = build(body)
+            timeout = deadline_s(request, self.limits)
+            md = metadata(request, self.limits)
+            raw = await self._read(request, md)
+            read = True
+            body = parse(cls, bodies.parse_json(raw, self.limits.max_json_depth))
+            req = bodies.converted(build, body)
         except errors.KeelError as err:
-            return error_response(err)
+            # Answered before the whole body was read, the connection is closed (the rest unread).
+            return error_response(err, extra=None if read else CLOSE)
+        except ClientDisconnect:
+            log.info("the client went away while sending its body", extra={"path": request.url.path})
+            return Response(status_code=499)
         chat = cls is ChatBody
         logprobs = req.sampling.logprobs
-        md = metadata(request)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await self._stream(req, md, timeout, chat, logprobs, include_usage)
@@ -204,8 +207,9 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         try:
-            resp = await self.gateway.stub().ListModels(gateway_pb2.ListModelsRequest(), metadata=metadata(request),
-                                                        timeout=deadline_s(request))
+            resp = await self.gateway.stub().ListModels(gateway_pb2.ListModelsRequest(),
+                                                        metadata=metadata(request, self.limits),
+                                                        timeout=deadline_s(request, self.limits))
         except errors.KeelError as err:
             return error_response(err)
         except grpc.aio.AioRpcError as exc:

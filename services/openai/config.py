@@ -1,8 +1,10 @@
 """The OpenAI-compatible stage's one typed config object, built from config/openai.yaml (schema-validated)."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
+from services.openai.limits import EdgeLimits
 from shared import config
 from shared.config import ServerConfig
 
@@ -15,6 +17,15 @@ class OpenAIConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # The gateway replicas every request goes to (round robin), over gRPC.
     gateway: tuple[str, ...] = ()
+    # What a client may send before the gateway sees anything (services/openai/limits.py).
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
+    # The proxies (addresses or CIDR networks) whose X-Forwarded-For / X-Forwarded-Proto this stage
+    # believes; none by default: the caller is the socket's peer, whatever headers it sends.
+    trusted_proxies: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for proxy in self.trusted_proxies:
+            ipaddress.ip_network(proxy, strict=False)  # ValueError names the entry that is not one
 
 
 def load(path=None, environ=None) -> OpenAIConfig:

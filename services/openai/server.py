@@ -19,6 +19,7 @@ import uvicorn
 
 from services.openai import config as openai_config
 from services.openai.app import Api, Gateway, build_app
+from services.openai.connection import connection_class
 from shared import metrics, notify, tls
 from shared.config import ConfigError
 from shared.logging import setup_logging
@@ -57,7 +58,7 @@ class _Server(uvicorn.Server):
 
 
 def build(cfg: openai_config.OpenAIConfig) -> tuple[_Server, Api]:
-    api = Api(Gateway(cfg.gateway, cfg.server.max_message_bytes), cfg.server.max_message_bytes)
+    api = Api(Gateway(cfg.gateway, cfg.server.max_message_bytes), cfg.server.max_message_bytes, cfg.edge)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -71,8 +72,13 @@ def build(cfg: openai_config.OpenAIConfig) -> tuple[_Server, Api]:
     cert, key = tls_files(cfg)
     # httptools (C) parses HTTP/1.1: measured against h11 with bench/bench_openai.py --peer stub,
     # it took the stage's added latency per 1-token answer from a ratio of 1.89 to 1.55-1.76 of the gRPC call.
+    # The connection class adds the edge's header/body timeouts and header limits (connection.py).
     uv = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, ssl_certfile=cert, ssl_keyfile=key,
-                        log_config=None, access_log=False, lifespan="on", server_header=False, http="httptools",
+                        log_config=None, access_log=False, lifespan="on", server_header=False,
+                        http=connection_class(cfg.edge), ws="none",
+                        # X-Forwarded-For is believed from the configured proxies only (uvicorn's own
+                        # default trusts 127.0.0.1, so any local caller could name any address)
+                        proxy_headers=bool(cfg.trusted_proxies), forwarded_allow_ips=list(cfg.trusted_proxies),
                         timeout_graceful_shutdown=cfg.server.drain_grace_s,
                         # an idle keep-alive connection is closed after this long (uvicorn's own 5 s
                         # equals the SDKs' pool expiry, so a reused connection could meet the close)

@@ -41,8 +41,8 @@ def test_after_max_failures_the_peer_is_refused_with_a_retry_hint(auth, clock):
     with pytest.raises(Overloaded) as info:
         guess(auth, key=KEY)       # even the right key: guesses from a blocked peer are not tried
     assert info.value.reason == AUTH_FAILURES_LIMITED and info.value.code == "RESOURCE_EXHAUSTED"
-    assert info.value.retry_after_ms == 1000
-    clock.advance(1.0)
+    assert info.value.retry_after_ms == 2000  # blocked 1 s, doubled by this try
+    clock.advance(2.0)
     assert auth.authenticate({"x-api-key": KEY}, PEER) == "team-a"
 
 
@@ -77,14 +77,45 @@ def test_backoff_doubles_with_each_further_failure_up_to_the_cap(auth, clock):
         with pytest.raises(Unauthenticated):
             guess(auth)
     hints = []
-    for _ in range(6):
-        with pytest.raises(Overloaded) as info:
-            guess(auth)
-        hints.append(info.value.retry_after_ms)
-        clock.advance(hints[-1] / 1000)
+    for _ in range(4):
+        clock.advance(60)   # each block waited out: the next guess is tried, fails, and blocks longer
         with pytest.raises(Unauthenticated):
             guess(auth)
-    assert hints == [1000, 2000, 4000, 8000, 8000, 8000]
+        with pytest.raises(Overloaded) as info:
+            auth.authenticate({"x-api-key": KEY}, "ipv4:10.0.0.7:1")  # another key (prefix), same address
+        hints.append(info.value.retry_after_ms)
+    # the refused try counts too: 4th failure blocks 2 s, the refused try doubles it to 4 s; ...
+    assert hints == [4000, 8000, 8000, 8000]
+
+
+def test_tries_while_blocked_escalate_the_block(auth, clock):
+    """Issue 44: a client that ignored the hint got Retry-After: 1 even after 100 failures."""
+    hints = []
+    for i in range(100):
+        try:
+            guess(auth, key=f"guess-{i}")
+        except Overloaded as exc:
+            hints.append(exc.retry_after_ms)
+        except Unauthenticated:
+            pass
+        clock.advance(0.01)
+    assert hints[0] == 2000 and hints[-1] == 8000  # 1 s doubled by the try itself, then the cap
+
+
+def test_guesses_at_one_key_from_many_addresses_are_cut_off_by_its_prefix(auth):
+    """Rotating addresses does not buy guesses at one key's completion: failures also count per
+    key prefix, and the key's own holder (who authenticated with it before) is still admitted."""
+    assert auth.authenticate({"x-api-key": KEY}, "ipv4:192.0.2.1:1") == "team-a"
+    stem = KEY[:12]
+    answers = []
+    for i in range(6):
+        try:
+            guess(auth, peer=f"ipv4:10.9.0.{i}:1", key=f"{stem}-guess-{i}")
+        except (Unauthenticated, Overloaded) as exc:
+            answers.append(exc.reason)
+    assert answers[:3] == ["INVALID_API_KEY"] * 3 and set(answers[3:]) == {AUTH_FAILURES_LIMITED}
+    assert auth.authenticate({"x-api-key": KEY}, "ipv4:10.9.0.99:1") == "team-a"   # the holder, anywhere
+    assert auth.authenticate({"x-api-key": OTHER_KEY}, "ipv4:10.9.0.0:1") == "team-b"  # other keys: unaffected
 
 
 def test_peers_are_counted_by_address_not_by_connection(auth):

@@ -196,6 +196,13 @@ def test_the_gateway_answers_before_the_clients_deadline():
     assert deadline_from(None, Limits(default_deadline_ms=60000)) >= before + 60.0
 
 
+def test_an_absurd_client_deadline_is_capped():
+    """A 30-year (or 1e300 s) deadline is held to max_deadline_ms, never an overflow."""
+    limits = Limits(max_deadline_ms=3_600_000, answer_margin_ms=0)
+    for remaining in (1e9, 1e300, float("inf")):
+        assert deadline_from(remaining, limits) <= time.monotonic() + 3600.0
+
+
 def test_the_system_fingerprint_names_the_engine_facts_and_changes_with_any_of_them():
     facts = {"weights_sha256": "ab" * 32, "format": "int8", "torch": "2.13.0", "threads": "1"}
     one = Done("stop", 3, 2, 7, facts).system_fingerprint

@@ -11,6 +11,7 @@ from shared import errors
     (errors.InvalidInput("x", reason="TEMPERATURE_OUT_OF_RANGE"), 400),
     (errors.InvalidInput("x", reason="PROMPT_TOO_LARGE"), 413),
     (errors.Overloaded("x", reason="MESSAGE_TOO_LARGE"), 413),
+    (errors.InvalidInput("x", reason="HEADER_TOO_LARGE", metadata={"field": "x-api-key"}), 431),
     (errors.Unauthenticated("x", reason="INVALID_API_KEY"), 401),
     (errors.PermissionDenied("x"), 403),
     (errors.NotFound("x", reason="ADAPTER_NOT_FOUND", metadata={"adapter": "nope"}), 404),
@@ -45,6 +46,16 @@ def test_retry_after_is_whole_seconds_rounded_up_and_exact_in_ms():
 ])
 def test_only_recoverable_errors_invite_the_sdks_retry(err, retry):
     assert httperrors.headers(err, "")["x-should-retry"] == retry
+
+
+@pytest.mark.parametrize("err", [
+    errors.Overloaded("x", reason="MESSAGE_TOO_LARGE", retry_after_ms=1000),
+    errors.InvalidInput("x", reason="PROMPT_TOO_LARGE"),
+    errors.InvalidInput("x", reason="HEADER_TOO_LARGE"),
+])
+def test_a_request_refused_for_its_size_has_no_retry_hint(err):
+    """Sent again, the same request is refused again (a 413 used to say x-should-retry: true)."""
+    assert httperrors.headers(err, "") == {"x-should-retry": "false"}
 
 
 @pytest.mark.parametrize("err,param", [

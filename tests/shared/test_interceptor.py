@@ -214,3 +214,27 @@ async def test_a_stream_cancelled_while_its_answer_is_written_is_counted_cancell
         await asyncio.sleep(0.05)
     assert (count("CANCELLED") - before[0], count("OK") - before[1]) == (3, 0)
     await srv.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_closed_from_another_context_leaves_no_stray_task_exception():
+    """Issue 44: a cancelled stream's handler generator, finalized by asyncio in a task of its
+    own (another context), raised ValueError resetting the log context variables: "Task exception
+    was never retrieved" in the gateway's log. The close must end quietly."""
+    import contextvars
+
+    interceptor = ServerInterceptor("tokenizer", mesh_token="s3cret")
+
+    async def two(request, context):
+        yield tokenizer_pb2.DecodeResponse(text="a")
+        yield tokenizer_pb2.DecodeResponse(text="b")
+
+    async def continuation(details):
+        return grpc.unary_stream_rpc_method_handler(two)
+
+    wrapped = await interceptor.intercept_service(continuation, _Details("/keel.test.v1.Streams/Two"))
+    stream = wrapped.unary_stream(tokenizer_pb2.DecodeRequest(), _Context())
+    assert (await stream.__anext__()).text == "a"
+    # as asyncio's async-generator finalizer does: aclose() in a new task, in another context
+    await asyncio.get_running_loop().create_task(stream.aclose(), context=contextvars.Context())
+    assert interceptor.inflight == 0

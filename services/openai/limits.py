@@ -1,0 +1,42 @@
+"""What the HTTP stage accepts from a client before the gateway sees anything (config block ``edge``).
+
+Every limit of the internet-facing edge is here, with its default; docs/security.md states them.
+A client over one of them is refused by this stage alone, in OpenAI's error shape, never 500.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    # The request line and headers must arrive within this long of the connection opening (or of
+    # the request's first byte on a kept-alive connection); else the connection is closed.
+    header_timeout_s: float = 10.0
+    # The whole body must arrive within this long of the headers; else the connection is closed.
+    body_timeout_s: float = 30.0
+    # The request line and all headers together (larger: 431 HEADER_TOO_LARGE, connection closed).
+    max_header_bytes: int = 16384
+    # How many header lines one request may have (more: 431 HEADER_TOO_LARGE).
+    max_headers: int = 64
+    # One header passed on to the gateway (key, trace context): gRPC metadata must stay far under
+    # its own size limit, which would otherwise answer RESOURCE_EXHAUSTED (a retry hint).
+    max_forwarded_header_bytes: int = 4096
+    # JSON objects and arrays nested deeper than this are refused (400 INVALID_BODY) before parsing.
+    max_json_depth: int = 128
+    # x-keel-deadline-ms above this is refused (400 INVALID_HEADER): one hour.
+    max_deadline_ms: int = 3_600_000
+    # A body that may be larger than this (by Content-Length, or chunked) is read only after the
+    # gateway has accepted the caller's key; a smaller one goes with the call as it is.
+    preauth_body_bytes: int = 65536
+
+    def __post_init__(self) -> None:
+        rules = {"header_timeout_s > 0": self.header_timeout_s > 0, "body_timeout_s > 0": self.body_timeout_s > 0,
+                 "max_header_bytes >= 1024": self.max_header_bytes >= 1024, "max_headers >= 8": self.max_headers >= 8,
+                 "0 < max_forwarded_header_bytes <= max_header_bytes":
+                     0 < self.max_forwarded_header_bytes <= self.max_header_bytes,
+                 "1 <= max_json_depth <= 256": 1 <= self.max_json_depth <= 256,
+                 "max_deadline_ms >= 1": self.max_deadline_ms >= 1, "preauth_body_bytes >= 0": self.preauth_body_bytes >= 0}
+        broken = [rule for rule, ok in rules.items() if not ok]
+        if broken:
+            raise ValueError(f"edge limits need {', '.join(broken)}")
