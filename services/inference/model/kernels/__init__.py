@@ -48,7 +48,7 @@ ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in k
 Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_mm.cpp", "gguf_q8.cpp", "layer_ops.cpp", "layer.cpp"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "ops.h"))  # included by the sources: part of the build's hash
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "ops.h", "q8act.h"))  # included by the sources: part of the build's hash
 LIB_NAME = "keel_gguf_mm"
 # -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
 # torch's OpenMP loop, inlined into the kernel; without the flag it runs on one thread.
