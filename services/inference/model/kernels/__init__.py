@@ -30,7 +30,7 @@ import torch
 
 from shared.config import ROOT_DIR
 
-__all__ = ["BLOCK", "ISAS", "MM_TYPES", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
+__all__ = ["BLOCK", "ISAS", "K_TYPES", "MM_TYPES", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
 
 
 class QuantType(NamedTuple):
@@ -44,10 +44,12 @@ SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20, 4), 8: QuantTy
 # The ggml type ids keel::gguf_mm computes (their block layouts: gguf_mm.cpp; sizes: gguf.GGML_QUANT_SIZES):
 # F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16.
 MM_TYPES = (0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30)
+K_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K: keel::gguf_q8k_mm's, on superblocks.pack_x16k's layout
 ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in keel::gguf_mm's isa
 Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_mm.cpp", "gguf_q8.cpp", "layer_ops.cpp", "layer.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f)
+                for f in ("gguf_mm.cpp", "gguf_q8.cpp", "gguf_q8k.cpp", "layer_ops.cpp", "layer.cpp"))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "ops.h", "q8act.h"))  # included by the sources: part of the build's hash
 LIB_NAME = "keel_gguf_mm"
 # -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
@@ -91,6 +93,15 @@ class Kernels:
         if isa is not None and isa not in Q8_ISAS:
             raise ValueError(f"unknown isa {isa!r}; known: {', '.join(Q8_ISAS)}")
         return torch.ops.keel.gguf_q8_mm(x, w, ggml_type, n, -1 if isa is None else Q8_ISAS.index(isa))
+
+
+    def matmul_q8k(self, x: torch.Tensor, w: torch.Tensor, ggml_type: int, n: int,
+                   isa: str | None = None) -> torch.Tensor:
+        """y [M, n] ~= x [M, K] @ dequant(w).T for a K-quant w [ceil(n/16), K/256 * U] (superblocks.pack_x16k),
+        x quantized to 8 bits per 32-block; ``isa`` None runs the best path."""
+        if isa is not None and isa not in Q8_ISAS:
+            raise ValueError(f"unknown isa {isa!r}; known: {', '.join(Q8_ISAS)}")
+        return torch.ops.keel.gguf_q8k_mm(x, w, ggml_type, n, -1 if isa is None else Q8_ISAS.index(isa))
 
 
 _lock = threading.Lock()

@@ -9,6 +9,7 @@ namespace keel {
 
 at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa);     // gguf_mm.cpp
 at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa);  // gguf_q8.cpp
+at::Tensor gguf_q8k_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa); // gguf_q8k.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);                                   // layer_ops.cpp
 at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& keys, const at::Tensor& values);
