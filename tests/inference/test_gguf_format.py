@@ -147,11 +147,24 @@ async def test_200_prompts_give_the_same_tokens_alone_and_in_batches(tiny_gguf, 
 
 
 def test_a_block_type_the_kernel_does_not_take_is_refused_by_name(tiny, tmp_path):
-    folder = write_tiny_gguf(tiny, tmp_path, types={"blk.1.ffn_down.weight": Q.Q5_0})
+    folder = write_tiny_gguf(tiny, tmp_path, types={"blk.1.ffn_down.weight": Q.F16})
     with pytest.raises(InvalidInput) as err:
         load_model(folder, "gguf")
-    assert err.value.reason == "UNSUPPORTED_BLOCK_TYPE" and "Q5_0" in str(err.value)
-    assert err.value.metadata["types"] == "Q5_0"
+    assert err.value.reason == "UNSUPPORTED_BLOCK_TYPE" and "F16" in str(err.value)
+    assert err.value.metadata["types"] == "F16"
+
+
+@pytest.mark.parametrize("linear_type", [Q.Q4_0, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+def test_the_legacy_block_types_serve_on_both_formats(tiny, tmp_path, linear_type, fmt):
+    """Linear layers in the types llama.cpp's quantizer falls back to where a K-quant does not fit."""
+    folder = write_tiny_gguf(tiny, tmp_path, linear_type=linear_type)
+    reference, model = load_model(folder, "float32"), load_model(folder, fmt)
+    assert model.model.layers[0].mlp.down_proj.ggml_type == int(linear_type)
+    x = torch.tensor([prompt(2, 20)])
+    want, got = reference(x).logits, model(x).logits
+    tolerance = 1e-5 if fmt == blocks.EXACT_FORMAT else 0.06  # float32 order / 8-bit activations
+    assert ((got - want).norm() / want.norm()).item() < tolerance
 
 
 def test_the_tensor_table_is_rebuilt_for_another_file(tiny, tiny_dir, tmp_path):

@@ -147,7 +147,7 @@ def test_errors_are_clear(k):
         ((activations(2, 48), w, Q4_1, 8), "not a multiple of the block size"),
         ((x, w, Q4_1, 17), r"w must be \[2, 640\]"),
         ((x, w, Q8_0, 8), r"w must be \[1, 1088\]"),
-        ((x, w, 2, 8), "unsupported ggml_type 2"),
+        ((x, w, 12, 8), "unsupported ggml_type 12"),
     ]
     for args, message in bad:
         with pytest.raises(RuntimeError, match=message):

@@ -37,6 +37,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -150,6 +151,8 @@ def dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """uint8 [R, K/32 * B] -> float32 [R, K], bit for bit the reference's dequantization."""
     r = blocks.shape[0]
     kind = kernels.SUPPORTED_TYPES[ggml_type]
+    if kind.name not in ("Q4_1", "Q8_0"):  # the reference itself (gguf-py) for the other block types
+        return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type)).reshape(r, -1)
     b = blocks.reshape(r, -1, kind.block_bytes)                        # [R, K/32, B]
     d = b[..., 0:2].contiguous().view(torch.float16).float()           # [R, K/32, 1]
     if kind.name == "Q8_0":

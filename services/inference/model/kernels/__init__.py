@@ -36,11 +36,14 @@ __all__ = ["BLOCK", "ISAS", "K_TYPES", "MM_TYPES", "Q8_ISAS", "SUPPORTED_TYPES",
 class QuantType(NamedTuple):
     name: str
     block_bytes: int  # bytes per block of BLOCK weights
-    scale_bytes: int  # of which the fp16 scales at its start: d and m (Q4_1), d (Q8_0)
+    scale_bytes: int  # of which the fp16 scales at its start: d and m (Q4_1, Q5_1), d (the others)
 
 
 BLOCK = 32  # weights per ggml block, along the input dimension K
-SUPPORTED_TYPES: dict[int, QuantType] = {3: QuantType("Q4_1", 20, 4), 8: QuantType("Q8_0", 34, 2)}  # gguf_q8_mm's
+# gguf_q8_mm's types (blocks.pack_x16's layout)
+SUPPORTED_TYPES: dict[int, QuantType] = {2: QuantType("Q4_0", 18, 2), 3: QuantType("Q4_1", 20, 4),
+                                         6: QuantType("Q5_0", 22, 2), 7: QuantType("Q5_1", 24, 4),
+                                         8: QuantType("Q8_0", 34, 2)}
 # The ggml type ids keel::gguf_mm computes (their block layouts: gguf_mm.cpp; sizes: gguf.GGML_QUANT_SIZES):
 # F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16.
 MM_TYPES = (0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30)

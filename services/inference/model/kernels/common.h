@@ -16,10 +16,15 @@
 namespace keel {
 
 constexpr int QK = 32;  // elements per block
-constexpr int Q4_1 = 3, Q8_0 = 8;  // ggml type ids
+// ggml type ids
+constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+              BF16 = 30;
 constexpr int PORTABLE = 0;        // every op's isa code 0; -1 asks for the best path
 
-constexpr int block_bytes(int64_t type) { return type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0; }  // gguf_q8's types
+// Bytes per 32-element block of gguf_q8's types (0: not one of them).
+constexpr int block_bytes(int64_t type) {
+  return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : type == Q8_0 ? 34 : 0;
+}
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;

@@ -59,7 +59,6 @@ namespace {
 using namespace keel;
 
 constexpr int AVX2 = FLOAT_AVX2, AVX512 = FLOAT_AVX512;  // the op's isa codes (0: portable)
-constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30;
 
 struct TypeInfo {
   const char* name;

@@ -3,24 +3,27 @@
 //   x [M, K] float32 contiguous
 //   w [G, K/32 * 16 * B] uint8: the file's blocks of N <= 16 G weight rows, interleaved by groups of 16
 //       rows ("x16", the same bytes; blocks.pack_x16). Group g, block b is one 16 * B byte unit for
-//       rows 16g..16g+15 (r = row - 16g):
-//       Q4_1 (ggml type 3, B = 20): d[16] fp16, m[16] fp16, then chunks c = 0..3 of 64 bytes: at
-//            4r..4r+3 row r's qs[4c..4c+3] (low nibbles: elements 4c..4c+3, high: 16+4c..16+4c+3)
-//       Q8_0 (ggml type 8, B = 34): d[16] fp16, then chunks c = 0..7 of 64 bytes: at 4r..4r+3 row r's
-//            qs[4c..4c+3] (elements 4c..4c+3)
+//       rows 16g..16g+15 (r = row - 16g): the 16 rows' d (fp16), for Q4_1 / Q5_1 their m, then 64-byte
+//       chunks each holding 4 bytes of every row at 4r..4r+3:
+//       Q4_0 (type 2, B = 18), Q4_1 (3, 20): chunks c = 0..3 of row r's qs[4c..4c+3] (low nibbles:
+//            elements 4c..4c+3, high: 16+4c..16+4c+3)
+//       Q5_0 (type 6, B = 22), Q5_1 (7, 24): one chunk of row r's qh (bit e: the fifth bit of element
+//            e), then the qs chunks as Q4_0
+//       Q8_0 (type 8, B = 34): chunks c = 0..7 of row r's int8 qs[4c..4c+3] (elements 4c..4c+3)
 //   y [M, n] float32
 //
 // Activations: qx, dx, sx per row and 32-element block (q8act.h).
 // Summation order per output element (m, n), fixed by K alone: acc = +0, then for b = 0..K/32-1
-//   isum = sum_j qw_j * qx_j               (exact in int32)
+//   isum = sum_j (qw_j - o) * qx_j         (exact in int32; o = 8 for Q4_0, 16 for Q5_0, else 0)
 //   acc  = fma(dw * dx, float(isum), acc)  (dw * dx rounded once; float(isum) is exact, |isum| < 2^24)
-//   acc  = fma(mw, sx, acc)                (Q4_1 only)
-// and y = acc. Q4_1's w = dw * qw + mw, so the block's dot product is dw dx isum + mw sx.
+//   acc  = fma(mw, sx, acc)                (Q4_1, Q5_1)
+// and y = acc: w = dw * (qw - o) (+ mw), so the block's dot product is dw dx isum (+ mw sx).
 // Every path computes these same integers and fp32 operations, so all give the same bits. Threads
 // split (M tile, group tile) (common.h's parallel_tiles): no output depends on the batch or the thread count.
 // The integer dot products: AVX-512 VNNI vpdpbusd (u8 x s8, 4 products per int32 lane; Q8_0 weights
 // are signed, so the activations go in as qx + 128 and 128 * sum(w) is subtracted); AVX2 vpmaddubsw
-// + vpmaddwd (Q8_0 by |w| x sign(qx, w), since maddubs saturates its int16 pairs).
+// + vpmaddwd (Q8_0 by |w| x sign(qx, w), since maddubs saturates its int16 pairs). The offset o is
+// applied as o * (the block's sum of qx), computed once per activation row.
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -41,14 +44,19 @@ using namespace keel::q8;
 constexpr int R = 16;              // weight rows per group
 
 constexpr int unit_bytes(int64_t type) { return R * block_bytes(type); }
-constexpr int quant_offset(int type) { return type == Q4_1 ? 4 * R : 2 * R; }  // after d (and m)
-constexpr int chunks(int type) { return type == Q4_1 ? 4 : 8; }
+constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1; }
+constexpr bool fifth_bit(int t) { return t == Q5_0 || t == Q5_1; }
+constexpr int offset(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }
+constexpr int qh_offset(int t) { return (has_min(t) ? 4 : 2) * R; }                  // after d (and m)
+constexpr int quant_offset(int t) { return qh_offset(t) + (fifth_bit(t) ? 64 : 0); }  // after qh
+constexpr int chunks(int t) { return t == Q8_0 ? 8 : 4; }
 
 struct Problem {
   const int8_t* qx;   // [M, K] quantized activations
   const uint8_t* ux;  // [M, K] qx + 128 (as unsigned bytes)
   const float* dx;    // [M, nb] scales
   const float* sx;    // [M, nb] dx * sum qx
+  const int32_t* sq;  // [M, nb] sum qx (Q4_0, Q5_0)
   const uint8_t* w;   // [G, nb * unit]
   float* y;           // [M, n]
   int64_t M, n, K, nb, G;
@@ -76,17 +84,23 @@ void tile_portable(const Problem& p, int64_t m0, int64_t g0) {
         const float dx = p.dx[(m0 + i) * p.nb + b], sx = p.sx[(m0 + i) * p.nb + b];
         for (int r = 0; r < R; ++r) {
           int32_t s = 0;
+          uint32_t qh = 0;
+          if constexpr (fifth_bit(T)) std::memcpy(&qh, u + qh_offset(T) + 4 * r, 4);
           for (int c = 0; c < chunks(T); ++c)
             for (int t = 0; t < 4; ++t) {
               const uint8_t q = u[Q + 64 * c + 4 * r + t];
-              if constexpr (T == Q4_1)
-                s += int(q & 15) * x[4 * c + t] + int(q >> 4) * x[16 + 4 * c + t];
-              else
+              if constexpr (T == Q8_0) {
                 s += int(int8_t(q)) * x[4 * c + t];
+              } else {
+                const int e = 4 * c + t;  // and e + 16
+                const int lo = (q & 15) | (qh >> e & 1) << 4, hi = (q >> 4) | (qh >> (e + 16) & 1) << 4;
+                s += lo * x[e] + hi * x[e + 16];
+              }
             }
+          if constexpr (offset(T) != 0) s -= offset(T) * p.sq[(m0 + i) * p.nb + b];
           float& a = acc[i][j][r];
           a = std::fma(half(u + 2 * r) * dx, float(s), a);
-          if constexpr (T == Q4_1) a = std::fma(half(u + 2 * R + 2 * r), sx, a);
+          if constexpr (has_min(T)) a = std::fma(half(u + 2 * R + 2 * r), sx, a);
         }
       }
     }
@@ -96,6 +110,22 @@ void tile_portable(const Problem& p, int64_t m0, int64_t g0) {
 }
 
 // ---------------------------------------------------------------- AVX2: a group is two ymm of 8 rows
+
+// 16 in each byte of a row's lane whose element's fifth bit is set: byte t of row r's 4 bytes is
+// element e + t, whose bit is bit e + t of the row's qh (one int32 lane per row).
+KEEL_AVX2 inline __m256i fifth_avx2(__m256i qh, int e) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i bits = _mm256_set1_epi32(0x08040201);
+  const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(e)), spread), bits);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(t, bits), _mm256_set1_epi8(16));
+}
+
+KEEL_VNNI inline __m512i fifth_vnni(__m512i qh, int e) {
+  const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  const __m512i t = _mm512_shuffle_epi8(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(e)), spread);
+  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(t, _mm512_set1_epi32(0x08040201)), _mm512_set1_epi8(16));
+}
 
 template <int T, int MR, int NG>
 KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t g0) {
@@ -111,7 +141,7 @@ KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t g0) {
       const uint8_t* u = p.w + std::min(g0 + j, p.G - 1) * p.nb * U + b * U;
       for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7
         __m256i is[MR];
-        if constexpr (T == Q4_1) {
+        if constexpr (T == Q4_0 || T == Q4_1) {
           // int16 pair sums stay below 8 * 2 * 15 * 127 = 30480 over the whole block
           __m256i s16[MR];
           for (int i = 0; i < MR; ++i) s16[i] = _mm256_setzero_si256();
@@ -125,6 +155,20 @@ KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t g0) {
             }
           }
           for (int i = 0; i < MR; ++i) is[i] = _mm256_madd_epi16(s16[i], ones);
+        } else if constexpr (fifth_bit(T)) {
+          // 5-bit quants: int16 pair sums up to 2 * 31 * 127, widened to int32 per chunk
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + qh_offset(T) + 32 * h));
+          for (int i = 0; i < MR; ++i) is[i] = _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + Q + 64 * c + 32 * h));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nib), fifth_avx2(qh, 4 * c));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), fifth_avx2(qh, 16 + 4 * c));
+            for (int i = 0; i < MR; ++i) {
+              const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
+              is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x + 4 * c))), ones));
+              is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x + 16 + 4 * c))), ones));
+            }
+          }
         } else {
           for (int i = 0; i < MR; ++i) is[i] = _mm256_setzero_si256();
           for (int c = 0; c < 8; ++c) {
@@ -137,12 +181,15 @@ KEEL_AVX2 void tile_avx2(const Problem& p, int64_t m0, int64_t g0) {
             }
           }
         }
+        if constexpr (offset(T) != 0)
+          for (int i = 0; i < MR; ++i)
+            is[i] = _mm256_sub_epi32(is[i], _mm256_set1_epi32(offset(T) * p.sq[(m0 + i) * p.nb + b]));
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16 * h)));
         for (int i = 0; i < MR; ++i) {
           const int64_t s = (m0 + i) * p.nb + b;
           __m256& a = acc[i][j][h];
           a = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(p.dx[s])), _mm256_cvtepi32_ps(is[i]), a);
-          if constexpr (T == Q4_1) {
+          if constexpr (has_min(T)) {
             const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 2 * R + 16 * h)));
             a = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.sx[s]), a);
           }
@@ -181,7 +228,10 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
     __m512i is[MR][NG];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NG; ++j) is[i][j] = _mm512_setzero_si512();
-    if constexpr (T == Q4_1) {
+    if constexpr (T != Q8_0) {
+      __m512i qh[NG];
+      if constexpr (fifth_bit(T))
+        for (int j = 0; j < NG; ++j) qh[j] = _mm512_loadu_si512(w[j] + b * U + qh_offset(T));
       for (int c = 0; c < 4; ++c) {
         __m512i xl[MR], xh[MR];
         for (int i = 0; i < MR; ++i) {
@@ -191,13 +241,22 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
         }
         for (int j = 0; j < NG; ++j) {
           const __m512i v = _mm512_loadu_si512(w[j] + b * U + Q + 64 * c);
-          const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          if constexpr (fifth_bit(T)) {
+            lo = _mm512_or_si512(lo, fifth_vnni(qh[j], 4 * c));
+            hi = _mm512_or_si512(hi, fifth_vnni(qh[j], 16 + 4 * c));
+          }
           for (int i = 0; i < MR; ++i) {
             is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo, xl[i]);
             is[i][j] = _mm512_dpbusd_epi32(is[i][j], hi, xh[i]);
           }
         }
       }
+      if constexpr (offset(T) != 0)
+        for (int i = 0; i < MR; ++i) {
+          const __m512i o = _mm512_set1_epi32(offset(T) * p.sq[(m0 + i) * p.nb + b]);
+          for (int j = 0; j < NG; ++j) is[i][j] = _mm512_sub_epi32(is[i][j], o);
+        }
     } else {
       __m512i corr[NG];
       for (int j = 0; j < NG; ++j) corr[j] = _mm512_setzero_si512();
@@ -219,7 +278,7 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
       for (int i = 0; i < MR; ++i) {
         const int64_t s = (m0 + i) * p.nb + b;
         acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(p.dx[s])), _mm512_cvtepi32_ps(is[i][j]), acc[i][j]);
-        if constexpr (T == Q4_1) {
+        if constexpr (has_min(T)) {
           const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 2 * R)));
           acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(p.sx[s]), acc[i][j]);
         }
@@ -263,7 +322,8 @@ namespace keel {
 
 at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
   constexpr const char* op = "keel::gguf_q8_mm";
-  TORCH_CHECK(block_bytes(ggml_type), op, ": unsupported ggml_type ", ggml_type, " (supported: 3 = Q4_1, 8 = Q8_0)");
+  TORCH_CHECK(block_bytes(ggml_type), op, ": unsupported ggml_type ", ggml_type,
+              " (supported: 2 = Q4_0, 3 = Q4_1, 6 = Q5_0, 7 = Q5_1, 8 = Q8_0)");
   check_inputs(op, x, w);
   const int u = unit_bytes(ggml_type);
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
@@ -278,11 +338,23 @@ at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_typ
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   const Activations a(x, path);
-  const Problem p{a.qx.data(), a.ux.data(), a.dx.data(), a.sx.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, nb, G};
-  if (ggml_type == Q4_1)
-    run(p, tiling<Q4_1>(path), Q4_1);
-  else
-    run(p, tiling<Q8_0>(path), Q8_0);
+  std::vector<int32_t> sq;
+  if (ggml_type == Q4_0 || ggml_type == Q5_0) {
+    sq.resize(M * nb);
+    for (int64_t e = 0; e < M * nb; ++e) {
+      int32_t s = 0;
+      for (int j = 0; j < QK; ++j) s += a.qx[QK * e + j];
+      sq[e] = s;
+    }
+  }
+  const Problem p{a.qx.data(), a.ux.data(), a.dx.data(), a.sx.data(), sq.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, nb, G};
+  switch (ggml_type) {
+    case Q4_0: run(p, tiling<Q4_0>(path), Q4_0); break;
+    case Q4_1: run(p, tiling<Q4_1>(path), Q4_1); break;
+    case Q5_0: run(p, tiling<Q5_0>(path), Q5_0); break;
+    case Q5_1: run(p, tiling<Q5_1>(path), Q5_1); break;
+    default: run(p, tiling<Q8_0>(path), Q8_0); break;
+  }
   return y;
 }
 

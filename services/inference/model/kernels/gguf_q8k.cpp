@@ -42,7 +42,6 @@ using namespace keel;
 using namespace keel::q8;
 
 constexpr int R = 16;  // weight rows per group
-constexpr int Q4_K = 12, Q5_K = 13, Q6_K = 14;
 
 constexpr int unit_bytes(int64_t t) { return t == Q4_K ? 2368 : t == Q5_K ? 2880 : t == Q6_K ? 3360 : 0; }
 constexpr int QH5 = 320;                                      // Q5_K's qh chunks
