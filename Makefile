@@ -1,17 +1,25 @@
-# Keel: `make run` sets everything up and serves; `make test` runs the whole suite.
+# Keel: `make run` sets everything up and serves; `make test` runs the whole suite, `make test-fast`
+# all but the tests marked slow or e2e (pyproject.toml's markers); `make lint` checks the code style.
 SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model gate vocab kernels adapters syspkgs setup node bench-deps certs lock clean audit
+.PHONY: run test test-fast lint venv proto model gate vocab kernels adapters syspkgs setup node bench-deps certs lock clean audit
 
 run: setup
 	$(PY) -m keelctl up --demo
 
 test: setup
 	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not e2e"
+
+# ruff, configured in pyproject.toml (line length, import order, unused names, pyflakes).
+lint: venv
+	$(PY) -m ruff check .
 
 setup: syspkgs venv proto model vocab kernels node
 
