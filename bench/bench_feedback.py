@@ -294,7 +294,8 @@ def record_section(args) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="keel-bench-rec-"))
     port = free_port()
     env = dict(os.environ, KEEL_VAR_DIR=str(tmp), KEEL_FEEDBACK_SERVER__PORT=str(port),
-               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_TRACES_DIR=str(tmp / "traces"))
+               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0",
+               KEEL_TRACES_DIR=str(tmp / "traces"))
     env.pop("KEEL_MESH_TOKEN", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.feedback"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -149,7 +149,8 @@ def stage_on(db_url, tmp_path):
     port = free_port()
     env = dict(os.environ, KEEL_MESH_TOKEN=TOKEN, KEEL_VAR_DIR=str(tmp_path / "var"),
                KEEL_TRACES_DIR=str(tmp_path / "traces"), KEEL_FEEDBACK_SERVER__PORT=str(port),
-               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_DATABASE__URL=db_url)
+               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0",
+               KEEL_FEEDBACK_DATABASE__URL=db_url)
     target, procs = f"127.0.0.1:{port}", []
 
     def start() -> subprocess.Popen:

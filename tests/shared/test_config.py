@@ -108,7 +108,16 @@ def test_ports_and_upstreams_a_file_leaves_out_come_from_the_mesh_layout(tmp_pat
     assert gw.upstreams.tokenizer == ("127.0.0.1:51002", "127.0.0.1:51012")
     assert (gw.upstreams.inference, gw.upstreams.feedback) == (("127.0.0.1:51003",), ("127.0.0.1:51005",))
     assert feedback_config.load(environ=env).rotation.inference == ("127.0.0.1:51003",)
+    assert feedback_config.load(environ=env).rotation.webhook_port == 0  # no webhook_ports: no webhook
     assert openai_config.load(environ=env).gateway == ("127.0.0.1:51001",)
+
+
+def test_the_feedback_stages_webhook_port_comes_from_the_mesh_layout(tmp_path):
+    env = _layout(tmp_path, {s: {"ports": [51000 + i]} for i, s in enumerate(("tokenizer", "inference", "validator",
+                                                                              "gateway"))}
+                  | {"feedback": {"ports": [51005], "webhook_ports": [29107]}})
+    assert feedback_config.load(environ=env).rotation.webhook_port == 29107
+    assert feedback_config.load(environ=dict(env, KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0")).rotation.webhook_port == 0
 
 
 def test_the_file_and_then_the_environment_win_over_the_layout(tmp_path):
