@@ -1,6 +1,6 @@
 """The feedback loop's costs, each against a peer in the same run.
 
-Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
+Run: .venv/bin/python -m bench.bench_feedback [--submits 3000] [--concurrency 16] [--rate 500]
      [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
      [--forwarding coalesced,per-item] [--loadgen python,native] [--open-runs N]
 
@@ -46,23 +46,23 @@ from pathlib import Path
 
 import grpc
 
+from bench import native_loadgen
+from bench.feedback_store import store_section
+from bench.openloop import at_rate
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl import health
+from keelctl.ask import DEV_API_KEY, build_request
+from keelctl.trace import iter_spans
+from services.gateway.contract import Ask, Limits
+from services.gateway.pipeline import Call, Pipeline
+from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder
+from services.gateway.retry import RetryConfig, RetryExecutor
+from testing.mesh import start_mesh, stop_mesh
+from testing.ports import free_port
+from testing.postgres import PgServer
+from testing.upstreams import FakeUpstreams, no_sleep
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keelctl import health  # noqa: E402
-from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
-from keelctl.trace import iter_spans  # noqa: E402
-from services.gateway.contract import Ask, Limits  # noqa: E402
-from services.gateway.pipeline import Call, Pipeline  # noqa: E402
-from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
-from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
-from bench import native_loadgen  # noqa: E402
-from bench.feedback_store import store_section  # noqa: E402
-from bench.openloop import at_rate  # noqa: E402
-from testing.ports import free_port  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
-from testing.postgres import PgServer  # noqa: E402
-from testing.upstreams import FakeUpstreams, no_sleep  # noqa: E402
 
 MD = (("x-api-key", DEV_API_KEY),)
 NO_RATE_LIMIT = "{rate_per_s: 1000000, burst: 1000000}"

@@ -2,7 +2,7 @@
 one JSON Schema, llguidance (what services/inference/engine/grammar.py uses) against outlines-core.
 
     make bench-deps    # outlines-core is a bench-only pin of requirements.lock
-    .venv/bin/python bench/bench_grammar_engines.py [--reps 20]
+    .venv/bin/python -m bench.bench_grammar_engines [--reps 20]
 
 Both walk the same valid answer token by token, computing the mask before each token; the figures
 are medians over `--reps` walks, and the ratios are outlines-core's over llguidance's in the run.

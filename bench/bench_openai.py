@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API against the gateway's gRPC API, same mesh, same run.
 
-Run: .venv/bin/python bench/bench_openai.py [--peer mesh|stub] [--pairs 200] [--ttft-pairs 40] [--clients 64]
+Run: .venv/bin/python -m bench.bench_openai [--peer mesh|stub] [--pairs 200] [--ttft-pairs 40] [--clients 64]
 
 --peer mesh (default) starts `python -m keelctl up` on free loopback ports (the real model);
 --peer stub starts a stand-in gateway process that answers at once (the stream: one delta per
@@ -33,15 +33,15 @@ from pathlib import Path
 import grpc
 import httpx2
 
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl import health
+from keelctl.ask import DEV_API_KEY
+from shared.modelfile import MODEL_ID
+from testing.mesh import start_mesh, stop_mesh
+from testing.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from keel.common.v1 import common_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keelctl.ask import DEV_API_KEY  # noqa: E402
-from shared.modelfile import MODEL_ID  # noqa: E402
-from testing.ports import free_port  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
-from keelctl import health  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 MD = (("authorization", f"Bearer {DEV_API_KEY}"),)
@@ -247,7 +247,7 @@ class StubMesh:
         self.gateway, self.http = f"127.0.0.1:{gport}", f"127.0.0.1:{hport}"
         env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(hport), KEEL_OPENAI_GATEWAY=f"[{self.gateway}]",
                    KEEL_LOG_LEVEL="WARNING")
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--serve-stub", str(gport), "--stub-step-ms",
+        self.procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, "--serve-stub", str(gport), "--stub-step-ms",
                                         str(step_ms)], cwd=ROOT),
                       subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]

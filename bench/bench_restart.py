@@ -9,7 +9,7 @@ backoff), and poll grpc.health.v1 until SERVING. Cold rounds delete the stored w
 before the restart; warm rounds keep them. The page cache is warm in both (the model was read
 before). For each restart the stage's own "engine warm" log line gives its start-up phases.
 
-Run: .venv/bin/python bench/bench_restart.py [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
+Run: .venv/bin/python -m bench.bench_restart [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
      [--adapters var/adapters-src/pirate ... [--corrupt-last]] [--peer-root ../keel-main]
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                 stage.kill_and_restart(mode)
     for stage in stages:
         stage.close()
-    print(f"\nCommand: `.venv/bin/python bench/bench_restart.py {' '.join(argv or sys.argv[1:])}`")
+    print(f"\nCommand: `.venv/bin/python -m bench.bench_restart {' '.join(argv or sys.argv[1:])}`")
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| checkout | start | kills | p50 s to SERVING | max s | p50 s to listening (imports, config) | "
           "engine phases (median s) |")

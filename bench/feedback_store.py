@@ -20,6 +20,7 @@ class CoreUpsert:
 
     def __init__(self, store):
         import sqlalchemy as sa
+
         from services.feedback import db, upsert
         f, r = db.feedback.c, db.replay_records.c
         self.store = store

@@ -29,7 +29,7 @@ import numpy as np
 
 from services.feedback import config as fb_config
 from services.feedback.store import Store, now_ms, open_store
-from services.validator.quarantine_cli import parse_duration
+from shared.durations import parse_duration
 from shared.progress import Progress
 
 FORMAT = "keel-feedback-sft/1"

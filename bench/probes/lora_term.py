@@ -9,7 +9,7 @@ Counts rows of 16-row batches (random slots) that equal the same row computed al
 2 threads; then times each formulation for 13 adapter rows against the base F.linear of 16 rows
 (median of interleaved repeats, 1 thread).
 
-Run: .venv/bin/python bench/probe_lora_term.py [--trials 50] [--repeats 300]
+Run: .venv/bin/python -m bench.probes.lora_term [--trials 50] [--repeats 300]
 """
 from __future__ import annotations
 
