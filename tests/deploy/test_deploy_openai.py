@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.deploy.dockerfiles import section
 from services.openai import config as openai_config
+from tests.deploy.dockerfiles import section
 from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, one
 from tests.deploy.test_deploy_containers import compose
-from tests.deploy.test_deploy_k8s_policy import SECRET_SAMPLES, EXTERNAL, allowed, effective_config, image_env, pod
+from tests.deploy.test_deploy_k8s_policy import EXTERNAL, SECRET_SAMPLES, allowed, effective_config, image_env, pod
 
 PORT = TOPOLOGY.ports("openai")[0]
 

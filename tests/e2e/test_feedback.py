@@ -15,8 +15,8 @@ from services.feedback.store import open_store
 from services.tokenizer import config as tokenizer_config
 from services.tokenizer.core import Tokenizer
 from shared.config import ROOT_DIR
-from tests.e2e.conftest import error_info
 from testing.mesh import wait_until
+from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

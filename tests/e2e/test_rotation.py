@@ -24,8 +24,8 @@ from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from keelctl.ask import DEV_API_KEY, build_request
 from shared.meshauth import HEADER
-from tests.e2e.alerting import ROOT, start_alertmanager, start_prometheus
 from testing.mesh import start_mesh, stop_mesh, wait_until
+from tests.e2e.alerting import ROOT, start_alertmanager, start_prometheus
 from tests.e2e.test_cli import keel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

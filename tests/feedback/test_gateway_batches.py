@@ -22,8 +22,8 @@ from keelctl import health
 from keelctl.ask import DEV_API_KEY
 from services.feedback.store import open_store
 from shared import client, errors
-from testing.ports import free_port
 from testing.mesh import wait_until
+from testing.ports import free_port
 from tests.feedback.test_stage import replay_record
 
 ROOT = Path(__file__).resolve().parents[2]

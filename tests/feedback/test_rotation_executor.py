@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from services.feedback import db
 from services.feedback.config import CooldownConfig, FeedbackConfig, RetryConfig, RotationConfig
 from services.feedback.rotation.alerts import Alert
-from services.feedback.rotation.service import Rotation
 from services.feedback.rotation.inference import InferenceFleet
+from services.feedback.rotation.service import Rotation
 from services.feedback.store import open_store
 from shared import errors
 from tests.feedback.fake_inference import FakeInference

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from keel.common.v1 import common_pb2
-
 from keel.feedback.v1 import feedback_pb2
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Served

@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 import torch
 
+from services.inference.engine.controls import RowControls, shape
+from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
-from services.inference.engine.controls import RowControls, shape
-from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -137,6 +137,7 @@ def mixed_controls(i: int) -> Controls:
     return Controls(response_format=ResponseFormat("regex", r"[a-z ]{1,12}\."), frequency_penalty=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_mixed_rows_are_bit_identical_alone_and_in_batches(engine):
     reqs = [request(f"m{i}", prompt(i, 3 + i % 9), max_tokens=6, temperature=(i % 3) * 0.5, seed=i,

@@ -7,8 +7,8 @@ import torch
 
 from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.model.loader import convert_model, load_model, model_dtype
-from testing.tiny import tiny_model
 from shared.errors import InvalidInput
+from testing.tiny import tiny_model
 from tests.inference.helpers import prompt, read_cache
 
 

@@ -12,13 +12,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
-from services.inference.model import blocks, ggufindex
-from services.inference.startup import formats
 from services.inference.engine.core import Engine
-from services.inference.startup.formats import FormatsConfig
-from services.inference.model.forward import LlamaRunner
 from services.inference.engine.memory import static_bytes
+from services.inference.model import blocks, ggufindex
+from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import check_dtype, convert_model, load_model, model_dtype
+from services.inference.startup import formats
+from services.inference.startup.formats import FormatsConfig
 from shared.errors import InvalidInput
 from tests.inference.gguf_fixtures import write_tiny_gguf
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
@@ -125,6 +125,7 @@ def test_decode_rows_are_bitwise_batch_invariant_at_any_thread_count(tiny_gguf, 
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_200_prompts_give_the_same_tokens_alone_and_in_batches(tiny_gguf, threads):

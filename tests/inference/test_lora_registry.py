@@ -11,9 +11,9 @@ import torch
 from services.inference.lora import manifest
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
-from testing.tiny import tiny_model
 from shared.errors import InvalidInput, NotFound, PreconditionFailed
 from testing.lora import base_of, make_adapter
+from testing.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,7 @@ def _nudged(model, scale):
     return out
 
 
+@pytest.mark.slow
 def test_drift_above_the_threshold_refuses_or_warns(tiny, base, cfg, tmp_path):
     register(make_adapter(tiny, tmp_path / "a", seed=11), "a", "1", base, cfg)
     nudged = base_of(_nudged(tiny, 1e-4))  # same greedy outputs, slightly different distributions

@@ -161,6 +161,7 @@ def test_the_report_says_what_to_fix_and_counts_what_blocks(host):
     assert "FAIL vocabulary" in text and "fix: make vocab" in text and text.endswith("1 problem(s) block a start")
 
 
+@pytest.mark.slow
 def test_keel_doctor_exits_non_zero_when_something_blocks(tmp_path):
     env = dict(os.environ, KEEL_INFERENCE_MODEL_PATH=str(tmp_path / "no-model"), KEEL_VAR_DIR=str(tmp_path / "var"))
     out = subprocess.run([sys.executable, "-m", "keelctl", "doctor"], cwd=ROOT, env=env, capture_output=True,

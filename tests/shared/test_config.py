@@ -5,12 +5,12 @@ import json
 
 import pytest
 
+from keelctl.layout import load_layout
 from services.feedback import config as feedback_config
 from services.gateway import config as gateway_config
 from services.openai import config as openai_config
 from services.tokenizer import config as tokenizer_config
 from shared.config import CONFIG_DIR, ConfigError
-from keelctl.layout import load_layout
 
 
 def write(tmp_path, text: str):
@@ -80,7 +80,10 @@ def test_client_facing_error_in_engine_config_becomes_config_error():
 
 
 def test_stage_exits_2_with_its_json_log_line_on_a_dataclass_rule():
-    import json, os, subprocess, sys
+    import json
+    import os
+    import subprocess
+    import sys
     env = dict(os.environ, KEEL_GATEWAY_RETRY__BASE_S="2.0")
     proc = subprocess.run([sys.executable, "-m", "services.gateway"], env=env, capture_output=True, text=True,
                           timeout=60)
