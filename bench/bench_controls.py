@@ -8,8 +8,8 @@ in the step); every row with repetition/frequency/presence penalties and logprob
 alternatives. The decode step time of a run is the time from the batch's second token to its last,
 over the steps between (the prefill is left out). Ratios are of the fastest round of each (on a
 shared machine the fastest is the least disturbed one), and the median over rounds of each round's
-own ratio to the plain run just before it (less exposed to a slow drift of the host). The schema's string needs more tokens
-than the run generates, so no constrained row ends early.
+own ratio to the plain run just before it (less exposed to a slow drift of the host). The schema's
+string needs more tokens than the run generates, so no constrained row ends early.
 
 The same window is also timed in process CPU (all threads), which a busy hypervisor's stolen time
 does not inflate. A last section times the controls' own work per step in process CPU time, away from the model:

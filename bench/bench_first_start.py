@@ -44,7 +44,8 @@ def client_rate(mesh, requests: int, tokens: int) -> float:
     """Tokens per second of one client sending `requests` requests back to back."""
     done, t0 = 0, time.perf_counter()
     for _ in range(requests):
-        done += ask.ask(mesh.gateway, ask.build_request(PROMPT, max_tokens=tokens), timeout_s=300).usage.completion_tokens
+        answer = ask.ask(mesh.gateway, ask.build_request(PROMPT, max_tokens=tokens), timeout_s=300)
+        done += answer.usage.completion_tokens
     return done / (time.perf_counter() - t0)
 
 

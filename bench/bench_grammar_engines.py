@@ -25,7 +25,8 @@ from bench.bench_controls import cpu_flags
 
 TOKENIZER = Path("var/model/hf-tokenizer/tokenizer.json")
 SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
     "addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
     "required": ["name", "age", "tags", "addr"], "additionalProperties": False}

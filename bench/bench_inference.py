@@ -230,7 +230,8 @@ async def dtypes(ids, tok, args, device: str, fp32_greedy, lines: list[str]) -> 
         ppl_fp32 = ppl_fp32 or ppl
         passed = agree / total >= GATE_AGREEMENT and ppl <= GATE_PPL * ppl_fp32
         lines.append(f"| {dtype} | {same}/{n} | {100 * agree / total:.1f}% | {ppl:.3f} | "
-                     f"{'passes' if passed else 'fails'} | {speeds[0][0]:.1f} / {speeds[1][0]:.1f} | {speeds[0][1]:.1f} / {speeds[1][1]:.1f} |")
+                     f"{'passes' if passed else 'fails'} | {speeds[0][0]:.1f} / {speeds[1][0]:.1f} | "
+                     f"{speeds[0][1]:.1f} / {speeds[1][1]:.1f} |")
         print(lines[-1], flush=True)
 
 

@@ -136,7 +136,8 @@ def main() -> None:
             us = {name: s * 1e6 for name, s in timed(fns, args.repeats).items()}
             gbs = " ".join(f"{w.numel() / us[c] / 1e3:9.1f}" if M == 1 else f"{'':9}" for c in ("keel", "q8"))
             print(f"{label:22} {M:>3} " + " ".join(f"{us[c]:10.1f}" for c in cols)
-                  + f" {us['keel'] / us['fp32']:9.2f} {us['keel'] / us['int8wo']:9.2f} {us['q8'] / us['keel']:9.2f} {gbs}")
+                  + f" {us['keel'] / us['fp32']:9.2f} {us['keel'] / us['int8wo']:9.2f} {us['q8'] / us['keel']:9.2f} "
+                    f"{gbs}")
     print(f"\nload average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; "
           f"blocks: {', '.join(f'{v.name} {v.block_bytes} B per 32' for v in SUPPORTED_TYPES.values())}; "
           f"M = 1 GB/s relative to the copy's {copy_gbs:.1f}")

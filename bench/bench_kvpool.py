@@ -107,8 +107,8 @@ def main() -> int:
                     for kind, blocks in [("per-row", 0)] + kinds:
                         spec = dict(kind=kind, dtype=dtype, batch=batch, block_tokens=blocks or 16,
                                     peer_file=str(peer), steps=args.steps)
-                        out = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(spec)], cwd=ROOT,
-                                             check=True, capture_output=True, text=True).stdout
+                        out = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(spec)],
+                                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
                         ms = json.loads(out.strip().splitlines()[-1])["ms"]
                         row[(kind, blocks)] = min(ms, row.get((kind, blocks), ms))
                 base = row[("per-row", 0)]

@@ -240,7 +240,8 @@ def main() -> None:
               f"median of {args.steps} steps:")
         for peer in ("keel-base", "keel-mixed", "peft-mixed"):
             r = steps[peer]
-            print(f"  {peer:<11} {r['step_ms']:8.1f} ms  (min {r['min_ms']:.1f})  x{r['step_ms'] / base:.2f} of keel-base")
+            print(f"  {peer:<11} {r['step_ms']:8.1f} ms  (min {r['min_ms']:.1f})  x{r['step_ms'] / base:.2f} of "
+                  "keel-base")
     if "warmup" in results:
         w = results["warmup"]
         print("start-up check of 0 / 1 / 2 adapters, per added adapter, and the second one alone "
@@ -250,7 +251,8 @@ def main() -> None:
                   f"{w[f'check_2_{kind}_s']:.2f} s; per adapter {w[f'per_adapter_{kind}_s']:.2f} s; "
                   f"second {w[f'second_adapter_{kind}_s']:.2f} s")
         for unit in ("", "_cpu"):
-            print(f"  cached / cold, 2 adapters{unit}: x{w[f'check_2_cached{unit}_s'] / w[f'check_2_cold{unit}_s']:.2f}")
+            print(f"  cached / cold, 2 adapters{unit}: "
+                  f"x{w[f'check_2_cached{unit}_s'] / w[f'check_2_cold{unit}_s']:.2f}")
     if "stage" in results:
         r = results["stage"]
         print(f"stage start with 2 adapters (fresh process each; first start, engine cold: "

@@ -76,7 +76,8 @@ def request(text: str, tokens: int) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(prompt=text, sampling=common_pb2.SamplingParams(max_tokens=tokens))
 
 
-async def through_mesh(target: str, prompts: list[str], tokens: int, concurrency: int) -> tuple[list[float], float, int]:
+async def through_mesh(target: str, prompts: list[str], tokens: int,
+                       concurrency: int) -> tuple[list[float], float, int]:
     gate = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     generated = 0
@@ -169,21 +170,26 @@ def main() -> int:
     finally:
         stop_mesh(mesh)
     summary = (f"\nMesh overhead from the traces (gateway span minus inference span, {len(outside)} requests at "
-               f"concurrency 1): p50 {statistics.median(outside):.2f} ms, p99 {outside[int(0.99 * (len(outside) - 1))]:.2f} ms.\n"
-               f"\nSpans at concurrency 1 (every request so far; `call X` is the gateway's side of a hop):\n\n{breakdown}\n"
+               f"concurrency 1): p50 {statistics.median(outside):.2f} ms, p99 "
+               f"{outside[int(0.99 * (len(outside) - 1))]:.2f} ms.\n"
+               f"\nSpans at concurrency 1 (every request so far; `call X` is the gateway's side of a "
+               f"hop):\n\n{breakdown}\n"
                f"\nValidator's share of a request through the mesh (both calls, gateway client spans, "
-               f"{len(val)} requests): p50 {statistics.median(val):.2f} ms, p99 {val[int(0.99 * (len(val) - 1))]:.2f} ms.\n"
+               f"{len(val)} requests): p50 {statistics.median(val):.2f} ms, p99 {val[int(0.99 * (len(val) - 1))]:.2f} "
+               "ms.\n"
                f"\nInference stage RSS after warm-up: {rss_warm / 2**20:.1f} MiB (fp32); over {args.hygiene} "
                f"sequential requests after the first two: {(rss_after - rss_before) / 2**20:+.2f} MiB.\n"
                f"\nEnd-to-end difference at concurrency 1 (mesh p50 minus in-process p50, two different processes, "
-               f"so it carries the generation's run-to-run noise): {p50_mesh_1 - statistics.median(local) * 1e3:.1f} ms "
+               f"so it carries the generation's run-to-run noise): {p50_mesh_1 - statistics.median(local) * 1e3:.1f} "
+               "ms "
                f"({args.prompts} prompts x up to {args.tokens} tokens, greedy). Machine: {machine()}.")
     out = "\n".join(lines) + summary
     print(out)
     if args.write:
         args.write.write_text("# Mesh overhead\n\nCommand: `.venv/bin/python -m bench.bench_mesh "
                               f"--prompts {args.prompts} --tokens {args.tokens} --concurrency "
-                              f"{','.join(map(str, args.concurrency))} --hygiene {args.hygiene} --write {args.write}`\n\n{out}\n")
+                              f"{','.join(map(str, args.concurrency))} --hygiene {args.hygiene} --write "
+                              f"{args.write}`\n\n{out}\n")
     return 0
 
 

@@ -127,7 +127,8 @@ class Stage:
         checked = last_line(self.log, "adapters checked")
         print(f"{self.label} {mode}: {self.results[mode][-1]:.2f} s to SERVING, format {line.get('format')}, "
               f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}"
-              + (f", adapters accepted {checked.get('accepted')} refused {checked.get('refused')}" if checked else ""), flush=True)
+              + (f", adapters accepted {checked.get('accepted')} refused "
+                 f"{checked.get('refused')}" if checked else ""), flush=True)
 
     def close(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -146,7 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--corrupt-last", action="store_true",
                     help="flip a byte of the last registered adapter's weights, so that every start refuses it")
     ap.add_argument("--peer-root", type=Path, default=None,
-                    help="another checkout (e.g. a `git worktree` of the previous main) restarted in turn with this one")
+                    help="another checkout (e.g. a `git worktree` of the previous main) restarted in turn with this "
+                         "one")
     args = ap.parse_args(argv)
     stages = [Stage("this", ROOT, args)]
     if args.peer_root is not None:

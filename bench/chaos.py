@@ -248,8 +248,10 @@ def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, 
     out += ["", "| figure | calm (peer) | chaos | chaos / calm |", "|---|---|---|---|",
             f"| success rate | {calm['ok']}/{calm['n']} | {chaos['ok']}/{chaos['n']} | "
             f"{ratio(chaos['ok'] / chaos['n'], calm['ok'] / calm['n'])} |",
-            f"| p50 latency of successes, s | {calm['p50_s']:.2f} | {chaos['p50_s']:.2f} | {ratio(chaos['p50_s'], calm['p50_s'])} |",
-            f"| p99 latency of successes, s | {calm['p99_s']:.2f} | {chaos['p99_s']:.2f} | {ratio(chaos['p99_s'], calm['p99_s'])} |",
+            f"| p50 latency of successes, s | {calm['p50_s']:.2f} | {chaos['p50_s']:.2f} | "
+            f"{ratio(chaos['p50_s'], calm['p50_s'])} |",
+            f"| p99 latency of successes, s | {calm['p99_s']:.2f} | {chaos['p99_s']:.2f} | "
+            f"{ratio(chaos['p99_s'], calm['p99_s'])} |",
             f"| slowest request, s | {calm['max_s']:.2f} | {chaos['max_s']:.2f} | |",
             f"| phase wall time, s | {wall['calm']:.1f} | {wall['chaos']:.1f} | {ratio(wall['chaos'], wall['calm'])} |",
             f"| hung (no answer by the deadline) | {calm['hung']} | {chaos['hung']} | |",

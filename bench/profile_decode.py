@@ -133,7 +133,8 @@ def main() -> int:
         print(f"batch 1: {moved / 1e6:.1f} MB read per step; {len(rounds)} rounds of {args.steps} steps, each "
               f"followed by a 256 MiB copy: step GB/s / copy GB/s "
               + ", ".join(f"{s:.1f}/{c:.1f}" for s, c in rounds)
-              + f"; step / copy bandwidth median {ratios[len(ratios) // 2]:.0%} (range {ratios[0]:.0%}-{ratios[-1]:.0%})")
+              + f"; step / copy bandwidth median {ratios[len(ratios) // 2]:.0%} (range "
+                f"{ratios[0]:.0%}-{ratios[-1]:.0%})")
     print("| operator | share of self CPU time | calls per step |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]:
         print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.count // 5} |")

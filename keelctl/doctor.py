@@ -74,9 +74,9 @@ class Host:
         from services.feedback import config as feedback_config
         from services.inference import config as inference_config
         from services.inference.model.loader import DTYPES
+        from services.tokenizer import config as tokenizer_config
         from services.validator import config as validator_config
         from shared.config import ROOT_DIR
-        from services.tokenizer import config as tokenizer_config
 
         vocab = Path(tokenizer_config.load().vocab_file)
         return cls(inference_config.load(), load_layout(), vocab if vocab.is_absolute() else ROOT_DIR / vocab,

@@ -172,9 +172,9 @@ class Supervisor:
             redis_dir.mkdir(parents=True, exist_ok=True)
             server = shutil.which("redis-server") or "/usr/bin/redis-server"
             # appendonly + fsync every second: quarantine records survive a redis restart
-            argv = [server, str(self._redis_conf()), "--port", str(layout.redis.port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
-                    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
-                    "--supervised", "systemd"]  # READY=1 once it accepts connections
+            argv = [server, str(self._redis_conf()), "--port", str(layout.redis.port), "--bind", "127.0.0.1",
+                    "--dir", str(redis_dir), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                    "--protected-mode", "yes", "--supervised", "systemd"]  # READY=1 once it accepts connections
             self.children.append(Child("redis", argv, base_env, layout.redis.port, "redis"))
         for stage in STAGE_ORDER:
             sl = layout.stage(stage)

@@ -71,7 +71,8 @@ class ServerConfig:
 def _registry(schema_dir: Path) -> Registry:
     resources = []
     for path in schema_dir.glob("*.schema.json"):
-        resources.append((path.name, Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT202012)))
+        schema = Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT202012)
+        resources.append((path.name, schema))
     return Registry().with_resources(resources)
 
 

@@ -54,8 +54,8 @@ def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 def freeze_heap() -> None:
     """Move every object alive now (imports, config, the model, warm-up state) out of the cyclic
     garbage collector's reach (``gc.freeze``). A full collection otherwise walks all of them and
-    stops the event loop meanwhile: in a gateway under load that was one 30-120 ms pause every
-    few seconds, more than a whole answer's budget. Frozen objects are still freed by reference
+    stops the event loop meanwhile: in a gateway under load, a pause every few seconds longer than a
+    whole answer's budget (docs/BENCHMARKS.md). Frozen objects are still freed by reference
     counting; only a cycle among them is never collected."""
     gc.collect()
     gc.freeze()

@@ -19,7 +19,6 @@ from shared.config import ROOT_DIR as ROOT
 from testing.ports import free_port
 
 
-
 class Mesh:
     def __init__(self, tmp: Path, ports: dict[str, list[int]], redis_port: int, proc: subprocess.Popen):
         self.tmp, self.ports, self.redis_port, self.proc = tmp, ports, redis_port, proc
@@ -53,7 +52,8 @@ def _metrics_port(workers: int) -> int:
 
 
 def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
-             validator_replicas: int = 1, extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
+             validator_replicas: int = 1,
+             extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
     """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
     ports = {"validator": [free_port() for _ in range(validator_replicas)],
              "tokenizer": [free_port() for _ in range(tokenizer_replicas)],

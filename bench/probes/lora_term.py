@@ -60,7 +60,8 @@ def timing(repeats: int) -> None:
         a, b, w = torch.randn(SLOTS, RANK, fin), torch.randn(SLOTS, fout, RANK), torch.randn(fout, fin)
         h, s = torch.randn(ROWS, fin), torch.randint(1, SLOTS, (ROWS - 3,))
         rows = torch.arange(ROWS - 3)
-        runs = {**{k: (lambda f=f: f(h[rows], a, b, s)) for k, f in WAYS.items()}, "base linear": lambda: F.linear(h, w)}
+        runs = {**{k: (lambda f=f: f(h[rows], a, b, s)) for k, f in WAYS.items()}, "base "
+                                                                                   "linear": lambda: F.linear(h, w)}
         times = {k: [] for k in runs}
         for _ in range(repeats):
             for k, f in runs.items():

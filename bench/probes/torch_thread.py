@@ -53,12 +53,13 @@ def main() -> int:
         child(*args.child, args.steps)
         return 0
     from bench.bench_inference import machine
-    print(f"Machine: {machine()}\n\n| dtype | alone, ms per step | after, ms per step | after / alone |\n|---|---|---|---|")
+    print(f"Machine: {machine()}\n\n| dtype | alone, ms per step | after, ms per step | after / alone "
+          "|\n|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
         ms = {}
         for case in ("alone", "after"):
-            out = subprocess.run([sys.executable, "-m", __spec__.name, "--child", dtype, case, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True, cwd=ROOT).stdout
+            argv = [sys.executable, "-m", __spec__.name, "--child", dtype, case, "--steps", str(args.steps)]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout
             ms[case] = float(out.strip().splitlines()[-1])
         print(f"| {dtype} | {ms['alone']:.1f} | {ms['after']:.1f} | {ms['after'] / ms['alone']:.2f}x |")
     return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shared import config
 from shared.config import ROOT_DIR, VAR_DIR, ServerConfig
+
 ERROR_TYPES = ("fact_error", "logic_error", "format_error", "irrelevant")
 SEVERITIES = ("minor", "moderate", "severe")
 

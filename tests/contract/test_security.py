@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BANDIT = Path(sys.executable).with_name("bandit")
-SCANNED = [d for d in ("services", "shared", "keelctl", "deploy", "bench", "clients", "training") if (ROOT / d).is_dir()]
+SCANNED = [d for d in ("services", "shared", "keelctl", "deploy", "bench", "clients", "training")
+           if (ROOT / d).is_dir()]
 
 
 def _bandit(*targets: str, cwd: Path = ROOT) -> list[dict]:

@@ -238,6 +238,7 @@ def test_prometheus_adapter_serves_the_metric_the_hpa_asks_for():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_rendered_configmap_is_config_itself(rendered, overlay):
     """One source of truth: the ConfigMap holds the repository's config files byte for byte."""
-    (cm,) = [o for o in rendered[overlay] if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("keel-config-")]
+    (cm,) = [o for o in rendered[overlay]
+             if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("keel-config-")]
     assert cm["data"] == {f"{s}.yaml": (ROOT / "config" / f"{s}.yaml").read_text() for s in (*STAGES, "openai")}
     assert cm["metadata"]["namespace"] == "keel"

@@ -67,7 +67,8 @@ def test_submit_feedback_through_the_gateway(mesh, api_md, answered):
                                        timeout=30).created
         for bad, code, reason in (
                 (item("0" * 32), grpc.StatusCode.NOT_FOUND, "TRACE_NOT_FOUND"),
-                (item(answered.trace_id, error_type="typo"), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FEEDBACK_FIELD"),
+                (item(answered.trace_id, error_type="typo"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "INVALID_FEEDBACK_FIELD"),
                 (item(answered.trace_id, feedback_id=""), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FEEDBACK_FIELD")):
             with pytest.raises(grpc.RpcError) as exc:
                 stub.SubmitFeedback(bad, metadata=api_md, timeout=30)

@@ -122,7 +122,8 @@ async def test_bad_documents_are_refused_with_a_reason_and_hold_nobody_up(make_e
                        (ResponseFormat("json_schema", '{"type": "frobnicate"}'), "json_schema")):
         with pytest.raises(InvalidInput) as err:
             await collect(engine, request("b", prompt(1), controls=Controls(response_format=fmt)))
-        assert err.value.reason == "RESPONSE_FORMAT_INVALID" and err.value.metadata["field"] == f"response_format.{field}"
+        assert err.value.reason == "RESPONSE_FORMAT_INVALID"
+        assert err.value.metadata["field"] == f"response_format.{field}"
 
 
 def mixed_controls(i: int) -> Controls:

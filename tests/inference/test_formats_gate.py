@@ -78,7 +78,8 @@ def test_stored_results_round_trip_and_belong_to_one_model(var_dir):
     assert gate.load(formats.gate_path(SHA), "1" * 64) == {}
 
 
-@pytest.mark.parametrize("stored,needle", [({}, "no gate result"), ({"int4": (0.5, 2.0, 0.6)}, "fails the quality gate")])
+@pytest.mark.parametrize("stored,needle", [({}, "no gate result"), ({"int4": (0.5, 2.0, 0.6)}, "fails the quality "
+                                                                                               "gate")])
 def test_an_explicit_format_without_a_pass_is_refused(var_dir, stored, needle):
     _store(stored)
     with pytest.raises(ConfigError, match=needle) as err:
@@ -130,7 +131,8 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
     def refuse(*args, **kwargs):
         raise AssertionError("timed a format with nothing to compare it with")
     monkeypatch.setattr(formats, "decode_pass_s", refuse)
-    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))  # no gate results
+    # no gate results
+    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))
     assert choice.format == "float32" and model is tiny
     assert choice.reason.startswith("auto: float32 is the only eligible format")
     assert "int8 has no gate result" in choice.reason
@@ -138,7 +140,8 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
 
 def test_auto_with_no_eligible_candidate_stops_the_stage(var_dir, tiny):
     with pytest.raises(ConfigError, match="auto_candidates"):
-        formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu", model_dir=Path("unused"))
+        formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu",
+                            model_dir=Path("unused"))
 
 
 @pytest.mark.slow

@@ -52,7 +52,8 @@ def test_the_real_blocks_dequantize_to_the_float32_reference_bit_for_bit(fmt):
     with safe_open(str(MODEL / "model.safetensors"), framework="pt") as ref:
         checked = 0
         for name, module in model.named_modules():
-            if isinstance(module, (blocks.BlockLinear, blocks.BlockEmbedding)) and not name.endswith(("qkv", "gate_up")):
+            fused = name.endswith(("qkv", "gate_up"))
+            if isinstance(module, (blocks.BlockLinear, blocks.BlockEmbedding)) and not fused:
                 key = "model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"
                 want = ref.get_tensor(key)
                 got = blocks.dequantize(file_order(module, want.shape[0]), module.ggml_type)

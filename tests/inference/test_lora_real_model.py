@@ -25,7 +25,8 @@ def real(tmp_path_factory):
     root = tmp_path_factory.mktemp("real-lora")
     model = load_model(MODEL)
     folders = [make_adapter(model, root / "qv", seed=0, rank=8, targets=("q_proj", "v_proj"), b_std=0.05),
-               make_adapter(model, root / "mlp", seed=1, rank=4, targets=("o_proj", "up_proj", "down_proj"), b_std=0.05)]
+               make_adapter(model, root / "mlp", seed=1, rank=4, targets=("o_proj", "up_proj", "down_proj"),
+                            b_std=0.05)]
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(16)
     runner.lora = load_slots(model, folders)

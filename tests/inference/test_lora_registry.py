@@ -73,7 +73,8 @@ def test_inert_adapters_are_refused(tiny, base, cfg, tmp_path):
     with pytest.raises(PreconditionFailed) as exc:
         register(nothing, "x", "1", base, cfg)
     assert _refusal(exc) == ("INERT_ADAPTER", {"target": "c_attn"})
-    missing = make_adapter(tiny, tmp_path / "b", seed=3, config_overrides={"target_modules": ["q_proj", "v_proj", "k_proj"]})
+    missing = make_adapter(tiny, tmp_path / "b", seed=3,
+                           config_overrides={"target_modules": ["q_proj", "v_proj", "k_proj"]})
     with pytest.raises(PreconditionFailed) as exc:
         register(missing, "x", "1", base, cfg)
     assert exc.value.reason == "INERT_ADAPTER" and "k_proj" in exc.value.metadata["module"]
@@ -88,7 +89,8 @@ def test_an_adapter_that_changes_nothing_is_refused(tiny, base, cfg, tmp_path):
 
 def test_start_accepts_good_adapters_and_refuses_the_rest_without_stopping(tiny, base, cfg, tmp_path):
     register(make_adapter(tiny, tmp_path / "a", seed=5), "good", "1", base, cfg)
-    register(make_adapter(tiny, tmp_path / "b", seed=6, rank=8, targets=("o_proj", "down_proj")), "good", "2", base, cfg)
+    register(make_adapter(tiny, tmp_path / "b", seed=6, rank=8, targets=("o_proj", "down_proj")), "good", "2", base,
+             cfg)
     register(make_adapter(tiny, tmp_path / "c", seed=7), "other", "1", base_of(tiny, "another-base"), cfg)
     table = load_registry(cfg, base)
     states = {s.name: s for s in table.states}

@@ -58,6 +58,7 @@ def sample(rows, logits, draws, masks):
     return shaped.scores, picks, lps
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_every_row_of_a_batched_step_equals_the_row_alone_bitwise(vocab, threads):

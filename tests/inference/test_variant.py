@@ -160,7 +160,8 @@ async def test_a_stopped_engine_refuses_a_switch(make_engine):
 
 
 @pytest.mark.parametrize("bad", [{"max_batch_size": 0}, {"prefix_cache_bytes": -1},
-                                 {"prefix_cache_bytes": 10**6, "prefill_tokens_per_iteration": 24, "kv_block_tokens": 16}])
+                                 {"prefix_cache_bytes": 10**6, "prefill_tokens_per_iteration": 24,
+                                  "kv_block_tokens": 16}])
 def test_the_other_engine_settings_are_still_checked_next_to_the_variants(bad):
     with pytest.raises(InvalidInput) as err:
         tiny_config(variants=VARIANTS, **bad)

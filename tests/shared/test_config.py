@@ -89,7 +89,7 @@ def test_stage_exits_2_with_its_json_log_line_on_a_dataclass_rule():
                           timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    line = json.loads([l for l in proc.stderr.splitlines() if l.startswith("{")][-1])
+    line = json.loads([x for x in proc.stderr.splitlines() if x.startswith("{")][-1])
     assert line["msg"] == "invalid configuration; not starting" and "retry" in line["error"]
 
 
@@ -103,7 +103,8 @@ def _layout(tmp_path, stages: dict) -> dict[str, str]:
 def test_ports_and_upstreams_a_file_leaves_out_come_from_the_mesh_layout(tmp_path):
     env = _layout(tmp_path, {"tokenizer": {"ports": [51002, 51012], "metrics_ports": [9202, 9212]},
                              "inference": {"ports": [51003]}, "validator": {"ports": [51004]},
-                             "feedback": {"ports": [51005]}, "gateway": {"ports": [51001]}, "openai": {"ports": [8180]}})
+                             "feedback": {"ports": [51005]}, "gateway": {"ports": [51001]},
+                             "openai": {"ports": [8180]}})
     tok = tokenizer_config.load(write(tmp_path, "vocab_file: x\n"), environ=env)
     assert (tok.server.port, tok.server.metrics_port) == (51002, 9202)  # a stage run alone: the first replica's
     gw = gateway_config.load(environ=env)
@@ -130,7 +131,8 @@ def test_the_file_and_then_the_environment_win_over_the_layout(tmp_path):
     assert (tok.server.port, tok.server.metrics_port) == (1, 9202)
     gw_file = tmp_path / "gateway.yaml"
     shipped = (CONFIG_DIR / "gateway.yaml").read_text()
-    gw_file.write_text(shipped.replace("upstreams:\n", "upstreams:\n  inference: [inference:50053]\n  feedback: []\n", 1))
+    gw_file.write_text(shipped.replace("upstreams:\n", "upstreams:\n  inference: [inference:50053]\n  feedback: "
+                                                       "[]\n", 1))
     gw = gateway_config.load(gw_file, environ={**env, "KEEL_GATEWAY_SERVER__PORT": "50999"})
     assert gw.upstreams.inference == ("inference:50053",) and gw.upstreams.feedback == ()
     assert gw.server.port == 50999
