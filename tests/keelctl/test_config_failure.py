@@ -1,6 +1,7 @@
 """A stage that exits 2 (invalid configuration) before it ever served is not restarted: the supervisor
 records that stage's last log line and stops, and `keel up` stops the mesh at once and prints it.
-The supervisor tests run small Python children in place of the stages; the last one runs `keel up`."""
+The supervisor tests run small Python children in place of the stages; the last one runs `keel up`
+(in the foreground and with --detach)."""
 from __future__ import annotations
 
 import json
@@ -74,10 +75,11 @@ def test_last_line_reads_a_json_record_as_its_message_and_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_keel_up_stops_at_once_with_the_reason_of_a_stage_given_a_bad_config(tmp_path):
+@pytest.mark.parametrize("detach", [[], ["--detach"]])
+def test_keel_up_stops_at_once_with_the_reason_of_a_stage_given_a_bad_config(tmp_path, detach):
     env = mesh_env(tmp_path, tokenizer_workers=1, extra_env={"KEEL_FEEDBACK_REPLAY__RETENTION_DAYS": "0"})[3]
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "keelctl", "up"], cwd=ROOT, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "keelctl", "up", *detach], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=150)
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     failed = [line for line in out.stdout.splitlines() if line.startswith("keel up failed: ")]
