@@ -90,7 +90,7 @@ certs: .venv/.stamp
 	$(PY) -m keelctl certs --out var/certs
 
 # The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE), and the gRPC C++
-# toolchain that bench/native_loadgen.py builds its load generator with.
+# toolchain that bench/lib/native_loadgen.py builds its load generator with.
 BENCH_SYSPKGS := g++:g++ pkg-config:pkg-config protobuf-compiler-grpc:grpc_cpp_plugin \
 	libgrpc++-dev:/usr/include/grpcpp/grpcpp.h libprotobuf-dev:/usr/include/google/protobuf/message.h
 bench-deps: .venv/.stamp

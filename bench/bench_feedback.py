@@ -18,7 +18,7 @@ Run: .venv/bin/python -m bench.bench_feedback [--submits 3000] [--concurrency 16
    "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
    "host probe ms" times a fixed loop just before it (the machine's speed then).
    `--loadgen` names the open-loop senders, their windows alternating on each mesh: "python" (this
-   process, grpc.aio) and "native" (bench/loadgen/submit_loadgen.cc, the same calls from C++ at about
+   process, grpc.aio) and "native" (bench/lib/loadgen/submit_loadgen.cc, the same calls from C++ at about
    half the CPU, so the sender takes less of the cores the mesh runs on); "client CPU"
    is the sender's own CPU per submit.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
@@ -46,9 +46,9 @@ from pathlib import Path
 
 import grpc
 
-from bench import native_loadgen
-from bench.feedback_store import store_section
-from bench.openloop import at_rate
+from bench.lib import native_loadgen
+from bench.lib.feedback_store import store_section
+from bench.lib.openloop import at_rate
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
 from keelctl.ask import DEV_API_KEY, build_request

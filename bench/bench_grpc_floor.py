@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.openloop import at_rate
+from bench.lib.openloop import at_rate
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2
 from testing.ports import free_port

@@ -16,7 +16,7 @@ in a fresh process, producing exactly the per-request lengths Keel's first dtype
   generate-batch  transformers' continuous batching (paged attention), one request per prompt, own length,
                   all handed over at once (generate-batch) or 16 in flight (generate-batch-16)
   llama-cpp       llama-cpp-python on the same GGUF (Q4_1), 2 threads, one request at a time
-  llama-cpp-batched  llama.cpp's batched decoding of up to 16 sequences in one context (bench/llamacpp_peer.py)
+  llama-cpp-batched  llama.cpp's batched decoding of up to 16 sequences in one context (bench/lib/llamacpp_peer.py)
   hf-batch1       model.generate on one request at a time (batch 1), on the one-client subset
 tok/s = generated tokens / wall time of the whole set. TTFT from the call to the first streamed event;
 ITL between events (a gateway delta can hold two tokens when it completes a UTF-8 sequence).
@@ -40,8 +40,8 @@ import grpc
 import psutil
 import torch
 
-from bench import llamacpp_peer
 from bench.bench_inference import FORMS, SUBJECTS, machine
+from bench.lib import llamacpp_peer
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc

@@ -9,7 +9,7 @@ give the agreement `gguf` itself gets (bench/gate_formats.py), which tells how f
 widths. Scored against float32 on the gate's probes (services/inference/startup/gate.py); nothing
 is stored.
 
-Run: .venv/bin/python -m bench.gate_activations [--bits 8,16] [--prompts N] [--threads 2]
+Run: .venv/bin/python -m bench.probes.gate_activations [--bits 8,16] [--prompts N] [--threads 2]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main() -> int:
     sequences = gateprobes.load(args.prompts)
     t0 = time.perf_counter()
     results = gate.evaluate(ref, candidates, sequences, lambda i: None)
-    print(f"Command: `.venv/bin/python -m bench.gate_activations {' '.join(sys.argv[1:])}`")
+    print(f"Command: `.venv/bin/python -m bench.probes.gate_activations {' '.join(sys.argv[1:])}`")
     print(f"Machine: {machine()}; {len(sequences)} sequences, {time.perf_counter() - t0:.0f} s\n")
     print("| candidate | mean KL (nats) | p95 KL | greedy agreement |\n|---|---|---|---|")
     for r in results:
