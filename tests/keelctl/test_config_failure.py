@@ -1,7 +1,7 @@
 """A stage that exits 2 (invalid configuration) before it ever served is not restarted: the supervisor
 records that stage's last log line and stops, and `keel up` stops the mesh at once and prints it.
-The supervisor tests run small Python children in place of the stages; the last one runs `keel up`
-(in the foreground and with --detach)."""
+The supervisor tests run small Python children in place of the stages; the last ones run `keel up`
+(in the foreground and with --detach) and the tests' and benches' mesh helper (testing/mesh.py)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from keelctl import supervisor
 from keelctl.layout import Layout
 from keelctl.supervisor import Child, Supervisor, last_line
-from testing.mesh import ROOT, mesh_env
+from testing.mesh import ROOT, mesh_env, start_mesh
 
 REASON = {"level": "ERROR", "msg": "invalid configuration; not starting",
           "error": "field 'replay.retention_days' breaks rule 'minimum'"}
@@ -87,3 +87,12 @@ def test_keel_up_stops_at_once_with_the_reason_of_a_stage_given_a_bad_config(tmp
                                            "invalid configuration; not starting: "), out.stdout[-3000:]
     assert "replay.retention_days" in failed[0]
     assert time.monotonic() - t0 < 120  # not the layout's ready_timeout_s (300 s)
+
+
+@pytest.mark.slow
+def test_the_mesh_helper_raises_at_once_with_the_reason(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="^mesh did not come up: keel up failed: feedback-0.0 exited 2 before "
+                                             "serving: invalid configuration; not starting: .*replay.retention_days"):
+        start_mesh(tmp_path, tokenizer_workers=1, extra_env={"KEEL_FEEDBACK_REPLAY__RETENTION_DAYS": "0"})
+    assert time.monotonic() - t0 < 120  # not Mesh.wait_serving's 240 s
