@@ -1,17 +1,25 @@
-# Keel: `make run` sets everything up and serves; `make test` runs the whole suite.
+# Keel: `make run` sets everything up and serves; `make test` runs the whole suite, `make test-fast`
+# all but the tests marked slow or e2e (pyproject.toml's markers); `make lint` checks the code style.
 SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test venv proto model gate vocab kernels adapters syspkgs setup node bench-deps certs lock clean audit
+.PHONY: run test test-fast lint venv proto model gate vocab kernels adapters syspkgs setup node bench-deps certs lock clean audit
 
 run: setup
 	$(PY) -m keelctl up --demo
 
 test: setup
 	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not e2e"
+
+# ruff, configured in pyproject.toml (line length, import order, unused names, pyflakes).
+lint: venv
+	$(PY) -m ruff check .
 
 setup: syspkgs venv proto model vocab kernels node
 
@@ -82,7 +90,7 @@ certs: .venv/.stamp
 	$(PY) -m keelctl certs --out var/certs
 
 # The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE), and the gRPC C++
-# toolchain that bench/native_loadgen.py builds its load generator with.
+# toolchain that bench/lib/native_loadgen.py builds its load generator with.
 BENCH_SYSPKGS := g++:g++ pkg-config:pkg-config protobuf-compiler-grpc:grpc_cpp_plugin \
 	libgrpc++-dev:/usr/include/grpcpp/grpcpp.h libprotobuf-dev:/usr/include/google/protobuf/message.h
 bench-deps: .venv/.stamp

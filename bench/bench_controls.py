@@ -1,6 +1,6 @@
 """Cost of the generation controls per decode step, as ratios against plain rows in the same run.
 
-    .venv/bin/python bench/bench_controls.py [--rounds 3] [--tokens 24] [--batch 16] [--tiny]
+    .venv/bin/python -m bench.bench_controls [--rounds 3] [--tokens 24] [--batch 16] [--tiny]
 
 Each round runs the same batch of `--batch` requests (greedy, different prompts, eos off) three
 ways, in turn: plain; every row constrained by a JSON Schema (llguidance computes each row's mask
@@ -8,8 +8,8 @@ in the step); every row with repetition/frequency/presence penalties and logprob
 alternatives. The decode step time of a run is the time from the batch's second token to its last,
 over the steps between (the prefill is left out). Ratios are of the fastest round of each (on a
 shared machine the fastest is the least disturbed one), and the median over rounds of each round's
-own ratio to the plain run just before it (less exposed to a slow drift of the host). The schema's string needs more tokens
-than the run generates, so no constrained row ends early.
+own ratio to the plain run just before it (less exposed to a slow drift of the host). The schema's
+string needs more tokens than the run generates, so no constrained row ends early.
 
 The same window is also timed in process CPU (all threads), which a busy hypervisor's stolen time
 does not inflate. A last section times the controls' own work per step in process CPU time, away from the model:
@@ -33,10 +33,10 @@ import torch
 from services.inference.engine.controls import RowControls, logprobs, shape
 from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
 from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary, version
-from services.inference.model.loader import load_model
-from testing.tiny import tiny_model
 from services.inference.engine.sampling import Draw, pick
+from services.inference.model.loader import load_model
 from shared.controls import Controls, ResponseFormat
+from testing.tiny import tiny_model
 
 MODEL = Path("var/model")
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "minLength": 400},

@@ -1,6 +1,6 @@
 """`keel etl run` over N feedback items with their replay records, against reading the same rows.
 
-Run: .venv/bin/python bench/bench_etl.py [--records 100000] [--duplicates 0.1]
+Run: .venv/bin/python -m bench.bench_etl [--records 100000] [--duplicates 0.1]
 
 Fills an embedded SQLite database (the default backend) with N replay records (prompts of ~40
 tokens, answers of ~32) and one severe fact_error feedback item on each; a share of them repeat an
@@ -19,14 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.feedback import db
+from services.feedback.config import EtlConfig
+from services.feedback.etl import run
+from services.feedback.records import stored_body
+from services.feedback.store import open_store
+from testing.records import record
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from services.feedback import db  # noqa: E402
-from services.feedback.config import EtlConfig  # noqa: E402
-from services.feedback.etl import run  # noqa: E402
-from services.feedback.records import stored_body  # noqa: E402
-from services.feedback.store import open_store  # noqa: E402
-from testing.records import record  # noqa: E402
 
 
 def fill(store, n: int, duplicates: float) -> None:

@@ -1,6 +1,6 @@
 """The feedback loop's costs, each against a peer in the same run.
 
-Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16] [--rate 500]
+Run: .venv/bin/python -m bench.bench_feedback [--submits 3000] [--concurrency 16] [--rate 500]
      [--requests 2000] [--sections record,store,gateway] [--backends sqlite,postgresql]
      [--forwarding coalesced,per-item] [--loadgen python,native] [--open-runs N]
 
@@ -18,7 +18,7 @@ Run: .venv/bin/python bench/bench_feedback.py [--submits 3000] [--concurrency 16
    "items per batch" counts the gateway's `gateway/SubmitBatch` spans in each open window;
    "host probe ms" times a fixed loop just before it (the machine's speed then).
    `--loadgen` names the open-loop senders, their windows alternating on each mesh: "python" (this
-   process, grpc.aio) and "native" (bench/loadgen/submit_loadgen.cc, the same calls from C++ at about
+   process, grpc.aio) and "native" (bench/lib/loadgen/submit_loadgen.cc, the same calls from C++ at about
    half the CPU, so the sender takes less of the cores the mesh runs on); "client CPU"
    is the sender's own CPU per submit.
 2. The replay record's cost added to a request: the gateway's Pipeline in-process over instant
@@ -46,23 +46,23 @@ from pathlib import Path
 
 import grpc
 
+from bench.lib import native_loadgen
+from bench.lib.feedback_store import store_section
+from bench.lib.openloop import at_rate
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl import health
+from keelctl.ask import DEV_API_KEY, build_request
+from keelctl.trace import iter_spans
+from services.gateway.contract import Ask, Limits
+from services.gateway.pipeline import Call, Pipeline
+from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder
+from services.gateway.retry import RetryConfig, RetryExecutor
+from testing.mesh import start_mesh, stop_mesh
+from testing.ports import free_port
+from testing.postgres import PgServer
+from testing.upstreams import FakeUpstreams, no_sleep
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keelctl import health  # noqa: E402
-from keelctl.ask import DEV_API_KEY, build_request  # noqa: E402
-from keelctl.trace import iter_spans  # noqa: E402
-from services.gateway.contract import Ask, Limits  # noqa: E402
-from services.gateway.pipeline import Call, Pipeline  # noqa: E402
-from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder  # noqa: E402
-from services.gateway.retry import RetryConfig, RetryExecutor  # noqa: E402
-from bench import native_loadgen  # noqa: E402
-from bench.feedback_store import store_section  # noqa: E402
-from bench.openloop import at_rate  # noqa: E402
-from testing.ports import free_port  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
-from testing.postgres import PgServer  # noqa: E402
-from testing.upstreams import FakeUpstreams, no_sleep  # noqa: E402
 
 MD = (("x-api-key", DEV_API_KEY),)
 NO_RATE_LIMIT = "{rate_per_s: 1000000, burst: 1000000}"
@@ -294,7 +294,8 @@ def record_section(args) -> str:
     tmp = Path(tempfile.mkdtemp(prefix="keel-bench-rec-"))
     port = free_port()
     env = dict(os.environ, KEEL_VAR_DIR=str(tmp), KEEL_FEEDBACK_SERVER__PORT=str(port),
-               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_TRACES_DIR=str(tmp / "traces"))
+               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0",
+               KEEL_TRACES_DIR=str(tmp / "traces"))
     env.pop("KEEL_MESH_TOKEN", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.feedback"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -10,7 +10,7 @@ answers, and what one client loses while auto's candidates are gated in the back
 2. stored: a second `keel up` on a fresh folder holding only the gate results start 1 stored, timed
    the same way: the peer of start 1, a start that gates nothing.
 
-Run: .venv/bin/python bench/bench_first_start.py [--gate-prompts N] [--requests N] [--tokens N]
+Run: .venv/bin/python -m bench.bench_first_start [--gate-prompts N] [--requests N] [--tokens N]
 """
 from __future__ import annotations
 
@@ -23,10 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from keelctl import ask, startview  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
+from keelctl import ask, startview
+from testing.mesh import start_mesh, stop_mesh
 
 GATING = "gating"
 PROMPT = "Write a short story about a lighthouse keeper."
@@ -46,7 +44,8 @@ def client_rate(mesh, requests: int, tokens: int) -> float:
     """Tokens per second of one client sending `requests` requests back to back."""
     done, t0 = 0, time.perf_counter()
     for _ in range(requests):
-        done += ask.ask(mesh.gateway, ask.build_request(PROMPT, max_tokens=tokens), timeout_s=300).usage.completion_tokens
+        answer = ask.ask(mesh.gateway, ask.build_request(PROMPT, max_tokens=tokens), timeout_s=300)
+        done += answer.usage.completion_tokens
     return done / (time.perf_counter() - t0)
 
 
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
         shutil.rmtree(stored, ignore_errors=True)
-    print(f"\nCommand: `.venv/bin/python bench/bench_first_start.py {' '.join(argv or sys.argv[1:])}`")
+    print(f"\nCommand: `.venv/bin/python -m bench.bench_first_start {' '.join(argv or sys.argv[1:])}`")
     print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; "
           f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| start | s to SERVING | s to first answer | gating at first answer | gate ended (s) | "

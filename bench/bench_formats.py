@@ -6,7 +6,7 @@ config/inference.yaml: memory-model probes, batch-invariant sizes), then read th
 through every layer and lm_head, median of 3) at batch 1 and 16, as `auto` does at start.
 The row-invariance check (M = 1..17) is the one `auto` uses.
 
-Run: .venv/bin/python bench/bench_formats.py [--formats float32,bfloat16,int8,int4] [--threads 1]
+Run: .venv/bin/python -m bench.bench_formats [--formats float32,bfloat16,int8,int4] [--threads 1]
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def status_kib(field: str) -> int:
@@ -34,8 +33,8 @@ def one(fmt: str, threads: int) -> dict:
 
     from services.inference import config as inf_config
     from services.inference.engine.core import Engine
-    from services.inference.startup.formats import decode_pass_s, invariant_sizes
     from services.inference.model.loader import load_model
+    from services.inference.startup.formats import decode_pass_s, invariant_sizes
 
     torch.set_num_threads(threads)
     cfg = inf_config.load()
@@ -62,11 +61,11 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for fmt in args.formats.split(","):
-        out = subprocess.run([sys.executable, __file__, "--one", fmt, "--threads", str(args.threads)],
+        out = subprocess.run([sys.executable, "-m", __spec__.name, "--one", fmt, "--threads", str(args.threads)],
                              capture_output=True, text=True, check=True, cwd=ROOT)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
-    print(f"\nCommand: `.venv/bin/python bench/bench_formats.py {' '.join(argv or sys.argv[1:])}`")
+    print(f"\nCommand: `.venv/bin/python -m bench.bench_formats {' '.join(argv or sys.argv[1:])}`")
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| format | RSS after warm-up (MiB) | peak RSS (MiB) | static bytes (MiB) | row-invariant M=1..17 "
           "| decode pass b1 (ms) | decode pass b16 (ms) |")

@@ -2,7 +2,7 @@
 one JSON Schema, llguidance (what services/inference/engine/grammar.py uses) against outlines-core.
 
     make bench-deps    # outlines-core is a bench-only pin of requirements.lock
-    .venv/bin/python bench/bench_grammar_engines.py [--reps 20]
+    .venv/bin/python -m bench.bench_grammar_engines [--reps 20]
 
 Both walk the same valid answer token by token, computing the mask before each token; the figures
 are medians over `--reps` walks, and the ratios are outlines-core's over llguidance's in the run.
@@ -25,7 +25,8 @@ from bench.bench_controls import cpu_flags
 
 TOKENIZER = Path("var/model/hf-tokenizer/tokenizer.json")
 SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
     "addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
     "required": ["name", "age", "tags", "addr"], "additionalProperties": False}

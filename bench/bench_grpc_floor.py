@@ -1,7 +1,7 @@
 """What a gRPC call costs in Python on this machine with nothing of Keel in it: the floor under
 the gateway's CPU per SubmitFeedback.
 
-Run: .venv/bin/python bench/bench_grpc_floor.py [--calls 3000] [--rate 500] [--rounds 2]
+Run: .venv/bin/python -m bench.bench_grpc_floor [--calls 3000] [--rate 500] [--rounds 2]
 
 A bare grpc.aio server in a fresh process (no interceptor, no spans, no auth) answers each
 message at once: a unary method with the public SubmitFeedback types (the call a client makes to
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import grpc
 
+from bench.lib.openloop import at_rate
+from keel.feedback.v1 import feedback_pb2
+from keel.gateway.v1 import gateway_pb2
+from testing.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.openloop import at_rate  # noqa: E402
-from keel.feedback.v1 import feedback_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2  # noqa: E402
-from testing.ports import free_port  # noqa: E402
 
 UNARY, STREAM = "/floor.Floor/Unary", "/floor.Floor/Stream"
 WARM = 50  # calls before the measured ones (the server's CPU figure counts them as calls too)
@@ -122,7 +122,7 @@ def main() -> int:
         asyncio.run(serve(args.serve))
         return 0
     port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    server = subprocess.Popen([sys.executable, "-m", __spec__.name, "--serve", str(port)])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=30)

@@ -1,9 +1,9 @@
 """One hostile request must not slow everyone else: latency of an unrelated ValidateInput while
 hostile 32 KB prompts are in flight, as a ratio to the same requests on a quiet validator.
 
-Run: .venv/bin/python bench/bench_hostile_input.py [--requests 40] [--hostile 3]
+Run: .venv/bin/python -m bench.bench_hostile_input [--requests 40] [--hostile 3]
                                                    [--peer-root /work/main --peer-requests 5]
-     .venv/bin/python bench/bench_hostile_input.py --rules
+     .venv/bin/python -m bench.bench_hostile_input --rules
 
 ``--rules`` instead times each configured pattern rule alone (``CompiledRules.failures``,
 normalisation included; best of 3) on the adversarial 32 KB texts of
@@ -35,11 +35,10 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from keel.validator.v1 import validator_pb2, validator_pb2_grpc
+from keelctl import health
 
-from keel.validator.v1 import validator_pb2, validator_pb2_grpc  # noqa: E402
-from keelctl import health  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TOKEN = "bench-mesh-token-0123456789"
 NORMAL = json.dumps({"prompt": "What is the capital of France?", "max_tokens": 64})

@@ -1,7 +1,7 @@
 """Inference engine benchmark: Keel's continuous batching against Hugging Face `generate`.
 
-Run (CPU):  .venv/bin/python bench/bench_inference.py [--sections all] [--write docs/bench/inference.md]
-Run (CUDA): .venv/bin/python bench/bench_inference.py --gpu [--write docs/bench/inference-gpu.md]
+Run (CPU):  .venv/bin/python -m bench.bench_inference [--sections all] [--write docs/bench/inference.md]
+Run (CUDA): .venv/bin/python -m bench.bench_inference --gpu [--write docs/bench/inference-gpu.md]
 
 Peer, same run, same prompts: `model.generate` on a static left-padded batch of the concurrency's size
 (greedy, eos disabled on both sides so every request produces exactly --tokens tokens).
@@ -230,7 +230,8 @@ async def dtypes(ids, tok, args, device: str, fp32_greedy, lines: list[str]) -> 
         ppl_fp32 = ppl_fp32 or ppl
         passed = agree / total >= GATE_AGREEMENT and ppl <= GATE_PPL * ppl_fp32
         lines.append(f"| {dtype} | {same}/{n} | {100 * agree / total:.1f}% | {ppl:.3f} | "
-                     f"{'passes' if passed else 'fails'} | {speeds[0][0]:.1f} / {speeds[1][0]:.1f} | {speeds[0][1]:.1f} / {speeds[1][1]:.1f} |")
+                     f"{'passes' if passed else 'fails'} | {speeds[0][0]:.1f} / {speeds[1][0]:.1f} | "
+                     f"{speeds[0][1]:.1f} / {speeds[1][1]:.1f} |")
         print(lines[-1], flush=True)
 
 
@@ -319,7 +320,7 @@ async def main(argv=None) -> int:
     args = ap.parse_args(argv)
     lines = await (run_gpu(args) if args.gpu else run_cpu(args, "cpu"))
     doc = ["# Inference benchmark" + (" (CUDA)" if args.gpu else ""), "",
-           f"Command: `.venv/bin/python {' '.join(['bench/bench_inference.py'] + (argv or sys.argv[1:]))}`",
+           f"Command: `.venv/bin/python {' '.join(['-m', 'bench.bench_inference'] + (argv or sys.argv[1:]))}`",
            f"Machine: {machine()}", "", NOTES, *lines, ""]
     print("\n".join(doc))
     if args.write:

@@ -13,7 +13,7 @@ Each repeat times every candidate once, round robin, so a busy host slows them a
 kernels' GB/s (bytes of blocks read / time) is set against a STREAM-like copy of a 256 MiB tensor
 timed in the same run (GB/s counts read + write). Prints the CPU flags and the load average.
 
-Run: .venv/bin/python bench/bench_kernel.py [--threads N] [--repeats R]
+Run: .venv/bin/python -m bench.bench_kernel [--threads N] [--repeats R]
 """
 from __future__ import annotations
 
@@ -21,21 +21,19 @@ import argparse
 import os
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.inference.model.blocks import pack_x16
+from services.inference.model.kernels import SUPPORTED_TYPES, load
+from shared.modelfile import gguf_path
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import gguf  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from services.inference.model.blocks import pack_x16  # noqa: E402
-from services.inference.model.kernels import SUPPORTED_TYPES, load  # noqa: E402
-from shared.modelfile import gguf_path  # noqa: E402
 
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 BATCHES = (1, 4, 16)
@@ -138,7 +136,8 @@ def main() -> None:
             us = {name: s * 1e6 for name, s in timed(fns, args.repeats).items()}
             gbs = " ".join(f"{w.numel() / us[c] / 1e3:9.1f}" if M == 1 else f"{'':9}" for c in ("keel", "q8"))
             print(f"{label:22} {M:>3} " + " ".join(f"{us[c]:10.1f}" for c in cols)
-                  + f" {us['keel'] / us['fp32']:9.2f} {us['keel'] / us['int8wo']:9.2f} {us['q8'] / us['keel']:9.2f} {gbs}")
+                  + f" {us['keel'] / us['fp32']:9.2f} {us['keel'] / us['int8wo']:9.2f} {us['q8'] / us['keel']:9.2f} "
+                    f"{gbs}")
     print(f"\nload average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; "
           f"blocks: {', '.join(f'{v.name} {v.block_bytes} B per 32' for v in SUPPORTED_TYPES.values())}; "
           f"M = 1 GB/s relative to the copy's {copy_gbs:.1f}")

@@ -8,7 +8,7 @@ longest one's). --pow2 adds a pool peer whose capacity is rounded up to a power 
 bits, more copying). --rounds N runs every configuration N times, alternating, and keeps the fastest.
 Prints a markdown table.
 
-Run: .venv/bin/python bench/bench_kvpool.py [--batches 1 16] [--dtypes float32 bfloat16] [--blocks 16 32]
+Run: .venv/bin/python -m bench.bench_kvpool [--batches 1 16] [--dtypes float32 bfloat16] [--blocks 16 32]
      [--pow2] [--rounds 1]
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def contexts(batch: int) -> list[int]:
@@ -108,8 +107,8 @@ def main() -> int:
                     for kind, blocks in [("per-row", 0)] + kinds:
                         spec = dict(kind=kind, dtype=dtype, batch=batch, block_tokens=blocks or 16,
                                     peer_file=str(peer), steps=args.steps)
-                        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT,
-                                             check=True, capture_output=True, text=True).stdout
+                        out = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(spec)],
+                                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
                         ms = json.loads(out.strip().splitlines()[-1])["ms"]
                         row[(kind, blocks)] = min(ms, row.get((kind, blocks), ms))
                 base = row[("per-row", 0)]

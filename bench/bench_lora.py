@@ -98,10 +98,10 @@ def peft_steps(model, folders: list[Path], steps: int) -> list[float]:
 
 
 def warmup_cost(model, folders: list[Path]) -> dict:
-    from services.inference.model.forward import LlamaRunner
     from services.inference.lora.registration import register
     from services.inference.lora.registry import LoraConfig
     from services.inference.lora.startup import check_adapters, running_base
+    from services.inference.model.forward import LlamaRunner
     from services.inference.startup.warmcache import model_sha256
     sha = model_sha256(MODEL)
     runner = LlamaRunner(model)
@@ -130,6 +130,7 @@ def warmup_cost(model, folders: list[Path]) -> dict:
 def stage_config(var: Path):
     """config/inference.yaml with float32 on one thread, the real model and the scratch registry."""
     from dataclasses import replace
+
     from services.inference import config
     cfg = config.load()
     return replace(cfg, model_path=str(MODEL.resolve()), lora=replace(cfg.lora, registry_dir=str(var / "adapters")),
@@ -138,9 +139,9 @@ def stage_config(var: Path):
 
 def stage_setup(args, var: Path) -> None:
     """Register 2 adapters against the base the stage will run (float32) into the scratch registry."""
-    from services.inference.model.forward import LlamaRunner
     from services.inference.lora.registration import register
     from services.inference.lora.startup import running_base
+    from services.inference.model.forward import LlamaRunner
     from services.inference.model.loader import load_model
     from services.inference.startup.warmcache import model_sha256
     cfg = stage_config(var)
@@ -239,7 +240,8 @@ def main() -> None:
               f"median of {args.steps} steps:")
         for peer in ("keel-base", "keel-mixed", "peft-mixed"):
             r = steps[peer]
-            print(f"  {peer:<11} {r['step_ms']:8.1f} ms  (min {r['min_ms']:.1f})  x{r['step_ms'] / base:.2f} of keel-base")
+            print(f"  {peer:<11} {r['step_ms']:8.1f} ms  (min {r['min_ms']:.1f})  x{r['step_ms'] / base:.2f} of "
+                  "keel-base")
     if "warmup" in results:
         w = results["warmup"]
         print("start-up check of 0 / 1 / 2 adapters, per added adapter, and the second one alone "
@@ -249,7 +251,8 @@ def main() -> None:
                   f"{w[f'check_2_{kind}_s']:.2f} s; per adapter {w[f'per_adapter_{kind}_s']:.2f} s; "
                   f"second {w[f'second_adapter_{kind}_s']:.2f} s")
         for unit in ("", "_cpu"):
-            print(f"  cached / cold, 2 adapters{unit}: x{w[f'check_2_cached{unit}_s'] / w[f'check_2_cold{unit}_s']:.2f}")
+            print(f"  cached / cold, 2 adapters{unit}: "
+                  f"x{w[f'check_2_cached{unit}_s'] / w[f'check_2_cold{unit}_s']:.2f}")
     if "stage" in results:
         r = results["stage"]
         print(f"stage start with 2 adapters (fresh process each; first start, engine cold: "

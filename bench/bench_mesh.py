@@ -1,7 +1,7 @@
 """The cost of the mesh: the same prompts in-process (tokenizer core + engine + validator core)
 and through the gateway of a real mesh (five gRPC hops, retries, traces, validation), same run.
 
-Run: .venv/bin/python bench/bench_mesh.py [--prompts 16] [--tokens 16] [--concurrency 1,4,16]
+Run: .venv/bin/python -m bench.bench_mesh [--prompts 16] [--tokens 16] [--concurrency 1,4,16]
      [--write docs/bench/mesh.md]
 
 Step 1 runs in-process and frees the model; step 2 starts `python -m keelctl up` on free loopback
@@ -23,20 +23,20 @@ from pathlib import Path
 import grpc
 import psutil
 
+from bench.bench_inference import FORMS, SUBJECTS, engine_for, machine
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl.ask import DEV_API_KEY
+from services.inference.engine.core import GenerationRequest, TokenEvent
+from services.inference.engine.torchthread import TorchThread
+from services.inference.model.loader import load_model
+from services.tokenizer.core import Tokenizer
+from services.validator import config as validator_config
+from services.validator.core import ValidatorCore
+from services.validator.output_pipeline import PipelineConfig
+from testing.mesh import start_mesh, stop_mesh
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.bench_inference import SUBJECTS, FORMS, engine_for, machine  # noqa: E402
-from keel.common.v1 import common_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keelctl.ask import DEV_API_KEY  # noqa: E402
-from services.inference.engine.core import GenerationRequest, TokenEvent  # noqa: E402
-from services.inference.model.loader import load_model  # noqa: E402
-from services.inference.engine.torchthread import TorchThread  # noqa: E402
-from services.tokenizer.core import Tokenizer  # noqa: E402
-from services.validator.core import ValidatorCore  # noqa: E402
-from services.validator.output_pipeline import PipelineConfig  # noqa: E402
-from services.validator import config as validator_config  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 
 
 def texts(n: int) -> list[str]:
@@ -76,7 +76,8 @@ def request(text: str, tokens: int) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(prompt=text, sampling=common_pb2.SamplingParams(max_tokens=tokens))
 
 
-async def through_mesh(target: str, prompts: list[str], tokens: int, concurrency: int) -> tuple[list[float], float, int]:
+async def through_mesh(target: str, prompts: list[str], tokens: int,
+                       concurrency: int) -> tuple[list[float], float, int]:
     gate = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     generated = 0
@@ -169,21 +170,26 @@ def main() -> int:
     finally:
         stop_mesh(mesh)
     summary = (f"\nMesh overhead from the traces (gateway span minus inference span, {len(outside)} requests at "
-               f"concurrency 1): p50 {statistics.median(outside):.2f} ms, p99 {outside[int(0.99 * (len(outside) - 1))]:.2f} ms.\n"
-               f"\nSpans at concurrency 1 (every request so far; `call X` is the gateway's side of a hop):\n\n{breakdown}\n"
+               f"concurrency 1): p50 {statistics.median(outside):.2f} ms, p99 "
+               f"{outside[int(0.99 * (len(outside) - 1))]:.2f} ms.\n"
+               f"\nSpans at concurrency 1 (every request so far; `call X` is the gateway's side of a "
+               f"hop):\n\n{breakdown}\n"
                f"\nValidator's share of a request through the mesh (both calls, gateway client spans, "
-               f"{len(val)} requests): p50 {statistics.median(val):.2f} ms, p99 {val[int(0.99 * (len(val) - 1))]:.2f} ms.\n"
+               f"{len(val)} requests): p50 {statistics.median(val):.2f} ms, p99 {val[int(0.99 * (len(val) - 1))]:.2f} "
+               "ms.\n"
                f"\nInference stage RSS after warm-up: {rss_warm / 2**20:.1f} MiB (fp32); over {args.hygiene} "
                f"sequential requests after the first two: {(rss_after - rss_before) / 2**20:+.2f} MiB.\n"
                f"\nEnd-to-end difference at concurrency 1 (mesh p50 minus in-process p50, two different processes, "
-               f"so it carries the generation's run-to-run noise): {p50_mesh_1 - statistics.median(local) * 1e3:.1f} ms "
+               f"so it carries the generation's run-to-run noise): {p50_mesh_1 - statistics.median(local) * 1e3:.1f} "
+               "ms "
                f"({args.prompts} prompts x up to {args.tokens} tokens, greedy). Machine: {machine()}.")
     out = "\n".join(lines) + summary
     print(out)
     if args.write:
-        args.write.write_text("# Mesh overhead\n\nCommand: `.venv/bin/python bench/bench_mesh.py "
+        args.write.write_text("# Mesh overhead\n\nCommand: `.venv/bin/python -m bench.bench_mesh "
                               f"--prompts {args.prompts} --tokens {args.tokens} --concurrency "
-                              f"{','.join(map(str, args.concurrency))} --hygiene {args.hygiene} --write {args.write}`\n\n{out}\n")
+                              f"{','.join(map(str, args.concurrency))} --hygiene {args.hygiene} --write "
+                              f"{args.write}`\n\n{out}\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API against the gateway's gRPC API, same mesh, same run.
 
-Run: .venv/bin/python bench/bench_openai.py [--peer mesh|stub] [--pairs 200] [--ttft-pairs 40] [--clients 64]
+Run: .venv/bin/python -m bench.bench_openai [--peer mesh|stub] [--pairs 200] [--ttft-pairs 40] [--clients 64]
 
 --peer mesh (default) starts `python -m keelctl up` on free loopback ports (the real model);
 --peer stub starts a stand-in gateway process that answers at once (the stream: one delta per
@@ -33,15 +33,15 @@ from pathlib import Path
 import grpc
 import httpx2
 
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl import health
+from keelctl.ask import DEV_API_KEY
+from shared.modelfile import MODEL_ID
+from testing.mesh import start_mesh, stop_mesh
+from testing.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from keel.common.v1 import common_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keelctl.ask import DEV_API_KEY  # noqa: E402
-from shared.modelfile import MODEL_ID  # noqa: E402
-from testing.ports import free_port  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
-from keelctl import health  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 MD = (("authorization", f"Bearer {DEV_API_KEY}"),)
@@ -105,7 +105,8 @@ async def grpc_unary(stub) -> float:
     return time.perf_counter() - t0
 
 
-async def http_stream(http: httpx2.AsyncClient, url: str, tokens: int, stall_s: float = 0.0) -> tuple[float, float, bool, float]:
+async def http_stream(http: httpx2.AsyncClient, url: str, tokens: int,
+                      stall_s: float = 0.0) -> tuple[float, float, bool, float]:
     """(time to the first content delta, the longest gap between two events, ended with [DONE],
     the whole stream's time)."""
     t0 = time.perf_counter()
@@ -197,8 +198,10 @@ async def run(mesh, args) -> None:
         fine_g = [r for r in grpc_runs if not isinstance(r, BaseException)]
         gaps_h, gaps_g = [r[1] for r in others], [r[1] for r in fine_g]
         took_h, took_g = [r[3] for r in others], [r[3] for r in fine_g]
-        print(f"{args.clients} concurrent streams ({args.tokens} tokens), one HTTP client stalled {args.stall_s:.0f} s: "
-              f"HTTP errors or streams without [DONE]: {len(failed)}, gRPC: {len(failed_g)}; the other streams' whole time: HTTP p50 "
+        print(f"{args.clients} concurrent streams ({args.tokens} tokens), one HTTP client stalled {args.stall_s:.0f} "
+              "s: "
+              f"HTTP errors or streams without [DONE]: {len(failed)}, gRPC: {len(failed_g)}; the other streams' whole "
+              "time: HTTP p50 "
               f"{p50(took_h):.2f} s max {max(took_h):.2f} s, gRPC p50 {p50(took_g):.2f} s max {max(took_g):.2f} s "
               f"(max ratio {max(took_h) / max(took_g):.3f}); their longest gap between events: HTTP p50 "
               f"{p50(gaps_h) * 1e3:.0f} ms max {max(gaps_h) * 1e3:.0f} ms, gRPC p50 {p50(gaps_g) * 1e3:.0f} ms max "
@@ -247,8 +250,8 @@ class StubMesh:
         self.gateway, self.http = f"127.0.0.1:{gport}", f"127.0.0.1:{hport}"
         env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(hport), KEEL_OPENAI_GATEWAY=f"[{self.gateway}]",
                    KEEL_LOG_LEVEL="WARNING")
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--serve-stub", str(gport), "--stub-step-ms",
-                                        str(step_ms)], cwd=ROOT),
+        self.procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, "--serve-stub", str(gport),
+                                        "--stub-step-ms", str(step_ms)], cwd=ROOT),
                       subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         health.wait_serving({"openai": (self.http, health.HTTP)}, 60)
@@ -287,7 +290,9 @@ def main() -> int:
             finally:
                 stop_mesh(mesh)
     print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; git {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=ROOT).stdout.strip()}")
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; git "
+          + subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip())
     return 0
 
 

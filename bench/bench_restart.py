@@ -9,7 +9,7 @@ backoff), and poll grpc.health.v1 until SERVING. Cold rounds delete the stored w
 before the restart; warm rounds keep them. The page cache is warm in both (the model was read
 before). For each restart the stage's own "engine warm" log line gives its start-up phases.
 
-Run: .venv/bin/python bench/bench_restart.py [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
+Run: .venv/bin/python -m bench.bench_restart [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
      [--adapters var/adapters-src/pirate ... [--corrupt-last]] [--peer-root ../keel-main]
 """
 from __future__ import annotations
@@ -127,7 +127,8 @@ class Stage:
         checked = last_line(self.log, "adapters checked")
         print(f"{self.label} {mode}: {self.results[mode][-1]:.2f} s to SERVING, format {line.get('format')}, "
               f"warm_start {line.get('warm_start')}, phases {line.get('phases_s')}"
-              + (f", adapters accepted {checked.get('accepted')} refused {checked.get('refused')}" if checked else ""), flush=True)
+              + (f", adapters accepted {checked.get('accepted')} refused "
+                 f"{checked.get('refused')}" if checked else ""), flush=True)
 
     def close(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -146,7 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--corrupt-last", action="store_true",
                     help="flip a byte of the last registered adapter's weights, so that every start refuses it")
     ap.add_argument("--peer-root", type=Path, default=None,
-                    help="another checkout (e.g. a `git worktree` of the previous main) restarted in turn with this one")
+                    help="another checkout (e.g. a `git worktree` of the previous main) restarted in turn with this "
+                         "one")
     args = ap.parse_args(argv)
     stages = [Stage("this", ROOT, args)]
     if args.peer_root is not None:
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
                 stage.kill_and_restart(mode)
     for stage in stages:
         stage.close()
-    print(f"\nCommand: `.venv/bin/python bench/bench_restart.py {' '.join(argv or sys.argv[1:])}`")
+    print(f"\nCommand: `.venv/bin/python -m bench.bench_restart {' '.join(argv or sys.argv[1:])}`")
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| checkout | start | kills | p50 s to SERVING | max s | p50 s to listening (imports, config) | "
           "engine phases (median s) |")

@@ -1,7 +1,7 @@
 """Serving benchmark: Keel through the full mesh and against the inference stage alone, with its peers
 in the same run on the same prompts, output lengths mixed.
 
-Run:  .venv/bin/python bench/bench_serving.py [--requests 64] [--concurrency 1,4,16,64]
+Run:  .venv/bin/python -m bench.bench_serving [--requests 64] [--concurrency 1,4,16,64]
       [--dtypes gguf[,gguf@1]] [--write docs/bench/serving.md]     (dtype@T: T intra-op threads)
 Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles llama-cpp-python, ~5 min).
 
@@ -16,7 +16,7 @@ in a fresh process, producing exactly the per-request lengths Keel's first dtype
   generate-batch  transformers' continuous batching (paged attention), one request per prompt, own length,
                   all handed over at once (generate-batch) or 16 in flight (generate-batch-16)
   llama-cpp       llama-cpp-python on the same GGUF (Q4_1), 2 threads, one request at a time
-  llama-cpp-batched  llama.cpp's batched decoding of up to 16 sequences in one context (bench/llamacpp_peer.py)
+  llama-cpp-batched  llama.cpp's batched decoding of up to 16 sequences in one context (bench/lib/llamacpp_peer.py)
   hf-batch1       model.generate on one request at a time (batch 1), on the one-client subset
 tok/s = generated tokens / wall time of the whole set. TTFT from the call to the first streamed event;
 ITL between events (a gateway delta can hold two tokens when it completes a UTF-8 sequence).
@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
-import shutil
 import sys
 import tempfile
 import time
@@ -40,18 +40,18 @@ import grpc
 import psutil
 import torch
 
+from bench.bench_inference import FORMS, SUBJECTS, machine
+from bench.lib import llamacpp_peer
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keel.inference.v1 import inference_pb2, inference_pb2_grpc
+from keelctl.ask import DEV_API_KEY
+from services.tokenizer.core import Tokenizer
+from shared.config import var_dir
+from shared.meshauth import HEADER as MESH_TOKEN_KEY
+from testing.mesh import start_mesh, stop_mesh
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.bench_inference import FORMS, SUBJECTS, machine  # noqa: E402
-from keel.common.v1 import common_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keel.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
-from keelctl.ask import DEV_API_KEY  # noqa: E402
-from bench import llamacpp_peer  # noqa: E402
-from services.tokenizer.core import Tokenizer  # noqa: E402
-from shared.meshauth import HEADER as MESH_TOKEN_KEY  # noqa: E402
-from shared.config import var_dir  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 
 STATIC_BATCH = 16
 CPU_STAGES = ("inference", "gateway", "tokenizer", "validator", "redis")
@@ -276,12 +276,12 @@ def hf_batch1(dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
 
 def run_peer(name: str, dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
     """One peer in a fresh process of its own: once a thread of a process has run torch, torch on
-    its other threads is slower (bench/probe_torch_thread.py), and transformers' continuous
+    its other threads is slower (bench/probes/torch_thread.py), and transformers' continuous
     batching runs its loop on a thread of its own."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"name": name, "dtype": dtype, "lengths": lengths,
                    "jobs": [[j.index, j.text, j.ids, j.max_tokens] for j in jobs]}, f)
-    out = subprocess.run([sys.executable, __file__, "--peer-child", f.name], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", __spec__.name, "--peer-child", f.name], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     Path(f.name).unlink()
     r = json.loads(out.strip().splitlines()[-1])
@@ -384,7 +384,7 @@ def main() -> int:
         for d in (("q4_1",) if name.startswith("llama-cpp") else ("float32", "bfloat16")):
             peers[(name, d)] = run_peer(name, d, subset(jobs, 1) if name in SINGLE_STREAM else jobs, lengths)
             print(f"  {name} {d}: {peers[(name, d)].tok_s:.1f} tok/s", flush=True)
-    cmd = " ".join([".venv/bin/python", "bench/bench_serving.py"] + sys.argv[1:])
+    cmd = " ".join([".venv/bin/python", "-m", "bench.bench_serving"] + sys.argv[1:])
     out = report(jobs, args.concurrency, args.dtypes, keel_res, peers, lengths, cmd)
     print(out)
     if args.write:

@@ -1,7 +1,7 @@
 """Per-chunk cost of streamed text at the gateway: unary Decode per chunk (the former path) against
 the tokenizer's DecodeStream (the current path), same run, same mesh, same ids.
 
-Run: .venv/bin/python bench/bench_stream_decode.py [--tokens 300] [--rounds 5]
+Run: .venv/bin/python -m bench.bench_stream_decode [--tokens 300] [--rounds 5]
 
 Starts a real mesh (`python -m keelctl up`, as tests/e2e do) and drives its tokenizer through the
 gateway's own transport (services/gateway/upstreams.py MeshUpstreams), one token per chunk, which is
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import psutil
 
+from bench.bench_inference import machine
+from services.gateway.streamtext import StreamedText
+from services.gateway.upstreams import MeshUpstreams
+from services.tokenizer.core import Tokenizer
+from testing.mesh import start_mesh, stop_mesh
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.bench_inference import machine  # noqa: E402
-from services.gateway.streamtext import StreamedText  # noqa: E402
-from services.gateway.upstreams import MeshUpstreams  # noqa: E402
-from services.tokenizer.core import Tokenizer  # noqa: E402
-from testing.mesh import start_mesh, stop_mesh  # noqa: E402
 
 TEXT = ("The capital of France is Paris. 巴黎是法国的首都，人口约两百万。 Emoji too: \U0001F600\U0001F680 "
         "and accents: déjà vu, naïve, Grüße. ")

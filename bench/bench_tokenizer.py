@@ -1,6 +1,6 @@
 """Benchmark Keel's tokenizer against Hugging Face `tokenizers` (Rust) in the same run.
 
-Run: .venv/bin/python bench/bench_tokenizer.py [--compiled var/vocab.kvoc] [--write docs/bench/tokenizer.md]
+Run: .venv/bin/python -m bench.bench_tokenizer [--compiled var/vocab.kvoc] [--write docs/bench/tokenizer.md]
 
 Corpora (~1.2-1.5 MB each, assembled from files on the machine, not committed): Chinese prose
 (zh_CN message catalogues and the Chinese vim tutor), English (vim's help files), source code
@@ -29,12 +29,11 @@ import sysconfig
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab
+from services.tokenizer.core import Tokenizer
+from shared.modelfile import gguf_path
 
-from shared.modelfile import gguf_path  # noqa: E402
-from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab  # noqa: E402
-from services.tokenizer.core import Tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CORPUS_BYTES = 1_500_000
 HF_DIR = ROOT / "var" / "model" / "hf-tokenizer"
@@ -88,7 +87,8 @@ def corpora() -> dict[str, list[str]]:
 # -- throughput ----------------------------------------------------------------------------------
 
 def reference():
-    from tokenizers import Tokenizer as HfTokenizer, pre_tokenizers
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import pre_tokenizers
 
     ref = HfTokenizer.from_file(str(HF_DIR / "tokenizer.json"))
     ref.pre_tokenizer = pre_tokenizers.Sequence([

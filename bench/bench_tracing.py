@@ -1,6 +1,6 @@
 """What tracing costs per request: the same gRPC hop with and without Keel's tracing, same run.
 
-Run: .venv/bin/python bench/bench_tracing.py [--calls 3000]
+Run: .venv/bin/python -m bench.bench_tracing [--calls 3000]
 
 A loopback grpc.aio server behind Keel's ServerInterceptor, called through the gateway's client
 path (a client span per attempt + traceparent injection). One request crosses 6 such hops (the
@@ -21,10 +21,9 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc  # noqa: E402
-from shared import client, tracing  # noqa: E402
-from shared.interceptor import ServerInterceptor  # noqa: E402
+from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from shared import client, tracing
+from shared.interceptor import ServerInterceptor
 
 HOPS_PER_REQUEST = 6
 

@@ -1,6 +1,6 @@
 """Validator benchmark: per-request latency in-process, and quarantine throughput into Redis.
 
-Run: .venv/bin/python bench/bench_validator.py [--requests 3000] [--records 5000] [--repeat 3]
+Run: .venv/bin/python -m bench.bench_validator [--requests 3000] [--records 5000] [--repeat 3]
                                                [--write docs/bench/validator.md]
 
 Peers, measured in the same run on the same inputs:
@@ -32,14 +32,13 @@ import redis
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from services.validator.contracts import InputChecker
+from services.validator.output_pipeline import OutputPipeline, PipelineConfig
+from services.validator.plugins import OutputContext
+from services.validator.quarantine import Quarantine, QuarantineConfig
+from services.validator.records import QuarantineRecord
 
-from services.validator.contracts import InputChecker  # noqa: E402
-from services.validator.output_pipeline import OutputPipeline, PipelineConfig  # noqa: E402
-from services.validator.plugins import OutputContext  # noqa: E402
-from services.validator.quarantine import Quarantine, QuarantineConfig  # noqa: E402
-from services.validator.records import QuarantineRecord  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PAYLOAD = {"messages": [{"role": "system", "content": "你是一名谨慎的金融分析师。"},
                         {"role": "user", "content": "请分析本月LPR和MLF利率走势，以及对房贷利率的影响。"}],
@@ -187,7 +186,7 @@ def report(lats: list[dict], thrs: list[dict], args) -> str:
     redis_version = subprocess.run(["redis-server", "--version"], capture_output=True,
                                    text=True).stdout.split()[2]
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    lines = [f"Command: `.venv/bin/python bench/bench_validator.py --requests {args.requests} "
+    lines = [f"Command: `.venv/bin/python -m bench.bench_validator --requests {args.requests} "
              f"--records {args.records} --repeat {args.repeat}`",
              f"Machine: {cpu_model()}, {len(os.sched_getaffinity(0))} cores, "
              f"Python {platform.python_version()}, redis-server {redis_version}; "

@@ -1,7 +1,7 @@
 """Chaos check: requests from concurrent clients through the gateway of a real mesh (Redis, the
 real model, loopback only) while a stage replica is killed -9 every few seconds.
 
-Run: .venv/bin/python bench/chaos.py [--replicas 1|2] [--requests 200] [--clients 16] [--kill-every 3]
+Run: .venv/bin/python -m bench.chaos [--replicas 1|2] [--requests 200] [--clients 16] [--kill-every 3]
                                      [--max-tokens 8] [--deadline 60] [--throttle-tokens N] [--seed S]
                                      [--write docs/bench/chaos.md]
 
@@ -45,15 +45,14 @@ from pathlib import Path
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from keel.common.v1 import common_pb2  # noqa: E402
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from keelctl import health  # noqa: E402
-from keelctl.ask import DEV_API_KEY  # noqa: E402
-from shared.stages import SERVICE_NAMES as SERVICES  # noqa: E402
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keelctl import health
+from keelctl.ask import DEV_API_KEY
+from shared.stages import SERVICE_NAMES as SERVICES
 from testing.mesh import Mesh, start_mesh, stop_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KILLED_STAGES = ("tokenizer", "inference", "validator")
 PROMPTS = ("Name a colour.", "What is two plus two?", "Say hello.", "Name a fruit.", "What is the capital of France?")
@@ -249,8 +248,10 @@ def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, 
     out += ["", "| figure | calm (peer) | chaos | chaos / calm |", "|---|---|---|---|",
             f"| success rate | {calm['ok']}/{calm['n']} | {chaos['ok']}/{chaos['n']} | "
             f"{ratio(chaos['ok'] / chaos['n'], calm['ok'] / calm['n'])} |",
-            f"| p50 latency of successes, s | {calm['p50_s']:.2f} | {chaos['p50_s']:.2f} | {ratio(chaos['p50_s'], calm['p50_s'])} |",
-            f"| p99 latency of successes, s | {calm['p99_s']:.2f} | {chaos['p99_s']:.2f} | {ratio(chaos['p99_s'], calm['p99_s'])} |",
+            f"| p50 latency of successes, s | {calm['p50_s']:.2f} | {chaos['p50_s']:.2f} | "
+            f"{ratio(chaos['p50_s'], calm['p50_s'])} |",
+            f"| p99 latency of successes, s | {calm['p99_s']:.2f} | {chaos['p99_s']:.2f} | "
+            f"{ratio(chaos['p99_s'], calm['p99_s'])} |",
             f"| slowest request, s | {calm['max_s']:.2f} | {chaos['max_s']:.2f} | |",
             f"| phase wall time, s | {wall['calm']:.1f} | {wall['chaos']:.1f} | {ratio(wall['chaos'], wall['calm'])} |",
             f"| hung (no answer by the deadline) | {calm['hung']} | {chaos['hung']} | |",
@@ -284,7 +285,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = ChaosConfig(args.requests, args.clients, args.kill_every, args.max_tokens, args.deadline,
                       args.throttle_tokens, args.replicas, args.seed)
-    command = ".venv/bin/python bench/chaos.py " + " ".join(sys.argv[1:])
+    command = ".venv/bin/python -m bench.chaos " + " ".join(sys.argv[1:])
     env = {} if cfg.throttle_tokens is None else {"KEEL_GATEWAY_RETRY__THROTTLE__MAX_TOKENS": str(cfg.throttle_tokens)}
     mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-chaos-")), tokenizer_replicas=cfg.replicas,
                       inference_replicas=cfg.replicas, tokenizer_workers=1,

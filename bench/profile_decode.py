@@ -6,7 +6,7 @@ profiled by operator (torch.profiler). At batch 1 it also sets the step's effect
 time) against a STREAM-like copy (a 256 MiB tensor copied; read + write counted) timed right after
 each of five rounds of steps: a batch-1 step is bound by bandwidth, so the copy is its physical limit.
 
-Run: .venv/bin/python bench/profile_decode.py [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
+Run: .venv/bin/python -m bench.profile_decode [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
      [--aten-layers]   (a block format without its layer ops, as before kernels/layer_ops.cpp)
      [--op-by-op]      (a block format's layers op by op, as before kernels/layer.cpp)
 """
@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from bench.bench_inference import machine
+from services.inference.engine.memory import static_bytes
+from services.inference.model.blocks import KernelRMSNorm
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.llama import RMSNorm
+from services.inference.model.loader import load_model
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.bench_inference import machine  # noqa: E402
-from services.inference.model.forward import LlamaRunner  # noqa: E402
-from services.inference.engine.memory import static_bytes  # noqa: E402
-from services.inference.model.blocks import KernelRMSNorm  # noqa: E402
-from services.inference.model.llama import RMSNorm  # noqa: E402
-from services.inference.model.loader import load_model  # noqa: E402
 
 
 def timed_ms(fn, steps: int) -> float:
@@ -133,7 +133,8 @@ def main() -> int:
         print(f"batch 1: {moved / 1e6:.1f} MB read per step; {len(rounds)} rounds of {args.steps} steps, each "
               f"followed by a 256 MiB copy: step GB/s / copy GB/s "
               + ", ".join(f"{s:.1f}/{c:.1f}" for s, c in rounds)
-              + f"; step / copy bandwidth median {ratios[len(ratios) // 2]:.0%} (range {ratios[0]:.0%}-{ratios[-1]:.0%})")
+              + f"; step / copy bandwidth median {ratios[len(ratios) // 2]:.0%} (range "
+                f"{ratios[0]:.0%}-{ratios[-1]:.0%})")
     print("| operator | share of self CPU time | calls per step |\n|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]:
         print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.count // 5} |")

@@ -7,7 +7,7 @@ target resolves exactly what the image's pip would install (nothing is installed
 resolved distribution is then summed from its installed files (RECORD) in this checkout's .venv,
 which holds the same pins (torch is the CPU build, as in the images).
 
-    .venv/bin/python bench/stage_sizes.py            # prints a Markdown table
+    .venv/bin/python -m bench.stage_sizes            # prints a Markdown table
 """
 from __future__ import annotations
 

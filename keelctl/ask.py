@@ -51,7 +51,8 @@ def render(resp: gateway_pb2.GenerateResponse, as_json: bool) -> str:
         return json.dumps(json_format.MessageToDict(resp, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True), ensure_ascii=False)
     served = f", adapter {resp.adapter}" if resp.adapter else ""
-    lines = [f"{lp.token!r:>16} {lp.logprob:9.4f}  " + "  ".join(f"{a.token!r} {a.logprob:.4f}" for a in lp.top_logprobs)
+    lines = [f"{lp.token!r:>16} {lp.logprob:9.4f}  " + "  ".join(f"{a.token!r} "
+                                                                 f"{a.logprob:.4f}" for a in lp.top_logprobs)
              for lp in resp.logprobs]
     return (f"{resp.text}\n\n" + "".join(line + "\n" for line in lines) +
             f"trace_id: {resp.trace_id}  ({resp.usage.completion_tokens} tokens, {resp.finish_reason}{served})")

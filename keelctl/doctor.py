@@ -6,8 +6,8 @@ something is wrong, what to do about it.
 Checks, in order: the CPU's flags (/proc/cpuinfo) and the weight formats they run and accelerate
 (the formats are services/inference/model/loader.py's DTYPES; the configured engine.dtype must run here),
 the C++ compiler a format with a C++ kernel needs, free memory against the inference stage's
-engine.memory_budget_bytes, the mesh's ports (config/keel.yaml, and the feedback stage's
-rotation webhook) free, the Redis `keel up` starts
+engine.memory_budget_bytes, the mesh's ports (config/keel.yaml, the feedback stage's
+rotation webhook's included) free, the Redis `keel up` starts
 (redis-server) or the one the validator is configured with, the feedback stage's PostgreSQL when
 configured, and the model folder and tokenizer vocabulary `make model` and `make vocab` write.
 """
@@ -67,7 +67,6 @@ class Host:
     cpuinfo: Path = Path("/proc/cpuinfo")
     meminfo: Path = Path("/proc/meminfo")
     which: object = field(default=shutil.which)
-    other_ports: dict = field(default_factory=dict)  # port -> what needs it, besides the layout's
 
     @classmethod
     def configured(cls) -> "Host":
@@ -75,16 +74,13 @@ class Host:
         from services.feedback import config as feedback_config
         from services.inference import config as inference_config
         from services.inference.model.loader import DTYPES
+        from services.tokenizer import config as tokenizer_config
         from services.validator import config as validator_config
         from shared.config import ROOT_DIR
-        from services.tokenizer import config as tokenizer_config
 
         vocab = Path(tokenizer_config.load().vocab_file)
-        feedback = feedback_config.load()
-        webhook = feedback.rotation.webhook_port
         return cls(inference_config.load(), load_layout(), vocab if vocab.is_absolute() else ROOT_DIR / vocab,
-                   validator_config.load().quarantine.redis_url, feedback.database.url, DTYPES,
-                   other_ports={webhook: "feedback rotation webhook"} if webhook else {})
+                   validator_config.load().quarantine.redis_url, feedback_config.load().database.url, DTYPES)
 
 
 def cpu_flags(host: Host) -> set[str]:
@@ -153,7 +149,7 @@ def check_ports(host: Host) -> list[Finding]:
     from keelctl.layout import read_state
     from keelctl.supervisor import layout_ports
 
-    needed = {**layout_ports(host.layout), **host.other_ports}
+    needed = layout_ports(host.layout)
     held = procs.held_ports(needed)
     if not held:
         return [Finding("ports", OK, f"{len(needed)} ports free ({', '.join(map(str, sorted(needed)))})")]

@@ -18,8 +18,8 @@ from keelctl.layout import load_layout
 from services.feedback import config as fb_config
 from services.feedback.config import ERROR_TYPES, SEVERITIES
 from services.feedback.store import now_ms, open_store
-from services.validator.quarantine_cli import parse_duration
 from shared import tls
+from shared.durations import parse_duration
 
 
 def submit(target: str, item: gateway_pb2.SubmitFeedbackRequest, *,

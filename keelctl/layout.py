@@ -29,6 +29,7 @@ class RedisLayout:
 class StageLayout:
     ports: tuple[int, ...] = ()
     metrics_ports: tuple[int, ...] = ()
+    webhook_ports: tuple[int, ...] = ()  # the feedback stage's rotation webhook, per replica
     workers: int = 1
 
 

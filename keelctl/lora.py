@@ -38,11 +38,11 @@ def _format(cfg, given: str | None) -> str:
 def _base(cfg, fmt: str | None):
     import torch
 
-    from services.inference.model.forward import LlamaRunner
+    from services.inference.engine.warmup import set_deterministic
     from services.inference.lora.startup import running_base
+    from services.inference.model.forward import LlamaRunner
     from services.inference.model.loader import load_model
     from services.inference.startup.warmcache import model_sha256
-    from services.inference.engine.warmup import set_deterministic
 
     e = cfg.engine
     fmt = _format(cfg, fmt)

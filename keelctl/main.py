@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from keelctl import health, procs, startview
-from shared.config import ConfigError
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, VAR_DIR, load_layout, read_state
+from shared.config import EXIT_CONFIG, ConfigError
 from shared.stages import STAGE_ORDER
 
 DEMO_PROMPT = "What is the capital of France?"
@@ -112,8 +112,10 @@ def cmd_up(args) -> int:
                                            watch=view.update)
         except TimeoutError as exc:
             proc.terminate()  # no half-started mesh left behind
-            print(f"keel up failed: {exc}; see {LOG_DIR}")
-            return 1
+            state = read_state()  # the supervisor's own words on a stage's configuration error
+            failed = state.get("failed") if state.get("pid") == proc.pid else None
+            print(f"keel up failed: {failed or exc}; see {LOG_DIR}")
+            return EXIT_CONFIG if failed else 1
         view.finish()
         print(f"keel is up (supervisor pid {proc.pid}); {_entries(layout)}")
         _print_table(layout, statuses)
@@ -137,9 +139,11 @@ def cmd_up(args) -> int:
 
     def announce() -> None:
         try:
-            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s, lambda: not stop.is_set(),
-                                           watch=view.update)
+            statuses = health.wait_serving(_targets(layout), layout.ready_timeout_s,
+                                           lambda: not stop.is_set() and not sup.failed, watch=view.update)
         except TimeoutError as exc:
+            if sup.failed:
+                return  # the main thread says why
             print(f"keel up failed: {exc}; see {LOG_DIR}", flush=True)
             failed.set()
             stop.set()
@@ -156,8 +160,11 @@ def cmd_up(args) -> int:
     # Children are forked from this (main) thread only: their parent-death signal is tied to it.
     sup.start()
     threading.Thread(target=announce, daemon=True).start()
-    sup.run(stop)
+    sup.run(stop)  # returns at a stop signal or when a stage's configuration is invalid
     sup.stop()
+    if sup.failed:
+        print(f"keel up failed: {sup.failed}; see {LOG_DIR}", flush=True)
+        return EXIT_CONFIG
     return 1 if failed.is_set() else 0
 
 
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.cmd](args)
     except ConfigError as exc:  # e.g. KEEL_MESH_TLS_DIR without its certificates
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

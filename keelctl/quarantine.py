@@ -33,7 +33,8 @@ def replay_through_gateway(payload: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from services.validator import config as validator_config, quarantine_cli
+    from services.validator import config as validator_config
+    from services.validator import quarantine_cli
     cfg = validator_config.load().quarantine
     running = read_state().get("redis_url")  # the running mesh's Redis, with its per-`keel up` password
     if running:

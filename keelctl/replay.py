@@ -22,9 +22,9 @@ from services.feedback import config as fb_config
 from services.feedback.records import ReplayRecord
 from services.feedback.replay import Outcome, can_run, compare
 from services.feedback.store import Store, now_ms, open_store
-from services.validator.quarantine_cli import parse_duration
-from shared.controls import format_pb, sampling_pb
 from shared import errors, metrics
+from shared.controls import format_pb, sampling_pb
+from shared.durations import parse_duration
 from shared.progress import Progress
 
 RECORD_WAIT_S = 30.0

@@ -18,9 +18,9 @@ import requests
 
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keelctl.layout import load_layout, read_state
-from services.validator.quarantine_cli import parse_duration
 from shared import meshauth, tls
 from shared.config import ConfigError
+from shared.durations import parse_duration
 
 ALERTMANAGER = "http://127.0.0.1:9093"
 TIMEOUT_S = 30.0

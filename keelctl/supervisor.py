@@ -15,6 +15,11 @@ So a loop that dies at start is slowed down to one try per ``max_backoff_s``, an
 each time soon after SERVING gets ``burst`` quick restarts per ``stable_after_s``, then the same
 doubling. Every restart is one JSON log line (var/log/supervisor.log) and a Prometheus counter.
 
+A child that exits with ``EXIT_CONFIG`` (2: its configuration is invalid) before it ever served is
+not restarted: a configuration error does not fix itself. The supervisor records it in ``failed``
+with the last line the child wrote to its log (its reason) and ``run`` returns, so that `keel up`
+stops the mesh at once and prints that line.
+
 Children die with the supervisor, even with kill -9: each starts through ``keelctl.lifeline``
 (Linux parent-death signal) and carries ``KEEL_RUN_DIR`` so that ``keel down``/``keel up`` find any
 that are left (keelctl/procs.py). The kernel ties the parent-death signal to the forking thread, so
@@ -22,6 +27,7 @@ that are left (keelctl/procs.py). The kernel ties the parent-death signal to the
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -35,11 +41,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared import meshauth, metrics, notify, proxyauth
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, RestartPolicy, write_state
-from shared.stages import GATEWAY_UPSTREAMS, STAGE_ORDER
 from keelctl.procs import RUN_DIR_ENV
 from keelctl.readiness import ReadySocket
+from shared import meshauth, metrics, notify, proxyauth
+from shared.config import EXIT_CONFIG
+from shared.stages import GATEWAY_UPSTREAMS, STAGE_ORDER
 
 log = logging.getLogger("keel.supervisor")
 
@@ -59,11 +66,39 @@ class Child:
     log_path: Path = field(default_factory=Path)
     served_at: float | None = None  # when the running process reported READY=1; None: not yet
     served_deaths: deque[float] = field(default_factory=deque)  # deaths after READY=1, last stable_after_s
+    ever_served: bool = False  # any process of this child reported READY=1
 
 
-def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_url: str) -> dict[str, str]:
-    env = {f"KEEL_{stage.upper()}_SERVER__PORT": str(port),
-           f"KEEL_{stage.upper()}_SERVER__METRICS_PORT": str(metrics_port)}
+def last_line(path: Path, tail_bytes: int = 8192) -> str:
+    """The last line a child wrote to its log, readable: a JSON log record as its message and its
+    ``error`` field (shared/logging.py), anything else as written; "" for an empty or missing log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    line = next((x.strip() for x in reversed(lines) if x.strip()), "")
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict) or "msg" not in record:
+        return line
+    return f"{record['msg']}: {record['error']}" if record.get("error") else str(record["msg"])
+
+
+def _replica_port(ports: tuple[int, ...], replica: int) -> int:
+    """A replica's port of a per-replica list (metrics, webhook); 0 = none."""
+    return ports[replica] if replica < len(ports) else 0
+
+
+def _stage_env(layout: Layout, stage: str, replica: int, worker: int, redis_url: str) -> dict[str, str]:
+    """Every port worker ``worker`` of replica ``replica`` binds, and the addresses it calls."""
+    sl = layout.stage(stage)
+    env = {f"KEEL_{stage.upper()}_SERVER__PORT": str(sl.ports[replica]),
+           f"KEEL_{stage.upper()}_SERVER__METRICS_PORT":
+               str(worker_metrics_port(_replica_port(sl.metrics_ports, replica), worker))}
     if stage == "gateway":
         for up in (*GATEWAY_UPSTREAMS, "feedback"):  # the feedback stage: replay records, off the request path
             env[f"KEEL_GATEWAY_UPSTREAMS__{up.upper()}"] = "[" + ", ".join(layout.targets(up)) + "]"
@@ -73,6 +108,8 @@ def _stage_env(layout: Layout, stage: str, port: int, metrics_port: int, redis_u
         env["KEEL_VALIDATOR_QUARANTINE__REDIS_URL"] = redis_url
     if stage == "feedback":  # rotation switches variants on every inference replica of the mesh
         env["KEEL_FEEDBACK_ROTATION__INFERENCE"] = "[" + ", ".join(layout.targets("inference")) + "]"
+        # Alertmanager posts to one address: the replica's first worker listens there, others not at all
+        env["KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT"] = str(_replica_port(sl.webhook_ports, replica) if not worker else 0)
     return env
 
 
@@ -88,9 +125,11 @@ def layout_ports(layout: Layout) -> dict[int, str]:
         sl = layout.stage(stage)
         for r, port in enumerate(sl.ports):
             needed[port] = f"{stage}-{r}"
-            mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
+            mport = _replica_port(sl.metrics_ports, r)
             for w in range(sl.workers if mport else 0):
                 needed[worker_metrics_port(mport, w)] = f"{stage}-{r}.{w} metrics"
+            if _replica_port(sl.webhook_ports, r):
+                needed[sl.webhook_ports[r]] = f"{stage}-{r} webhook"
     if layout.metrics_port:
         needed[layout.metrics_port] = "supervisor metrics"
     return needed
@@ -118,6 +157,8 @@ class Supervisor:
         self.redis_password = os.environ.get("KEEL_REDIS_PASSWORD") or secrets.token_hex(16)
         self.redis_url = f"redis://:{self.redis_password}@127.0.0.1:{layout.redis.port}/0"
         self.children: list[Child] = []
+        # "<child> exited 2 before serving: <its last log line>" once a child failed that way
+        self.failed: str | None = None
         self._lock = threading.Lock()
         self._restarts = metrics.metrics_for("supervisor").counter("keel_supervisor_restarts_total")
         self._ready = ReadySocket()
@@ -131,17 +172,15 @@ class Supervisor:
             redis_dir.mkdir(parents=True, exist_ok=True)
             server = shutil.which("redis-server") or "/usr/bin/redis-server"
             # appendonly + fsync every second: quarantine records survive a redis restart
-            argv = [server, str(self._redis_conf()), "--port", str(layout.redis.port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
-                    "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
-                    "--supervised", "systemd"]  # READY=1 once it accepts connections
+            argv = [server, str(self._redis_conf()), "--port", str(layout.redis.port), "--bind", "127.0.0.1",
+                    "--dir", str(redis_dir), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                    "--protected-mode", "yes", "--supervised", "systemd"]  # READY=1 once it accepts connections
             self.children.append(Child("redis", argv, base_env, layout.redis.port, "redis"))
         for stage in STAGE_ORDER:
             sl = layout.stage(stage)
             for r, port in enumerate(sl.ports):
-                mport = sl.metrics_ports[r] if r < len(sl.metrics_ports) else 0
                 for w in range(sl.workers):
-                    env = dict(base_env, **_stage_env(layout, stage, port, worker_metrics_port(mport, w),
-                                                      self.redis_url))
+                    env = dict(base_env, **_stage_env(layout, stage, r, w, self.redis_url))
                     argv = [sys.executable, "-m", f"services.{stage}"]
                     self.children.append(Child(f"{stage}-{r}.{w}", argv, env, port, stage))
         for c in self.children:
@@ -176,7 +215,7 @@ class Supervisor:
 
     def _write_state(self) -> None:
         write_state({
-            "pid": os.getpid(), "mesh_token": self.mesh_token, "redis_url": self.redis_url,
+            "pid": os.getpid(), "mesh_token": self.mesh_token, "redis_url": self.redis_url, "failed": self.failed,
             "processes": {c.name: {"pid": c.popen.pid if c.popen else None, "port": c.port, "stage": c.stage,
                                    "restarts": c.restarts, "log": str(c.log_path)} for c in self.children},
         })
@@ -189,12 +228,20 @@ class Supervisor:
             c = by_pid.get(pid)
             if c is not None and c.served_at is None and c.restart_at is None:
                 c.served_at = now
+                c.ever_served = True
                 log.info("serving", extra={"stage": c.name, "pid": pid, "start_s": round(now - c.started_at, 3)})
 
     def _on_death(self, c: Child, now: float) -> None:
         policy = self.layout.restart
         rc = c.popen.returncode
         lived = now - c.started_at
+        if rc == EXIT_CONFIG and not c.ever_served:
+            reason = last_line(c.log_path)
+            self.failed = self.failed or f"{c.name} exited {rc} before serving: {reason or 'see ' + str(c.log_path)}"
+            c.popen = None  # dead and not to be restarted: nothing left to watch
+            log.error("stage has an invalid configuration; not restarting", extra={
+                "stage": c.name, "exit_code": rc, "reason": reason, "log": str(c.log_path)})
+            return
         while c.served_deaths and now - c.served_deaths[0] >= policy.stable_after_s:
             c.served_deaths.popleft()
         served, earlier = c.served_at is not None, len(c.served_deaths)
@@ -217,7 +264,9 @@ class Supervisor:
             self._note_ready(now)
             for c in self.children:
                 if c.restart_at is None and c.popen is not None and c.popen.poll() is not None:
+                    failed = self.failed
                     self._on_death(c, now)
+                    changed = changed or self.failed != failed
                 if c.restart_at is not None and now >= c.restart_at:
                     self._spawn(c)
                     changed = True
@@ -225,8 +274,11 @@ class Supervisor:
             self._write_state()
 
     def run(self, stop: threading.Event) -> None:
+        """Supervise until ``stop`` is set or a child failed on its configuration (``failed``)."""
         while not stop.wait(0.1):
             self.poll_once()
+            if self.failed:
+                return
 
     def stop(self, grace_s: float = 45.0) -> None:
         """SIGTERM in reverse order (gateway first, Redis last) so in-flight calls drain; grace_s must

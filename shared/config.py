@@ -2,8 +2,8 @@
 
 Each stage has ``config/<stage>.yaml`` and ``config/schemas/<stage>.schema.json``. Loading:
 1. parse the YAML (safe loader; ``"16"`` stays a string and fails an integer rule -- no coercion);
-2. fill in what the file leaves out of the stage's ports and its upstreams' addresses from the
-   mesh layout, config/keel.yaml (shared/topology.py), so that each port is written once;
+2. fill in what the file leaves out of the ports the stage binds and its upstreams' addresses from
+   the mesh layout, config/keel.yaml (shared/topology.py), so that each port is written once;
 3. apply environment overrides ``KEEL_<STAGE>_<KEY>`` where KEY is the dotted path upper-cased
    with ``__`` for nesting (``KEEL_INFERENCE_SERVER__PORT=50060``); the value is parsed as a YAML
    scalar, so an override is typed exactly like the file;
@@ -44,6 +44,11 @@ class ConfigError(Exception):
     """Invalid configuration: the stage must not start."""
 
 
+# A stage's exit status for a ConfigError: the supervisor does not restart a stage that exits with
+# it before it ever served (keelctl/supervisor.py).
+EXIT_CONFIG = 2
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Transport settings every stage shares (the ``server:`` block)."""
@@ -66,7 +71,8 @@ class ServerConfig:
 def _registry(schema_dir: Path) -> Registry:
     resources = []
     for path in schema_dir.glob("*.schema.json"):
-        resources.append((path.name, Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT202012)))
+        schema = Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT202012)
+        resources.append((path.name, schema))
     return Registry().with_resources(resources)
 
 
@@ -122,22 +128,30 @@ def config_path(stage: str, environ: Mapping[str, str]) -> Path:
     return Path(environ.get(f"KEEL_{stage.upper()}_CONFIG") or CONFIG_DIR / f"{stage}.yaml")
 
 
+# Where each port list of a stage's layout goes in the stage's own config: the first replica's port
+# (a stage started alone is that replica; the supervisor sets every replica's through the environment).
+LAYOUT_PORTS = {"ports": ("server", "port"), "metrics_ports": ("server", "metrics_port"),
+                "webhook_ports": ("rotation", "webhook_port")}
+
+
+def _fill(data: dict, path: tuple[str, ...], value: Any) -> None:
+    """Set ``value`` at ``path`` unless the file set it (a non-mapping on the way: the schema names it)."""
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {}) if isinstance(node, dict) else node
+    if isinstance(node, dict):
+        node.setdefault(path[-1], value)
+
+
 def _with_topology(data: dict, stage: str, upstreams: Mapping[tuple[str, ...], str], topo: Topology) -> dict:
-    """Fill what the file leaves out from the layout: the stage's first port and metrics port
-    (`server.port`, `server.metrics_port`), and each upstream list at its path (e.g.
-    ("upstreams", "inference") -> the inference stage's addresses)."""
-    if topo.ports(stage):
-        server = data.setdefault("server", {})
-        if isinstance(server, dict):  # else the schema names the field
-            for key, ports in (("port", topo.ports(stage)), ("metrics_port", topo.metrics_ports(stage))):
-                if ports:
-                    server.setdefault(key, ports[0])
+    """Fill what the file leaves out from the layout: every port the stage binds (LAYOUT_PORTS), and
+    each upstream list at its path (e.g. ("upstreams", "inference") -> the inference stage's addresses)."""
+    for key, path in LAYOUT_PORTS.items():
+        if topo.listed(stage, key):
+            _fill(data, path, topo.listed(stage, key)[0])
     for path, upstream in upstreams.items():
-        node = data
-        for key in path[:-1]:
-            node = node.setdefault(key, {}) if isinstance(node, dict) else node
-        if isinstance(node, dict) and topo.ports(upstream):
-            node.setdefault(path[-1], topo.targets(upstream))
+        if topo.ports(upstream):
+            _fill(data, path, topo.targets(upstream))
     return data
 
 

@@ -141,7 +141,8 @@ REASONS: dict[str, Reason] = {
     "NOT_FOUND": Reason(NotFound, "the named thing does not exist"),
     "OVERLOADED": Reason(Overloaded, "too much work right now"),
     "NOT_READY": Reason(NotReady, "a stage cannot serve right now"),
-    "DEADLINE_EXCEEDED": Reason(DeadlineExpired, "the call's deadline ran out; the message names the step that was running"),
+    "DEADLINE_EXCEEDED": Reason(
+        DeadlineExpired, "the call's deadline ran out; the message names the step that was running"),
     "CANCELLED": Reason(Cancelled, "the client cancelled the call"),
     "INTERNAL": Reason(Fatal, "a bug: logged with its stack under the trace id"),
     "NUMERICAL_INSTABILITY": Reason(NumericalInstability, "NaN/inf in the model's output"),
@@ -149,37 +150,59 @@ REASONS: dict[str, Reason] = {
     "MISSING_API_KEY": Reason(Unauthenticated, "no API key in `x-api-key` or `authorization: Bearer`"),
     "INVALID_API_KEY": Reason(Unauthenticated, "the API key is not recognised"),
     "RATE_LIMITED": Reason(Overloaded, "the key's rate limit is reached; retry after the hint"),
-    "AMBIGUOUS_API_KEY": Reason(Unauthenticated, "more than one API key in a request (repeated header, or x-api-key and Bearer differ)"),
-    "AUTH_FAILURES_LIMITED": Reason(Overloaded, "too many failed authentications from this address; retry after the hint"),
+    "AMBIGUOUS_API_KEY": Reason(
+        Unauthenticated, "more than one API key in a request (repeated header, or x-api-key and Bearer differ)"),
+    "AUTH_FAILURES_LIMITED": Reason(
+        Overloaded, "too many failed authentications from this address; retry after the hint"),
     "SEED_OUT_OF_RANGE": Reason(InvalidInput, "seed above 2^63-1, the range every stage accepts"),
     "EMPTY_PROMPT": Reason(InvalidInput, "neither prompt nor chat, or only blank text"),
     "TOO_MANY_MESSAGES": Reason(InvalidInput, "more chat turns than the gateway's max_messages"),
     "UNKNOWN_ROLE": Reason(InvalidInput, "a chat role other than system, user, assistant"),
-    "PROMPT_TOO_LARGE": Reason(InvalidInput, "the prompt is larger than max_prompt_bytes", _VERDICT_KEYS[:1] + ("quarantine_id",)),
+    "PROMPT_TOO_LARGE": Reason(
+        InvalidInput, "the prompt is larger than max_prompt_bytes", _VERDICT_KEYS[:1] + ("quarantine_id",)),
     "MAX_TOKENS_INVALID": Reason(InvalidInput, "max_tokens is not a positive integer", ("field", "request_id")),
     "MAX_TOKENS_TOO_LARGE": Reason(InvalidInput, "max_tokens above the gateway's max_tokens_limit"),
     "MAX_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "max_tokens leaves no room for the prompt in the context"),
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
     "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
-    "INVALID_ADAPTER": Reason(InvalidInput, "the adapter field is not `id` or `id@version` (each 1-64 of [A-Za-z0-9._-], starting with a letter or digit); `field` names it", ("field",)),
+    "INVALID_ADAPTER": Reason(
+        InvalidInput, "the adapter field is not `id` or `id@version` (each 1-64 of [A-Za-z0-9._-], starting with a "
+                      "letter or digit); `field` names it", ("field",)),
     # Generation controls (shared/controls.py; the grammar's reasons: services/inference/engine/grammar.py).
-    "STOP_INVALID": Reason(InvalidInput, "more than 4 stop strings, or one empty or over 64 UTF-8 bytes; `field` names it", ("field",)),
-    "REPETITION_PENALTY_OUT_OF_RANGE": Reason(InvalidInput, "repetition_penalty outside (0, 2] (0 or 1 = off); `field` names it", ("field",)),
-    "FREQUENCY_PENALTY_OUT_OF_RANGE": Reason(InvalidInput, "frequency_penalty outside -2..2; `field` names it", ("field",)),
-    "PRESENCE_PENALTY_OUT_OF_RANGE": Reason(InvalidInput, "presence_penalty outside -2..2; `field` names it", ("field",)),
+    "STOP_INVALID": Reason(
+        InvalidInput, "more than 4 stop strings, or one empty or over 64 UTF-8 bytes; `field` names it", ("field",)),
+    "REPETITION_PENALTY_OUT_OF_RANGE": Reason(
+        InvalidInput, "repetition_penalty outside (0, 2] (0 or 1 = off); `field` names it", ("field",)),
+    "FREQUENCY_PENALTY_OUT_OF_RANGE": Reason(
+        InvalidInput, "frequency_penalty outside -2..2; `field` names it", ("field",)),
+    "PRESENCE_PENALTY_OUT_OF_RANGE": Reason(
+        InvalidInput, "presence_penalty outside -2..2; `field` names it", ("field",)),
     "TOP_LOGPROBS_OUT_OF_RANGE": Reason(InvalidInput, "top_logprobs outside 0..5; `field` names it", ("field",)),
-    "TOP_LOGPROBS_WITHOUT_LOGPROBS": Reason(InvalidInput, "top_logprobs set without logprobs; `field` names it", ("field",)),
-    "CHOICE_INVALID": Reason(InvalidInput, "response_format.choice has no value, more than 64, or an empty one; `field` names it", ("field",)),
-    "RESPONSE_FORMAT_TOO_LARGE": Reason(InvalidInput, "the response format's document (or all choices) is over 16384 UTF-8 bytes; `field` names it", ("field",)),
-    "RESPONSE_FORMAT_INVALID": Reason(InvalidInput, "the JSON Schema or regex does not compile (not JSON, unknown keyword value, bad syntax); `field` names it, the message says why", ("field",)),
-    "RESPONSE_FORMAT_TOO_COMPLEX": Reason(InvalidInput, "the response format did not compile within the time limit, or ran out of the grammar engine's per-token budget while decoding; `field` names it", ("field",)),
-    "VOCABULARY_NOT_LOADED": Reason(PreconditionFailed, "an in-process engine without a vocabulary was asked for stop strings or a response format"),
+    "TOP_LOGPROBS_WITHOUT_LOGPROBS": Reason(
+        InvalidInput, "top_logprobs set without logprobs; `field` names it", ("field",)),
+    "CHOICE_INVALID": Reason(
+        InvalidInput, "response_format.choice has no value, more than 64, or an empty one; `field` names "
+                      "it", ("field",)),
+    "RESPONSE_FORMAT_TOO_LARGE": Reason(
+        InvalidInput, "the response format's document (or all choices) is over 16384 UTF-8 bytes; `field` names "
+                      "it", ("field",)),
+    "RESPONSE_FORMAT_INVALID": Reason(
+        InvalidInput, "the JSON Schema or regex does not compile (not JSON, unknown keyword value, bad syntax); "
+                      "`field` names it, the message says why", ("field",)),
+    "RESPONSE_FORMAT_TOO_COMPLEX": Reason(
+        InvalidInput, "the response format did not compile within the time limit, or ran out of the grammar engine's "
+                      "per-token budget while decoding; `field` names it", ("field",)),
+    "VOCABULARY_NOT_LOADED": Reason(
+        PreconditionFailed, "an in-process engine without a vocabulary was asked for stop strings or a response "
+                            "format"),
     "MALFORMED_REQUEST": Reason(InvalidInput, "the request body does not parse as the RPC's message"),
     "OUTPUT_BLOCKED": Reason(PreconditionFailed, "a blocking output check failed; `plugin` names it"),
     "STREAM_TRUNCATED": Reason(NotReady, "the inference stream ended without a result; retry"),
     "NO_HEALTHY_UPSTREAM": Reason(NotReady, "no replica of a stage is serving; retry after the hint"),
-    "CONNECTION_LOST": Reason(NotReady, "the connection to a stage replica was lost (its process died); re-dispatched once, then retry after the hint"),
+    "CONNECTION_LOST": Reason(
+        NotReady, "the connection to a stage replica was lost (its process died); re-dispatched once, then retry after "
+                  "the hint"),
     "MESSAGE_TOO_LARGE": Reason(Overloaded, "a message exceeds the gRPC size limit; not retried"),
     # Mesh credentials (stages behind the gateway).
     "MISSING_MESH_CREDENTIAL": Reason(Unauthenticated, "a stage was called without the mesh token"),
@@ -188,10 +211,15 @@ REASONS: dict[str, Reason] = {
     # Validator.
     "CONTRACT_VIOLATION": Reason(InvalidInput, "the request breaks its source's input contract", _VERDICT_KEYS),
     "UNKNOWN_DOMAIN": Reason(InvalidInput, "the domain tag is not configured", _VERDICT_KEYS),
-    "LOW_QUALITY_INPUT": Reason(InvalidInput, "a domain's quality rule rejected the input (or only flagged it)", _VERDICT_KEYS),
-    "PROMPT_INJECTION": Reason(InvalidInput, "a domain's pattern rule rejected the input (or only flagged it)", _VERDICT_KEYS),
-    "INVISIBLE_INPUT": Reason(InvalidInput, "the prompt has no visible character (only zero-width, format or control characters)", _VERDICT_KEYS),
-    "INPUT_CHECK_BUDGET_EXCEEDED": Reason(InvalidInput, "the input checks used up the per-request CPU budget; the input is quarantined", _VERDICT_KEYS),
+    "LOW_QUALITY_INPUT": Reason(
+        InvalidInput, "a domain's quality rule rejected the input (or only flagged it)", _VERDICT_KEYS),
+    "PROMPT_INJECTION": Reason(
+        InvalidInput, "a domain's pattern rule rejected the input (or only flagged it)", _VERDICT_KEYS),
+    "INVISIBLE_INPUT": Reason(
+        InvalidInput, "the prompt has no visible character (only zero-width, format or control "
+                      "characters)", _VERDICT_KEYS),
+    "INPUT_CHECK_BUDGET_EXCEEDED": Reason(
+        InvalidInput, "the input checks used up the per-request CPU budget; the input is quarantined", _VERDICT_KEYS),
     "LOW_CONFIDENCE_OUTPUT": Reason(None, "quarantine record of an answer whose probes were all low (not an error)"),
     "ALREADY_DONE": Reason(PreconditionFailed, "quarantine: the record was already handled"),
     "CLAIMED_BY_OTHER": Reason(PreconditionFailed, "quarantine: another operator claimed the record"),
@@ -199,15 +227,21 @@ REASONS: dict[str, Reason] = {
     "SPILL_IN_USE": Reason(PreconditionFailed, "start-up: another validator owns the spill file"),
     # Feedback stage (and the gateway's SubmitFeedback in front of it).
     "TRACE_NOT_FOUND": Reason(NotFound, "no replay record for this trace id (unknown, expired, or not yet stored)"),
-    "INVALID_FEEDBACK_FIELD": Reason(InvalidInput, "a feedback field is empty or not one of its allowed values; `field` names it", ("field",)),
+    "INVALID_FEEDBACK_FIELD": Reason(
+        InvalidInput, "a feedback field is empty or not one of its allowed values; `field` names it", ("field",)),
     "INVALID_REPLAY_RECORD": Reason(InvalidInput, "a replay record without a valid trace id", ("field",)),
     "DATABASE_UNAVAILABLE": Reason(NotReady, "the feedback database is unreachable; retry after the hint"),
     "FEEDBACK_DISABLED": Reason(PreconditionFailed, "this gateway has no feedback stage configured"),
-    "INVALID_ALERT_PAYLOAD": Reason(InvalidInput, "rotation webhook: the body is not an Alertmanager v4 payload; `field` names the part", ("field",)),
-    "VARIANT_SWITCH_FAILED": Reason(NotReady, "rotation: an inference replica did not take SetVariant; the others were switched back"),
+    "INVALID_ALERT_PAYLOAD": Reason(
+        InvalidInput, "rotation webhook: the body is not an Alertmanager v4 payload; `field` names the "
+                      "part", ("field",)),
+    "VARIANT_SWITCH_FAILED": Reason(
+        NotReady, "rotation: an inference replica did not take SetVariant; the others were switched back"),
     "MISSING_ACTOR": Reason(InvalidInput, "rotation: an approval must name who approves"),
     "DECISION_NOT_FOUND": Reason(NotFound, "rotation: no decision has this id"),
-    "DECISION_NOT_PROPOSED": Reason(PreconditionFailed, "rotation: only a decision in state proposed can be approved; `outcome` says its state", ("outcome",)),
+    "DECISION_NOT_PROPOSED": Reason(
+        PreconditionFailed, "rotation: only a decision in state proposed can be approved; `outcome` says its "
+                            "state", ("outcome",)),
     # Tokenizer.
     "EMPTY_INPUT": Reason(InvalidInput, "nothing to encode"),
     "EMPTY_MESSAGES": Reason(InvalidInput, "chat input without messages"),
@@ -246,50 +280,84 @@ REASONS: dict[str, Reason] = {
     "INVALID_TOP_K": Reason(InvalidInput, "inference top_k out of range"),
     "INVALID_SEED": Reason(InvalidInput, "seed outside 0..2^63-1"),
     "INVALID_DEADLINE": Reason(InvalidInput, "inference deadline not positive"),
-    "FAULT_INJECTION_DISABLED": Reason(PermissionDenied, "the inference request's deprecated `faults` field is set: no stage serves fault injection", ("field",)),
-    "REQUEST_EXCEEDS_MEMORY_BUDGET": Reason(PreconditionFailed, "the request could never fit the stage's memory budget"),
+    "FAULT_INJECTION_DISABLED": Reason(
+        PermissionDenied, "the inference request's deprecated `faults` field is set: no stage serves fault "
+                          "injection", ("field",)),
+    "REQUEST_EXCEEDS_MEMORY_BUDGET": Reason(
+        PreconditionFailed, "the request could never fit the stage's memory budget"),
     "QUEUE_FULL": Reason(Overloaded, "the inference queue is full; retry after the hint"),
     "QUEUE_TIMEOUT": Reason(Overloaded, "the request waited too long in the queue; retry after the hint"),
     "OUT_OF_MEMORY": Reason(Overloaded, "the batch ran out of memory; retry after the hint"),
     "CIRCUIT_OPEN": Reason(NotReady, "inference's breaker is open after repeated faults; retry after the hint"),
     "WARMING_UP": Reason(NotReady, "the inference engine is loading; retry after the hint"),
     "DRAINING": Reason(NotReady, "the inference engine is draining; retry after the hint"),
-    "SHUTTING_DOWN": Reason(NotReady, "a draining stage refused a new call or cut one it could not finish; retry after the hint"),
+    "SHUTTING_DOWN": Reason(
+        NotReady, "a draining stage refused a new call or cut one it could not finish; retry after the hint"),
     "DEADLINE_EXPIRED": Reason(DeadlineExpired, "the request's deadline ran out during generation"),
     "DEADLINE_EXPIRED_IN_QUEUE": Reason(DeadlineExpired, "the request's deadline ran out while queued"),
     "NON_FINITE_LOGITS": Reason(NumericalInstability, "NaN/inf logits for this request; the same input fails again"),
-    "UNKNOWN_FAILURE_KIND": Reason(InvalidInput, "ReportFailure named a breaker kind callers may not report (only output_limit)"),
-    "VARIANT_NOT_GATED": Reason(PreconditionFailed, "SetVariant named a variant `auto` preloaded while its format's quality gate still runs (or failed, or lost to a faster format)"),
-    "UNKNOWN_VARIANT": Reason(InvalidInput, "SetVariant named a model variant this replica did not preload (GetVariant lists them)"),
+    "UNKNOWN_FAILURE_KIND": Reason(
+        InvalidInput, "ReportFailure named a breaker kind callers may not report (only output_limit)"),
+    "VARIANT_NOT_GATED": Reason(
+        PreconditionFailed, "SetVariant named a variant `auto` preloaded while its format's quality gate still runs "
+                            "(or failed, or lost to a faster format)"),
+    "UNKNOWN_VARIANT": Reason(
+        InvalidInput, "SetVariant named a model variant this replica did not preload (GetVariant lists them)"),
     "STEP_FAILED": Reason(Fatal, "a model step failed (a bug or a dead device)"),
     "SAMPLING_FAILED": Reason(Fatal, "sampling one row failed (a bug); only that row fails, its batch-mates go on"),
     "DTYPE_MISMATCH": Reason(InvalidInput, "start-up: model weights and configured dtype disagree"),
     "UNKNOWN_DTYPE": Reason(InvalidInput, "start-up: the configured dtype is unknown"),
     "UNSUPPORTED_DTYPE": Reason(InvalidInput, "start-up: the dtype is not supported on this device"),
     "KERNEL_UNAVAILABLE": Reason(InvalidInput, "start-up: the gguf format's C++ kernel cannot be built or loaded"),
-    "UNSUPPORTED_BLOCK_TYPE": Reason(InvalidInput, "start-up: the GGUF holds a block type the gguf format does not compute on"),
+    "UNSUPPORTED_BLOCK_TYPE": Reason(
+        InvalidInput, "start-up: the GGUF holds a block type the gguf format does not compute on"),
     "MODEL_NOT_FOUND": Reason(InvalidInput, "start-up: var/model is missing"),
-    "UNSUPPORTED_MODEL": Reason(InvalidInput, "start-up: var/model is not a Llama model Keel implements (config or weights)"),
+    "UNSUPPORTED_MODEL": Reason(
+        InvalidInput, "start-up: var/model is not a Llama model Keel implements (config or weights)"),
     "BUDGET_TOO_SMALL": Reason(InvalidInput, "start-up: the memory budget does not fit the model"),
     "INVALID_CONFIG": Reason(InvalidInput, "start-up: an inference config value is out of range"),
     # Inference: LoRA adapters (services/inference/lora; refusals at start are states, never request errors).
     "ADAPTER_NOT_FOUND": Reason(NotFound, "the request names an adapter this replica's registry does not have"),
-    "ADAPTER_REFUSED": Reason(PreconditionFailed, "the request names an adapter refused at start; `refusal_reason` says why", ("adapter", "refusal_reason")),
-    "BASE_FINGERPRINT_MISMATCH": Reason(PreconditionFailed, "adapter refused: made against another base (`fields` names the differing fingerprint fields)"),
-    "UNSUPPORTED_ADAPTER_CONFIG": Reason(PreconditionFailed, "adapter refused: adapter_config.json has a key or feature this build does not understand (`key`)"),
-    "INERT_ADAPTER": Reason(PreconditionFailed, "adapter refused: its weights and targets do not match the base's modules one to one"),
-    "ADAPTER_CHANGES_NOTHING": Reason(PreconditionFailed, "adapter refused: its greedy probe outputs equal the base model's"),
-    "GOLDEN_MISMATCH": Reason(PreconditionFailed, "adapter refused: greedy probe outputs differ from the golden ones made at registration"),
-    "ADAPTER_DRIFT": Reason(PreconditionFailed, "adapter refused: KL(registered || now) on the probe set is above lora.drift_threshold"),
-    "ADAPTER_RECORD_INVALID": Reason(PreconditionFailed, "adapter refused: its keel-adapter.json or files are missing, unreadable or changed since registration"),
+    "ADAPTER_REFUSED": Reason(
+        PreconditionFailed, "the request names an adapter refused at start; `refusal_reason` says "
+                            "why", ("adapter", "refusal_reason")),
+    "BASE_FINGERPRINT_MISMATCH": Reason(
+        PreconditionFailed, "adapter refused: made against another base (`fields` names the differing fingerprint "
+                            "fields)"),
+    "UNSUPPORTED_ADAPTER_CONFIG": Reason(
+        PreconditionFailed, "adapter refused: adapter_config.json has a key or feature this build does not understand "
+                            "(`key`)"),
+    "INERT_ADAPTER": Reason(
+        PreconditionFailed, "adapter refused: its weights and targets do not match the base's modules one to one"),
+    "ADAPTER_CHANGES_NOTHING": Reason(
+        PreconditionFailed, "adapter refused: its greedy probe outputs equal the base model's"),
+    "GOLDEN_MISMATCH": Reason(
+        PreconditionFailed, "adapter refused: greedy probe outputs differ from the golden ones made at registration"),
+    "ADAPTER_DRIFT": Reason(
+        PreconditionFailed, "adapter refused: KL(registered || now) on the probe set is above lora.drift_threshold"),
+    "ADAPTER_RECORD_INVALID": Reason(
+        PreconditionFailed, "adapter refused: its keel-adapter.json or files are missing, unreadable or changed since "
+                            "registration"),
     "ADAPTER_EXISTS": Reason(PreconditionFailed, "`keel lora register`: this id@version is registered already"),
-    "INVALID_ADAPTER_NAME": Reason(InvalidInput, "an adapter that is not a string, or (`keel lora`) an id or version with characters outside [A-Za-z0-9_.-]"),
+    "INVALID_ADAPTER_NAME": Reason(
+        InvalidInput, "an adapter that is not a string, or (`keel lora`) an id or version with characters outside "
+                      "[A-Za-z0-9_.-]"),
     # The OpenAI-compatible HTTP API (services/openai; docs/openai.md): refusals before any gateway call.
-    "INVALID_BODY": Reason(InvalidInput, "OpenAI API: the body is not a JSON object, is nested deeper than edge.max_json_depth, or a field is unknown, missing, NaN or of the wrong JSON type; `field` names it", ("field",)),
-    "INVALID_HEADER": Reason(InvalidInput, "OpenAI API: x-keel-deadline-ms is not one integer of 1..edge.max_deadline_ms, or content-length is not an integer; `field` names the header", ("field",)),
-    "INVALID_HTTP_REQUEST": Reason(InvalidInput, "OpenAI API: the bytes sent are not an HTTP/1.1 request (llhttp's message says where)"),
-    "HEADER_TOO_LARGE": Reason(InvalidInput, "OpenAI API (HTTP 431): the headers are over edge.max_header_bytes or edge.max_headers, or a header passed on to the gateway is over edge.max_forwarded_header_bytes; `field` names it where one header is", ("field",)),
-    "UNSUPPORTED_PARAMETER": Reason(InvalidInput, "OpenAI API: a field's value that Keel does not serve (n other than 1, several prompts, echo, max_tokens and max_completion_tokens that differ); `field` names it", ("field",)),
+    "INVALID_BODY": Reason(
+        InvalidInput, "OpenAI API: the body is not a JSON object, is nested deeper than edge.max_json_depth, or a "
+                      "field is unknown, missing, NaN or of the wrong JSON type; `field` names it", ("field",)),
+    "INVALID_HEADER": Reason(
+        InvalidInput, "OpenAI API: x-keel-deadline-ms is not one integer of 1..edge.max_deadline_ms, or "
+                      "content-length is not an integer; `field` names the header", ("field",)),
+    "INVALID_HTTP_REQUEST": Reason(
+        InvalidInput, "OpenAI API: the bytes sent are not an HTTP/1.1 request (llhttp's message says where)"),
+    "HEADER_TOO_LARGE": Reason(
+        InvalidInput, "OpenAI API (HTTP 431): the headers are over edge.max_header_bytes or edge.max_headers, or a "
+                      "header passed on to the gateway is over edge.max_forwarded_header_bytes; `field` names it "
+                      "where one header is", ("field",)),
+    "UNSUPPORTED_PARAMETER": Reason(
+        InvalidInput, "OpenAI API: a field's value that Keel does not serve (n other than 1, several prompts, echo, "
+                      "max_tokens and max_completion_tokens that differ); `field` names it", ("field",)),
     # Shared helpers (start-up and tools).
     "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
     "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),

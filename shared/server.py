@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import discovery, meshauth, metrics, notify, stagestatus, tls
-from shared.config import ConfigError, ServerConfig
+from shared.config import EXIT_CONFIG, ConfigError, ServerConfig
 from shared.interceptor import ServerInterceptor
 from shared.logging import setup_logging
 from shared.tracing import setup_tracing
@@ -54,8 +54,8 @@ def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 def freeze_heap() -> None:
     """Move every object alive now (imports, config, the model, warm-up state) out of the cyclic
     garbage collector's reach (``gc.freeze``). A full collection otherwise walks all of them and
-    stops the event loop meanwhile: in a gateway under load that was one 30-120 ms pause every
-    few seconds, more than a whole answer's budget. Frozen objects are still freed by reference
+    stops the event loop meanwhile: in a gateway under load, a pause every few seconds longer than a
+    whole answer's budget (docs/BENCHMARKS.md). Frozen objects are still freed by reference
     counting; only a cycle among them is never collected."""
     gc.collect()
     gc.freeze()
@@ -155,6 +155,6 @@ def run(stage_name: str, build: Callable[[], tuple[Stage, ServerConfig]]) -> Non
         tls.mesh_dir()  # TLS switched on without its certificates stops the stage here, not mid-start
     except ConfigError as exc:
         log.error("invalid configuration; not starting", extra={"error": str(exc)})
-        raise SystemExit(2) from exc
+        raise SystemExit(EXIT_CONFIG) from exc
     logging.getLogger().setLevel(cfg.log_level)
     asyncio.run(serve(stage, cfg, freeze=True))

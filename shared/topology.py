@@ -27,11 +27,16 @@ class Topology:
             data = {}
         self._stages: dict[str, dict] = data.get("stages") or {}
 
+    def listed(self, stage: str, key: str) -> list[int]:
+        """One of the stage's port lists, one port per replica: "ports", "metrics_ports" or
+        "webhook_ports" (the feedback stage's rotation webhook)."""
+        return list(self._stages.get(stage, {}).get(key, ()))
+
     def ports(self, stage: str) -> list[int]:
-        return list(self._stages.get(stage, {}).get("ports", ()))
+        return self.listed(stage, "ports")
 
     def metrics_ports(self, stage: str) -> list[int]:
-        return list(self._stages.get(stage, {}).get("metrics_ports", ()))
+        return self.listed(stage, "metrics_ports")
 
     def targets(self, stage: str) -> list[str]:
         """The loopback addresses of `stage`'s replicas, in order."""

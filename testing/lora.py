@@ -48,6 +48,7 @@ def peft_logits(base: torch.nn.Module, adapter_dir: Path, ids: list[int]) -> tor
     """PEFT's unmerged forward over transformers' own Llama with `base`'s weights (the reference):
     float32 logits [len(ids), V]."""
     from peft import PeftModel
+
     from testing.tiny import hf_twin
     with tempfile.TemporaryDirectory() as tmp:
         model = PeftModel.from_pretrained(hf_twin(base, Path(tmp)), str(adapter_dir)).eval()
@@ -70,15 +71,16 @@ _TOKENIZER = None
 
 def base_of(model: torch.nn.Module, weights_sha256: str = "tiny-seed-0", fmt: str = "float32", runner=None):
     """A registry Base for an in-memory model: its calibrated runner, fingerprint fields, the probe set."""
-    from services.inference.model.forward import LlamaRunner
     from services.inference.lora import fingerprint
     from services.inference.lora.probes import load_probe_set
     from services.inference.lora.registry import Base
+    from services.inference.model.forward import LlamaRunner
     if runner is None:
         runner = LlamaRunner(model)
         runner.calibrate_invariant_sizes(16)
     tok = tokenizer()
-    fields = fingerprint.base_fields(weights_sha256, dataclasses.asdict(model.config), fingerprint.tokenizer_hashes(tok), fmt)
+    config = dataclasses.asdict(model.config)
+    fields = fingerprint.base_fields(weights_sha256, config, fingerprint.tokenizer_hashes(tok), fmt)
     return Base(runner, fields, load_probe_set(tok))
 
 

@@ -19,7 +19,6 @@ from shared.config import ROOT_DIR as ROOT
 from testing.ports import free_port
 
 
-
 class Mesh:
     def __init__(self, tmp: Path, ports: dict[str, list[int]], redis_port: int, proc: subprocess.Popen):
         self.tmp, self.ports, self.redis_port, self.proc = tmp, ports, redis_port, proc
@@ -53,7 +52,8 @@ def _metrics_port(workers: int) -> int:
 
 
 def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
-             validator_replicas: int = 1, extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
+             validator_replicas: int = 1,
+             extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
     """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
     ports = {"validator": [free_port() for _ in range(validator_replicas)],
              "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
@@ -67,11 +67,10 @@ def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int 
                              "workers": workers[s]} for s, p in ports.items()},
               "restart": {"initial_backoff_s": 0.2, "max_backoff_s": 5, "stable_after_s": 30},
               "ready_timeout_s": 300, "metrics_port": free_port()}
+    layout["stages"]["feedback"]["webhook_ports"] = [free_port()]  # the rotation webhook
     (tmp / "keel.json").write_text(json.dumps(layout))  # JSON is YAML
     env = dict(os.environ, KEEL_KEEL_CONFIG=str(tmp / "keel.json"), KEEL_VAR_DIR=str(tmp / "var"),
                KEEL_TRACES_DIR=str(tmp / "traces"), KEEL_VALIDATOR_QUARANTINE__SPILL_PATH=str(tmp / "spill.jsonl"),
-               # the feedback stage's rotation webhook, off the default port other meshes may hold
-               KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT=str(free_port()),
                # every mesh has a fresh var/: gating the auto candidates in the background would take
                # each one's cores for ~100 s, so the meshes serve what auto picks without stored
                # results (float32); tests/inference/test_gate_at_start.py tests the gate
@@ -90,10 +89,12 @@ def start_mesh(tmp: Path, **kwargs) -> Mesh:
     mesh = Mesh(tmp, ports, redis_port, proc)
     mesh.layout = layout
     try:
-        mesh.wait_serving()
+        mesh.wait_serving()  # returns at once when `keel up` exits (a stage's invalid configuration)
     except TimeoutError:
         stop_mesh(mesh)
-        raise AssertionError("mesh did not come up:\n" + (tmp / "keel-up.out").read_text()[-4000:])
+        out = (tmp / "keel-up.out").read_text()
+        failed = [line for line in out.splitlines() if line.startswith("keel up failed: ")]
+        raise AssertionError("mesh did not come up" + (f": {failed[-1]}" if failed else "") + "\n" + out[-4000:])
     return mesh
 
 

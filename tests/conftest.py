@@ -1,10 +1,21 @@
-"""Fixtures shared by every test folder: protobuf request builders (free ports: testing/ports.py)."""
+"""Fixtures shared by every test folder: protobuf request builders (free ports: testing/ports.py);
+every test under tests/e2e is marked `e2e` (`make test-fast` leaves them out)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
+
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if E2E_DIR in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture

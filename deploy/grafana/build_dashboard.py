@@ -90,7 +90,8 @@ ROWS: list[tuple[str, list[dict]]] = [
         ts("Predicted memory vs budget", [
             ("keel_inference_predicted_memory_bytes", "predicted {{instance}}"),
             ("keel_inference_memory_budget_bytes", "budget {{instance}}"),
-            ("keel_inference_observed_peak_memory_bytes", "observed peak {{instance}} (engine.memory_audit)")], "bytes"),
+            ("keel_inference_observed_peak_memory_bytes", "observed peak {{instance}} "
+                                                          "(engine.memory_audit)")], "bytes"),
         ts("Breaker level by error type", [("max by (error_type) (keel_inference_breaker_level)", "{{error_type}}")],
            "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
         ts("Prefix cache hit rate by replica", [(
@@ -99,7 +100,8 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("keel_inference_prefix_cache_hit_rate", "since start {{instance}}")],
            "percentunit", "Prompt tokens served from the prefix cache over prompt tokens looked up, per replica "
            "(the rotation rules read the since-start gauge)."),
-        stat("LoRA adapters refused", [('count by (adapter, version, reason) (keel_inference_adapter_state{state="refused"})',
+        stat("LoRA adapters refused", [('count by (adapter, version, reason) '
+                                        '(keel_inference_adapter_state{state="refused"})',
                                         "{{adapter}}@{{version}} {{reason}}")], "none",
              "Adapter versions a replica refused at start, by reason (keel lora list says more)."),
         ts("Requests/s and tokens/s by adapter", [

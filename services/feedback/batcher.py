@@ -2,15 +2,16 @@
 
 Each call puts its item on a bounded queue and waits for its own result. One task takes what is
 queued (up to ``max_batch`` items) and writes it with ``write`` (services/feedback/upsert.py:
-what would block runs in a worker thread), one transaction and one commit for the lot; while that commit runs, new items gather for the next one. Under load
-a commit serves many calls; a lone item on an idle stage is written at once (there is no timer to
-wait for). A call is answered only after the transaction that holds its item committed, so a
-reply means the row is in the database; when the write fails, every call of the batch gets the
-error (the database down: NotReady with a retry hint) and nothing of it is counted as written.
-A full queue makes new calls wait for room (their deadlines bound the wait), so memory stays
-bounded however many clients send at once. A call cancelled while queued (its client gave up) is
-left out of the batch: it was never answered, and a client that sends it again updates nothing
-twice because a feedback_id is written once however often it is sent.
+what would block runs in a worker thread), one transaction and one commit for the lot; while that
+commit runs, new items gather for the next one. Under load a commit serves many calls; a lone item
+on an idle stage is written at once (there is no timer to wait for). A call is answered only after
+the transaction that holds its item committed, so a reply means the row is in the database; when
+the write fails, every call of the batch gets the error (the database down: NotReady with a retry
+hint) and nothing of it is counted as written. A full queue makes new calls wait for room (their
+deadlines bound the wait), so memory stays bounded however many clients send at once. A call
+cancelled while queued (its client gave up) is left out of the batch: it was never answered, and a
+client that sends it again updates nothing twice because a feedback_id is written once however
+often it is sent.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shared import config
 from shared.config import ROOT_DIR, VAR_DIR, ServerConfig
+
 ERROR_TYPES = ("fact_error", "logic_error", "format_error", "irrelevant")
 SEVERITIES = ("minor", "moderate", "severe")
 
@@ -84,8 +85,9 @@ class RotationConfig:
     # apply: act at once. Every decision is recorded either way (docs/rotation.md).
     mode: str = Mode.PROPOSE  # the schema allows exactly Mode's values
     # Alertmanager's webhook receiver (HTTP, Authorization: Bearer <mesh token>); port 0 = off.
+    # The port: config/keel.yaml's `webhook_ports` unless set.
     webhook_host: str = "127.0.0.1"
-    webhook_port: int = 9107
+    webhook_port: int = 0
     # The inference replicas a variant switch goes to (every one, or none: never half of them);
     # config/keel.yaml's unless set.
     inference: tuple[str, ...] = ()

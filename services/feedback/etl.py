@@ -29,7 +29,7 @@ import numpy as np
 
 from services.feedback import config as fb_config
 from services.feedback.store import Store, now_ms, open_store
-from services.validator.quarantine_cli import parse_duration
+from shared.durations import parse_duration
 from shared.progress import Progress
 
 FORMAT = "keel-feedback-sft/1"
@@ -105,8 +105,9 @@ def write(out: Path, examples: list[dict], skipped: dict[str, int], cfg: fb_conf
         "ids_sha256": np.str_(hashlib.sha256(ordered_ids.encode()).hexdigest())})
     digests = {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
     manifest = {"format": FORMAT, "dataset_version": hashlib.sha256(_dumps(digests).encode()).hexdigest(),
-                "files": digests, "counts": {"examples": len(examples), "train": len(splits["train"]),
-                                             "val": len(splits["val"]), **{f"skipped_{k}": v for k, v in skipped.items()}},
+                "files": digests,
+                "counts": {"examples": len(examples), "train": len(splits["train"]), "val": len(splits["val"]),
+                           **{f"skipped_{k}": v for k, v in skipped.items()}},
                 "selection": {"severities": list(cfg.severities), "error_types": list(cfg.error_types)},
                 "split": {"key": "sha256 of prompt token ids", "val_percent": cfg.val_percent, "seed": cfg.seed,
                           "numpy_version": np.__version__}}

@@ -156,10 +156,10 @@ class Feedback:
         def bad(field: str, message: str) -> errors.InvalidInput:
             return errors.InvalidInput(f"{field}: {message}", reason="INVALID_FEEDBACK_FIELD",
                                        metadata={"field": field})
-        for field, values in (("feedback_id", (self.feedback_id,)), ("trace_id", (self.trace_id,)),
-                              ("expected_keywords", self.expected_keywords), ("comment", (self.comment,))):
+        for name, values in (("feedback_id", (self.feedback_id,)), ("trace_id", (self.trace_id,)),
+                             ("expected_keywords", self.expected_keywords), ("comment", (self.comment,))):
             if any("\x00" in v for v in values):  # PostgreSQL's text cannot hold it
-                raise bad(field, "must not contain NUL characters (U+0000)")
+                raise bad(name, "must not contain NUL characters (U+0000)")
         if not self.feedback_id.strip():
             raise bad("feedback_id", "must not be empty (choose one per feedback item; resending it updates)")
         if len(self.feedback_id) > MAX_FEEDBACK_ID:

@@ -93,7 +93,8 @@ class FeedbackServicer(feedback_pb2_grpc.FeedbackServicer):
         try:
             async for items, results in self.core.submits.answer_stream(batches()):
                 spans.popleft().end()
-                yield feedback_pb2.SubmitStreamResponse(results=[result_to_proto(fb, r) for fb, r in zip(items, results)])
+                yield feedback_pb2.SubmitStreamResponse(
+                    results=[result_to_proto(fb, r) for fb, r in zip(items, results)])
         finally:
             for span in spans:  # taken, never answered
                 span.end()

@@ -10,7 +10,7 @@ and back. Here the store holds one connection outside the pool and sends:
   exist, and upserts, per feedback_id, the batch's last item among those whose trace is known.
   Every part of one statement reads the same snapshot, so the lookups see the table as it was
   before the upsert.
-- SQLite: BEGIN IMMEDIATE, one lookup, the upsert, COMMIT: ~0.1 ms of in-process work, done on
+- SQLite: BEGIN IMMEDIATE, one lookup, the upsert, COMMIT: short in-process work, done on
   the event loop when it cannot wait, else in a worker thread (``SqliteUpsert``). Nothing on this
   connection waits on the disk: SQLite in WAL mode with ``synchronous=NORMAL`` syncs only at
   checkpoints, and this connection's commits never checkpoint; ``Store.checkpoint`` runs one from

@@ -19,8 +19,8 @@ import sqlalchemy as sa
 
 from services.feedback.records import dumps
 from services.feedback.store import Store
-from shared.spill import SpillLog, SpillReplayer
 from shared import errors
+from shared.spill import SpillLog, SpillReplayer
 
 log = logging.getLogger("keel.feedback")
 

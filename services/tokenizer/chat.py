@@ -2,8 +2,8 @@
 
 Same sandboxed environment (trim_blocks, lstrip_blocks, loopcontrols), same ``tojson`` filter and
 ``raise_exception``/``strftime_now`` globals, same variables (messages as role/content dicts,
-add_generation_prompt, the special token strings), so the rendered text is identical. jinja2 costs
-~30 ms to import, so this module is imported by ``Tokenizer.warmup``, not at open.
+add_generation_prompt, the special token strings), so the rendered text is identical. jinja2 is
+slow to import, so this module is imported by ``Tokenizer.warmup``, not at open.
 """
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ def _parse(argv: list[str], prog: str, description: str, extra: Callable | None 
 def _open(compiled: Path | None) -> Tokenizer | None:
     try:
         if compiled is None:
-            from shared.modelfile import gguf_path
             from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab
+            from shared.modelfile import gguf_path
             compiled = compile_vocab(gguf_path(), DEFAULT_OUTPUT)
         tokenizer = Tokenizer.open(compiled)
         tokenizer.self_check()

@@ -3,8 +3,9 @@
 Run: python -m services.tokenizer.compiler [--gguf PATH] [--out var/vocab.kvoc]
 
 Idempotent: an existing output built from the same GGUF (same size and mtime, or else the same
-SHA-256) by the same builder (format version, this compiler's code, `regex` version) is kept as it is. The slow parts (GGUF
-parse ~2 s, Unicode scan ~1 s, verifying every token ~1 s) run only when something changed.
+SHA-256) by the same builder (format version, this compiler's code, `regex` version) is kept as it
+is. The slow parts (parsing the GGUF, the Unicode scan, verifying every token) run only when
+something changed.
 
 The self-check probes stored in the file are computed here by a deliberately naive, dictionary-based
 BPE, so ``Tokenizer.self_check`` compares the fast runtime against an independent implementation.

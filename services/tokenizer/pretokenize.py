@@ -8,7 +8,7 @@ at the end of a segment, so ``\\s+(?!\\S)`` becomes ``\\s+(?![^\\s\\p{N}])``.
 
 ``\\p{L}``/``\\p{N}`` in the `regex` module follow a newer Unicode than the reference. The
 compiler (``unicode_pin.pinned_patterns``) lists the code points where the two disagree
-(``rare_class``) and builds an exact pattern with set operations (``exact_pattern``, ~2x slower).
+(``rare_class``) and builds an exact pattern with set operations (``exact_pattern``, slower).
 At run time the fast pattern is used, and a text falls back to the exact one only when one of its
 uncached pieces holds such a code point (``BpeEngine`` never caches those pieces, so every text
 that has one is checked).

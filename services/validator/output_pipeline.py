@@ -19,8 +19,7 @@ from typing import Any
 import yaml
 
 from services.validator.domains import DomainConfig, domains_from_dict
-from services.validator.plugins import (OutputContext, OutputValidator, PluginSpec, TextProcessor,
-                                        Verdict, build_plugin)
+from services.validator.plugins import OutputContext, OutputValidator, PluginSpec, TextProcessor, Verdict, build_plugin
 from services.validator.probes import Probes
 from services.validator.records import QuarantineRecord
 from shared.errors import Fatal, InvalidInput

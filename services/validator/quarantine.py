@@ -26,8 +26,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.validator.records import QuarantineRecord
-from shared.spill import SpillEntry, SpillLog, SpillReplayer, claim_slot, slot_path
 from shared.errors import PreconditionFailed
+from shared.spill import SpillEntry, SpillLog, SpillReplayer, claim_slot, slot_path
 
 log = logging.getLogger(__name__)
 

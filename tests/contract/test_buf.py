@@ -140,8 +140,9 @@ def test_an_internal_change_in_place_fails_but_a_version_bump_passes(tmp_path):
     v1 = bumped / "keel/tokenizer/v1/tokenizer.proto"
     v2 = bumped / "keel/tokenizer/v2/tokenizer.proto"
     v2.parent.mkdir(parents=True)
-    v2.write_text(v1.read_text().replace("keel.tokenizer.v1", "keel.tokenizer.v2").replace("tokenizer/v1", "tokenizer/v2")
-                  .replace("Tokenizer.V1", "Tokenizer.V2").replace("tokenizerv1", "tokenizerv2")
+    v2.write_text(v1.read_text().replace("keel.tokenizer.v1", "keel.tokenizer.v2")
+                  .replace("tokenizer/v1", "tokenizer/v2").replace("Tokenizer.V1", "Tokenizer.V2")
+                  .replace("tokenizerv1", "tokenizerv2")
                   .replace("bool skip_special_tokens = 2;", "bool keep_special_tokens = 2;"))
     v1.unlink()
     found = _breaking_between(old, bumped)
@@ -158,5 +159,6 @@ def test_deleting_a_public_file_fails_even_with_a_newer_version(tmp_path, path):
     target.unlink()
     if path.startswith("keel/common/"):  # the gateway imports common: point it at v2
         gw = new / "keel/gateway/v1/gateway.proto"
-        gw.write_text(gw.read_text().replace("keel/common/v1/", "keel/common/v2/").replace("keel.common.v1.", "keel.common.v2."))
+        gw.write_text(gw.read_text().replace("keel/common/v1/", "keel/common/v2/")
+                      .replace("keel.common.v1.", "keel.common.v2."))
     assert _breaking_between(old, new)

@@ -13,7 +13,8 @@ REFUSED = {"drifted": "base_fingerprint differs: weights"}
 
 
 class AdapterGateway(Scripted):
-    """Answers with the adapter's newest version, NOT_FOUND for an unknown one, FAILED_PRECONDITION for a refused one."""
+    """Answers with the adapter's newest version, NOT_FOUND for an unknown one, FAILED_PRECONDITION
+    for a refused one."""
 
     def __init__(self):
         super().__init__([])

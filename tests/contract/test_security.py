@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BANDIT = Path(sys.executable).with_name("bandit")
-SCANNED = [d for d in ("services", "shared", "keelctl", "deploy", "bench", "clients", "training") if (ROOT / d).is_dir()]
+SCANNED = [d for d in ("services", "shared", "keelctl", "deploy", "bench", "clients", "training")
+           if (ROOT / d).is_dir()]
 
 
 def _bandit(*targets: str, cwd: Path = ROOT) -> list[dict]:
@@ -19,6 +22,7 @@ def _bandit(*targets: str, cwd: Path = ROOT) -> list[dict]:
     return json.loads(out.stdout)["results"]
 
 
+@pytest.mark.slow
 def test_no_medium_or_high_findings():
     found = _bandit(*SCANNED)
     assert not found, "\n".join(f"{r['filename']}:{r['line_number']} {r['test_id']} {r['issue_text']}" for r in found)

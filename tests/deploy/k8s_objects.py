@@ -17,6 +17,7 @@ TOPOLOGY = Topology(ROOT / "config" / "keel.yaml")
 # the manifests must state the same ports
 STAGES = {stage: (TOPOLOGY.ports(stage)[0], TOPOLOGY.metrics_ports(stage)[0], SERVICE_NAMES[stage])
           for stage in ("gateway", "tokenizer", "inference", "validator", "feedback")}
+WEBHOOK_PORT = TOPOLOGY.listed("feedback", "webhook_ports")[0]  # the feedback stage's rotation webhook
 
 
 def kustomize(path: Path) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.k8s_objects import OVERLAYS, container, one
+from tests.deploy.k8s_objects import OVERLAYS, WEBHOOK_PORT, container, one
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
@@ -48,7 +48,7 @@ def test_only_alerts_naming_an_action_reach_the_webhook(labels, receiver):
 def test_the_webhook_gets_resolved_alerts_with_the_mesh_token():
     cfg = yaml.safe_load(CONFIG.read_text())
     hook = next(r for r in cfg["receivers"] if r["name"] == "keel-rotation")["webhook_configs"]
-    assert hook == [{"url": "http://feedback:9107/rotation/alerts", "send_resolved": True,
+    assert hook == [{"url": f"http://feedback:{WEBHOOK_PORT}/rotation/alerts", "send_resolved": True,
                      "http_config": {"authorization": {"type": "Bearer", "credentials_file": TOKEN_FILE}}}]
     assert next(r for r in cfg["route"]["routes"] if r["receiver"] == "keel-rotation")["group_by"] == ["..."]
 
@@ -60,7 +60,7 @@ def test_compose_runs_it_with_the_token_and_prometheus_sends_to_it():
     assert compose["secrets"]["mesh_token"] == {"environment": "KEEL_MESH_TOKEN"}  # mounted at TOKEN_FILE
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
-    assert "9107" in compose["services"]["feedback"]["expose"]
+    assert str(WEBHOOK_PORT) in compose["services"]["feedback"]["expose"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -89,7 +89,7 @@ def test_the_feedback_pod_proposes_only_and_listens_where_alertmanager_posts(ren
     cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
     rotation = effective_config("feedback", one(objs, "ConfigMap", cm_name)["data"]["feedback.yaml"], env)["rotation"]
     assert rotation["mode"] == "propose"   # nothing is applied until someone approves it
-    assert (rotation["webhook_host"], rotation["webhook_port"]) == ("0.0.0.0", 9107)
+    assert (rotation["webhook_host"], rotation["webhook_port"]) == ("0.0.0.0", WEBHOOK_PORT)
     url = yaml.safe_load(CONFIG.read_text())["receivers"][1]["webhook_configs"][0]["url"]
     assert url == f"http://{dep['metadata']['name']}:{rotation['webhook_port']}/rotation/alerts"
     host, port = rotation["inference"][0].split(":")

@@ -144,7 +144,8 @@ def test_every_image_is_pinned():
 
 def run_compose(*args: str, token: str | None = "test-token", redis_password: str | None = "test-redis-pw",
                 proxy_token: str | None = "test-proxy-token", quiet: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("KEEL_MESH_TOKEN", "KEEL_REDIS_PASSWORD", "KEEL_PROXY_TOKEN")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KEEL_MESH_TOKEN", "KEEL_REDIS_PASSWORD", "KEEL_PROXY_TOKEN")}
     for name, value in (("KEEL_MESH_TOKEN", token), ("KEEL_REDIS_PASSWORD", redis_password),
                         ("KEEL_PROXY_TOKEN", proxy_token)):
         if value is not None:
@@ -169,7 +170,8 @@ def test_compose_refuses_to_start_without_a_proxy_token_and_only_the_gateway_and
     assert done.returncode != 0 and "KEEL_PROXY_TOKEN" in done.stderr
     done = run_compose(quiet=False)
     services = yaml.safe_load(done.stdout)["services"]
-    assert sorted(n for n, svc in services.items() if "test-proxy-token" in yaml.safe_dump(svc)) == ["gateway", "openai"]
+    holders = sorted(n for n, svc in services.items() if "test-proxy-token" in yaml.safe_dump(svc))
+    assert holders == ["gateway", "openai"]
 
 
 def test_compose_refuses_to_start_without_a_redis_password():

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from shared.metrics import SPECS
-from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, container, find, one
+from tests.deploy.k8s_objects import K8S, OVERLAYS, ROOT, STAGES, WEBHOOK_PORT, container, find, one
 
 K8S_VERSIONS = ("1.30.0", "1.37.0")  # the grpc probe is GA since 1.27, autoscaling/v2 since 1.23
 EXACT_TAG = re.compile(r":v?\d+\.\d+\.\d+([-.][\w.-]+)?$|@sha256:[0-9a-f]{64}$")
@@ -54,7 +54,7 @@ def test_each_stage_has_deployment_service_hpa_and_pdb(rendered, overlay):
 def test_probes_are_native_grpc_on_the_honest_health(rendered, overlay, stage):
     port, mport, service = STAGES[stage]
     c = container(one(rendered[overlay], "Deployment", stage))
-    webhook = {"webhook": 9107} if stage == "feedback" else {}  # the rotation webhook (docs/rotation.md)
+    webhook = {"webhook": WEBHOOK_PORT} if stage == "feedback" else {}  # the rotation webhook (docs/rotation.md)
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": port, "metrics": mport, **webhook}
     assert c["readinessProbe"]["grpc"] == {"port": port, "service": service}
     assert c["startupProbe"]["grpc"] == {"port": port, "service": service}
@@ -238,6 +238,7 @@ def test_prometheus_adapter_serves_the_metric_the_hpa_asks_for():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_rendered_configmap_is_config_itself(rendered, overlay):
     """One source of truth: the ConfigMap holds the repository's config files byte for byte."""
-    (cm,) = [o for o in rendered[overlay] if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("keel-config-")]
+    (cm,) = [o for o in rendered[overlay]
+             if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("keel-config-")]
     assert cm["data"] == {f"{s}.yaml": (ROOT / "config" / f"{s}.yaml").read_text() for s in (*STAGES, "openai")}
     assert cm["metadata"]["namespace"] == "keel"

@@ -4,15 +4,14 @@ passes the stage's own schema with the stage's own env-override rules (shared/co
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 
 import pytest
 import yaml
 
 from shared import config as keel_config
-from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, find, one
 from tests.deploy.dockerfiles import section
+from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, find, one
 
 # --- NetworkPolicy evaluation --------------------------------------------------------------------
 

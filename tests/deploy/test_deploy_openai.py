@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.deploy.dockerfiles import section
 from services.openai import config as openai_config
+from tests.deploy.dockerfiles import section
 from tests.deploy.k8s_objects import OVERLAYS, ROOT, STAGES, TOPOLOGY, container, one
 from tests.deploy.test_deploy_containers import compose
-from tests.deploy.test_deploy_k8s_policy import SECRET_SAMPLES, EXTERNAL, allowed, effective_config, image_env, pod
+from tests.deploy.test_deploy_k8s_policy import EXTERNAL, SECRET_SAMPLES, allowed, effective_config, image_env, pod
 
 PORT = TOPOLOGY.ports("openai")[0]
 
@@ -34,7 +34,8 @@ def test_compose_publishes_8080_in_front_of_the_gateway():
     assert "KEEL_MESH_TOKEN" not in svc["environment"] and "KEEL_PROXY_TOKEN" in svc["environment"]
     assert sorted(svc["networks"]) == ["edge", "mesh"]
     assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
-    assert svc["healthcheck"]["test"] == ["CMD", "python", "/app/healthcheck.py", "--port", str(PORT), "--http", "/health"]
+    assert svc["healthcheck"]["test"] == ["CMD", "python", "/app/healthcheck.py", "--port", str(PORT),
+                                          "--http", "/health"]
     assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"] and "./config:/app/config:ro" in svc["volumes"]
 
 
@@ -69,7 +70,8 @@ def test_the_network_policy_opens_the_http_port_to_clients_and_it_reaches_the_ga
 def test_the_pod_config_passes_the_schema(rendered, overlay):
     objs = rendered[overlay]
     dep = one(objs, "Deployment", "openai")
-    env = {**image_env("openai"), **{e["name"]: e.get("value", SECRET_SAMPLES.get(e["name"])) for e in container(dep)["env"]}}
+    env = {**image_env("openai"),
+           **{e["name"]: e.get("value", SECRET_SAMPLES.get(e["name"])) for e in container(dep)["env"]}}
     cm_name = next(v["configMap"]["name"] for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
     data = effective_config("openai", one(objs, "ConfigMap", cm_name)["data"]["openai.yaml"], env)
     assert data["server"]["host"] == "0.0.0.0" and data["server"]["port"] == PORT

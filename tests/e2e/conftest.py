@@ -16,7 +16,8 @@ SERVICES = SERVICE_NAMES
 
 # A second API key with a rate limit of one request (tests/e2e/test_openai.py: a 429 and its hint).
 THROTTLED_API_KEY = "keel-throttled-key"
-THROTTLED_KEY_HASH = "sha256$c565d56ff980c45d41de6274d3d1005f$506ebf445294c95f80fe59126355dedbc1830f7424fb62dac5557209e26cf4e8"
+THROTTLED_KEY_HASH = ("sha256$c565d56ff980c45d41de6274d3d1005f$"
+                      "506ebf445294c95f80fe59126355dedbc1830f7424fb62dac5557209e26cf4e8")
 
 
 def throttled_key_env() -> dict[str, str]:

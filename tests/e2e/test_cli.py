@@ -72,6 +72,7 @@ def test_injected_prompt_is_rejected_and_quarantined(mesh):
 def test_up_detach_status_down(tmp_path):
     """`keel up --detach` returns once every stage is SERVING; `keel down` stops the whole tree."""
     import psutil
+
     from testing.mesh import mesh_env
 
     _, ports, _, env = mesh_env(tmp_path, tokenizer_workers=1)

@@ -33,7 +33,8 @@ def test_a_callers_trace_is_joined_and_its_id_comes_in_the_initial_metadata(mesh
     assert initial[TRACE_ID_KEY] == CALLER_TRACE == trailers[TRACE_ID_KEY] == items[-1].done.trace_id
     # The gateway's root span ends after the stream does, so it can reach the exporter last.
     spans = wait_until(lambda: (s := mesh.spans(CALLER_TRACE)) and {"tokenizer", "inference", "validator"}
-                       <= {x["service"] for x in s} and _root(s) and s, 30, "spans of every stage in the caller's trace")
+                       <= {x["service"] for x in s} and _root(s) and s, 30, "spans of every stage in the caller's "
+                                                                            "trace")
     assert _root(spans)["parent_id"] == CALLER_SPAN
 
 

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from keel.common.v1 import common_pb2
-from tests.e2e.conftest import error_info
 from testing.mesh import wait_until
+from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
 from tests.e2e.test_feedback import store
 

@@ -15,8 +15,8 @@ from services.feedback.store import open_store
 from services.tokenizer import config as tokenizer_config
 from services.tokenizer.core import Tokenizer
 from shared.config import ROOT_DIR
-from tests.e2e.conftest import error_info
 from testing.mesh import wait_until
+from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -67,7 +67,8 @@ def test_submit_feedback_through_the_gateway(mesh, api_md, answered):
                                        timeout=30).created
         for bad, code, reason in (
                 (item("0" * 32), grpc.StatusCode.NOT_FOUND, "TRACE_NOT_FOUND"),
-                (item(answered.trace_id, error_type="typo"), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FEEDBACK_FIELD"),
+                (item(answered.trace_id, error_type="typo"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "INVALID_FEEDBACK_FIELD"),
                 (item(answered.trace_id, feedback_id=""), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FEEDBACK_FIELD")):
             with pytest.raises(grpc.RpcError) as exc:
                 stub.SubmitFeedback(bad, metadata=api_md, timeout=30)

@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from keelctl.ask import DEV_API_KEY, build_request
-from tests.e2e.conftest import error_info
 from testing.mesh import ROOT, start_mesh, stop_mesh, wait_until
+from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
 from tests.e2e.test_feedback import store
 from tests.e2e.test_observability import scrape
@@ -202,6 +202,7 @@ def test_the_http_api_lists_accepted_adapters_and_refuses_a_refused_one_with_409
     """The OpenAI-compatible front of the same mesh: /v1/models names each accepted adapter as
     id@version (none refused), and a refused one is HTTP 409 with Keel's reason as the error code."""
     import openai
+
     from tests.e2e.test_openai import client
 
     http = client(lora_mesh)

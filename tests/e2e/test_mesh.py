@@ -7,15 +7,14 @@ import sys
 
 import grpc
 import pytest
-
 import redis
 
 from keel.gateway.v1 import gateway_pb2
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.validator.records import QuarantineRecord
 from shared.clip import TRUNCATED
-from tests.e2e.conftest import error_info
 from testing.mesh import ROOT
+from tests.e2e.conftest import error_info
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

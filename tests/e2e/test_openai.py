@@ -16,8 +16,8 @@ from openai import OpenAI
 
 from keelctl.ask import DEV_API_KEY
 from shared.modelfile import MODEL_ID
-from tests.e2e.conftest import THROTTLED_API_KEY
 from testing.mesh import wait_until
+from tests.e2e.conftest import THROTTLED_API_KEY
 from tests.e2e.test_cancel import value
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

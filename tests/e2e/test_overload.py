@@ -18,8 +18,8 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY
-from tests.e2e.conftest import error_info
 from testing.mesh import start_mesh, stop_mesh, wait_until
+from tests.e2e.conftest import error_info
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -70,8 +70,8 @@ def test_a_stage_that_cannot_start_backs_off_and_is_back_at_once_after_it_serves
     first = kill_while_serving(rule_mesh, name)
     assert first["served"] and first["backoff_s"] == INITIAL_S
     before = len(exits(rule_mesh, name))
-    loop = wait_until(lambda: exits(rule_mesh, name)[before:][:4] if len(exits(rule_mesh, name)) >= before + 4 else None,
-                      120, "four failed starts")
+    loop = wait_until(lambda: exits(rule_mesh, name)[before:][:4] if len(exits(rule_mesh, name)) >= before + 4
+                      else None, 120, "four failed starts")
     cfg.write_text(good)
     assert [(r["served"], r["exit_code"]) for r in loop] == [(False, 2)] * 4
     assert [r["backoff_s"] for r in loop] == [2 * INITIAL_S, 4 * INITIAL_S, 8 * INITIAL_S, 16 * INITIAL_S]

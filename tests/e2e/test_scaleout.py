@@ -161,7 +161,8 @@ def test_no_request_is_lost_while_replicas_are_killed(run):
              if r["msg"] in ("replica not serving", "replica unreachable")}
     for name, endpoint in run["endpoints"].items():
         assert any(e == endpoint and ts > run["killed_at"][name] for e, ts in downs), f"{name} never seen down"
-    lost = [f"{r.code().name} {r.details()}" for r in everything(run) if not isinstance(r, gateway_pb2.GenerateResponse)]
+    lost = [f"{r.code().name} {r.details()}" for r in everything(run)
+            if not isinstance(r, gateway_pb2.GenerateResponse)]
     assert not lost, f"{len(lost)}/{len(everything(run))} requests lost: {lost}"
     assert all(r.usage.completion_tokens > 0 and r.text for r in everything(run))
 

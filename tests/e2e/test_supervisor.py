@@ -12,8 +12,8 @@ import pytest
 from keelctl import health
 from shared import errors
 from shared.modelfile import MODEL_ID
-from tests.e2e.conftest import SERVICES
 from testing.mesh import start_mesh, stop_mesh, wait_until
+from tests.e2e.conftest import SERVICES
 from tests.e2e.test_openai import ASK, client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

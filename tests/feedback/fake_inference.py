@@ -45,7 +45,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListAdaptersResponse(adapters=[
             inference_pb2.AdapterState(id=a, version=v, state="accepted", slot=i + 1)
             for i, (a, v) in enumerate(self.adapters)] + [
-            inference_pb2.AdapterState(id="refused-one", version="1", state="refused", reason="BASE_FINGERPRINT_MISMATCH")])
+            inference_pb2.AdapterState(id="refused-one", version="1", state="refused",
+                                       reason="BASE_FINGERPRINT_MISMATCH")])
 
     def set_variant_calls(self) -> list[str]:
         return [v for m, v, _ in self.calls if m == "SetVariant"]

@@ -10,8 +10,8 @@ from services.feedback.config import EtlConfig
 from services.feedback.etl import in_val, run
 from services.feedback.records import Feedback, stored_body
 from services.feedback.store import open_store
-from tests.feedback.records import upsert
 from testing.records import record
+from tests.feedback.records import upsert
 
 
 def fill(store, n: int, start: int = 0, *, store_prompts: bool = True) -> None:

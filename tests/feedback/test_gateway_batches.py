@@ -22,9 +22,11 @@ from keelctl import health
 from keelctl.ask import DEV_API_KEY
 from services.feedback.store import open_store
 from shared import client, errors
-from testing.ports import free_port
 from testing.mesh import wait_until
+from testing.ports import free_port
 from tests.feedback.test_stage import replay_record
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gateway-batch-token"
@@ -49,8 +51,9 @@ class Pair:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, stage: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], cwd=ROOT, env=self.env,
-                                stdout=open(self.tmp / f"{stage}-{len(self.procs)}.log", "wb"), stderr=subprocess.STDOUT)
+        log = open(self.tmp / f"{stage}-{len(self.procs)}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{stage}"], cwd=ROOT, env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT)
         self.procs.append(proc)
         target = self.feedback if stage == "feedback" else self.gateway
         health.wait_serving({stage: (target, f"keel.{stage}.v1.{stage.capitalize()}")}, 60, lambda: proc.poll() is None)
@@ -127,7 +130,8 @@ def test_concurrent_calls_share_batches_and_each_gets_its_own_status_and_reason(
     assert sum(s["attributes"]["items"] for s in batches) == 60
     assert len(batches) < 60                                          # in fewer messages than items
     # The feedback stage's span of each batch is a child of the gateway's, in the same trace.
-    received = {(s["trace_id"], s["parent_id"]): s["attributes"]["items"] for s in p.spans("feedback/SubmitStream.batch")}
+    received = {(s["trace_id"], s["parent_id"]): s["attributes"]["items"]
+                for s in p.spans("feedback/SubmitStream.batch")}
     assert {(s["trace_id"], s["span_id"]): s["attributes"]["items"] for s in batches} == received
 
 

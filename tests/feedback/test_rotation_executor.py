@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from services.feedback import db
 from services.feedback.config import CooldownConfig, FeedbackConfig, RetryConfig, RotationConfig
 from services.feedback.rotation.alerts import Alert
-from services.feedback.rotation.service import Rotation
 from services.feedback.rotation.inference import InferenceFleet
+from services.feedback.rotation.service import Rotation
 from services.feedback.store import open_store
 from shared import errors
 from tests.feedback.fake_inference import FakeInference
@@ -61,7 +61,8 @@ def make(db_url, replicas, tmp_path, *, mode="apply", cooldown=3600.0, attempts=
     rot_cfg = RotationConfig(mode=mode, webhook_port=0, inference=tuple(r.target for r in replicas),
                              cooldown_s=CooldownConfig(cooldown, cooldown, cooldown),
                              retry=RetryConfig(attempts=attempts, initial_backoff_s=0.5, max_backoff_s=10))
-    cfg = replace(FeedbackConfig(), rotation=replace(rot_cfg, resample=replace(rot_cfg.resample, out_dir=str(tmp_path))))
+    resample = replace(rot_cfg.resample, out_dir=str(tmp_path))
+    cfg = replace(FeedbackConfig(), rotation=replace(rot_cfg, resample=resample))
     store = open_store(db_url)
     rotation = Rotation(cfg, lambda: store, InferenceFleet(rot_cfg.inference, 5.0))
 

@@ -22,6 +22,8 @@ from shared import client
 from testing.ports import free_port
 from tests.feedback.test_rotation_webhook import payload
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "rotation-stage-token"
 MD = (("x-keel-mesh-token", TOKEN),)

@@ -16,9 +16,11 @@ from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from keelctl import health
 from services.feedback.store import open_store
 from shared import client
-from testing.ports import free_port
 from testing.mesh import wait_until
+from testing.ports import free_port
 from testing.postgres import PgServer
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "feedback-test-token"

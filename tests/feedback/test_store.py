@@ -12,8 +12,8 @@ from services.feedback.records import Feedback, ReplayRecord, ids_sha256, stored
 from services.feedback.store import open_store
 from shared import errors
 from testing.postgres import PgServer
-from tests.feedback.records import upsert
 from testing.records import record
+from tests.feedback.records import upsert
 
 
 def fb(trace_id="a" * 32, feedback_id="fb-1", **kw) -> Feedback:
@@ -108,6 +108,7 @@ def test_an_id_sent_again_on_an_unknown_trace_keeps_its_earlier_item_of_the_batc
     assert (row["feedback_id"], row["trace_id"], row["comment"]) == ("x", "a" * 32, "kept")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_feedback_write_after_postgresql_restarted_reconnects(tmp_path):
     server = PgServer().init()

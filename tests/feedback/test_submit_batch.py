@@ -149,7 +149,8 @@ def stage_on(db_url, tmp_path):
     port = free_port()
     env = dict(os.environ, KEEL_MESH_TOKEN=TOKEN, KEEL_VAR_DIR=str(tmp_path / "var"),
                KEEL_TRACES_DIR=str(tmp_path / "traces"), KEEL_FEEDBACK_SERVER__PORT=str(port),
-               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_DATABASE__URL=db_url)
+               KEEL_FEEDBACK_SERVER__METRICS_PORT="0", KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0",
+               KEEL_FEEDBACK_DATABASE__URL=db_url)
     target, procs = f"127.0.0.1:{port}", []
 
     def start() -> subprocess.Popen:
@@ -171,6 +172,7 @@ def request(feedback_id: str, trace_id: str = TRACE, severity: str = "severe") -
                                       severity=severity, expected_keywords=["Paris"])
 
 
+@pytest.mark.slow
 def test_concurrent_submits_get_their_own_answers_and_every_acknowledged_one_survives_kill_9(stage_on, db_url):
     target, start = stage_on
     proc = start()
@@ -224,6 +226,7 @@ def test_concurrent_submits_get_their_own_answers_and_every_acknowledged_one_sur
         assert feedback_pb2_grpc.FeedbackStub(ch).Submit(request("fb-1"), metadata=MD).created is False
 
 
+@pytest.mark.slow
 def test_submit_batch_answers_each_item_after_its_commit_and_a_bad_item_fails_alone(stage_on, db_url):
     target, start = stage_on
     start()
@@ -250,6 +253,7 @@ def test_submit_batch_answers_each_item_after_its_commit_and_a_bad_item_fails_al
     assert set(rows) == {"ok-1"} and rows["ok-1"]["severity"] == "minor"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_submit_stream_answers_each_message_in_order_and_a_draining_stage_ends_it_with_a_retry_hint(stage_on, db_url):
     target, start = stage_on

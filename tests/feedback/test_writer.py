@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from services.feedback.records import dumps, stored_body
 from services.feedback.store import open_store
 from services.feedback.writer import RecordWriter
@@ -11,6 +13,7 @@ from testing.postgres import PgServer
 from testing.records import record
 
 
+@pytest.mark.slow
 def test_killing_postgresql_mid_load_loses_and_duplicates_nothing(tmp_path):
     server = PgServer().init()
     server.start()

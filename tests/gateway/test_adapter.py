@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2
+from keelctl.replay import request_of
 from services.feedback.records import ReplayRecord, stored_body
 from services.feedback.replay import compare
 from services.feedback.servicer import record_from_proto
@@ -18,11 +19,10 @@ from services.gateway.contract import Limits, check_ask
 from services.gateway.pipeline import Call, Done, Step
 from services.gateway.recording import to_record
 from services.gateway.servicer import to_ask, to_response
-from keelctl.replay import request_of
 from shared import errors, metrics
-from tests.gateway.test_pipeline import ask, pipeline
 from testing.records import record
 from testing.upstreams import FakeUpstreams
+from tests.gateway.test_pipeline import ask, pipeline
 
 # What the fake engine knows: one accepted adapter (newest version 2) and one refused at start.
 ACCEPTED = {"pirate": "pirate@2", "pirate@1": "pirate@1", "pirate@2": "pirate@2"}

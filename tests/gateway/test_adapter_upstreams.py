@@ -79,7 +79,8 @@ async def test_adapter_is_sent_and_the_served_one_read_back(replica):
 
 @pytest.mark.parametrize("name, cls, reason, metadata", [
     ("ghost", errors.NotFound, "ADAPTER_NOT_FOUND", {"adapter": "ghost"}),
-    ("drifted", errors.PreconditionFailed, "ADAPTER_REFUSED", {"adapter": "drifted@1", "refusal_reason": "ADAPTER_DRIFT"}),
+    ("drifted", errors.PreconditionFailed, "ADAPTER_REFUSED",
+     {"adapter": "drifted@1", "refusal_reason": "ADAPTER_DRIFT"}),
 ])
 @pytest.mark.asyncio
 async def test_engine_refusals_arrive_as_sent_and_the_replica_stays_up(replica, name, cls, reason, metadata):

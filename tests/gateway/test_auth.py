@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.auth import (ApiKeyAuthenticator, ApiKeyEntry, hash_key,
-                                   header_value, main)
+from services.gateway.auth import ApiKeyAuthenticator, ApiKeyEntry, hash_key, header_value, main
 from shared.errors import Unauthenticated
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.budget import (KEEL_PREVIOUS_ATTEMPTS_KEY, PREVIOUS_ATTEMPTS_KEY,
-                                     LatencyEstimate, RetryThrottle, ThrottleConfig,
-                                     ThrottleRegistry, attempt_metadata, is_retry,
-                                     previous_attempts)
+from services.gateway.budget import (
+    KEEL_PREVIOUS_ATTEMPTS_KEY,
+    PREVIOUS_ATTEMPTS_KEY,
+    LatencyEstimate,
+    RetryThrottle,
+    ThrottleConfig,
+    ThrottleRegistry,
+    attempt_metadata,
+    is_retry,
+    previous_attempts,
+)
 
 
 def test_throttle_costs_and_refunds():

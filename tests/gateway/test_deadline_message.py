@@ -5,8 +5,8 @@ import pytest
 
 from services.gateway.pipeline import Call
 from shared import errors
-from tests.gateway.test_pipeline import ask, pipeline
 from testing.upstreams import FakeUpstreams
+from tests.gateway.test_pipeline import ask, pipeline
 
 
 class SlowTokenizer(FakeUpstreams):

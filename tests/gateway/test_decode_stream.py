@@ -16,12 +16,12 @@ from keel.tokenizer.v1 import tokenizer_pb2_grpc
 from services.gateway.retry import RetryExecutor
 from services.gateway.streamtext import StreamedText
 from services.gateway.upstreams import MeshUpstreams
-from shared.stages import SERVICE_NAMES as SERVICES
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import Tokenizer
 from services.tokenizer.servicer import TokenizerServicer
 from shared import metrics
 from shared.interceptor import ServerInterceptor
+from shared.stages import SERVICE_NAMES as SERVICES
 from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

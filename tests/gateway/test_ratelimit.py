@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.ratelimit import RateLimit, RateLimitConfig, RateLimiter
-from shared.errors import InvalidInput, Overloaded
+from shared.errors import Overloaded
 
 
 def limiter(clock, rate=2.0, burst=3.0, per_key=None):

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from keel.common.v1 import common_pb2
-
 from keel.feedback.v1 import feedback_pb2
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Served
@@ -67,12 +66,14 @@ class FakeStreamCall:
 
 
 def dropped(reason: str) -> float:
-    return metrics.metrics_for("gateway").counter("keel_replay_records_dropped_total").labels(reason=reason)._value.get()
+    counter = metrics.metrics_for("gateway").counter("keel_replay_records_dropped_total")
+    return counter.labels(reason=reason)._value.get()
 
 
 def served(trace_id: str) -> Served:
     return Served(Ask(messages=(("user", "hi"),), max_tokens=8, temperature=0.7, top_p=0.9, top_k=40),
-                  Encoded([1, 2, 3], False, 3, "fp", "v" * 64, "c" * 64), Done("stop", 3, 2, 1234, {"dtype": "float32"}), [5, 6],
+                  Encoded([1, 2, 3], False, 3, "fp", "v" * 64, "c" * 64),
+                  Done("stop", 3, 2, 1234, {"dtype": "float32"}), [5, 6],
                   common_pb2.ValidationResult(passed=True, probes={"entropy_mean": 0.25}, verdicts=[
                       common_pb2.Verdict(plugin="p", passed=True, message="", blocking=False)]), trace_id)
 

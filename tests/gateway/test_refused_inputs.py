@@ -14,8 +14,8 @@ from services.gateway.pipeline import Call, payload_of
 from services.gateway.servicer import to_ask
 from shared import errors
 from shared.clip import HEAD, TRUNCATED, canonical_json
-from tests.gateway.test_pipeline import pipeline
 from testing.upstreams import FakeUpstreams
+from tests.gateway.test_pipeline import pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANNEL_LIMIT = 4 * 1024 * 1024

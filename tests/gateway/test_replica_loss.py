@@ -24,9 +24,11 @@ from services.gateway.budget import ThrottleConfig
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.upstreams import MeshUpstreams, Pool
 from shared import errors
-from testing.ports import free_port
 from testing.mesh import ROOT
+from testing.ports import free_port
 from tests.gateway.tokenizer_stub import serve
+
+pytestmark = pytest.mark.slow
 
 ENCODE = tokenizer_pb2.EncodeRequest(text=b"hi")
 

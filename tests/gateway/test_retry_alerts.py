@@ -7,9 +7,15 @@ import random
 
 import pytest
 
-from services.gateway.retry_alerts import (AlertConfig, RetryInterval,
-                                           RetryMonitor, clustering_signals, densest_band,
-                                           expected_band_fraction, ks_distance_uniform)
+from services.gateway.retry_alerts import (
+    AlertConfig,
+    RetryInterval,
+    RetryMonitor,
+    clustering_signals,
+    densest_band,
+    expected_band_fraction,
+    ks_distance_uniform,
+)
 
 CFG = AlertConfig()
 CLUSTER = ("retry_clustering", "tokenizer", "UNAVAILABLE")

@@ -9,12 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.budget import (KEEL_PREVIOUS_ATTEMPTS_KEY, PREVIOUS_ATTEMPTS_KEY,
-                                     ThrottleConfig)
-from services.gateway.retry_alerts import RetryMonitor
+from services.gateway.budget import KEEL_PREVIOUS_ATTEMPTS_KEY, PREVIOUS_ATTEMPTS_KEY, ThrottleConfig
 from services.gateway.retry import RetryConfig, RetryExecutor
-from shared.errors import (DeadlineExpired, InvalidInput, KeelError, NotReady, Overloaded,
-                           PermissionDenied, Unauthenticated)
+from services.gateway.retry_alerts import RetryMonitor
+from shared.errors import (
+    DeadlineExpired,
+    InvalidInput,
+    KeelError,
+    NotReady,
+    Overloaded,
+    PermissionDenied,
+    Unauthenticated,
+)
 
 SEED = 1234
 

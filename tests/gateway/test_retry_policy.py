@@ -7,9 +7,19 @@ import pytest
 
 from services.gateway.retry import RetryConfig, decide, hint_state
 from services.gateway.retry_alerts import ks_distance_uniform
-from shared.errors import (Cancelled, DeadlineExpired, Fatal, InvalidInput, NotFound, NotReady,
-                           NumericalInstability, Overloaded, PermissionDenied, PreconditionFailed,
-                           Unauthenticated)
+from shared.errors import (
+    Cancelled,
+    DeadlineExpired,
+    Fatal,
+    InvalidInput,
+    NotFound,
+    NotReady,
+    NumericalInstability,
+    Overloaded,
+    PermissionDenied,
+    PreconditionFailed,
+    Unauthenticated,
+)
 
 CFG = RetryConfig()
 

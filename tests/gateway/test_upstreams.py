@@ -14,8 +14,9 @@ from keel.tokenizer.v1 import tokenizer_pb2
 from services.gateway import config as gateway_config
 from services.gateway.server import GatewayStage
 from services.gateway.upstreams import Pool
-from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES as SERVICES
 from shared import errors
+from shared.stages import GATEWAY_UPSTREAMS
+from shared.stages import SERVICE_NAMES as SERVICES
 from testing.ports import free_port
 from tests.gateway.tokenizer_stub import serve
 

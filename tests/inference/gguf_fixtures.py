@@ -18,7 +18,6 @@ from gguf.quants import dequantize, quantize
 
 from testing.tiny import save_model
 
-
 Q = gguf.GGMLQuantizationType
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

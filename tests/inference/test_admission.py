@@ -24,6 +24,7 @@ def budget_engine(make_engine, tiny_memory):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_request_that_never_fits_names_the_largest_that_does(budget_engine):
     engine = await budget_engine(1.0, 100, 400)
@@ -91,6 +92,7 @@ async def test_queue_timeout_is_overloaded(budget_engine):
     await first.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_flood_never_exceeds_the_budget(budget_engine):
     """Measured (allocator-level) peak of every iteration stays within the budget under a flood."""
@@ -179,6 +181,7 @@ def test_model_dtype_must_match_config(tiny):
     assert e.value.reason == "DTYPE_MISMATCH"
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_full_queue_refuses_without_waiting_for_the_running_step(budget_engine):
     """Each step of the running request sleeps 2 s; a request that finds the queue full is refused

@@ -29,6 +29,8 @@ from shared.metrics import metrics_for
 from shared.stagestatus import StatusBoard
 from tests.inference.helpers import collect, prompt, request, tiny_config
 
+pytestmark = pytest.mark.slow
+
 CANDIDATES = {"auto-int8": "int8"}
 PHASE = "serving; gating int8 in the background"
 

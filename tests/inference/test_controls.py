@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 import torch
 
+from services.inference.engine.controls import RowControls, shape
+from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
-from services.inference.engine.controls import RowControls, shape
-from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -122,7 +122,8 @@ async def test_bad_documents_are_refused_with_a_reason_and_hold_nobody_up(make_e
                        (ResponseFormat("json_schema", '{"type": "frobnicate"}'), "json_schema")):
         with pytest.raises(InvalidInput) as err:
             await collect(engine, request("b", prompt(1), controls=Controls(response_format=fmt)))
-        assert err.value.reason == "RESPONSE_FORMAT_INVALID" and err.value.metadata["field"] == f"response_format.{field}"
+        assert err.value.reason == "RESPONSE_FORMAT_INVALID"
+        assert err.value.metadata["field"] == f"response_format.{field}"
 
 
 def mixed_controls(i: int) -> Controls:
@@ -137,6 +138,7 @@ def mixed_controls(i: int) -> Controls:
     return Controls(response_format=ResponseFormat("regex", r"[a-z ]{1,12}\."), frequency_penalty=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_mixed_rows_are_bit_identical_alone_and_in_batches(engine):
     reqs = [request(f"m{i}", prompt(i, 3 + i % 9), max_tokens=6, temperature=(i % 3) * 0.5, seed=i,

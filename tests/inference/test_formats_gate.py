@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.inference.model.loader import convert_model, model_dtype
 from services.inference.startup import formats, gate
 from services.inference.startup.formats import FormatsConfig
 from services.inference.startup.gate import GateResult, GateThresholds, Sequence
-from services.inference.model.loader import convert_model, model_dtype
 from shared.config import ROOT_DIR, ConfigError
-from tests.inference.helpers import prompt
 from testing.tiny import save_model
+from tests.inference.helpers import prompt
 
 SHA = "0" * 64
 
@@ -78,7 +78,8 @@ def test_stored_results_round_trip_and_belong_to_one_model(var_dir):
     assert gate.load(formats.gate_path(SHA), "1" * 64) == {}
 
 
-@pytest.mark.parametrize("stored,needle", [({}, "no gate result"), ({"int4": (0.5, 2.0, 0.6)}, "fails the quality gate")])
+@pytest.mark.parametrize("stored,needle", [({}, "no gate result"), ({"int4": (0.5, 2.0, 0.6)}, "fails the quality "
+                                                                                               "gate")])
 def test_an_explicit_format_without_a_pass_is_refused(var_dir, stored, needle):
     _store(stored)
     with pytest.raises(ConfigError, match=needle) as err:
@@ -130,7 +131,8 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
     def refuse(*args, **kwargs):
         raise AssertionError("timed a format with nothing to compare it with")
     monkeypatch.setattr(formats, "decode_pass_s", refuse)
-    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))  # no gate results
+    # no gate results
+    choice, model = formats.choose_auto(tiny, SHA, FormatsConfig(), max_batch=4, device="cpu", model_dir=Path("unused"))
     assert choice.format == "float32" and model is tiny
     assert choice.reason.startswith("auto: float32 is the only eligible format")
     assert "int8 has no gate result" in choice.reason
@@ -138,15 +140,18 @@ def test_auto_serves_a_sole_gated_candidate_without_timing_it(var_dir, tiny, mon
 
 def test_auto_with_no_eligible_candidate_stops_the_stage(var_dir, tiny):
     with pytest.raises(ConfigError, match="auto_candidates"):
-        formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu", model_dir=Path("unused"))
+        formats.choose_auto(tiny, SHA, FormatsConfig(auto_candidates=("int4",)), max_batch=4, device="cpu",
+                            model_dir=Path("unused"))
 
 
+@pytest.mark.slow
 def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(tiny):
     for fmt in ("bfloat16", "int8", "int4"):
         assert formats.invariant_sizes(convert_model(tiny, fmt)) == tuple(range(1, 18)), fmt
     assert 17 in formats.invariant_sizes(tiny)
 
 
+@pytest.mark.slow
 def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_path, tiny):
     model_dir = tmp_path / "model"
     save_model(tiny, model_dir)
@@ -174,6 +179,7 @@ def test_weight_only_decode_steps_are_batch_invariant_on_the_tiny_model(tiny):
     assert formats.step_invariant(convert_model(tiny, "int8"), "cpu")
 
 
+@pytest.mark.slow
 def test_auto_skips_a_format_whose_decode_steps_depend_on_the_batch(var_dir, tiny, monkeypatch):
     _store({"int8": (0.01, 0.05, 0.97)})
     real = formats.model_in_format

@@ -7,8 +7,8 @@ import torch
 
 from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.model.loader import convert_model, load_model, model_dtype
-from testing.tiny import tiny_model
 from shared.errors import InvalidInput
+from testing.tiny import tiny_model
 from tests.inference.helpers import prompt, read_cache
 
 
@@ -66,9 +66,10 @@ def chunked_prefill(runner: LlamaRunner, ids: list[int], chunk: int):
 
 def test_chunked_prefill_is_reproducible_and_close_to_a_whole_one(tiny):
     """What holds: the first layer's keys and values are bitwise those of a whole prefill (row-wise
-    projections); later layers may differ in the last bits, as the host's SDPA kernels decide (the chunk's attention is a masked SDPA over the
-    cached prefix, a different summation order from one causal SDPA), so the logits differ by ~1e-5,
-    the greedy token is the same, and the same chunking always gives the same bits."""
+    projections); later layers may differ in the last bits, as the host's SDPA kernels decide (the
+    chunk's attention is a masked SDPA over the cached prefix, a different summation order from one
+    causal SDPA), so the logits differ by ~1e-5, the greedy token is the same, and the same chunking
+    always gives the same bits."""
     runner = LlamaRunner(tiny)
     runner.calibrate_invariant_sizes(16)
     ids = prompt(3, 300)

@@ -10,19 +10,21 @@ import logging
 
 import pytest
 
+from services.inference import config as inf_config
 from services.inference import server
+from services.inference.config import InferenceConfig
 from services.inference.engine.variants import Switch
 from services.inference.startup import background, bootstrap, formats, gate, gateprobes, warmcache
 from services.inference.startup.background import BackgroundGate
-from services.inference.startup.startgate import GateJob
-from services.inference import config as inf_config
-from services.inference.config import InferenceConfig
 from services.inference.startup.formats import FormatsConfig
 from services.inference.startup.gate import GateThresholds
+from services.inference.startup.startgate import GateJob
 from shared.config import ConfigError
 from shared.errors import PreconditionFailed
 from shared.stagestatus import StatusBoard
 from tests.inference.helpers import measured, tiny_config
+
+pytestmark = pytest.mark.slow
 
 LENIENT = GateThresholds(kl_mean_max=1e9, kl_p95_max=1e9, greedy_agreement_min=0)  # every format passes
 STRICT = GateThresholds(kl_mean_max=0, kl_p95_max=0, greedy_agreement_min=1)  # only bit-equal ones pass

@@ -197,6 +197,7 @@ def test_errors_are_clear(k):
     assert torch.equal(k.matmul(torch.ones(2, 0), torch.ones(8, 0, dtype=torch.uint8), Q4_1, 8), torch.zeros(2, 8))
 
 
+@pytest.mark.slow
 def test_a_later_process_loads_the_cached_build_quickly(k):
     code = ("import time, torch; from services.inference.model.kernels import load; t = time.perf_counter(); "
             "k = load(); print(time.perf_counter() - t, k.path)")

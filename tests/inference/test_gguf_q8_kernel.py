@@ -11,8 +11,16 @@ import torch
 
 from services.inference.model import blocks
 from services.inference.model.kernels import BLOCK, Q8_ISAS, SUPPORTED_TYPES, load
-from tests.inference.test_gguf_kernel import (Q4_1, Q8_0, activations, assert_batch_invariant, dequant, fma32,  # noqa: F401
-                                              random_blocks, real)
+from tests.inference.test_gguf_kernel import (  # noqa: F401
+    Q4_1,
+    Q8_0,
+    activations,
+    assert_batch_invariant,
+    dequant,
+    fma32,
+    random_blocks,
+    real,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 

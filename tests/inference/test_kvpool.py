@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
+from services.inference.engine.memory import MemoryModel
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, PoolExhausted
-from services.inference.engine.memory import MemoryModel
 from services.inference.model.loader import convert_model
 from shared.errors import NumericalInstability
 from tests.inference.faults import FaultSpec, inject
@@ -49,6 +49,7 @@ def test_write_and_read_address_positions_across_blocks():
     assert read_cache(cache, 0, 3)[0].abs().sum() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_row_alone_equals_the_row_in_batches_of_other_lengths(tiny, dtype, threads):
@@ -120,6 +121,7 @@ async def test_finished_and_cancelled_rows_give_their_blocks_back(make_engine):
     assert pool.free_blocks == pool.blocks
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_request_waits_for_blocks_and_the_running_row_is_not_failed(make_engine, tiny_memory):
     """A budget for one long request: a second one queues until the first is done, then runs."""

@@ -11,9 +11,9 @@ import torch
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.llama import LlamaConfig, load
 from services.inference.model.loader import load_model
-from testing.tiny import hf_twin, save_model, tiny_model
 from shared.config import ROOT_DIR
 from shared.errors import InvalidInput
+from testing.tiny import hf_twin, save_model, tiny_model
 from tests.inference.helpers import prompt
 
 
@@ -116,6 +116,7 @@ def test_config_reads_the_older_top_level_rope_theta():
     assert (c.rope_theta, c.head_dim, c.tie_word_embeddings) == (500.0, 4, False)
 
 
+@pytest.mark.slow
 def test_the_serving_process_imports_neither_transformers_nor_the_compiler():
     """Both cost seconds of every restart: transformers (the model is llama.py's) and torch._inductor
     (which torch.use_deterministic_algorithms would import to set its own flag)."""

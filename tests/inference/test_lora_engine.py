@@ -10,8 +10,8 @@ from services.inference.engine.core import Engine
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
 from shared.errors import NotFound, PreconditionFailed
-from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 from testing.lora import base_of, make_adapter
+from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 _OPENS: list[tuple] | None = None
 
@@ -113,6 +113,7 @@ async def test_slots_are_counted_by_the_memory_model(tiny, registry, tiny_memory
         await engine.stop(grace_s=0)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_prefix_cache_never_hands_base_blocks_to_an_adapter(tiny, registry):
     p = prompt(3, 40)
@@ -164,6 +165,7 @@ async def test_servicer_lists_adapters_and_echoes_the_one_that_served(tiny, regi
         await engine.stop(grace_s=0)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_an_adapter_that_is_not_a_string_is_invalid(tiny, registry):
     from shared.errors import InvalidInput
@@ -176,6 +178,7 @@ async def test_an_adapter_that_is_not_a_string_is_invalid(tiny, registry):
         await engine.stop(grace_s=0)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_variant_switch_moves_base_requests_but_not_adapter_requests(tiny, registry):
     """An adapter was checked against the primary format at start: a request naming it stays there

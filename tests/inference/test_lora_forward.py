@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from services.inference.model.forward import LlamaRunner, Segment
-from tests.inference.helpers import clone_cache, prompt
 from testing.lora import load_slots, make_adapter, peft_logits
+from tests.inference.helpers import clone_cache, prompt
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_SETS = (ALL, ("q_proj", "v_proj"), ("o_proj", "down_proj", "up_proj"), ("k_proj", "gate_proj"))
@@ -42,6 +42,7 @@ def test_matches_peft_unmerged_forward_at_every_position(tiny, runner, adapters)
         assert not torch.allclose(ref[-1], runner.forward([Segment(runner.new_cache(16), ids)])[0], atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_alone_equals_the_same_row_in_a_mixed_batch_of_16(runner, threads):
     old = torch.get_num_threads()

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import check_adapters, running_base
+from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.model.loader import load_model
 from services.inference.startup.warmcache import model_sha256
-from tests.inference.helpers import clone_cache
 from testing.lora import load_slots, make_adapter, peft_logits, tokenizer
+from tests.inference.helpers import clone_cache
 
 MODEL = Path("var/model")
 pytestmark = [pytest.mark.slow,
@@ -25,7 +25,8 @@ def real(tmp_path_factory):
     root = tmp_path_factory.mktemp("real-lora")
     model = load_model(MODEL)
     folders = [make_adapter(model, root / "qv", seed=0, rank=8, targets=("q_proj", "v_proj"), b_std=0.05),
-               make_adapter(model, root / "mlp", seed=1, rank=4, targets=("o_proj", "up_proj", "down_proj"), b_std=0.05)]
+               make_adapter(model, root / "mlp", seed=1, rank=4, targets=("o_proj", "up_proj", "down_proj"),
+                            b_std=0.05)]
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(16)
     runner.lora = load_slots(model, folders)

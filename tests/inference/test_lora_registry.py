@@ -11,9 +11,9 @@ import torch
 from services.inference.lora import manifest
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
-from testing.tiny import tiny_model
 from shared.errors import InvalidInput, NotFound, PreconditionFailed
 from testing.lora import base_of, make_adapter
+from testing.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,8 @@ def test_inert_adapters_are_refused(tiny, base, cfg, tmp_path):
     with pytest.raises(PreconditionFailed) as exc:
         register(nothing, "x", "1", base, cfg)
     assert _refusal(exc) == ("INERT_ADAPTER", {"target": "c_attn"})
-    missing = make_adapter(tiny, tmp_path / "b", seed=3, config_overrides={"target_modules": ["q_proj", "v_proj", "k_proj"]})
+    missing = make_adapter(tiny, tmp_path / "b", seed=3,
+                           config_overrides={"target_modules": ["q_proj", "v_proj", "k_proj"]})
     with pytest.raises(PreconditionFailed) as exc:
         register(missing, "x", "1", base, cfg)
     assert exc.value.reason == "INERT_ADAPTER" and "k_proj" in exc.value.metadata["module"]
@@ -88,7 +89,8 @@ def test_an_adapter_that_changes_nothing_is_refused(tiny, base, cfg, tmp_path):
 
 def test_start_accepts_good_adapters_and_refuses_the_rest_without_stopping(tiny, base, cfg, tmp_path):
     register(make_adapter(tiny, tmp_path / "a", seed=5), "good", "1", base, cfg)
-    register(make_adapter(tiny, tmp_path / "b", seed=6, rank=8, targets=("o_proj", "down_proj")), "good", "2", base, cfg)
+    register(make_adapter(tiny, tmp_path / "b", seed=6, rank=8, targets=("o_proj", "down_proj")), "good", "2", base,
+             cfg)
     register(make_adapter(tiny, tmp_path / "c", seed=7), "other", "1", base_of(tiny, "another-base"), cfg)
     table = load_registry(cfg, base)
     states = {s.name: s for s in table.states}
@@ -152,6 +154,7 @@ def _nudged(model, scale):
     return out
 
 
+@pytest.mark.slow
 def test_drift_above_the_threshold_refuses_or_warns(tiny, base, cfg, tmp_path):
     register(make_adapter(tiny, tmp_path / "a", seed=11), "a", "1", base, cfg)
     nudged = base_of(_nudged(tiny, 1e-4))  # same greedy outputs, slightly different distributions

@@ -6,16 +6,18 @@ from dataclasses import replace
 
 import pytest
 
-from services.inference.startup import bootstrap, warmcache
 from services.inference.config import InferenceConfig
-from services.inference.model.forward import LlamaRunner
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import running_base
+from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import load_model
-from tests.inference.helpers import tiny_config
-from testing.tiny import save_model
+from services.inference.startup import bootstrap, warmcache
 from testing.lora import make_adapter
+from testing.tiny import save_model
+from tests.inference.helpers import tiny_config
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture

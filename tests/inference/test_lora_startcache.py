@@ -16,8 +16,10 @@ from services.inference.lora import manifest
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig, load_registry
 from services.inference.lora.startcache import StartCache
-from testing.tiny import tiny_model
 from testing.lora import base_of, make_adapter
+from testing.tiny import tiny_model
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ async def test_decode_cost_matches_cache_bytes(make_engine):
     assert mem.decode_bytes_per_token == pytest.approx(mem.kv_bytes_per_token, rel=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_hundred_sequential_requests_keep_rss_flat(make_engine):
     engine = await make_engine()

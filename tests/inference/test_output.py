@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import services.inference.engine.sampling as sampling
-from shared.config import ROOT_DIR
-from shared.controls import Controls, ResponseFormat
 from services.inference.engine.controls import RowControls, logprobs, shape
 from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary
 from services.inference.engine.sampling import Draw, pick
+from shared.config import ROOT_DIR
+from shared.controls import Controls, ResponseFormat
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -58,6 +58,7 @@ def sample(rows, logits, draws, masks):
     return shaped.scores, picks, lps
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_every_row_of_a_batched_step_equals_the_row_alone_bitwise(vocab, threads):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.inference.engine.prefix import PrefixCache
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.kvpool import KvPool
-from services.inference.engine.prefix import PrefixCache
 from tests.inference.helpers import collect, prompt, request
 
 BLOCK = 32

@@ -130,6 +130,7 @@ def test_row_is_finite_flags_only_the_bad_rows():
     assert row_is_finite(wide).tolist() == [True, False, False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_same_seeded_request_ten_times_is_identical(make_engine):
     engine = await make_engine()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from services.inference.config import InferenceConfig
 from services.inference.startup import bootstrap, warmcache
 from services.inference.startup.background import BackgroundGate
-from services.inference.startup.startgate import GateJob
-from services.inference.config import InferenceConfig
 from services.inference.startup.formats import FormatsConfig
 from services.inference.startup.gate import GateThresholds
+from services.inference.startup.startgate import GateJob
 from shared import stagestatus
 from tests.inference.helpers import tiny_config
+
+pytestmark = pytest.mark.slow
 
 
 class RecordingBoard(stagestatus.StatusBoard):

@@ -11,8 +11,8 @@ from services.inference.engine.api import TokenEvent
 from services.inference.engine.breaker import BreakerConfig
 from services.inference.engine.core import Engine
 from services.inference.engine.memory import static_bytes
-from services.inference.model.loader import convert_model
 from services.inference.engine.variants import Switch
+from services.inference.model.loader import convert_model
 from shared.errors import InvalidInput, NotReady
 from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
@@ -40,6 +40,7 @@ async def test_after_a_switch_new_requests_run_on_the_variant_with_its_tokens(ma
     assert engine.active_variant() == "fallback" and engine.stats().active_variant == "fallback"
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_request_running_during_the_switch_finishes_on_its_variant_with_the_same_tokens(make_engine):
     engine = await make_engine(variants=VARIANTS)
@@ -119,6 +120,7 @@ async def test_a_switch_and_generation_on_the_variant_open_no_file(make_engine):
     assert engine.memory.static_bytes == static
 
 
+@pytest.mark.slow
 def test_the_memory_model_counts_each_preloaded_format_once(tiny, tiny_int8):
     bf16 = convert_model(tiny, "bfloat16")
     plain = Engine(tiny, tiny_config())
@@ -158,7 +160,8 @@ async def test_a_stopped_engine_refuses_a_switch(make_engine):
 
 
 @pytest.mark.parametrize("bad", [{"max_batch_size": 0}, {"prefix_cache_bytes": -1},
-                                 {"prefix_cache_bytes": 10**6, "prefill_tokens_per_iteration": 24, "kv_block_tokens": 16}])
+                                 {"prefix_cache_bytes": 10**6, "prefill_tokens_per_iteration": 24,
+                                  "kv_block_tokens": 16}])
 def test_the_other_engine_settings_are_still_checked_next_to_the_variants(bad):
     with pytest.raises(InvalidInput) as err:
         tiny_config(variants=VARIANTS, **bad)

@@ -131,7 +131,8 @@ def test_switching_the_real_model_over_grpc_and_serving_primary_again_after_a_re
             assert (done.active, done.previous) == ("fallback", "primary")
             after, _, trace_id = _generate(stub)
             assert (after.variant, after.dtype, after.engine["format"]) == ("fallback", "int8", "int8")
-            again = stub.SetVariant(inference_pb2.SetVariantRequest(variant="fallback", actor="rotation:42"), timeout=30)
+            again = stub.SetVariant(inference_pb2.SetVariantRequest(variant="fallback", actor="rotation:42"),
+                                    timeout=30)
             assert (again.active, again.previous) == ("fallback", "fallback")
 
             with pytest.raises(grpc.RpcError) as bad:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.startup import bootstrap, warmcache
 from services.inference.config import InferenceConfig
+from services.inference.startup import bootstrap, warmcache
 from services.inference.startup.formats import FormatsConfig
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
@@ -26,6 +26,7 @@ def _start(cfg: InferenceConfig) -> bootstrap.Started:
     return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
 
 
+@pytest.mark.slow
 def test_the_record_covers_every_variant_and_a_changed_variant_list_measures_again(var_dir, model_dir):
     cfg = _cfg(model_dir, variants={"fallback": "int8"})
     cold = _start(cfg)

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from services.inference.startup import bootstrap, formats, gate, warmcache
-from services.inference.engine import core as engine_module
 from services.inference.config import InferenceConfig
+from services.inference.engine import core as engine_module
+from services.inference.startup import bootstrap, formats, gate, warmcache
 from services.inference.startup.formats import FormatsConfig
 from testing.tiny import save_model, tiny_model
 from tests.inference.helpers import measured, tiny_config

@@ -104,8 +104,10 @@ def test_the_feedback_webhook_port_is_checked_too(host):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        held = doctor.check_ports(replace(host, other_ports={s.getsockname()[1]: "feedback rotation webhook"}))
-    assert [f.status for f in held] == [FAIL] and "(feedback rotation webhook)" in held[0].what
+        port = s.getsockname()[1]
+        stages = replace(host.layout.stages, feedback=StageLayout(ports=(free_port(),), webhook_ports=(port,)))
+        held = doctor.check_ports(replace(host, layout=replace(host.layout, stages=stages)))
+    assert [f.status for f in held] == [FAIL] and f"port {port} (feedback-0 webhook)" in held[0].what
 
 
 def test_the_redis_keel_up_starts_needs_redis_server(host):
@@ -159,6 +161,7 @@ def test_the_report_says_what_to_fix_and_counts_what_blocks(host):
     assert "FAIL vocabulary" in text and "fix: make vocab" in text and text.endswith("1 problem(s) block a start")
 
 
+@pytest.mark.slow
 def test_keel_doctor_exits_non_zero_when_something_blocks(tmp_path):
     env = dict(os.environ, KEEL_INFERENCE_MODEL_PATH=str(tmp_path / "no-model"), KEEL_VAR_DIR=str(tmp_path / "var"))
     out = subprocess.run([sys.executable, "-m", "keelctl", "doctor"], cwd=ROOT, env=env, capture_output=True,

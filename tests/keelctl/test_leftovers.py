@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from keelctl.procs import RUN_DIR_ENV
-from tests.e2e.conftest import SERVICES
 from testing.mesh import ROOT, mesh_env
+from tests.e2e.conftest import SERVICES
 
 
 def keel(env: dict, *args: str) -> subprocess.CompletedProcess:

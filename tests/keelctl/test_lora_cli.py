@@ -6,8 +6,8 @@ import json
 import pytest
 
 from keelctl.main import main
-from testing.tiny import save_model, tiny_model
 from testing.lora import make_adapter
+from testing.tiny import save_model, tiny_model
 
 
 @pytest.fixture
@@ -81,9 +81,9 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     import asyncio
 
     import grpc
+    from prometheus_client import CollectorRegistry
 
     from keel.inference.v1 import inference_pb2_grpc
-    from prometheus_client import CollectorRegistry
     from services.inference.engine.core import Engine
     from services.inference.lora.registry import LoraConfig, load_registry
     from services.inference.lora.startup import running_base

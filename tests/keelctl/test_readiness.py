@@ -13,8 +13,8 @@ import pytest
 
 from keelctl.readiness import ReadySocket
 from shared import notify
-from testing.ports import free_port
 from testing.mesh import ROOT
+from testing.ports import free_port
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ ESC = "\x1b["
 @pytest.fixture
 def stage():
     """A StageStatus server (grpc.aio, on its own loop in a thread) and its board."""
-    board, started, stop = StatusBoard(), threading.Event(), None
+    board, started = StatusBoard(), threading.Event()
     box = {}
 
     def serve():

@@ -123,7 +123,8 @@ def test_controls_reach_the_gateway_and_logprobs_come_back(stage):
     assert md[proxyauth.CLIENT_HEADER] == "127.0.0.1" and md[proxyauth.HEADER] == PROXY
     assert raw.headers["x-keel-trace-id"] == TRACE and r.model == "french@2"
     content = r.choices[0].logprobs.content
-    assert [(t.token, t.logprob, t.bytes) for t in content] == [("Hel", -0.5, [72, 101, 108]), ("lo", -0.25, [108, 111])]
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [("Hel", -0.5, [72, 101, 108]),
+                                                                ("lo", -0.25, [108, 111])]
     assert [(a.token, a.logprob) for a in content[0].top_logprobs] == [("Hel", -0.5), ("Hi", -1.5)]
 
 

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
+from keelctl.layout import load_layout
 from services.feedback import config as feedback_config
 from services.gateway import config as gateway_config
 from services.openai import config as openai_config
 from services.tokenizer import config as tokenizer_config
 from shared.config import CONFIG_DIR, ConfigError
-from keelctl.layout import load_layout
 
 
 def write(tmp_path, text: str):
@@ -80,13 +80,16 @@ def test_client_facing_error_in_engine_config_becomes_config_error():
 
 
 def test_stage_exits_2_with_its_json_log_line_on_a_dataclass_rule():
-    import json, os, subprocess, sys
+    import json
+    import os
+    import subprocess
+    import sys
     env = dict(os.environ, KEEL_GATEWAY_RETRY__BASE_S="2.0")
     proc = subprocess.run([sys.executable, "-m", "services.gateway"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    line = json.loads([l for l in proc.stderr.splitlines() if l.startswith("{")][-1])
+    line = json.loads([x for x in proc.stderr.splitlines() if x.startswith("{")][-1])
     assert line["msg"] == "invalid configuration; not starting" and "retry" in line["error"]
 
 
@@ -100,7 +103,8 @@ def _layout(tmp_path, stages: dict) -> dict[str, str]:
 def test_ports_and_upstreams_a_file_leaves_out_come_from_the_mesh_layout(tmp_path):
     env = _layout(tmp_path, {"tokenizer": {"ports": [51002, 51012], "metrics_ports": [9202, 9212]},
                              "inference": {"ports": [51003]}, "validator": {"ports": [51004]},
-                             "feedback": {"ports": [51005]}, "gateway": {"ports": [51001]}, "openai": {"ports": [8180]}})
+                             "feedback": {"ports": [51005]}, "gateway": {"ports": [51001]},
+                             "openai": {"ports": [8180]}})
     tok = tokenizer_config.load(write(tmp_path, "vocab_file: x\n"), environ=env)
     assert (tok.server.port, tok.server.metrics_port) == (51002, 9202)  # a stage run alone: the first replica's
     gw = gateway_config.load(environ=env)
@@ -108,7 +112,16 @@ def test_ports_and_upstreams_a_file_leaves_out_come_from_the_mesh_layout(tmp_pat
     assert gw.upstreams.tokenizer == ("127.0.0.1:51002", "127.0.0.1:51012")
     assert (gw.upstreams.inference, gw.upstreams.feedback) == (("127.0.0.1:51003",), ("127.0.0.1:51005",))
     assert feedback_config.load(environ=env).rotation.inference == ("127.0.0.1:51003",)
+    assert feedback_config.load(environ=env).rotation.webhook_port == 0  # no webhook_ports: no webhook
     assert openai_config.load(environ=env).gateway == ("127.0.0.1:51001",)
+
+
+def test_the_feedback_stages_webhook_port_comes_from_the_mesh_layout(tmp_path):
+    env = _layout(tmp_path, {s: {"ports": [51000 + i]} for i, s in enumerate(("tokenizer", "inference", "validator",
+                                                                              "gateway"))}
+                  | {"feedback": {"ports": [51005], "webhook_ports": [29107]}})
+    assert feedback_config.load(environ=env).rotation.webhook_port == 29107
+    assert feedback_config.load(environ=dict(env, KEEL_FEEDBACK_ROTATION__WEBHOOK_PORT="0")).rotation.webhook_port == 0
 
 
 def test_the_file_and_then_the_environment_win_over_the_layout(tmp_path):
@@ -118,7 +131,8 @@ def test_the_file_and_then_the_environment_win_over_the_layout(tmp_path):
     assert (tok.server.port, tok.server.metrics_port) == (1, 9202)
     gw_file = tmp_path / "gateway.yaml"
     shipped = (CONFIG_DIR / "gateway.yaml").read_text()
-    gw_file.write_text(shipped.replace("upstreams:\n", "upstreams:\n  inference: [inference:50053]\n  feedback: []\n", 1))
+    gw_file.write_text(shipped.replace("upstreams:\n", "upstreams:\n  inference: [inference:50053]\n  feedback: "
+                                                       "[]\n", 1))
     gw = gateway_config.load(gw_file, environ={**env, "KEEL_GATEWAY_SERVER__PORT": "50999"})
     assert gw.upstreams.inference == ("inference:50053",) and gw.upstreams.feedback == ()
     assert gw.server.port == 50999

@@ -18,6 +18,7 @@ from shared.server import serve
 from testing.ports import free_port
 from tests.shared.stage_stub import HangingStage, serving
 
+
 @pytest.mark.asyncio
 async def test_drain_cuts_the_call_it_cannot_finish_with_shutting_down_and_refuses_new_ones():
     port = free_port()

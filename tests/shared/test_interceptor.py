@@ -51,7 +51,8 @@ async def test_ok_passes_through(server):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("md,reason", [((), "MISSING_MESH_CREDENTIAL"), (((MESH_TOKEN_KEY, "nope"),), "INVALID_MESH_CREDENTIAL")])
+@pytest.mark.parametrize("md,reason", [((), "MISSING_MESH_CREDENTIAL"),
+                                       (((MESH_TOKEN_KEY, "nope"),), "INVALID_MESH_CREDENTIAL")])
 async def test_mesh_credential_required(server, md, reason):
     _, ch = server
     with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -190,8 +191,9 @@ async def test_a_stream_cancelled_while_its_answer_is_written_is_counted_cancell
     async def endless(request, context):
         while True:  # never awaits: the cancel lands while a message is being written
             yield tokenizer_pb2.DecodeResponse(text="x" * 4000)
-    handler = grpc.method_handlers_generic_handler("keel.test.v1.Streams", {"Endless": grpc.unary_stream_rpc_method_handler(
-        endless, tokenizer_pb2.DecodeRequest.FromString, tokenizer_pb2.DecodeResponse.SerializeToString)})
+    handler = grpc.method_handlers_generic_handler("keel.test.v1.Streams", {
+        "Endless": grpc.unary_stream_rpc_method_handler(endless, tokenizer_pb2.DecodeRequest.FromString,
+                                                        tokenizer_pb2.DecodeResponse.SerializeToString)})
     srv = grpc.aio.server(interceptors=[ServerInterceptor("tokenizer", mesh_token="s3cret")])
     srv.add_generic_rpc_handlers((handler,))
     port = srv.add_insecure_port("127.0.0.1:0")
@@ -203,8 +205,9 @@ async def test_a_stream_cancelled_while_its_answer_is_written_is_counted_cancell
     before = count("CANCELLED"), count("OK")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         for _ in range(3):
-            call = ch.unary_stream("/keel.test.v1.Streams/Endless", tokenizer_pb2.DecodeRequest.SerializeToString,
-                                   tokenizer_pb2.DecodeResponse.FromString)(tokenizer_pb2.DecodeRequest(), metadata=MESH)
+            endless = ch.unary_stream("/keel.test.v1.Streams/Endless", tokenizer_pb2.DecodeRequest.SerializeToString,
+                                      tokenizer_pb2.DecodeResponse.FromString)
+            call = endless(tokenizer_pb2.DecodeRequest(), metadata=MESH)
             for _ in range(3):
                 await call.read()
             call.cancel()

@@ -14,6 +14,8 @@ import termios
 import time
 from pathlib import Path
 
+import pytest
+
 from services.feedback.store import open_store
 from shared import progress
 from shared.progress import Progress
@@ -108,6 +110,7 @@ def _etl(tmp_path, *, tty: bool) -> tuple[int, str, str]:
     return proc.wait(60), shown, shown
 
 
+@pytest.mark.slow
 def test_keel_etl_run_shows_a_bar_on_a_terminal_and_plain_lines_off_it(tmp_path):
     fill(open_store(f"sqlite:///{tmp_path / 'f.db'}"), 12)
     rc, stdout, stderr = _etl(tmp_path, tty=False)

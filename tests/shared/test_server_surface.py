@@ -22,7 +22,8 @@ async def stop(server: asyncio.Task) -> None:
 
 
 def listening_on(port: int) -> set[str]:
-    return {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {c.laddr.ip for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
 
 
 @pytest.mark.asyncio

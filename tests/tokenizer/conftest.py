@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.modelfile import gguf_path
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
+from shared.modelfile import gguf_path
 
 HF_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "var" / "model" / "hf-tokenizer"
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
@@ -42,7 +42,8 @@ def reference():
     transformers' GGUF conversion (which wrote tokenizer.json) drops the Digits step; restoring
     it here is what makes this the reference.
     """
-    from tokenizers import Tokenizer as HfTokenizer, pre_tokenizers
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import pre_tokenizers
 
     if not (HF_TOKENIZER_DIR / "tokenizer.json").exists():
         pytest.fail("reference tokenizer missing: run `make model` (make test does it first)")

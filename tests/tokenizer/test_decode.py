@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.tokenizer.decoding import complete_prefix
 from shared.errors import InvalidInput

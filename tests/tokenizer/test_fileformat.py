@@ -7,11 +7,11 @@ import struct
 
 import pytest
 
-from shared.modelfile import gguf_path
 from services.tokenizer import fileformat as ff
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
 from shared.errors import Fatal, PreconditionFailed
+from shared.modelfile import gguf_path
 
 
 def sections_of(path) -> tuple[dict[bytes, bytes], ff.SourceInfo]:
@@ -154,12 +154,14 @@ def test_compile_trusts_the_hash_when_the_mtime_differs(compiled_file, tmp_path)
     assert copy.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_compile_rebuilds_a_file_from_another_builder(compiled_file, tmp_path):
     old = rewrite(compiled_file, tmp_path / "old.kvoc", lambda m: m.update(builder="an older compiler"))
     compile_vocab(gguf_path(), old)
     assert old.read_bytes() == compiled_file.read_bytes()
 
 
+@pytest.mark.slow
 def test_compile_replaces_a_damaged_output(compiled_file, tmp_path):
     out = tmp_path / "garbage.kvoc"
     out.write_bytes(b"not a tokenizer")

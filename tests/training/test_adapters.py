@@ -119,6 +119,7 @@ def test_mismatched_adapter_records_the_perturbed_base(tmp_path, monkeypatch):
     assert differ == [adapters.PERTURBATION.tensor]
 
 
+@pytest.mark.slow
 def test_training_leaves_the_process_thread_count_as_it_found_it(tmp_path):
     """train() sets torch's process-wide thread count for itself only: a test session that trains the
     adapters in-process (tests/e2e/test_lora_mesh.py) keeps the count its other tests run at."""

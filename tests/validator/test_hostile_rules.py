@@ -6,10 +6,11 @@ import re
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from services.validator.contracts import InputChecker
 from services.validator.builtins import ForbiddenPatterns
+from services.validator.contracts import InputChecker
 from services.validator.domains import DomainConfig
 from services.validator.plugins import OutputContext
 from services.validator.rules import CompiledRules, RequestText

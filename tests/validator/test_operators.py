@@ -10,7 +10,7 @@ import redis
 
 from services.validator.operators import QuarantineOps
 from services.validator.quarantine import Quarantine, QuarantineConfig
-from services.validator.quarantine_cli import main, parse_duration
+from services.validator.quarantine_cli import main
 from services.validator.records import QuarantineRecord
 
 
@@ -164,18 +164,6 @@ def test_usage_and_wiring_errors(redis_url, client):
 def test_ops_needs_an_operator_name(client):
     with pytest.raises(ValueError):
         QuarantineOps(client, stream="s", group="g", operator="", key_prefix="k")
-
-
-@pytest.mark.parametrize("text, seconds", [("90s", 90), ("15m", 900), ("1h30m", 5400),
-                                           ("7d", 604800), ("2w", 1209600), ("0.5s", 0.5)])
-def test_parse_duration(text, seconds):
-    assert parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize("text", ["", "7", "d7", "1x", "1h 30m", "0s", "-1h"])
-def test_parse_duration_rejects(text):
-    with pytest.raises(ValueError):
-        parse_duration(text)
 
 
 def test_show_finds_records_written_by_the_quarantine(tmp_path, redis_url):

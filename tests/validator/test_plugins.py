@@ -5,8 +5,15 @@ import pytest
 
 from services.validator import builtins
 from services.validator.output_pipeline import OutputPipeline, PipelineConfig
-from services.validator.plugins import (OutputContext, OutputValidator, PluginSpec, TextProcessor,
-                                        Verdict, build_plugin, import_object)
+from services.validator.plugins import (
+    OutputContext,
+    OutputValidator,
+    PluginSpec,
+    TextProcessor,
+    Verdict,
+    build_plugin,
+    import_object,
+)
 
 
 class ShoutingValidator:

@@ -92,6 +92,7 @@ def test_redis_restart_loses_nothing_and_duplicates_nothing(tmp_path, redis_serv
         q.close()
 
 
+@pytest.mark.slow
 def test_slow_redis_spills_and_a_late_write_is_not_duplicated(tmp_path, redis_url):
     q = make(tmp_path, redis_url, socket_timeout_s=0.05)
     admin = redis.Redis.from_url(redis_url)

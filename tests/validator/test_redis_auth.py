@@ -21,6 +21,8 @@ from shared.stages import SERVICE_NAMES
 from testing.ports import free_port
 from tests.validator.conftest import RedisServer
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cret-" + "ab" * 16
 

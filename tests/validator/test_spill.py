@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from shared.spill import SpillLog
 from shared.errors import PreconditionFailed
+from shared.spill import SpillLog
 
 
 def parse(line: str) -> int:

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from services.validator.quarantine import Quarantine, QuarantineConfig
-from shared.spill import claim_slot
 from shared.errors import PreconditionFailed
+from shared.spill import claim_slot
 from tests.validator.test_quarantine import WAIT_S, record, stream_records
 
 

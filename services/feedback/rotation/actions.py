@@ -20,8 +20,8 @@ from services.feedback.config import EtlConfig, RotationConfig
 from services.feedback.rotation.decisions import Decision, Decisions
 from services.feedback.rotation.inference import InferenceFleet
 from services.feedback.store import now_ms
-from services.validator.quarantine_cli import parse_duration
 from shared import errors
+from shared.durations import parse_duration
 
 log = logging.getLogger("keel.feedback.rotation")
 REVERSIBLE = ("switch_variant",)

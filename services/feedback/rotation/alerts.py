@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from enum import StrEnum
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import StrEnum
 
 from shared import errors
 

@@ -88,7 +88,8 @@ class Executor:
         d = await self._db(decisions.set_reverts, d.id, firing.id)
         if self.cfg.mode == Mode.PROPOSE:
             return self._decided(await self._db(decisions.finish, d.id, Outcome.PROPOSED,
-                                                detail=f"undo decision {firing.id}: `keel rotation approve` applies it"))
+                                                detail=f"undo decision {firing.id}: `keel rotation approve` applies "
+                                                       "it"))
         return await self._apply(decisions, d, revert=True)
 
     async def approve(self, decision_id: int, actor: str) -> Decision:

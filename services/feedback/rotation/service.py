@@ -61,7 +61,8 @@ class Rotation:
             replicas.append({"target": ", ".join(self.fleet.targets), "active": "", "error": str(exc)})
         for target in targets:
             try:
-                replicas.append({"target": target, "active": (await self.fleet.get_variant(target)).active, "error": ""})
+                active = (await self.fleet.get_variant(target)).active
+                replicas.append({"target": target, "active": active, "error": ""})
             except errors.KeelError as exc:
                 replicas.append({"target": target, "active": "", "error": f"{exc.reason}: {exc}"})
         decisions = self.decisions()

@@ -11,5 +11,5 @@ from keel_client import errors
 from keel_client.client import AsyncClient, AsyncStream, Client, Stream
 from keel_client.types import Alternative, Answer, Delta, TokenLogprob, Verdict
 
-__all__ = ["Alternative", "Answer", "AsyncClient", "AsyncStream", "Client", "Delta", "Stream", "TokenLogprob", "Verdict",
-           "errors"]
+__all__ = ["Alternative", "Answer", "AsyncClient", "AsyncStream", "Client", "Delta", "Stream", "TokenLogprob",
+           "Verdict", "errors"]

@@ -20,6 +20,7 @@ class CoreUpsert:
 
     def __init__(self, store):
         import sqlalchemy as sa
+
         from services.feedback import db, upsert
         f, r = db.feedback.c, db.replay_records.c
         self.store = store
@@ -99,8 +100,8 @@ def store_section(args) -> str:
     on SQLite and on a real PostgreSQL (Debian's server, started here)."""
     out = ["| database | items per batch | path | wall ms/batch | stage CPU ms/batch | database server CPU ms/batch "
            "| CPU vs the store's |", "|---|---|---|---|---|---|---|"]
-    out += asyncio.run(store_rows("sqlite", f"sqlite:///{Path(tempfile.mkdtemp(prefix='keel-bench-store-')) / 'feedback.db'}",
-                                  args.submits))
+    sqlite_file = Path(tempfile.mkdtemp(prefix="keel-bench-store-")) / "feedback.db"
+    out += asyncio.run(store_rows("sqlite", f"sqlite:///{sqlite_file}", args.submits))
     pg = PgServer().init()
     pg.start()
     try:

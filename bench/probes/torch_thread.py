@@ -4,7 +4,7 @@ LlamaRunner) timed on a worker thread that loads the model and decodes, in a fre
   after   the main thread ran one parallel op first (the layout before TorchThread: the model was
           loaded and warmed on one thread, the batching loop ran on another)
 
-Run: .venv/bin/python bench/probe_torch_thread.py [--steps 15]
+Run: .venv/bin/python -m bench.probes.torch_thread [--steps 15]
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(dtype: str, case: str, steps: int) -> None:
     import torch
-    sys.path.insert(0, str(ROOT))
+
     from services.inference.model.forward import LlamaRunner
     from services.inference.model.loader import load_model
     torch.set_num_threads(2)
@@ -53,17 +53,17 @@ def main() -> int:
         child(*args.child, args.steps)
         return 0
     from bench.bench_inference import machine
-    print(f"Machine: {machine()}\n\n| dtype | alone, ms per step | after, ms per step | after / alone |\n|---|---|---|---|")
+    print(f"Machine: {machine()}\n\n| dtype | alone, ms per step | after, ms per step | after / alone "
+          "|\n|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
         ms = {}
         for case in ("alone", "after"):
-            out = subprocess.run([sys.executable, __file__, "--child", dtype, case, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True, cwd=ROOT).stdout
+            argv = [sys.executable, "-m", __spec__.name, "--child", dtype, case, "--steps", str(args.steps)]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout
             ms[case] = float(out.strip().splitlines()[-1])
         print(f"| {dtype} | {ms['alone']:.1f} | {ms['after']:.1f} | {ms['after'] / ms['alone']:.2f}x |")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

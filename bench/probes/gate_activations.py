@@ -9,23 +9,20 @@ give the agreement `gguf` itself gets (bench/gate_formats.py), which tells how f
 widths. Scored against float32 on the gate's probes (services/inference/startup/gate.py); nothing
 is stored.
 
-Run: .venv/bin/python bench/gate_activations.py [--bits 8,16] [--prompts N] [--threads 2]
+Run: .venv/bin/python -m bench.probes.gate_activations [--bits 8,16] [--prompts N] [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.bench_inference import MODEL, machine  # noqa: E402
-from services.inference.model.blocks import EXACT_FORMAT, BlockLinear  # noqa: E402
-from services.inference.model.loader import load_model, model_in_format  # noqa: E402
-from services.inference.startup import gate, gateprobes  # noqa: E402
+from bench.bench_inference import MODEL, machine
+from services.inference.model.blocks import EXACT_FORMAT, BlockLinear
+from services.inference.model.loader import load_model, model_in_format
+from services.inference.startup import gate, gateprobes
 
 
 def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -60,7 +57,7 @@ def main() -> int:
     sequences = gateprobes.load(args.prompts)
     t0 = time.perf_counter()
     results = gate.evaluate(ref, candidates, sequences, lambda i: None)
-    print(f"Command: `.venv/bin/python bench/gate_activations.py {' '.join(sys.argv[1:])}`")
+    print(f"Command: `.venv/bin/python -m bench.probes.gate_activations {' '.join(sys.argv[1:])}`")
     print(f"Machine: {machine()}; {len(sequences)} sequences, {time.perf_counter() - t0:.0f} s\n")
     print("| candidate | mean KL (nats) | p95 KL | greedy agreement |\n|---|---|---|---|")
     for r in results:

@@ -1,4 +1,4 @@
-"""The C++ open-loop SubmitFeedback sender (bench/loadgen/submit_loadgen.cc), built here on first use.
+"""The C++ open-loop SubmitFeedback sender (bench/lib/loadgen/submit_loadgen.cc), built here on first use.
 
 It needs Debian's gRPC C++ toolchain, which `make bench-deps` installs (`make test` does not). The
 stubs are generated from protos/ into build/loadgen/.
@@ -10,8 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "bench/loadgen/submit_loadgen.cc"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "bench/lib/loadgen/submit_loadgen.cc"
 OUT = ROOT / "build/loadgen"
 PROTOS = ("keel/gateway/v1/gateway.proto", "keel/common/v1/common.proto")
 

@@ -9,7 +9,7 @@ Counts rows of 16-row batches (random slots) that equal the same row computed al
 2 threads; then times each formulation for 13 adapter rows against the base F.linear of 16 rows
 (median of interleaved repeats, 1 thread).
 
-Run: .venv/bin/python bench/probe_lora_term.py [--trials 50] [--repeats 300]
+Run: .venv/bin/python -m bench.probes.lora_term [--trials 50] [--repeats 300]
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def timing(repeats: int) -> None:
         a, b, w = torch.randn(SLOTS, RANK, fin), torch.randn(SLOTS, fout, RANK), torch.randn(fout, fin)
         h, s = torch.randn(ROWS, fin), torch.randint(1, SLOTS, (ROWS - 3,))
         rows = torch.arange(ROWS - 3)
-        runs = {**{k: (lambda f=f: f(h[rows], a, b, s)) for k, f in WAYS.items()}, "base linear": lambda: F.linear(h, w)}
+        runs = {**{k: (lambda f=f: f(h[rows], a, b, s)) for k, f in WAYS.items()}, "base "
+                                                                                   "linear": lambda: F.linear(h, w)}
         times = {k: [] for k in runs}
         for _ in range(repeats):
             for k, f in runs.items():
