@@ -285,11 +285,12 @@ REASONS: dict[str, Reason] = {
     "ADAPTER_EXISTS": Reason(PreconditionFailed, "`keel lora register`: this id@version is registered already"),
     "INVALID_ADAPTER_NAME": Reason(InvalidInput, "an adapter that is not a string, or (`keel lora`) an id or version with characters outside [A-Za-z0-9_.-]"),
     # The OpenAI-compatible HTTP API (services/openai; docs/openai.md): refusals before any gateway call.
-    "INVALID_BODY": Reason(InvalidInput, "OpenAI API: the body is not a JSON object, is nested deeper than edge.max_json_depth, or a field is unknown, missing, NaN or of the wrong JSON type; `field` names it", ("field",)),
+    "INVALID_BODY": Reason(InvalidInput, "OpenAI API: the body is not a JSON object, is nested deeper than edge.max_json_depth, or a field is unknown (not OpenAI's: a typo), missing, NaN or of the wrong JSON type; `field` names it", ("field",)),
     "INVALID_HEADER": Reason(InvalidInput, "OpenAI API: x-keel-deadline-ms is not one integer of 1..edge.max_deadline_ms, or content-length is not an integer; `field` names the header", ("field",)),
     "INVALID_HTTP_REQUEST": Reason(InvalidInput, "OpenAI API: the bytes sent are not an HTTP/1.1 request (llhttp's message says where)"),
     "HEADER_TOO_LARGE": Reason(InvalidInput, "OpenAI API (HTTP 431): the headers are over edge.max_header_bytes or edge.max_headers, or a header passed on to the gateway is over edge.max_forwarded_header_bytes; `field` names it where one header is", ("field",)),
-    "UNSUPPORTED_PARAMETER": Reason(InvalidInput, "OpenAI API: a field's value that Keel does not serve (n other than 1, several prompts, echo, max_tokens and max_completion_tokens that differ); `field` names it", ("field",)),
+    "UNSUPPORTED_PARAMETER": Reason(InvalidInput, "OpenAI API: an OpenAI field Keel does not serve (tools, logit_bias, suffix, ...: docs/openai.md), or a value of one it does not serve (n other than 1, several prompts, echo, store: true, a service_tier other than auto/default, max_tokens and max_completion_tokens that differ); `field` names it", ("field",)),
+    "METHOD_NOT_ALLOWED": Reason(InvalidInput, "OpenAI API (HTTP 405): the route is served, but not with this method; `Allow` names the one it is"),
     # Shared helpers (start-up and tools).
     "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
     "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.openai.schemas import ChatBody, CompletionBody, Sampling, unsupported
+from services.openai.schemas import ChatBody, CompletionBody, unsupported
 from shared import errors
 from shared.controls import Controls, Sampling, check_max_tokens, sampling_pb
 from shared.modelfile import MODEL_ID
@@ -18,6 +18,8 @@ INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0
 # "developer" is OpenAI's newer name for the system turn.
 ROLE_ALIASES = {"developer": "system"}
+# Keel has one service tier: these name it; any other (flex, priority, scale) is not served.
+SERVICE_TIERS = (None, "auto", "default")
 
 
 def adapter_of(model: str) -> str:
@@ -36,9 +38,14 @@ def _max_tokens(value: int | None, param: str) -> int:
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
 
-def sampling(body: Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
+def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is served")
+    if body.store:
+        raise unsupported("store", "store: true is not served: Keel keeps no completions to retrieve")
+    if body.service_tier not in SERVICE_TIERS:
+        raise unsupported("service_tier", f"service_tier {body.service_tier!r} is not served; Keel has one tier "
+                                          "(\"auto\" or \"default\")")
     if body.seed is not None and body.seed < 0:
         raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
     controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,
@@ -65,6 +72,10 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
         raise unsupported("max_tokens", "max_tokens and max_completion_tokens differ; send one")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = _max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens, param)
+    for i, m in enumerate(body.messages):
+        if m.tool_calls:
+            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served: a history holding them "
+                                                          "cannot be shown to the model as it was")
     req = gateway_pb2.GenerateRequest(
         chat=gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
             role=ROLE_ALIASES.get(m.role, m.role), content=m.text) for m in body.messages]),

@@ -99,10 +99,24 @@ def test_completions_map_prompt_and_legacy_logprobs():
     (chat, {"max_tokens": 0}, "max_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"max_completion_tokens": -1}, "max_completion_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"seed": -1}, "seed", "SEED_OUT_OF_RANGE"),
+    (chat, {"store": True}, "store", "UNSUPPORTED_PARAMETER"),
+    (completion, {"service_tier": "priority"}, "service_tier", "UNSUPPORTED_PARAMETER"),
+    (chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.1.tool_calls", "UNSUPPORTED_PARAMETER"),
 ])
 def test_what_the_grpc_api_cannot_express_is_refused_naming_the_field(fn, fields, field, reason):
     err = refused(fn, **fields)
     assert (err.reason, err.metadata["field"]) == (reason, field)
+
+
+def test_ignored_fields_change_nothing_sent():
+    plain = chat()
+    assert chat(metadata={"a": "b"}, store=False, user="u", service_tier="default",
+                messages=[{"role": "user", "content": "hi", "name": "ann"}]) == plain
+    req = chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                         {"role": "user", "content": "more"}])
+    assert [(m.role, m.content) for m in req.chat.messages] == [("user", "hi"), ("assistant", ""), ("user", "more")]
 
 
 def test_values_beyond_the_wire_types_reach_the_gateway_as_out_of_range():

@@ -69,6 +69,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self._seen(request, context)
         yield gateway_pb2.GenerateStreamResponse(delta="Hel", logprobs=[lp("Hel", -0.5, ("Hi", -1.5))])
         yield gateway_pb2.GenerateStreamResponse(delta="lo", logprobs=[lp("lo", -0.25)])
+        if request.chat.messages[-1].content == "cut":  # gRPC's own status, as when the connection drops
+            context.abort(grpc.StatusCode.UNKNOWN, "Stream removed")
         if request.chat.messages[-1].content == "fail":
             code, message, trailers = to_status(errors.NotReady(
                 "no inference replica is serving", reason="NO_HEALTHY_UPSTREAM", retry_after_ms=250), TRACE)
@@ -149,6 +151,20 @@ def test_models_are_the_base_then_the_gateways_adapters(stage):
     assert [m.id for m in client(url).models.list()] == [MODEL_ID, "french@2", "pirate@3"]
 
 
+@pytest.mark.parametrize("name", [MODEL_ID, "french@2", "pirate"])
+def test_one_model_by_its_id(stage, name):
+    url, _ = stage
+    m = client(url).models.retrieve(name)
+    assert (m.id, m.object, m.owned_by) == (name, "model", "keel")
+
+
+def test_an_unknown_model_is_404_naming_it(stage):
+    url, _ = stage
+    with pytest.raises(openai.NotFoundError) as exc:
+        client(url).models.retrieve("nope@1")
+    assert exc.value.body["code"] == "ADAPTER_NOT_FOUND" and exc.value.body["param"] == "model"
+
+
 def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
     url, _ = stage
     body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "fail"}], "stream": True})
@@ -165,6 +181,26 @@ def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
         list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "fail"}],
                                                  stream=True))
     assert "no inference replica is serving" in str(exc.value)
+
+
+def test_a_dropped_gateway_stream_is_a_keel_reason_not_grpc_text(stage):
+    url, _ = stage
+    with pytest.raises(openai.APIError) as exc:
+        list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "cut"}],
+                                                 stream=True))
+    assert exc.value.body["code"] == "CONNECTION_LOST" and "Stream removed" not in exc.value.message
+
+
+def test_what_harms_nothing_reaches_the_gateway_unchanged(stage):
+    url, gateway = stage
+    r = client(url).chat.completions.create(
+        model=MODEL_ID, metadata={"team": "a"}, store=False, user="u-1", service_tier="auto",
+        stream_options=None, messages=[{"role": "user", "content": "hi", "name": "ann"},
+                                       {"role": "assistant", "content": None, "tool_calls": []},
+                                       {"role": "user", "content": "more"}])
+    assert r.choices[0].message.content == "Hello"
+    assert [(m.role, m.content) for m in gateway.requests[-1].chat.messages] == [
+        ("user", "hi"), ("assistant", ""), ("user", "more")]
 
 
 def test_a_client_that_goes_away_cancels_the_unary_gateway_call(stage):
