@@ -159,6 +159,7 @@ REASONS: dict[str, Reason] = {
     "MAX_TOKENS_INVALID": Reason(InvalidInput, "max_tokens is not a positive integer", ("field", "request_id")),
     "MAX_TOKENS_TOO_LARGE": Reason(InvalidInput, "max_tokens above the gateway's max_tokens_limit"),
     "MAX_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "max_tokens leaves no room for the prompt in the context"),
+    "TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "truncate_prompt_tokens outside 0..the context less one; `field` names it", ("field",)),
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
     "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
@@ -239,7 +240,7 @@ REASONS: dict[str, Reason] = {
     # Inference.
     "MISSING_REQUEST_ID": Reason(InvalidInput, "inference request without an id"),
     "DUPLICATE_REQUEST_ID": Reason(InvalidInput, "an inference request id is already in flight"),
-    "CONTEXT_LENGTH_EXCEEDED": Reason(InvalidInput, "prompt plus max_tokens exceed the model's context"),
+    "CONTEXT_LENGTH_EXCEEDED": Reason(InvalidInput, "the prompt's tokens plus max_tokens exceed the model's context (the gateway, once the prompt is encoded; inference for an in-process caller); the prompt is never cut unless truncate_prompt_tokens asks (HTTP: 400, code context_length_exceeded)"),
     "TOKEN_OUT_OF_RANGE": Reason(InvalidInput, "a prompt id is outside the vocabulary"),
     "INVALID_TEMPERATURE": Reason(InvalidInput, "inference temperature out of range"),
     "INVALID_TOP_P": Reason(InvalidInput, "inference top_p out of range"),

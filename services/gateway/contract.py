@@ -4,7 +4,7 @@ with its reasons (docs/errors.md). The other stages check only what they alone k
 vocabulary, context window and memory; the validator its contracts and rules."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared import adapters, errors
 from shared.stages import CONTEXT_TOKENS
@@ -20,6 +20,7 @@ class Limits:
     max_prompt_bytes: int = 32768
     max_messages: int = 64
     max_tokens_limit: int = 1024
+    # A request without max_tokens asks for the context's room after its prompt, at most this many.
     default_max_tokens: int = 128
     max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
     default_deadline_ms: int = 60000
@@ -47,6 +48,10 @@ class Ask:
     raw_prompt: str | None = None  # set when the client sent a bare prompt
     adapter: str = ""  # "" = the base model
     controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (shared/controls.py)
+    # False: the client sent no max_tokens, and max_tokens is the gateway's default_max_tokens,
+    # lowered to the context's room once the prompt is encoded (fit).
+    max_tokens_set: bool = True
+    truncate_prompt_tokens: int = 0  # keep the prompt's last N tokens; 0 = never cut it
 
     def sampling(self, seed: int) -> Sampling:
         """What the engine samples with, under the seed the gateway settled on."""
@@ -78,6 +83,10 @@ def check_ask(ask: Ask, limits: Limits) -> None:
         raise errors.InvalidInput(f"max_tokens {ask.max_tokens} leaves no room for the prompt in a context of "
                                   f"{limits.max_context_tokens} tokens", reason="MAX_TOKENS_OUT_OF_RANGE",
                                   metadata={"limit": limits.max_context_tokens - 1, "actual": ask.max_tokens})
+    if not 0 <= ask.truncate_prompt_tokens < limits.max_context_tokens:
+        raise errors.InvalidInput(f"truncate_prompt_tokens must be in 0..{limits.max_context_tokens - 1}",
+                                  reason="TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE",
+                                  metadata={"field": "sampling.truncate_prompt_tokens"})
     if not 0.0 <= ask.temperature <= 2.0:
         raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
     if not 0.0 <= ask.top_p <= 1.0:
@@ -97,3 +106,20 @@ def check_adapter(adapter: str) -> None:
         raise errors.InvalidInput(f"adapter {adapter[:140]!r} is not \"id\" or \"id@version\" (each 1-64 letters, "
                                   "digits, '.', '_' or '-', starting with a letter or digit)",
                                   reason=errors.INVALID_ADAPTER, metadata={"field": "adapter"})
+
+
+def fit(ask: Ask, prompt_tokens: int, limits: Limits) -> Ask:
+    """``ask`` with the max_tokens it is served with, once its prompt has ``prompt_tokens`` tokens:
+    an absent max_tokens is lowered to the context's room. InvalidInput CONTEXT_LENGTH_EXCEEDED when
+    the prompt and max_tokens (absent: at least one token) do not fit the context."""
+    context = limits.max_context_tokens
+    room = context - prompt_tokens
+    max_tokens = ask.max_tokens if ask.max_tokens_set else max(1, min(ask.max_tokens, room))
+    if prompt_tokens + max_tokens > context:
+        raise errors.InvalidInput(
+            f"this model's maximum context length is {context} tokens, but the request needs "
+            f"{prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and {max_tokens} to generate; "
+            "shorten the prompt, lower max_tokens, or set truncate_prompt_tokens to cut the prompt",
+            reason="CONTEXT_LENGTH_EXCEEDED",
+            metadata={"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "context_tokens": context})
+    return replace(ask, max_tokens=max_tokens)

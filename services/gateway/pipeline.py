@@ -23,7 +23,7 @@ from keel.common.v1 import common_pb2
 from shared import errors, tracing
 from shared.clip import clip_payload
 from shared.failures import FailureKind
-from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask
+from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask, fit
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
 from services.gateway.streamtext import DecodeStream, StreamedText
@@ -140,7 +140,9 @@ class Call:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What ``prepare`` made of an accepted Ask: the encoded prompt, the input flags, the seed."""
+    """What ``prepare`` made of an accepted Ask: the Ask as it is served (its max_tokens fitted to
+    the context), the encoded prompt, the input flags, the seed."""
+    ask: Ask
     enc: Encoded
     flags: list[str]
     seed: int
@@ -212,7 +214,9 @@ class Pipeline:
         # On the gateway's server span, so that `keel trace` shows what was asked for beside what served.
         trace.get_current_span().set_attribute("adapter.requested", ask.adapter)
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
-        max_length = self.limits.max_context_tokens - ask.max_tokens  # >= 1: check_ask saw to it
+        # The tokenizer cuts the prompt only where the client asked (truncate_prompt_tokens); else
+        # it is encoded up to the context, and one longer is counted whole (original_length).
+        max_length = ask.truncate_prompt_tokens or self.limits.max_context_tokens
         # The input check and the encoding are independent: run them side by side (one hop less of
         # latency). Nothing reaches inference until both are done; a rejection cancels the encoding.
         try:
@@ -224,9 +228,12 @@ class Pipeline:
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as a plain KeelError
         flags, enc = checked.result(), encoded.result()
-        log.info("encoded", extra={"prompt_tokens": len(enc.ids), "truncated": enc.truncated,
-                                   "fingerprint": enc.fingerprint})
-        return Prepared(enc, flags, seed)
+        prompt_tokens = len(enc.ids) if ask.truncate_prompt_tokens else enc.original_length
+        trace.get_current_span().set_attributes({"prompt.tokens": prompt_tokens, "prompt.truncated": enc.truncated,
+                                                 "prompt.original_tokens": enc.original_length})
+        log.info("encoded", extra={"prompt_tokens": prompt_tokens, "truncated": enc.truncated,
+                                   "original_length": enc.original_length, "fingerprint": enc.fingerprint})
+        return Prepared(fit(ask, prompt_tokens, self.limits), enc, flags, seed)
 
     async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, call: Call) -> None:
         """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
@@ -244,6 +251,7 @@ class Pipeline:
 
     async def generate(self, ask: Ask, call: Call) -> Answer:
         prep = await self.prepare(ask, call)
+        ask = prep.ask
 
         async def run_generation(timeout: float, md: dict) -> tuple[list[Step], Done]:
             steps: list[Step] = []
@@ -274,6 +282,7 @@ class Pipeline:
         Deltas are the raw model text; output validation runs on the whole answer at the end.
         """
         prep = await self.prepare(ask, call)
+        ask = prep.ask
 
         async def open_stream(timeout: float, md: dict):
             events = self.up.generate(prep.enc, ask, prep.seed, timeout, md).__aiter__()

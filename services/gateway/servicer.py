@@ -24,7 +24,7 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
     return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw,
-               adapter=req.adapter,
+               adapter=req.adapter, max_tokens_set=s.max_tokens != 0, truncate_prompt_tokens=s.truncate_prompt_tokens,
                controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
 
 

@@ -33,7 +33,7 @@ def model_of(adapter: str) -> str:
 
 def _max_tokens(value: int | None, param: str) -> int:
     if value is None:
-        return 0  # the gateway's default_max_tokens
+        return 0  # the context's room after the prompt, at most the gateway's default_max_tokens
     check_max_tokens(value, param, field=param)
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
@@ -51,11 +51,14 @@ def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, t
     controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,
                         presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
                         top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)))
-    return sampling_pb(Sampling(
+    pb = sampling_pb(Sampling(
         max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         DEFAULT_TOP_P if body.top_p is None else body.top_p,
         # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
         seed=min(body.seed, UINT64_MAX) if body.seed is not None else None, controls=controls))
+    # beyond int32 either way: the gateway says TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE
+    pb.truncate_prompt_tokens = max(-INT32_MAX, min(body.truncate_prompt_tokens or 0, INT32_MAX))
+    return pb
 
 
 def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
@@ -156,7 +159,14 @@ def answer(reply: Reply, r: gateway_pb2.GenerateResponse, logprobs: bool) -> dic
         choice = {"index": 0, "text": r.text, "logprobs": completion_logprobs(r.logprobs) if logprobs else None,
                   "finish_reason": r.finish_reason}
         obj = "text_completion"
-    return {**reply.head(obj, model_of(r.adapter), r.system_fingerprint), "choices": [choice], "usage": usage(r.usage)}
+    return {**reply.head(obj, model_of(r.adapter), r.system_fingerprint), "choices": [choice], "usage": usage(r.usage),
+            **truncated(r)}
+
+
+def truncated(r: gateway_pb2.GenerateResponse) -> dict:
+    """Keel's flag, on the answer (a stream: its closing chunk), that truncate_prompt_tokens cut the
+    prompt; absent when it did not (OpenAI's answers have no such field)."""
+    return {"prompt_truncated": True} if r.prompt_truncated else {}
 
 
 class StreamShaper:
@@ -197,7 +207,8 @@ class StreamShaper:
             return out
         done = ev.done
         model = model_of(done.adapter)
-        out.append(self._chunk(self._choice(None, (), done.finish_reason), done.system_fingerprint, model))
+        out.append({**self._chunk(self._choice(None, (), done.finish_reason), done.system_fingerprint, model),
+                    **truncated(done)})
         if self.include_usage:
             out.append({**self.reply.head(out[-1]["object"], model, done.system_fingerprint), "choices": [],
                         "usage": usage(done.usage)})

@@ -43,7 +43,7 @@ OPENAI_FIELD = {"adapter": "model"}
 
 
 def param_of(err: errors.KeelError) -> str | None:
-    field = err.metadata.get("field")
+    field = err.metadata.get("field", "").removeprefix("sampling.")  # the gRPC field's message is no part of it
     if field:
         return OPENAI_FIELD.get(field, field)
     if "adapter" in err.metadata:

@@ -100,6 +100,8 @@ class Sampling(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
+    # vLLM's extension: keep only the prompt's last N tokens when it is longer (absent: never cut).
+    truncate_prompt_tokens: int | None = None
     # Accepted and not used (docs/openai.md): Keel identifies callers by API key, stores no
     # completions (store: true is refused in convert.py), has one service tier ("auto" and "default";
     # others refused there) and caches prompt prefixes by itself.

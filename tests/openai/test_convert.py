@@ -119,6 +119,22 @@ def test_ignored_fields_change_nothing_sent():
     assert [(m.role, m.content) for m in req.chat.messages] == [("user", "hi"), ("assistant", ""), ("user", "more")]
 
 
+def test_truncate_prompt_tokens_is_vllms_extension():
+    assert chat(truncate_prompt_tokens=50).sampling.truncate_prompt_tokens == 50
+    assert completion().sampling.truncate_prompt_tokens == 0  # absent: the prompt is never cut
+    assert chat(truncate_prompt_tokens=-5).sampling.truncate_prompt_tokens == -5  # the gateway refuses it
+    assert chat(truncate_prompt_tokens=10**12).sampling.truncate_prompt_tokens == 2**31 - 1
+
+
+def test_the_cut_prompt_is_flagged_on_the_answer_and_the_closing_chunk():
+    from keel.gateway.v1 import gateway_pb2
+    r = gateway_pb2.GenerateResponse(text="x", trace_id="t", finish_reason="stop", prompt_truncated=True)
+    assert convert.answer(convert.Reply.start(True, "t"), r, False)["prompt_truncated"] is True
+    assert "prompt_truncated" not in convert.answer(convert.Reply.start(True, "t"), gateway_pb2.GenerateResponse(), False)
+    shaper = convert.StreamShaper(convert.Reply.start(False, "t"), MODEL_ID, False, False)
+    assert shaper.event(gateway_pb2.GenerateStreamResponse(done=r))[-1]["prompt_truncated"] is True
+
+
 def test_values_beyond_the_wire_types_reach_the_gateway_as_out_of_range():
     """Too large for int32/uint64: sent as the largest value, which the gateway refuses with its reason."""
     s = chat(max_tokens=10**12, seed=2**70).sampling

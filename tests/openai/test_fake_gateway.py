@@ -59,6 +59,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def Generate(self, request, context):
         self._seen(request, context)
+        if request.prompt == "long":
+            code, message, trailers = to_status(errors.InvalidInput(
+                "this model's maximum context length is 2048 tokens, but the request needs 2100: 2000 in the prompt "
+                "and 100 to generate", reason="CONTEXT_LENGTH_EXCEEDED",
+                metadata={"prompt_tokens": 2000, "max_tokens": 100, "context_tokens": 2048}), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
         if request.chat.messages and request.chat.messages[-1].content == "hang":
             context.add_callback(self.cancelled.set)
             while context.is_active():
@@ -181,6 +188,14 @@ def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
         list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "fail"}],
                                                  stream=True))
     assert "no inference replica is serving" in str(exc.value)
+
+
+def test_a_prompt_beyond_the_context_is_the_sdks_bad_request_with_openais_code(stage):
+    url, _ = stage
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(url).completions.create(model=MODEL_ID, prompt="long", max_tokens=100)
+    assert (exc.value.code, exc.value.param) == ("context_length_exceeded", "messages")
+    assert "2000 in the prompt" in exc.value.message and "100 to generate" in exc.value.message
 
 
 def test_a_dropped_gateway_stream_is_a_keel_reason_not_grpc_text(stage):

@@ -77,6 +77,9 @@ def test_a_request_refused_for_its_size_or_deadline_has_no_retry_hint(err):
     (errors.NotFound("x", reason="ADAPTER_NOT_FOUND", metadata={"adapter": "nope"}), "model"),
     (errors.InvalidInput("x", reason="UNKNOWN_ROLE"), "messages"),
     (errors.InvalidInput("x", reason="INVALID_BODY", metadata={"field": "messages.0.role"}), "messages.0.role"),
+    (errors.InvalidInput("x", reason="STOP_INVALID", metadata={"field": "sampling.stop"}), "stop"),
+    (errors.InvalidInput("x", reason="TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE",
+                         metadata={"field": "sampling.truncate_prompt_tokens"}), "truncate_prompt_tokens"),
     (errors.Overloaded("x", reason="RATE_LIMITED"), None),
 ])
 def test_param_names_the_openai_field(err, param):
