@@ -163,6 +163,7 @@ REASONS: dict[str, Reason] = {
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
     "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
+    "TOO_MANY_TOKEN_IDS": Reason(InvalidInput, "Detokenize: more token ids than the context; `field` names them", ("field",)),
     "INVALID_ADAPTER": Reason(InvalidInput, "the adapter field is not `id` or `id@version` (each 1-64 of [A-Za-z0-9._-], starting with a letter or digit); `field` names it", ("field",)),
     # Generation controls (shared/controls.py; the grammar's reasons: services/inference/engine/grammar.py).
     "STOP_INVALID": Reason(InvalidInput, "more than 4 stop strings, or one empty or over 64 UTF-8 bytes; `field` names it", ("field",)),

@@ -60,20 +60,7 @@ class Ask:
 
 def check_ask(ask: Ask, limits: Limits) -> None:
     """Request-size and shape rules the gateway enforces before spending anything downstream."""
-    if not ask.messages:
-        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
-    if len(ask.messages) > limits.max_messages:
-        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
-    for role, _ in ask.messages:
-        if role not in ROLES:
-            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
-                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
-    if not any(content.strip() for _, content in ask.messages):
-        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
-    size = sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages)
-    if size > limits.max_prompt_bytes:
-        raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
-                                  reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
+    check_messages(ask.messages, limits)
     check_max_tokens(ask.max_tokens)
     if ask.max_tokens > limits.max_tokens_limit:
         raise errors.InvalidInput(f"max_tokens is {ask.max_tokens}, the limit is {limits.max_tokens_limit}",
@@ -98,6 +85,27 @@ def check_ask(ask: Ask, limits: Limits) -> None:
                                   metadata={"limit": SEED_MAX, "actual": ask.seed})
     check_adapter(ask.adapter)
     check_controls(ask.controls)
+
+
+def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits) -> None:
+    """A conversation's shape and size (Generate's and Tokenize's)."""
+    if not messages:
+        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
+    if len(messages) > limits.max_messages:
+        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
+    for role, _ in messages:
+        if role not in ROLES:
+            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
+                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
+    if not any(content.strip() for _, content in messages):
+        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
+    check_prompt_bytes(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages), limits)
+
+
+def check_prompt_bytes(size: int, limits: Limits) -> None:
+    if size > limits.max_prompt_bytes:
+        raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
+                                  reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
 
 
 def check_adapter(adapter: str) -> None:

@@ -105,9 +105,11 @@ class Upstreams(Protocol):
 
     async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict,
                              rejected: errors.InvalidInput | None = None) -> list[str]: ...
-    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded: ...
+    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict,
+                          add_generation_prompt: bool = True) -> Encoded: ...
+    async def encode_text(self, text: str, max_length: int, timeout: float, md: dict) -> Encoded: ...
     def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]: ...
-    async def decode(self, ids: list[int], timeout: float, md: dict) -> str: ...
+    async def decode(self, ids: list[int], timeout: float, md: dict, skip_special_tokens: bool = True) -> str: ...
     async def decode_stream(self, timeout: float, md: dict) -> DecodeStream: ...
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]: ...
@@ -179,7 +181,9 @@ class Pipeline:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _call(self, upstream: str, method: str, fn, call: Call):
+    async def hop(self, upstream: str, method: str, fn, call: Call):
+        """``fn(timeout, metadata)``, one call to ``upstream``: retried by policy, a client span per
+        attempt, a deadline that ran out said plainly."""
         attempts = 0
 
         async def traced(timeout: float, md: dict):
@@ -203,7 +207,7 @@ class Pipeline:
 
     async def adapters(self, call: Call) -> list[str]:
         """The adapters a request may name ("id@version"), through the retry policy like any call."""
-        return await self._call("inference", "ListAdapters", self.up.list_adapters, call)
+        return await self.hop("inference", "ListAdapters", self.up.list_adapters, call)
 
     async def prepare(self, ask: Ask, call: Call) -> Prepared:
         try:
@@ -221,9 +225,9 @@ class Pipeline:
         # latency). Nothing reaches inference until both are done; a rejection cancels the encoding.
         try:
             async with asyncio.TaskGroup() as tg:
-                checked = tg.create_task(self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
+                checked = tg.create_task(self.hop("validator", "ValidateInput", lambda t, md: self.up.validate_input(
                     payload_of(ask), ask.source or "default", ask.domain or "default", t, md), call))
-                encoded = tg.create_task(self._call("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
+                encoded = tg.create_task(self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
                     ask.messages, max_length, t, md), call))
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as a plain KeelError
@@ -242,7 +246,7 @@ class Pipeline:
         the client still gets the gateway's rejection and the failure is logged."""
         try:
             payload = clip_payload(payload_of(ask), self.limits.max_quarantine_payload_bytes)
-            await self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
+            await self.hop("validator", "ValidateInput", lambda t, md: self.up.validate_input(
                 payload, ask.source or "default", ask.domain or "default", t, md, rejected=rejected), call)
         except errors.InvalidInput as echoed:
             rejected.metadata.update({k: v for k, v in echoed.metadata.items() if k in ("rule", "quarantine_id")})
@@ -265,9 +269,9 @@ class Pipeline:
                 raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
             return steps, done
 
-        steps, done = await self._call("inference", "Generate", run_generation, call)
+        steps, done = await self.hop("inference", "Generate", run_generation, call)
         ids = [s.token_id for s in steps]
-        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
+        raw = await self.hop("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
         stops = StopText(ask.controls.stop)
         raw = stops.whole(raw)
         return await self.finish(ask, prep, done, Generated(raw, ids, [s.entropy for s in steps],
@@ -288,7 +292,7 @@ class Pipeline:
             events = self.up.generate(prep.enc, ask, prep.seed, timeout, md).__aiter__()
             return await events.__anext__(), events
 
-        ev, events = await self._call("inference", "Generate", open_stream, call)
+        ev, events = await self.hop("inference", "Generate", open_stream, call)
         # Tokens arrive on their own task. One DecodeStream batch is in flight at a time and takes
         # every token that arrived while the previous one ran (a loaded tokenizer means fewer,
         # larger batches); each returns exactly the new text (services/gateway/streamtext.py).
@@ -320,7 +324,7 @@ class Pipeline:
                 finish = isinstance(done, Done)
                 text = ""
                 if new or (finish and streamed.ids):
-                    text = stops.feed(await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish),
+                    text = stops.feed(await self.hop("tokenizer", "DecodeStream", streamed.attempt(new, finish),
                                                        call))
                 if finish:
                     text += stops.flush()
@@ -339,7 +343,7 @@ class Pipeline:
                                 call)
 
     async def finish(self, ask: Ask, prep: Prepared, done: Done, out: Generated, call: Call) -> Answer:
-        text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
+        text, result = await self.hop("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
             out.raw, ask, out.entropies, t, md), call)
         if not result.passed:
             first = next((v for v in result.verdicts if not v.passed and v.blocking), None)

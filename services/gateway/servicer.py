@@ -8,6 +8,7 @@ from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Answer, Call, Delta, Pipeline, deadline_from
+from services.gateway.tokens import Tokens
 from shared import errors, tracing
 from shared.controls import controls_of
 
@@ -39,6 +40,7 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, pipeline: Pipeline, limits: Limits, feedback):
         self.pipeline, self.limits = pipeline, limits
+        self.tokens = Tokens(pipeline, limits)
         self.feedback = feedback  # services/gateway/recording.py: forwards to the feedback stage
 
     def _call(self, context: grpc.aio.ServicerContext) -> Call:
@@ -59,6 +61,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(adapters=await self.pipeline.adapters(self._call(context)))
+
+    async def Tokenize(self, request, context):
+        text = request.text if request.WhichOneof("input") == "text" else None  # neither: EMPTY_PROMPT
+        ids = await self.tokens.tokenize(text, tuple((m.role, m.content) for m in request.chat.messages),
+                                         request.add_generation_prompt, self._call(context))
+        return gateway_pb2.TokenizeResponse(token_ids=ids, context_tokens=self.limits.max_context_tokens)
+
+    async def Detokenize(self, request, context):
+        text = await self.tokens.detokenize(list(request.token_ids), self._call(context))
+        return gateway_pb2.DetokenizeResponse(text=text)
 
     async def SubmitFeedback(self, request, context):
         remaining = context.time_remaining()
