@@ -32,7 +32,7 @@ from services.openai import body as bodies
 from services.openai import convert, httperrors
 from services.openai.headers import deadline_s, has_key, metadata
 from services.openai.limits import EdgeLimits
-from services.openai.schemas import ChatBody, CompletionBody, parse
+from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import client, errors
 from shared.interceptor import NOT_SERVING_RETRY_MS, TRACE_ID_KEY
 from shared.modelfile import MODEL_ID
@@ -145,7 +145,9 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionBody, convert.completion_request)
 
-    async def _generate(self, request: Request, cls, build) -> Response:
+    async def _parsed(self, request: Request, cls, build):
+        """(the gateway request ``build`` makes of the body, the call's metadata, its deadline, the
+        body), read within the limits; or the refusal's Response."""
         read = False
         try:
             timeout = deadline_s(request, self.limits)
@@ -153,13 +155,19 @@ class Api:
             raw = await self._read(request, md)
             read = True
             body = parse(cls, bodies.parse_json(raw, self.limits.max_json_depth))
-            req = bodies.converted(build, body)
+            return bodies.converted(build, body), md, timeout, body
         except errors.KeelError as err:
             # Answered before the whole body was read, the connection is closed (the rest unread).
             return error_response(err, extra=None if read else CLOSE)
         except ClientDisconnect:
             log.info("the client went away while sending its body", extra={"path": request.url.path})
             return Response(status_code=499)
+
+    async def _generate(self, request: Request, cls, build) -> Response:
+        parsed = await self._parsed(request, cls, build)
+        if isinstance(parsed, Response):
+            return parsed
+        req, md, timeout, body = parsed
         chat = cls is ChatBody
         logprobs = req.sampling.logprobs
         if body.stream:
@@ -218,6 +226,29 @@ class Api:
         finally:
             call.cancel()
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, TokenizeBody, convert.tokenize_request, "Tokenize", convert.tokenized)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, DetokenizeBody, convert.detokenize_request, "Detokenize",
+                                  convert.detokenized)
+
+    async def _tokens(self, request: Request, cls, build, method: str, shape) -> Response:
+        """vLLM's /tokenize or /detokenize: one gateway call of ``method``, its answer as ``shape`` makes it."""
+        parsed = await self._parsed(request, cls, build)
+        if isinstance(parsed, Response):
+            return parsed
+        req, md, timeout, _ = parsed
+        call = getattr(self.gateway.stub(), method)(req, metadata=md, timeout=timeout)
+        try:
+            resp = await self._unary(request, call)
+            trace_id = dict(await call.initial_metadata() or ()).get(TRACE_ID_KEY, "")
+        except grpc.aio.AioRpcError as exc:
+            return error_response(translate(exc))
+        except errors.Cancelled as err:
+            return error_response(err)
+        return JSONResponse(shape(resp), headers={TRACE_ID_KEY: trace_id} if trace_id else None)
+
     async def _model_ids(self, request: Request) -> tuple[str, ...]:
         """The base model's name, then every adapter the gateway lists ("id@version")."""
         try:
@@ -274,6 +305,8 @@ def build_app(api: Api, lifespan=None) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model}", api.model, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),  # vLLM's paths: no /v1
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: _no_route, 405: _no_route}, lifespan=lifespan)

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.openai.schemas import ChatBody, CompletionBody, unsupported
+from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, unsupported
 from shared import errors
 from shared.controls import Controls, Sampling, check_max_tokens, sampling_pb
 from shared.modelfile import MODEL_ID
 
-INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
 # OpenAI defaults where a field is absent (Keel's own default temperature is 0, greedy).
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0
 # "developer" is OpenAI's newer name for the system turn.
@@ -69,19 +69,23 @@ def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
     return common_pb2.ResponseFormat(json_schema=json.dumps(schema, ensure_ascii=False))
 
 
+def chat_messages(messages: list[Message]) -> gateway_pb2.ChatMessages:
+    for i, m in enumerate(messages):
+        if m.tool_calls:
+            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served: a history holding them "
+                                                          "cannot be shown to the model as it was")
+    return gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role),
+                                                                     content=m.text) for m in messages])
+
+
 def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise unsupported("max_tokens", "max_tokens and max_completion_tokens differ; send one")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = _max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens, param)
-    for i, m in enumerate(body.messages):
-        if m.tool_calls:
-            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served: a history holding them "
-                                                          "cannot be shown to the model as it was")
     req = gateway_pb2.GenerateRequest(
-        chat=gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
-            role=ROLE_ALIASES.get(m.role, m.role), content=m.text) for m in body.messages]),
+        chat=chat_messages(body.messages),
         sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0), adapter=adapter_of(body.model))
     rf = response_format(body)
     if rf is not None:
@@ -98,6 +102,35 @@ def completion_request(body: CompletionBody) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
         prompt=body.prompt[0], adapter=adapter_of(body.model),
         sampling=sampling(body, _max_tokens(body.max_tokens, "max_tokens"), logprobs, body.logprobs or 0))
+
+
+def tokenize_request(body: TokenizeBody) -> gateway_pb2.TokenizeRequest:
+    if body.return_token_strs:
+        raise unsupported("return_token_strs", "token strings are not served; /detokenize gives the text of ids")
+    if body.continue_final_message:
+        raise unsupported("continue_final_message", "the chat template always closes the last turn")
+    if body.messages is None:
+        return gateway_pb2.TokenizeRequest(text=body.prompt)
+    return gateway_pb2.TokenizeRequest(chat=chat_messages(body.messages),
+                                       add_generation_prompt=body.add_generation_prompt is not False)
+
+
+def detokenize_request(body: DetokenizeBody) -> gateway_pb2.DetokenizeRequest:
+    for i, t in enumerate(body.tokens):
+        if not 0 <= t <= UINT32_MAX:
+            raise errors.InvalidInput(f"tokens.{i}: {t} is not a token id", reason="TOKEN_ID_OUT_OF_RANGE",
+                                      metadata={"field": f"tokens.{i}"})
+    return gateway_pb2.DetokenizeRequest(token_ids=body.tokens)
+
+
+def tokenized(r: gateway_pb2.TokenizeResponse) -> dict:
+    """vLLM's /tokenize answer (``token_strs`` only where asked for, which is not served)."""
+    return {"count": len(r.token_ids), "max_model_len": r.context_tokens, "tokens": list(r.token_ids),
+            "token_strs": None}
+
+
+def detokenized(r: gateway_pb2.DetokenizeResponse) -> dict:
+    return {"prompt": r.text}
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,14 @@ TYPE_BY_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 40
                   429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 # Which OpenAI field a gateway refusal is about, where its ErrorInfo names none (metadata "field"):
 # a refusal naming an adapter is about `model`; one whose reason starts with a sampling field's name
-# is about that field (TOP_P_OUT_OF_RANGE: top_p); these are about the conversation. (This reads the
-# gateway's reasons; it raises none.)
-ABOUT_MESSAGES = frozenset({"EMPTY_PROMPT", "TOO_MANY_MESSAGES", "UNKNOWN_ROLE", "PROMPT_TOO_LARGE",
-                            "CONTEXT_LENGTH_EXCEEDED"})
+# is about that field (TOP_P_OUT_OF_RANGE: top_p); those in ABOUT are about the field it names (the
+# conversation; /detokenize's ids). (This reads the gateway's reasons; it raises none.)
+ABOUT = {**dict.fromkeys(("EMPTY_PROMPT", "TOO_MANY_MESSAGES", "UNKNOWN_ROLE", "PROMPT_TOO_LARGE",
+                          "CONTEXT_LENGTH_EXCEEDED"), "messages"), "TOKEN_ID_OUT_OF_RANGE": "tokens"}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty",
                    "top_logprobs")
 # The gateway's own field names, where they differ from OpenAI's.
-OPENAI_FIELD = {"adapter": "model"}
+OPENAI_FIELD = {"adapter": "model", "token_ids": "tokens"}
 
 
 def param_of(err: errors.KeelError) -> str | None:
@@ -48,8 +48,8 @@ def param_of(err: errors.KeelError) -> str | None:
         return OPENAI_FIELD.get(field, field)
     if "adapter" in err.metadata:
         return "model"
-    if err.reason in ABOUT_MESSAGES:
-        return "messages"
+    if err.reason in ABOUT:
+        return ABOUT[err.reason]
     return next((f for f in SAMPLING_FIELDS if err.reason.startswith(f.upper() + "_")), None)
 
 

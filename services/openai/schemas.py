@@ -15,6 +15,8 @@ from shared import errors
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    # Fields of this body that Keel knows but does not serve: UNSUPPORTED_PARAMETER (``parse``).
+    UNSERVED: ClassVar[frozenset[str]] = frozenset()
 
 
 class TextPart(Strict):
@@ -111,8 +113,7 @@ class Sampling(Strict):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    # OpenAI fields of this endpoint that Keel does not serve: UNSUPPORTED_PARAMETER (``parse``).
-    UNSERVED: ClassVar[frozenset[str]] = frozenset({"logit_bias"})
+    UNSERVED = frozenset({"logit_bias"})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -144,6 +145,33 @@ class CompletionBody(Sampling):
         return _as_list(v)
 
 
+class TokenizeBody(Strict):
+    """vLLM's /tokenize: a ``prompt`` encoded as is, or ``messages`` with the chat template."""
+
+    UNSERVED = frozenset({"chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs"})
+    model: str | None = None  # every adapter shares the base model's tokenizer: not used
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool | None = None  # with messages; absent: true, as vLLM
+    add_special_tokens: bool | None = None  # accepted, no effect: the model adds no BOS or EOS of its own
+    # true is not served (convert.py): vLLM's token strings, or the last turn left open
+    return_token_strs: bool | None = None
+    continue_final_message: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeBody(Strict):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _param(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "(body)"
 
@@ -164,7 +192,7 @@ def unsupported(param: str, message: str) -> errors.InvalidInput:
     return errors.InvalidInput(message, reason="UNSUPPORTED_PARAMETER", metadata={"field": param})
 
 
-def parse(cls: type[Sampling], data: Any) -> Sampling:
+def parse(cls: type[Strict], data: Any) -> Strict:
     if not isinstance(data, dict):
         raise invalid_body("(body)", "the body must be a JSON object")
     for name in sorted(cls.UNSERVED & data.keys()):

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from keel.gateway.v1 import gateway_pb2
 from services.openai import convert
-from services.openai.schemas import ChatBody, CompletionBody, parse
+from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import errors
 from shared.modelfile import MODEL_ID
 
@@ -127,7 +128,6 @@ def test_truncate_prompt_tokens_is_vllms_extension():
 
 
 def test_the_cut_prompt_is_flagged_on_the_answer_and_the_closing_chunk():
-    from keel.gateway.v1 import gateway_pb2
     r = gateway_pb2.GenerateResponse(text="x", trace_id="t", finish_reason="stop", prompt_truncated=True)
     assert convert.answer(convert.Reply.start(True, "t"), r, False)["prompt_truncated"] is True
     assert "prompt_truncated" not in convert.answer(convert.Reply.start(True, "t"), gateway_pb2.GenerateResponse(), False)
@@ -139,3 +139,43 @@ def test_values_beyond_the_wire_types_reach_the_gateway_as_out_of_range():
     """Too large for int32/uint64: sent as the largest value, which the gateway refuses with its reason."""
     s = chat(max_tokens=10**12, seed=2**70).sampling
     assert s.max_tokens == 2**31 - 1 and s.seed == 2**64 - 1
+
+
+def tokenize(**fields):
+    return convert.tokenize_request(parse(TokenizeBody, fields))
+
+
+def test_tokenize_maps_vllms_two_shapes():
+    req = tokenize(model=MODEL_ID, prompt="hi", add_special_tokens=True)
+    assert req.WhichOneof("input") == "text" and req.text == "hi"
+    req = tokenize(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "hi")]
+    assert req.add_generation_prompt  # vLLM's default
+    assert not tokenize(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False).add_generation_prompt
+    assert convert.tokenized(gateway_pb2.TokenizeResponse(token_ids=[5, 6], context_tokens=2048)) == {
+        "count": 2, "max_model_len": 2048, "tokens": [5, 6], "token_strs": None}
+
+
+@pytest.mark.parametrize("fields,field,reason", [
+    ({"prompt": "hi", "return_token_strs": True}, "return_token_strs", "UNSUPPORTED_PARAMETER"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "continue_final_message",
+     "UNSUPPORTED_PARAMETER"),
+    ({"prompt": "hi", "chat_template": "{{x}}"}, "chat_template", "UNSUPPORTED_PARAMETER"),
+    ({"prompt": "hi", "messages": []}, "(body)", "INVALID_BODY"),
+    ({}, "(body)", "INVALID_BODY"),
+    ({"prompt": 5}, "prompt", "INVALID_BODY"),
+])
+def test_bad_tokenize_bodies_name_the_field(fields, field, reason):
+    err = refused(tokenize, **fields)
+    assert (err.reason, err.metadata["field"]) == (reason, field)
+
+
+def test_detokenize_sends_the_ids_and_refuses_what_is_no_id():
+    req = convert.detokenize_request(parse(DetokenizeBody, {"model": MODEL_ID, "tokens": [1, 2]}))
+    assert list(req.token_ids) == [1, 2]
+    assert convert.detokenized(gateway_pb2.DetokenizeResponse(text="hi")) == {"prompt": "hi"}
+    for tokens, field, reason in (([1, -1], "tokens.1", "TOKEN_ID_OUT_OF_RANGE"), ([2**32], "tokens.0",
+                                  "TOKEN_ID_OUT_OF_RANGE"), (["1"], "tokens.0", "INVALID_BODY")):
+        with pytest.raises(errors.InvalidInput) as exc:
+            convert.detokenize_request(parse(DetokenizeBody, {"tokens": tokens}))
+        assert (exc.value.reason, exc.value.metadata["field"]) == (reason, field)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent import futures
 from pathlib import Path
@@ -84,6 +85,26 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             context.set_trailing_metadata(trailers)
             context.abort(code, message)
         yield gateway_pb2.GenerateStreamResponse(done=self._done())
+
+    def Tokenize(self, request, context):
+        self._seen(request, context)
+        if request.text == "long":
+            code, message, trailers = to_status(errors.InvalidInput(
+                "the text is 3000 tokens, more than the model's context of 2048", reason="CONTEXT_LENGTH_EXCEEDED",
+                metadata={"prompt_tokens": 3000, "max_tokens": 0, "context_tokens": 2048}), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
+        text = request.text or "".join(m.content for m in request.chat.messages)
+        return gateway_pb2.TokenizeResponse(token_ids=[ord(c) for c in text], context_tokens=2048)
+
+    def Detokenize(self, request, context):
+        self._seen(request, context)
+        if 99999 in request.token_ids:
+            code, message, trailers = to_status(errors.InvalidInput(
+                "token id 99999 is outside the vocabulary", reason="TOKEN_ID_OUT_OF_RANGE"), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
+        return gateway_pb2.DetokenizeResponse(text="".join(chr(i) for i in request.token_ids))
 
     def ListModels(self, request, context):
         self._seen(request, context)
@@ -196,6 +217,41 @@ def test_a_prompt_beyond_the_context_is_the_sdks_bad_request_with_openais_code(s
         client(url).completions.create(model=MODEL_ID, prompt="long", max_tokens=100)
     assert (exc.value.code, exc.value.param) == ("context_length_exceeded", "messages")
     assert "2000 in the prompt" in exc.value.message and "100 to generate" in exc.value.message
+
+
+def post(url: str, path: str, body: dict, key: str | None = "k-123") -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_are_vllms_shapes_over_the_gateway(stage):
+    url, gateway = stage
+    status, headers, out = post(url, "/tokenize", {"model": MODEL_ID, "prompt": "hi"})
+    assert status == 200 and out == {"count": 2, "max_model_len": 2048, "tokens": [104, 105], "token_strs": None}
+    assert gateway.requests[-1].text == "hi" and gateway.metadata[-1]["authorization"] == "Bearer k-123"
+    assert headers["x-keel-trace-id"] == TRACE
+    status, _, out = post(url, "/tokenize", {"messages": [{"role": "user", "content": "yo"}]})
+    assert out["tokens"] == [121, 111] and gateway.requests[-1].add_generation_prompt
+    assert post(url, "/detokenize", {"tokens": [104, 105]})[2] == {"prompt": "hi"}
+
+
+@pytest.mark.parametrize("path,body,status,code,param", [
+    ("/tokenize", {"prompt": "long"}, 400, "context_length_exceeded", "messages"),
+    ("/tokenize", {"prompt": "hi", "return_token_strs": True}, 400, "UNSUPPORTED_PARAMETER", "return_token_strs"),
+    ("/tokenize", {"prompt": "hi", "messages": []}, 400, "INVALID_BODY", "(body)"),
+    ("/detokenize", {"tokens": [99999]}, 400, "TOKEN_ID_OUT_OF_RANGE", "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "TOKEN_ID_OUT_OF_RANGE", "tokens.0"),
+    ("/detokenize", {"tokens": "hi"}, 400, "INVALID_BODY", "tokens"),
+])
+def test_bad_token_requests_are_openai_errors_naming_the_field(stage, path, body, status, code, param):
+    url, _ = stage
+    got, _, out = post(url, path, body)
+    assert (got, out["error"]["code"], out["error"]["param"]) == (status, code, param)
 
 
 def test_a_dropped_gateway_stream_is_a_keel_reason_not_grpc_text(stage):
