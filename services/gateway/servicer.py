@@ -9,7 +9,7 @@ from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Answer, Call, Delta, Pipeline, deadline_from
 from services.gateway.tokens import Tokens
-from shared import errors, tracing
+from shared import tracing
 from shared.controls import controls_of
 
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
 from services.gateway.contract import Limits
 from services.gateway.pipeline import Call, Encoded, Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
@@ -20,8 +20,8 @@ from services.gateway.servicer import GatewayServicer
 from services.gateway.tokens import Tokens
 from shared import errors
 from shared.interceptor import ServerInterceptor
-from tests.gateway.test_auth_failures import shipped_config, stage_with
 from testing.upstreams import FakeUpstreams, no_sleep
+from tests.gateway.test_auth_failures import shipped_config, stage_with
 
 LIMITS = Limits(max_context_tokens=8, max_prompt_bytes=64)
 CALL = Call(1e12, "t" * 32)
