@@ -163,9 +163,13 @@ REASONS: dict[str, Reason] = {
     "MAX_TOKENS_INVALID": Reason(InvalidInput, "max_tokens is not a positive integer", ("field", "request_id")),
     "MAX_TOKENS_TOO_LARGE": Reason(InvalidInput, "max_tokens above the gateway's max_tokens_limit"),
     "MAX_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "max_tokens leaves no room for the prompt in the context"),
+    "TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE": Reason(
+        InvalidInput, "truncate_prompt_tokens outside 0..the context less one; `field` names it", ("field",)),
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
     "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
+    "TOO_MANY_TOKEN_IDS": Reason(
+        InvalidInput, "Detokenize: more token ids than the context; `field` names them", ("field",)),
     "INVALID_ADAPTER": Reason(
         InvalidInput, "the adapter field is not `id` or `id@version` (each 1-64 of [A-Za-z0-9._-], starting with a "
                       "letter or digit); `field` names it", ("field",)),
@@ -273,7 +277,10 @@ REASONS: dict[str, Reason] = {
     # Inference.
     "MISSING_REQUEST_ID": Reason(InvalidInput, "inference request without an id"),
     "DUPLICATE_REQUEST_ID": Reason(InvalidInput, "an inference request id is already in flight"),
-    "CONTEXT_LENGTH_EXCEEDED": Reason(InvalidInput, "prompt plus max_tokens exceed the model's context"),
+    "CONTEXT_LENGTH_EXCEEDED": Reason(
+        InvalidInput, "the prompt's tokens plus max_tokens exceed the model's context (the gateway, once the prompt is "
+                      "encoded; inference for an in-process caller); the prompt is never cut unless "
+                      "truncate_prompt_tokens asks (HTTP: 400, code context_length_exceeded)"),
     "TOKEN_OUT_OF_RANGE": Reason(InvalidInput, "a prompt id is outside the vocabulary"),
     "INVALID_TEMPERATURE": Reason(InvalidInput, "inference temperature out of range"),
     "INVALID_TOP_P": Reason(InvalidInput, "inference top_p out of range"),
@@ -345,7 +352,8 @@ REASONS: dict[str, Reason] = {
     # The OpenAI-compatible HTTP API (services/openai; docs/openai.md): refusals before any gateway call.
     "INVALID_BODY": Reason(
         InvalidInput, "OpenAI API: the body is not a JSON object, is nested deeper than edge.max_json_depth, or a "
-                      "field is unknown, missing, NaN or of the wrong JSON type; `field` names it", ("field",)),
+                      "field is unknown (not OpenAI's: a typo), missing, NaN or of the wrong JSON type; `field` names "
+                      "it", ("field",)),
     "INVALID_HEADER": Reason(
         InvalidInput, "OpenAI API: x-keel-deadline-ms is not one integer of 1..edge.max_deadline_ms, or "
                       "content-length is not an integer; `field` names the header", ("field",)),
@@ -356,8 +364,13 @@ REASONS: dict[str, Reason] = {
                       "header passed on to the gateway is over edge.max_forwarded_header_bytes; `field` names it "
                       "where one header is", ("field",)),
     "UNSUPPORTED_PARAMETER": Reason(
-        InvalidInput, "OpenAI API: a field's value that Keel does not serve (n other than 1, several prompts, echo, "
-                      "max_tokens and max_completion_tokens that differ); `field` names it", ("field",)),
+        InvalidInput, "OpenAI API: an OpenAI field Keel does not serve (tools, logit_bias, suffix, ...: "
+                      "docs/openai.md), or a value of one it does not serve (n other than 1, several prompts, echo, "
+                      "store: true, a service_tier other than auto/default, max_tokens and max_completion_tokens "
+                      "that differ); `field` names it", ("field",)),
+    "METHOD_NOT_ALLOWED": Reason(
+        InvalidInput, "OpenAI API (HTTP 405): the route is served, but not with this method; `Allow` names the one "
+                      "it is"),
     # Shared helpers (start-up and tools).
     "INVALID_PORT": Reason(InvalidInput, "start-up: a metrics port is out of range"),
     "UNKNOWN_STAGE": Reason(InvalidInput, "start-up: metrics asked for an unknown stage"),

@@ -4,7 +4,7 @@ with its reasons (docs/errors.md). The other stages check only what they alone k
 vocabulary, context window and memory; the validator its contracts and rules."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared import adapters, errors
 from shared.stages import CONTEXT_TOKENS
@@ -20,6 +20,7 @@ class Limits:
     max_prompt_bytes: int = 32768
     max_messages: int = 64
     max_tokens_limit: int = 1024
+    # A request without max_tokens asks for the context's room after its prompt, at most this many.
     default_max_tokens: int = 128
     max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
     default_deadline_ms: int = 60000
@@ -47,6 +48,10 @@ class Ask:
     raw_prompt: str | None = None  # set when the client sent a bare prompt
     adapter: str = ""  # "" = the base model
     controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (shared/controls.py)
+    # False: the client sent no max_tokens, and max_tokens is the gateway's default_max_tokens,
+    # lowered to the context's room once the prompt is encoded (fit).
+    max_tokens_set: bool = True
+    truncate_prompt_tokens: int = 0  # keep the prompt's last N tokens; 0 = never cut it
 
     def sampling(self, seed: int) -> Sampling:
         """What the engine samples with, under the seed the gateway settled on."""
@@ -55,20 +60,7 @@ class Ask:
 
 def check_ask(ask: Ask, limits: Limits) -> None:
     """Request-size and shape rules the gateway enforces before spending anything downstream."""
-    if not ask.messages:
-        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
-    if len(ask.messages) > limits.max_messages:
-        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
-    for role, _ in ask.messages:
-        if role not in ROLES:
-            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
-                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
-    if not any(content.strip() for _, content in ask.messages):
-        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
-    size = sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages)
-    if size > limits.max_prompt_bytes:
-        raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
-                                  reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
+    check_messages(ask.messages, limits)
     check_max_tokens(ask.max_tokens)
     if ask.max_tokens > limits.max_tokens_limit:
         raise errors.InvalidInput(f"max_tokens is {ask.max_tokens}, the limit is {limits.max_tokens_limit}",
@@ -78,6 +70,10 @@ def check_ask(ask: Ask, limits: Limits) -> None:
         raise errors.InvalidInput(f"max_tokens {ask.max_tokens} leaves no room for the prompt in a context of "
                                   f"{limits.max_context_tokens} tokens", reason="MAX_TOKENS_OUT_OF_RANGE",
                                   metadata={"limit": limits.max_context_tokens - 1, "actual": ask.max_tokens})
+    if not 0 <= ask.truncate_prompt_tokens < limits.max_context_tokens:
+        raise errors.InvalidInput(f"truncate_prompt_tokens must be in 0..{limits.max_context_tokens - 1}",
+                                  reason="TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE",
+                                  metadata={"field": "sampling.truncate_prompt_tokens"})
     if not 0.0 <= ask.temperature <= 2.0:
         raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
     if not 0.0 <= ask.top_p <= 1.0:
@@ -91,9 +87,47 @@ def check_ask(ask: Ask, limits: Limits) -> None:
     check_controls(ask.controls)
 
 
+def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits) -> None:
+    """A conversation's shape and size (Generate's and Tokenize's)."""
+    if not messages:
+        raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
+    if len(messages) > limits.max_messages:
+        raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
+    for role, _ in messages:
+        if role not in ROLES:
+            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
+                                      reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
+    if not any(content.strip() for _, content in messages):
+        raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")
+    check_prompt_bytes(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages), limits)
+
+
+def check_prompt_bytes(size: int, limits: Limits) -> None:
+    if size > limits.max_prompt_bytes:
+        raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
+                                  reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
+
+
 def check_adapter(adapter: str) -> None:
     """INVALID_ARGUMENT (INVALID_ADAPTER, field "adapter") unless empty, "id" or "id@version"."""
     if adapter and not adapters.REQUEST.fullmatch(adapter):
         raise errors.InvalidInput(f"adapter {adapter[:140]!r} is not \"id\" or \"id@version\" (each 1-64 letters, "
                                   "digits, '.', '_' or '-', starting with a letter or digit)",
                                   reason=errors.INVALID_ADAPTER, metadata={"field": "adapter"})
+
+
+def fit(ask: Ask, prompt_tokens: int, limits: Limits) -> Ask:
+    """``ask`` with the max_tokens it is served with, once its prompt has ``prompt_tokens`` tokens:
+    an absent max_tokens is lowered to the context's room. InvalidInput CONTEXT_LENGTH_EXCEEDED when
+    the prompt and max_tokens (absent: at least one token) do not fit the context."""
+    context = limits.max_context_tokens
+    room = context - prompt_tokens
+    max_tokens = ask.max_tokens if ask.max_tokens_set else max(1, min(ask.max_tokens, room))
+    if prompt_tokens + max_tokens > context:
+        raise errors.InvalidInput(
+            f"this model's maximum context length is {context} tokens, but the request needs "
+            f"{prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and {max_tokens} to generate; "
+            "shorten the prompt, lower max_tokens, or set truncate_prompt_tokens to cut the prompt",
+            reason="CONTEXT_LENGTH_EXCEEDED",
+            metadata={"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "context_tokens": context})
+    return replace(ask, max_tokens=max_tokens)

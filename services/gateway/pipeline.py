@@ -23,7 +23,7 @@ from keel.common.v1 import common_pb2
 from shared import errors, tracing
 from shared.clip import clip_payload
 from shared.failures import FailureKind
-from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask
+from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask, fit
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
 from services.gateway.streamtext import DecodeStream, StreamedText
@@ -105,9 +105,11 @@ class Upstreams(Protocol):
 
     async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict,
                              rejected: errors.InvalidInput | None = None) -> list[str]: ...
-    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded: ...
+    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict,
+                          add_generation_prompt: bool = True) -> Encoded: ...
+    async def encode_text(self, text: str, max_length: int, timeout: float, md: dict) -> Encoded: ...
     def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]: ...
-    async def decode(self, ids: list[int], timeout: float, md: dict) -> str: ...
+    async def decode(self, ids: list[int], timeout: float, md: dict, skip_special_tokens: bool = True) -> str: ...
     async def decode_stream(self, timeout: float, md: dict) -> DecodeStream: ...
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]: ...
@@ -140,7 +142,9 @@ class Call:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What ``prepare`` made of an accepted Ask: the encoded prompt, the input flags, the seed."""
+    """What ``prepare`` made of an accepted Ask: the Ask as it is served (its max_tokens fitted to
+    the context), the encoded prompt, the input flags, the seed."""
+    ask: Ask
     enc: Encoded
     flags: list[str]
     seed: int
@@ -177,7 +181,9 @@ class Pipeline:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _call(self, upstream: str, method: str, fn, call: Call):
+    async def hop(self, upstream: str, method: str, fn, call: Call):
+        """``fn(timeout, metadata)``, one call to ``upstream``: retried by policy, a client span per
+        attempt, a deadline that ran out said plainly."""
         attempts = 0
 
         async def traced(timeout: float, md: dict):
@@ -201,7 +207,7 @@ class Pipeline:
 
     async def adapters(self, call: Call) -> list[str]:
         """The adapters a request may name ("id@version"), through the retry policy like any call."""
-        return await self._call("inference", "ListAdapters", self.up.list_adapters, call)
+        return await self.hop("inference", "ListAdapters", self.up.list_adapters, call)
 
     async def prepare(self, ask: Ask, call: Call) -> Prepared:
         try:
@@ -212,21 +218,26 @@ class Pipeline:
         # On the gateway's server span, so that `keel trace` shows what was asked for beside what served.
         trace.get_current_span().set_attribute("adapter.requested", ask.adapter)
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
-        max_length = self.limits.max_context_tokens - ask.max_tokens  # >= 1: check_ask saw to it
+        # The tokenizer cuts the prompt only where the client asked (truncate_prompt_tokens); else
+        # it is encoded up to the context, and one longer is counted whole (original_length).
+        max_length = ask.truncate_prompt_tokens or self.limits.max_context_tokens
         # The input check and the encoding are independent: run them side by side (one hop less of
         # latency). Nothing reaches inference until both are done; a rejection cancels the encoding.
         try:
             async with asyncio.TaskGroup() as tg:
-                checked = tg.create_task(self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
+                checked = tg.create_task(self.hop("validator", "ValidateInput", lambda t, md: self.up.validate_input(
                     payload_of(ask), ask.source or "default", ask.domain or "default", t, md), call))
-                encoded = tg.create_task(self._call("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
+                encoded = tg.create_task(self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
                     ask.messages, max_length, t, md), call))
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as a plain KeelError
         flags, enc = checked.result(), encoded.result()
-        log.info("encoded", extra={"prompt_tokens": len(enc.ids), "truncated": enc.truncated,
-                                   "fingerprint": enc.fingerprint})
-        return Prepared(enc, flags, seed)
+        prompt_tokens = len(enc.ids) if ask.truncate_prompt_tokens else enc.original_length
+        trace.get_current_span().set_attributes({"prompt.tokens": prompt_tokens, "prompt.truncated": enc.truncated,
+                                                 "prompt.original_tokens": enc.original_length})
+        log.info("encoded", extra={"prompt_tokens": prompt_tokens, "truncated": enc.truncated,
+                                   "original_length": enc.original_length, "fingerprint": enc.fingerprint})
+        return Prepared(fit(ask, prompt_tokens, self.limits), enc, flags, seed)
 
     async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, call: Call) -> None:
         """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
@@ -235,7 +246,7 @@ class Pipeline:
         the client still gets the gateway's rejection and the failure is logged."""
         try:
             payload = clip_payload(payload_of(ask), self.limits.max_quarantine_payload_bytes)
-            await self._call("validator", "ValidateInput", lambda t, md: self.up.validate_input(
+            await self.hop("validator", "ValidateInput", lambda t, md: self.up.validate_input(
                 payload, ask.source or "default", ask.domain or "default", t, md, rejected=rejected), call)
         except errors.InvalidInput as echoed:
             rejected.metadata.update({k: v for k, v in echoed.metadata.items() if k in ("rule", "quarantine_id")})
@@ -244,6 +255,7 @@ class Pipeline:
 
     async def generate(self, ask: Ask, call: Call) -> Answer:
         prep = await self.prepare(ask, call)
+        ask = prep.ask
 
         async def run_generation(timeout: float, md: dict) -> tuple[list[Step], Done]:
             steps: list[Step] = []
@@ -257,9 +269,9 @@ class Pipeline:
                 raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
             return steps, done
 
-        steps, done = await self._call("inference", "Generate", run_generation, call)
+        steps, done = await self.hop("inference", "Generate", run_generation, call)
         ids = [s.token_id for s in steps]
-        raw = await self._call("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
+        raw = await self.hop("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
         stops = StopText(ask.controls.stop)
         raw = stops.whole(raw)
         return await self.finish(ask, prep, done, Generated(raw, ids, [s.entropy for s in steps],
@@ -274,12 +286,13 @@ class Pipeline:
         Deltas are the raw model text; output validation runs on the whole answer at the end.
         """
         prep = await self.prepare(ask, call)
+        ask = prep.ask
 
         async def open_stream(timeout: float, md: dict):
             events = self.up.generate(prep.enc, ask, prep.seed, timeout, md).__aiter__()
             return await events.__anext__(), events
 
-        ev, events = await self._call("inference", "Generate", open_stream, call)
+        ev, events = await self.hop("inference", "Generate", open_stream, call)
         # Tokens arrive on their own task. One DecodeStream batch is in flight at a time and takes
         # every token that arrived while the previous one ran (a loaded tokenizer means fewer,
         # larger batches); each returns exactly the new text (services/gateway/streamtext.py).
@@ -311,7 +324,7 @@ class Pipeline:
                 finish = isinstance(done, Done)
                 text = ""
                 if new or (finish and streamed.ids):
-                    text = stops.feed(await self._call("tokenizer", "DecodeStream", streamed.attempt(new, finish),
+                    text = stops.feed(await self.hop("tokenizer", "DecodeStream", streamed.attempt(new, finish),
                                                        call))
                 if finish:
                     text += stops.flush()
@@ -330,7 +343,7 @@ class Pipeline:
                                 call)
 
     async def finish(self, ask: Ask, prep: Prepared, done: Done, out: Generated, call: Call) -> Answer:
-        text, result = await self._call("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
+        text, result = await self.hop("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
             out.raw, ask, out.entropies, t, md), call)
         if not result.passed:
             first = next((v for v in result.verdicts if not v.passed and v.blocking), None)

@@ -8,7 +8,8 @@ from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Answer, Call, Delta, Pipeline, deadline_from
-from shared import errors, tracing
+from services.gateway.tokens import Tokens
+from shared import tracing
 from shared.controls import controls_of
 
 
@@ -24,7 +25,7 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
     return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw,
-               adapter=req.adapter,
+               adapter=req.adapter, max_tokens_set=s.max_tokens != 0, truncate_prompt_tokens=s.truncate_prompt_tokens,
                controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
 
 
@@ -39,6 +40,7 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, pipeline: Pipeline, limits: Limits, feedback):
         self.pipeline, self.limits = pipeline, limits
+        self.tokens = Tokens(pipeline, limits)
         self.feedback = feedback  # services/gateway/recording.py: forwards to the feedback stage
 
     def _call(self, context: grpc.aio.ServicerContext) -> Call:
@@ -59,6 +61,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(adapters=await self.pipeline.adapters(self._call(context)))
+
+    async def Tokenize(self, request, context):
+        text = request.text if request.WhichOneof("input") == "text" else None  # neither: EMPTY_PROMPT
+        ids = await self.tokens.tokenize(text, tuple((m.role, m.content) for m in request.chat.messages),
+                                         request.add_generation_prompt, self._call(context))
+        return gateway_pb2.TokenizeResponse(token_ids=ids, context_tokens=self.limits.max_context_tokens)
+
+    async def Detokenize(self, request, context):
+        text = await self.tokens.detokenize(list(request.token_ids), self._call(context))
+        return gateway_pb2.DetokenizeResponse(text=text)
 
     async def SubmitFeedback(self, request, context):
         remaining = context.time_remaining()

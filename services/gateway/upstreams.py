@@ -216,10 +216,18 @@ class MeshUpstreams:
             timeout, lambda stub, t: stub.ValidateInput(req, timeout=t, metadata=_md(md)))
         return list(resp.flags)
 
-    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict) -> Encoded:
+    async def encode_chat(self, messages, max_length: int, timeout: float, md: dict,
+                          add_generation_prompt: bool = True) -> Encoded:
         chat = tokenizer_pb2.ChatInput(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                                       add_generation_prompt=True)
-        req = tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length)
+                                       add_generation_prompt=add_generation_prompt)
+        return await self._encode(tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length), timeout, md)
+
+    async def encode_text(self, text: str, max_length: int, timeout: float, md: dict) -> Encoded:
+        """``text`` as is, no chat template."""
+        req = tokenizer_pb2.EncodeRequest(text=text.encode("utf-8", "surrogatepass"), max_length=max_length)
+        return await self._encode(req, timeout, md)
+
+    async def _encode(self, req: tokenizer_pb2.EncodeRequest, timeout: float, md: dict) -> Encoded:
         resp = await self.pools["tokenizer"].call(
             timeout, lambda stub, t: stub.Encode(req, timeout=t, metadata=_md(md)))
         return Encoded(list(resp.input_ids), resp.truncated, resp.original_length, resp.fingerprint,
@@ -271,8 +279,8 @@ class MeshUpstreams:
             timeout, lambda stub, t: stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=t, metadata=_md(md)))
         return sorted(f"{a.id}@{a.version}" for a in resp.adapters if a.state == "accepted")
 
-    async def decode(self, ids: list[int], timeout: float, md: dict) -> str:
-        req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)
+    async def decode(self, ids: list[int], timeout: float, md: dict, skip_special_tokens: bool = True) -> str:
+        req = tokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=skip_special_tokens)
         resp = await self.pools["tokenizer"].call(
             timeout, lambda stub, t: stub.Decode(req, timeout=t, metadata=_md(md)))
         return resp.text

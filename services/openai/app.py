@@ -32,13 +32,18 @@ from services.openai import body as bodies
 from services.openai import convert, httperrors
 from services.openai.headers import deadline_s, has_key, metadata
 from services.openai.limits import EdgeLimits
-from services.openai.schemas import ChatBody, CompletionBody, parse
+from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import client, errors
 from shared.interceptor import NOT_SERVING_RETRY_MS, TRACE_ID_KEY
 from shared.modelfile import MODEL_ID
 
 log = logging.getLogger("keel.openai")
 
+# The trailer every gateway error carries (google.rpc.Status: reason and metadata).
+STATUS_DETAILS = "grpc-status-details-bin"
+# The statuses gRPC itself ends a call with when the connection or the deadline fails.
+TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 # An answer given before the body was read closes the connection (the rest of the body is not read).
 CLOSE = {"connection": "close"}
@@ -59,12 +64,20 @@ async def _disconnected(request: Request) -> None:
 
 
 def translate(exc: grpc.aio.AioRpcError) -> errors.KeelError:
-    """The gateway's error; a gateway that did not answer at all is CONNECTION_LOST, retry later."""
-    err = client.translate(exc)
-    if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE":
-        return errors.NotReady("the gateway did not answer; retry after the hint", reason=errors.CONNECTION_LOST,
-                               retry_after_ms=NOT_SERVING_RETRY_MS)
-    return err
+    """The gateway's error (it always sends its google.rpc.Status). A status without one is gRPC's
+    own: the gateway did not answer, or its connection dropped (even mid-stream, "Stream removed"),
+    or this stage's deadline fired first; its text names transport internals, so the client gets
+    a Keel reason and plain words instead (the log keeps gRPC's text)."""
+    if exc.code() not in TRANSPORT_CODES or any(k == STATUS_DETAILS for k, _ in exc.trailing_metadata() or ()):
+        return client.translate(exc)
+    log.info("the gateway call ended without the gateway's status",
+             extra={"code": exc.code().name, "detail": exc.details()})
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExpired("the deadline ran out before the gateway answered", reason="DEADLINE_EXCEEDED")
+    if exc.code() == grpc.StatusCode.CANCELLED:
+        return errors.Cancelled("the gateway call was cancelled", reason="CANCELLED")
+    return errors.NotReady("the connection to the gateway was lost before it answered in full; retry after the hint",
+                           reason=errors.CONNECTION_LOST, retry_after_ms=NOT_SERVING_RETRY_MS)
 
 
 def error_response(err: errors.KeelError, trace_id: str = "", extra: dict | None = None) -> JSONResponse:
@@ -132,7 +145,9 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionBody, convert.completion_request)
 
-    async def _generate(self, request: Request, cls, build) -> Response:
+    async def _parsed(self, request: Request, cls, build):
+        """(the gateway request ``build`` makes of the body, the call's metadata, its deadline, the
+        body), read within the limits; or the refusal's Response."""
         read = False
         try:
             timeout = deadline_s(request, self.limits)
@@ -140,13 +155,19 @@ class Api:
             raw = await self._read(request, md)
             read = True
             body = parse(cls, bodies.parse_json(raw, self.limits.max_json_depth))
-            req = bodies.converted(build, body)
+            return bodies.converted(build, body), md, timeout, body
         except errors.KeelError as err:
             # Answered before the whole body was read, the connection is closed (the rest unread).
             return error_response(err, extra=None if read else CLOSE)
         except ClientDisconnect:
             log.info("the client went away while sending its body", extra={"path": request.url.path})
             return Response(status_code=499)
+
+    async def _generate(self, request: Request, cls, build) -> Response:
+        parsed = await self._parsed(request, cls, build)
+        if isinstance(parsed, Response):
+            return parsed
+        req, md, timeout, body = parsed
         chat = cls is ChatBody
         logprobs = req.sampling.logprobs
         if body.stream:
@@ -205,28 +226,77 @@ class Api:
         finally:
             call.cancel()
 
-    async def models(self, request: Request) -> Response:
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokens(request, TokenizeBody, convert.tokenize_request, "Tokenize", convert.tokenized)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokens(request, DetokenizeBody, convert.detokenize_request, "Detokenize",
+                                  convert.detokenized)
+
+    async def _tokens(self, request: Request, cls, build, method: str, shape) -> Response:
+        """vLLM's /tokenize or /detokenize: one gateway call of ``method``, its answer as ``shape`` makes it."""
+        parsed = await self._parsed(request, cls, build)
+        if isinstance(parsed, Response):
+            return parsed
+        req, md, timeout, _ = parsed
+        call = getattr(self.gateway.stub(), method)(req, metadata=md, timeout=timeout)
+        try:
+            resp = await self._unary(request, call)
+            trace_id = dict(await call.initial_metadata() or ()).get(TRACE_ID_KEY, "")
+        except grpc.aio.AioRpcError as exc:
+            return error_response(translate(exc))
+        except errors.Cancelled as err:
+            return error_response(err)
+        return JSONResponse(shape(resp), headers={TRACE_ID_KEY: trace_id} if trace_id else None)
+
+    async def _model_ids(self, request: Request) -> tuple[str, ...]:
+        """The base model's name, then every adapter the gateway lists ("id@version")."""
         try:
             resp = await self.gateway.stub().ListModels(gateway_pb2.ListModelsRequest(),
                                                         metadata=metadata(request, self.limits),
                                                         timeout=deadline_s(request, self.limits))
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc) from None
+        return (MODEL_ID, *resp.adapters)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            ids = await self._model_ids(request)
         except errors.KeelError as err:
             return error_response(err)
-        except grpc.aio.AioRpcError as exc:
-            return error_response(translate(exc))
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "keel"} for name in (MODEL_ID, *resp.adapters)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_object(name) for name in ids]})
+
+    async def model(self, request: Request) -> Response:
+        """One model, as `model` may name it: the base model, "id@version", or "id" (its newest
+        accepted version); else 404 ADAPTER_NOT_FOUND, as a generation naming it would be."""
+        name = request.path_params["model"]
+        try:
+            ids = await self._model_ids(request)
+        except errors.KeelError as err:
+            return error_response(err)
+        if name not in ids and not any(i.partition("@")[0] == name for i in ids[1:]):
+            return error_response(errors.NotFound(f"no model or adapter {name[:140]!r}", reason="ADAPTER_NOT_FOUND",
+                                                  metadata={"adapter": name[:140]}))
+        return JSONResponse(model_object(name))
 
     async def health(self, request: Request) -> Response:
         status = "SERVING" if self.serving else "NOT_SERVING"
         return JSONResponse({"status": status}, status_code=200 if self.serving else 503)
 
 
-async def _not_found(request: Request, exc) -> Response:
-    status = getattr(exc, "status_code", 404)
-    err = errors.NotFound(f"no route {request.method} {request.url.path}", reason="NOT_FOUND")
-    body = httperrors.error_body(err)
-    return JSONResponse(body, status_code=status)
+def model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "keel"}
+
+
+async def _no_route(request: Request, exc) -> Response:
+    """404 NOT_FOUND for an unknown path; 405 METHOD_NOT_ALLOWED (with ``Allow``) for a known one."""
+    headers = getattr(exc, "headers", None) or {}
+    if getattr(exc, "status_code", 404) == 405:
+        err = errors.InvalidInput(f"{request.method} is not served on {request.url.path}; "
+                                  f"use {headers.get('Allow', 'another method')}", reason="METHOD_NOT_ALLOWED")
+    else:
+        err = errors.NotFound(f"no route {request.method} {request.url.path}", reason="NOT_FOUND")
+    return JSONResponse(httperrors.error_body(err), status_code=httperrors.http_status(err), headers=headers)
 
 
 def build_app(api: Api, lifespan=None) -> Starlette:
@@ -234,6 +304,9 @@ def build_app(api: Api, lifespan=None) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model}", api.model, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),  # vLLM's paths: no /v1
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_found}, lifespan=lifespan)
+    return Starlette(routes=routes, exception_handlers={404: _no_route, 405: _no_route}, lifespan=lifespan)

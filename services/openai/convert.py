@@ -8,16 +8,18 @@ from dataclasses import dataclass
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.openai.schemas import ChatBody, CompletionBody, Sampling, unsupported
+from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, unsupported
 from shared import errors
 from shared.controls import Controls, Sampling, check_max_tokens, sampling_pb
 from shared.modelfile import MODEL_ID
 
-INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
 # OpenAI defaults where a field is absent (Keel's own default temperature is 0, greedy).
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0
 # "developer" is OpenAI's newer name for the system turn.
 ROLE_ALIASES = {"developer": "system"}
+# Keel has one service tier: these name it; any other (flex, priority, scale) is not served.
+SERVICE_TIERS = (None, "auto", "default")
 
 
 def adapter_of(model: str) -> str:
@@ -31,24 +33,32 @@ def model_of(adapter: str) -> str:
 
 def _max_tokens(value: int | None, param: str) -> int:
     if value is None:
-        return 0  # the gateway's default_max_tokens
+        return 0  # the context's room after the prompt, at most the gateway's default_max_tokens
     check_max_tokens(value, param, field=param)
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
 
-def sampling(body: Sampling, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
+def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is served")
+    if body.store:
+        raise unsupported("store", "store: true is not served: Keel keeps no completions to retrieve")
+    if body.service_tier not in SERVICE_TIERS:
+        raise unsupported("service_tier", f"service_tier {body.service_tier!r} is not served; Keel has one tier "
+                                          "(\"auto\" or \"default\")")
     if body.seed is not None and body.seed < 0:
         raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
     controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,
                         presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
                         top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)))
-    return sampling_pb(Sampling(
+    pb = sampling_pb(Sampling(
         max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         DEFAULT_TOP_P if body.top_p is None else body.top_p,
         # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
         seed=min(body.seed, UINT64_MAX) if body.seed is not None else None, controls=controls))
+    # beyond int32 either way: the gateway says TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE
+    pb.truncate_prompt_tokens = max(-INT32_MAX, min(body.truncate_prompt_tokens or 0, INT32_MAX))
+    return pb
 
 
 def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
@@ -59,6 +69,15 @@ def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
     return common_pb2.ResponseFormat(json_schema=json.dumps(schema, ensure_ascii=False))
 
 
+def chat_messages(messages: list[Message]) -> gateway_pb2.ChatMessages:
+    for i, m in enumerate(messages):
+        if m.tool_calls:
+            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served: a history holding them "
+                                                          "cannot be shown to the model as it was")
+    return gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role),
+                                                                     content=m.text) for m in messages])
+
+
 def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -66,8 +85,7 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     limit = _max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens, param)
     req = gateway_pb2.GenerateRequest(
-        chat=gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
-            role=ROLE_ALIASES.get(m.role, m.role), content=m.text) for m in body.messages]),
+        chat=chat_messages(body.messages),
         sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0), adapter=adapter_of(body.model))
     rf = response_format(body)
     if rf is not None:
@@ -84,6 +102,35 @@ def completion_request(body: CompletionBody) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
         prompt=body.prompt[0], adapter=adapter_of(body.model),
         sampling=sampling(body, _max_tokens(body.max_tokens, "max_tokens"), logprobs, body.logprobs or 0))
+
+
+def tokenize_request(body: TokenizeBody) -> gateway_pb2.TokenizeRequest:
+    if body.return_token_strs:
+        raise unsupported("return_token_strs", "token strings are not served; /detokenize gives the text of ids")
+    if body.continue_final_message:
+        raise unsupported("continue_final_message", "the chat template always closes the last turn")
+    if body.messages is None:
+        return gateway_pb2.TokenizeRequest(text=body.prompt)
+    return gateway_pb2.TokenizeRequest(chat=chat_messages(body.messages),
+                                       add_generation_prompt=body.add_generation_prompt is not False)
+
+
+def detokenize_request(body: DetokenizeBody) -> gateway_pb2.DetokenizeRequest:
+    for i, t in enumerate(body.tokens):
+        if not 0 <= t <= UINT32_MAX:
+            raise errors.InvalidInput(f"tokens.{i}: {t} is not a token id", reason="TOKEN_ID_OUT_OF_RANGE",
+                                      metadata={"field": f"tokens.{i}"})
+    return gateway_pb2.DetokenizeRequest(token_ids=body.tokens)
+
+
+def tokenized(r: gateway_pb2.TokenizeResponse) -> dict:
+    """vLLM's /tokenize answer (``token_strs`` only where asked for, which is not served)."""
+    return {"count": len(r.token_ids), "max_model_len": r.context_tokens, "tokens": list(r.token_ids),
+            "token_strs": None}
+
+
+def detokenized(r: gateway_pb2.DetokenizeResponse) -> dict:
+    return {"prompt": r.text}
 
 
 @dataclass(frozen=True)
@@ -145,7 +192,14 @@ def answer(reply: Reply, r: gateway_pb2.GenerateResponse, logprobs: bool) -> dic
         choice = {"index": 0, "text": r.text, "logprobs": completion_logprobs(r.logprobs) if logprobs else None,
                   "finish_reason": r.finish_reason}
         obj = "text_completion"
-    return {**reply.head(obj, model_of(r.adapter), r.system_fingerprint), "choices": [choice], "usage": usage(r.usage)}
+    return {**reply.head(obj, model_of(r.adapter), r.system_fingerprint), "choices": [choice], "usage": usage(r.usage),
+            **truncated(r)}
+
+
+def truncated(r: gateway_pb2.GenerateResponse) -> dict:
+    """Keel's flag, on the answer (a stream: its closing chunk), that truncate_prompt_tokens cut the
+    prompt; absent when it did not (OpenAI's answers have no such field)."""
+    return {"prompt_truncated": True} if r.prompt_truncated else {}
 
 
 class StreamShaper:
@@ -186,7 +240,8 @@ class StreamShaper:
             return out
         done = ev.done
         model = model_of(done.adapter)
-        out.append(self._chunk(self._choice(None, (), done.finish_reason), done.system_fingerprint, model))
+        out.append({**self._chunk(self._choice(None, (), done.finish_reason), done.system_fingerprint, model),
+                    **truncated(done)})
         if self.include_usage:
             out.append({**self.reply.head(out[-1]["object"], model, done.system_fingerprint), "choices": [],
                         "usage": usage(done.usage)})

@@ -1,19 +1,22 @@
 """The OpenAI request bodies Keel accepts, as strict pydantic models: a field of the wrong JSON type
-(no coercion: "16" is not 16, 1 is not true), an unknown field or a NaN/Infinity is refused, and the
-error names the field (``body_error``). Ranges are the gateway's to check (its reasons travel back as
-the error's ``code``); only what has no gRPC form is checked here."""
+(no coercion: "16" is not 16, 1 is not true), an unknown field or a NaN/Infinity is refused as
+INVALID_BODY, and the error names the field (``body_error``). An OpenAI field Keel knows but cannot
+honour (``UNSERVED``) is refused as UNSUPPORTED_PARAMETER instead, so a client can tell "not served"
+from a typo; sent as null or empty it asks for nothing and is accepted. Ranges are the gateway's to
+check (its reasons travel back as the error's ``code``); only what has no gRPC form is checked here."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared import errors
 
 
-
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    # Fields of this body that Keel knows but does not serve: UNSUPPORTED_PARAMETER (``parse``).
+    UNSERVED: ClassVar[frozenset[str]] = frozenset()
 
 
 class TextPart(Strict):
@@ -23,21 +26,33 @@ class TextPart(Strict):
 
 class Message(Strict):
     role: str
-    # A string, or a list of text parts (joined); other part types are refused.
-    content: list[TextPart]
+    # A string, or a list of text parts (joined); other part types are refused. null only in an
+    # assistant turn (OpenAI's shape beside tool_calls): an empty turn.
+    content: list[TextPart] | None
+    # The participant's name: accepted and ignored (the model's chat template has no place for it).
+    name: str | None = None
+    # Calls the assistant made: the shape is accepted, a non-empty list is refused as not served
+    # (services/openai/convert.py): dropping the calls would show the model a history without them.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_as_part(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [{"type": "text", "text": v}]
-        if not isinstance(v, list):
+        if v is not None and not isinstance(v, list):
             raise ValueError("must be a string or a list of text parts")
         return v
 
+    @model_validator(mode="after")
+    def _null_content_for_the_assistant_only(self) -> "Message":
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content may be null only in an assistant message")
+        return self
+
     @property
     def text(self) -> str:
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content or ())
 
 
 class JsonSchemaFormat(Strict):
@@ -60,6 +75,7 @@ class ResponseFormat(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; Keel's chunks carry no obfuscation padding
 
 
 def _as_list(v: Any) -> Any:
@@ -86,7 +102,18 @@ class Sampling(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None  # accepted for compatibility; Keel identifies callers by API key
+    # vLLM's extension: keep only the prompt's last N tokens when it is longer (absent: never cut).
+    truncate_prompt_tokens: int | None = None
+    # Accepted and not used (docs/openai.md): Keel identifies callers by API key, stores no
+    # completions (store: true is refused in convert.py), has one service tier ("auto" and "default";
+    # others refused there) and caches prompt prefixes by itself.
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    UNSERVED = frozenset({"logit_bias"})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -95,6 +122,9 @@ class Sampling(Strict):
 
 
 class ChatBody(Sampling):
+    UNSERVED = Sampling.UNSERVED | {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                                    "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
+                                    "web_search_options"}
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -103,6 +133,7 @@ class ChatBody(Sampling):
 
 
 class CompletionBody(Sampling):
+    UNSERVED = Sampling.UNSERVED | {"suffix", "best_of"}
     prompt: list[str]
     # OpenAI's legacy form: the number of alternatives per position (0 = the tokens' own only).
     logprobs: int | None = None
@@ -112,6 +143,33 @@ class CompletionBody(Sampling):
     @classmethod
     def _prompt_as_list(cls, v: Any) -> Any:
         return _as_list(v)
+
+
+class TokenizeBody(Strict):
+    """vLLM's /tokenize: a ``prompt`` encoded as is, or ``messages`` with the chat template."""
+
+    UNSERVED = frozenset({"chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs"})
+    model: str | None = None  # every adapter shares the base model's tokenizer: not used
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool | None = None  # with messages; absent: true, as vLLM
+    add_special_tokens: bool | None = None  # accepted, no effect: the model adds no BOS or EOS of its own
+    # true is not served (convert.py): vLLM's token strings, or the last turn left open
+    return_token_strs: bool | None = None
+    continue_final_message: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeBody(Strict):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _param(loc: tuple) -> str:
@@ -134,9 +192,13 @@ def unsupported(param: str, message: str) -> errors.InvalidInput:
     return errors.InvalidInput(message, reason="UNSUPPORTED_PARAMETER", metadata={"field": param})
 
 
-def parse(cls: type[Sampling], data: Any) -> Sampling:
+def parse(cls: type[Strict], data: Any) -> Strict:
     if not isinstance(data, dict):
         raise invalid_body("(body)", "the body must be a JSON object")
+    for name in sorted(cls.UNSERVED & data.keys()):
+        if data[name] not in (None, [], {}):
+            raise unsupported(name, f"{name} is not served by Keel (docs/openai.md lists what is)")
+    data = {k: v for k, v in data.items() if k not in cls.UNSERVED}
     try:
         return cls.model_validate(data)
     except ValidationError as exc:

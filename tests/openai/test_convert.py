@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from keel.gateway.v1 import gateway_pb2
 from services.openai import convert
-from services.openai.schemas import ChatBody, CompletionBody, parse
+from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import errors
 from shared.modelfile import MODEL_ID
 
@@ -99,13 +100,82 @@ def test_completions_map_prompt_and_legacy_logprobs():
     (chat, {"max_tokens": 0}, "max_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"max_completion_tokens": -1}, "max_completion_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"seed": -1}, "seed", "SEED_OUT_OF_RANGE"),
+    (chat, {"store": True}, "store", "UNSUPPORTED_PARAMETER"),
+    (completion, {"service_tier": "priority"}, "service_tier", "UNSUPPORTED_PARAMETER"),
+    (chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.1.tool_calls", "UNSUPPORTED_PARAMETER"),
 ])
 def test_what_the_grpc_api_cannot_express_is_refused_naming_the_field(fn, fields, field, reason):
     err = refused(fn, **fields)
     assert (err.reason, err.metadata["field"]) == (reason, field)
 
 
+def test_ignored_fields_change_nothing_sent():
+    plain = chat()
+    assert chat(metadata={"a": "b"}, store=False, user="u", service_tier="default",
+                messages=[{"role": "user", "content": "hi", "name": "ann"}]) == plain
+    req = chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                         {"role": "user", "content": "more"}])
+    assert [(m.role, m.content) for m in req.chat.messages] == [("user", "hi"), ("assistant", ""), ("user", "more")]
+
+
+def test_truncate_prompt_tokens_is_vllms_extension():
+    assert chat(truncate_prompt_tokens=50).sampling.truncate_prompt_tokens == 50
+    assert completion().sampling.truncate_prompt_tokens == 0  # absent: the prompt is never cut
+    assert chat(truncate_prompt_tokens=-5).sampling.truncate_prompt_tokens == -5  # the gateway refuses it
+    assert chat(truncate_prompt_tokens=10**12).sampling.truncate_prompt_tokens == 2**31 - 1
+
+
+def test_the_cut_prompt_is_flagged_on_the_answer_and_the_closing_chunk():
+    r = gateway_pb2.GenerateResponse(text="x", trace_id="t", finish_reason="stop", prompt_truncated=True)
+    assert convert.answer(convert.Reply.start(True, "t"), r, False)["prompt_truncated"] is True
+    assert "prompt_truncated" not in convert.answer(convert.Reply.start(True, "t"), gateway_pb2.GenerateResponse(), False)
+    shaper = convert.StreamShaper(convert.Reply.start(False, "t"), MODEL_ID, False, False)
+    assert shaper.event(gateway_pb2.GenerateStreamResponse(done=r))[-1]["prompt_truncated"] is True
+
+
 def test_values_beyond_the_wire_types_reach_the_gateway_as_out_of_range():
     """Too large for int32/uint64: sent as the largest value, which the gateway refuses with its reason."""
     s = chat(max_tokens=10**12, seed=2**70).sampling
     assert s.max_tokens == 2**31 - 1 and s.seed == 2**64 - 1
+
+
+def tokenize(**fields):
+    return convert.tokenize_request(parse(TokenizeBody, fields))
+
+
+def test_tokenize_maps_vllms_two_shapes():
+    req = tokenize(model=MODEL_ID, prompt="hi", add_special_tokens=True)
+    assert req.WhichOneof("input") == "text" and req.text == "hi"
+    req = tokenize(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "hi")]
+    assert req.add_generation_prompt  # vLLM's default
+    assert not tokenize(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False).add_generation_prompt
+    assert convert.tokenized(gateway_pb2.TokenizeResponse(token_ids=[5, 6], context_tokens=2048)) == {
+        "count": 2, "max_model_len": 2048, "tokens": [5, 6], "token_strs": None}
+
+
+@pytest.mark.parametrize("fields,field,reason", [
+    ({"prompt": "hi", "return_token_strs": True}, "return_token_strs", "UNSUPPORTED_PARAMETER"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, "continue_final_message",
+     "UNSUPPORTED_PARAMETER"),
+    ({"prompt": "hi", "chat_template": "{{x}}"}, "chat_template", "UNSUPPORTED_PARAMETER"),
+    ({"prompt": "hi", "messages": []}, "(body)", "INVALID_BODY"),
+    ({}, "(body)", "INVALID_BODY"),
+    ({"prompt": 5}, "prompt", "INVALID_BODY"),
+])
+def test_bad_tokenize_bodies_name_the_field(fields, field, reason):
+    err = refused(tokenize, **fields)
+    assert (err.reason, err.metadata["field"]) == (reason, field)
+
+
+def test_detokenize_sends_the_ids_and_refuses_what_is_no_id():
+    req = convert.detokenize_request(parse(DetokenizeBody, {"model": MODEL_ID, "tokens": [1, 2]}))
+    assert list(req.token_ids) == [1, 2]
+    assert convert.detokenized(gateway_pb2.DetokenizeResponse(text="hi")) == {"prompt": "hi"}
+    for tokens, field, reason in (([1, -1], "tokens.1", "TOKEN_ID_OUT_OF_RANGE"), ([2**32], "tokens.0",
+                                  "TOKEN_ID_OUT_OF_RANGE"), (["1"], "tokens.0", "INVALID_BODY")):
+        with pytest.raises(errors.InvalidInput) as exc:
+            convert.detokenize_request(parse(DetokenizeBody, {"tokens": tokens}))
+        assert (exc.value.reason, exc.value.metadata["field"]) == (reason, field)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent import futures
 from pathlib import Path
@@ -59,6 +60,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def Generate(self, request, context):
         self._seen(request, context)
+        if request.prompt == "long":
+            code, message, trailers = to_status(errors.InvalidInput(
+                "this model's maximum context length is 2048 tokens, but the request needs 2100: 2000 in the prompt "
+                "and 100 to generate", reason="CONTEXT_LENGTH_EXCEEDED",
+                metadata={"prompt_tokens": 2000, "max_tokens": 100, "context_tokens": 2048}), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
         if request.chat.messages and request.chat.messages[-1].content == "hang":
             context.add_callback(self.cancelled.set)
             while context.is_active():
@@ -69,12 +77,34 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self._seen(request, context)
         yield gateway_pb2.GenerateStreamResponse(delta="Hel", logprobs=[lp("Hel", -0.5, ("Hi", -1.5))])
         yield gateway_pb2.GenerateStreamResponse(delta="lo", logprobs=[lp("lo", -0.25)])
+        if request.chat.messages[-1].content == "cut":  # gRPC's own status, as when the connection drops
+            context.abort(grpc.StatusCode.UNKNOWN, "Stream removed")
         if request.chat.messages[-1].content == "fail":
             code, message, trailers = to_status(errors.NotReady(
                 "no inference replica is serving", reason="NO_HEALTHY_UPSTREAM", retry_after_ms=250), TRACE)
             context.set_trailing_metadata(trailers)
             context.abort(code, message)
         yield gateway_pb2.GenerateStreamResponse(done=self._done())
+
+    def Tokenize(self, request, context):
+        self._seen(request, context)
+        if request.text == "long":
+            code, message, trailers = to_status(errors.InvalidInput(
+                "the text is 3000 tokens, more than the model's context of 2048", reason="CONTEXT_LENGTH_EXCEEDED",
+                metadata={"prompt_tokens": 3000, "max_tokens": 0, "context_tokens": 2048}), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
+        text = request.text or "".join(m.content for m in request.chat.messages)
+        return gateway_pb2.TokenizeResponse(token_ids=[ord(c) for c in text], context_tokens=2048)
+
+    def Detokenize(self, request, context):
+        self._seen(request, context)
+        if 99999 in request.token_ids:
+            code, message, trailers = to_status(errors.InvalidInput(
+                "token id 99999 is outside the vocabulary", reason="TOKEN_ID_OUT_OF_RANGE"), TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
+        return gateway_pb2.DetokenizeResponse(text="".join(chr(i) for i in request.token_ids))
 
     def ListModels(self, request, context):
         self._seen(request, context)
@@ -150,6 +180,20 @@ def test_models_are_the_base_then_the_gateways_adapters(stage):
     assert [m.id for m in client(url).models.list()] == [MODEL_ID, "french@2", "pirate@3"]
 
 
+@pytest.mark.parametrize("name", [MODEL_ID, "french@2", "pirate"])
+def test_one_model_by_its_id(stage, name):
+    url, _ = stage
+    m = client(url).models.retrieve(name)
+    assert (m.id, m.object, m.owned_by) == (name, "model", "keel")
+
+
+def test_an_unknown_model_is_404_naming_it(stage):
+    url, _ = stage
+    with pytest.raises(openai.NotFoundError) as exc:
+        client(url).models.retrieve("nope@1")
+    assert exc.value.body["code"] == "ADAPTER_NOT_FOUND" and exc.value.body["param"] == "model"
+
+
 def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
     url, _ = stage
     body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "fail"}], "stream": True})
@@ -166,6 +210,69 @@ def test_a_failure_mid_stream_is_an_error_event_in_place_of_done(stage):
         list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "fail"}],
                                                  stream=True))
     assert "no inference replica is serving" in str(exc.value)
+
+
+def test_a_prompt_beyond_the_context_is_the_sdks_bad_request_with_openais_code(stage):
+    url, _ = stage
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(url).completions.create(model=MODEL_ID, prompt="long", max_tokens=100)
+    assert (exc.value.code, exc.value.param) == ("context_length_exceeded", "messages")
+    assert "2000 in the prompt" in exc.value.message and "100 to generate" in exc.value.message
+
+
+def post(url: str, path: str, body: dict, key: str | None = "k-123") -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_are_vllms_shapes_over_the_gateway(stage):
+    url, gateway = stage
+    status, headers, out = post(url, "/tokenize", {"model": MODEL_ID, "prompt": "hi"})
+    assert status == 200 and out == {"count": 2, "max_model_len": 2048, "tokens": [104, 105], "token_strs": None}
+    assert gateway.requests[-1].text == "hi" and gateway.metadata[-1]["authorization"] == "Bearer k-123"
+    assert headers["x-keel-trace-id"] == TRACE
+    status, _, out = post(url, "/tokenize", {"messages": [{"role": "user", "content": "yo"}]})
+    assert out["tokens"] == [121, 111] and gateway.requests[-1].add_generation_prompt
+    assert post(url, "/detokenize", {"tokens": [104, 105]})[2] == {"prompt": "hi"}
+
+
+@pytest.mark.parametrize("path,body,status,code,param", [
+    ("/tokenize", {"prompt": "long"}, 400, "context_length_exceeded", "messages"),
+    ("/tokenize", {"prompt": "hi", "return_token_strs": True}, 400, "UNSUPPORTED_PARAMETER", "return_token_strs"),
+    ("/tokenize", {"prompt": "hi", "messages": []}, 400, "INVALID_BODY", "(body)"),
+    ("/detokenize", {"tokens": [99999]}, 400, "TOKEN_ID_OUT_OF_RANGE", "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "TOKEN_ID_OUT_OF_RANGE", "tokens.0"),
+    ("/detokenize", {"tokens": "hi"}, 400, "INVALID_BODY", "tokens"),
+])
+def test_bad_token_requests_are_openai_errors_naming_the_field(stage, path, body, status, code, param):
+    url, _ = stage
+    got, _, out = post(url, path, body)
+    assert (got, out["error"]["code"], out["error"]["param"]) == (status, code, param)
+
+
+def test_a_dropped_gateway_stream_is_a_keel_reason_not_grpc_text(stage):
+    url, _ = stage
+    with pytest.raises(openai.APIError) as exc:
+        list(client(url).chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "cut"}],
+                                                 stream=True))
+    assert exc.value.body["code"] == "CONNECTION_LOST" and "Stream removed" not in exc.value.message
+
+
+def test_what_harms_nothing_reaches_the_gateway_unchanged(stage):
+    url, gateway = stage
+    r = client(url).chat.completions.create(
+        model=MODEL_ID, metadata={"team": "a"}, store=False, user="u-1", service_tier="auto",
+        stream_options=None, messages=[{"role": "user", "content": "hi", "name": "ann"},
+                                       {"role": "assistant", "content": None, "tool_calls": []},
+                                       {"role": "user", "content": "more"}])
+    assert r.choices[0].message.content == "Hello"
+    assert [(m.role, m.content) for m in gateway.requests[-1].chat.messages] == [
+        ("user", "hi"), ("assistant", ""), ("user", "more")]
 
 
 def test_a_client_that_goes_away_cancels_the_unary_gateway_call(stage):

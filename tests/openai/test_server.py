@@ -77,6 +77,9 @@ def test_unknown_routes_and_methods_are_openai_errors(stage):
     assert status == 404 and out["error"]["code"] == "NOT_FOUND"
     status, _, out = request(f"{url}/v1/models", b"{}")
     assert status == 405 and set(out["error"]) == {"message", "type", "param", "code"}
+    status, headers, out = request(f"{url}/v1/chat/completions")
+    assert (status, out["error"]["code"], headers["allow"]) == (405, "METHOD_NOT_ALLOWED", "POST")
+    assert request(f"{url}/tokenize")[0] == 405
 
 
 def test_sigterm_stops_it():

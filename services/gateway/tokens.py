@@ -1,0 +1,50 @@
+"""Tokenize and Detokenize: the tokenizer stage as a client may use it directly (to count a prompt
+against the context, or to read token ids back), through the same hops, retries and spans as a
+generation's (Pipeline.hop), held to the gateway's prompt limits. No validator, no inference."""
+from __future__ import annotations
+
+from services.gateway.contract import Limits, check_messages, check_prompt_bytes
+from services.gateway.pipeline import Call, Pipeline
+from shared import errors
+
+INT32_MAX = 2**31 - 1  # the tokenizer's ids are int32; any vocabulary is far smaller
+
+
+class Tokens:
+    def __init__(self, pipeline: Pipeline, limits: Limits):
+        self.pipeline, self.limits = pipeline, limits
+
+    async def tokenize(self, text: str | None, messages: tuple[tuple[str, str], ...], add_generation_prompt: bool,
+                       call: Call) -> list[int]:
+        """The ids of ``text`` as is, or (``text`` None) of ``messages`` rendered with the chat template.
+        CONTEXT_LENGTH_EXCEEDED when they are more than the context (the tokenizer encodes at most it)."""
+        context = self.limits.max_context_tokens
+        up = self.pipeline.up
+        if text is None:
+            check_messages(messages, self.limits)
+            enc = await self.pipeline.hop("tokenizer", "Encode", lambda t, md: up.encode_chat(
+                messages, context, t, md, add_generation_prompt=add_generation_prompt), call)
+        else:
+            check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), self.limits)
+            if not text:
+                return []
+            enc = await self.pipeline.hop("tokenizer", "Encode", lambda t, md: up.encode_text(text, context, t, md),
+                                          call)
+        if enc.original_length > len(enc.ids):
+            raise errors.InvalidInput(
+                f"the text is {enc.original_length} tokens, more than the model's context of {context}",
+                reason="CONTEXT_LENGTH_EXCEEDED",
+                metadata={"prompt_tokens": enc.original_length, "max_tokens": 0, "context_tokens": context})
+        return enc.ids
+
+    async def detokenize(self, ids: list[int], call: Call) -> str:
+        """The text of ``ids``, special tokens kept (the tokenizer refuses an id beyond its vocabulary)."""
+        if len(ids) > self.limits.max_context_tokens:
+            raise errors.InvalidInput(f"at most {self.limits.max_context_tokens} token ids (the context), got {len(ids)}",
+                                      reason="TOO_MANY_TOKEN_IDS", metadata={"field": "token_ids"})
+        if any(i > INT32_MAX for i in ids):
+            raise errors.InvalidInput("a token id is beyond the vocabulary", reason="TOKEN_ID_OUT_OF_RANGE",
+                                      metadata={"field": "token_ids"})
+        up = self.pipeline.up
+        return await self.pipeline.hop("tokenizer", "Decode", lambda t, md: up.decode(
+            ids, t, md, skip_special_tokens=False), call)
