@@ -64,7 +64,8 @@ class Result:
         q = statistics.quantiles(self.ttft, n=10) if len(self.ttft) > 1 else [self.ttft[0]] * 9
         share = "/".join(f"{s:.2f}" for s in self.per_replica)
         return (f"| {workload} | {policy} | {statistics.median(self.ttft) * 1000:.0f} | {q[8] * 1000:.0f} | "
-                f"{self.tokens / self.wall:.1f} | {self.hit_rate:.2f} | {share} | {self.gateway_cpu_per_request_ms:.2f} | "
+                f"{self.tokens / self.wall:.1f} | {self.hit_rate:.2f} | {share} | "
+                f"{self.gateway_cpu_per_request_ms:.2f} | "
                 f"{self.failed} |")
 
 
@@ -214,13 +215,12 @@ def main() -> None:
         print(f"\na: TTFT p50 prefix_affinity / round_robin = "
               f"{statistics.median(pa['a'].ttft) / statistics.median(rr['a'].ttft):.2f} (target <= 0.6); "
               f"hit rate / one replica's = {pa['a'].hit_rate / max(one.hit_rate, 1e-9):.2f} (target >= 0.9)")
-        print(f"b: tok/s prefix_affinity / least_loaded = {pa['b'].tokens / pa['b'].wall / (ll['b'].tokens / ll['b'].wall):.2f}"
-              f" (target >= 0.95)")
-        print(f"c: tok/s prefix_affinity / least_loaded = {pa['c'].tokens / pa['c'].wall / (ll['c'].tokens / ll['c'].wall):.2f}"
-              f" (target >= 0.9)")
-        print(f"gateway CPU per request, prefix_affinity / round_robin (a+b+c) = "
-              f"{sum(pa[w].gateway_cpu_per_request_ms for w in pa) / sum(rr[w].gateway_cpu_per_request_ms for w in rr):.2f}"
-              f" (target <= 1.1)")
+        def tok_s(r: Result) -> float:
+            return r.tokens / r.wall
+        cpu = sum(pa[w].gateway_cpu_per_request_ms for w in pa) / sum(rr[w].gateway_cpu_per_request_ms for w in rr)
+        print(f"b: tok/s prefix_affinity / least_loaded = {tok_s(pa['b']) / tok_s(ll['b']):.2f} (target >= 0.95)")
+        print(f"c: tok/s prefix_affinity / least_loaded = {tok_s(pa['c']) / tok_s(ll['c']):.2f} (target >= 0.9)")
+        print(f"gateway CPU per request, prefix_affinity / round_robin (a+b+c) = {cpu:.2f} (target <= 1.1)")
     print(f"load at end {os.getloadavg()[0]:.2f}")
 
 

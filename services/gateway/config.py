@@ -6,7 +6,6 @@ from dataclasses import dataclass, field, replace
 from services.gateway.auth import ApiKeyEntry
 from services.gateway.contract import Limits
 from services.gateway.ratelimit import AuthFailureLimit, RateLimit, RateLimitConfig
-from services.gateway.ratelimit import RateLimit, RateLimitConfig
 from services.gateway.recording import ReplayConfig
 from services.gateway.retry import RetryConfig
 from services.gateway.routing import RoutingConfig

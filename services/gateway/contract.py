@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shared import adapters, errors
-from shared.stages import CONTEXT_TOKENS
 from shared.controls import Controls, Sampling, check_controls, check_max_tokens
+from shared.stages import CONTEXT_TOKENS
 
 ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
@@ -105,7 +105,8 @@ def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits) -> Non
 def check_prompt_bytes(size: int, limits: Limits) -> None:
     if size > limits.max_prompt_bytes:
         raise errors.InvalidInput(f"prompt is {size} bytes, the limit is {limits.max_prompt_bytes}",
-                                  reason="PROMPT_TOO_LARGE", metadata={"limit": limits.max_prompt_bytes, "actual": size})
+                                  reason="PROMPT_TOO_LARGE",
+                                  metadata={"limit": limits.max_prompt_bytes, "actual": size})
 
 
 def check_adapter(adapter: str) -> None:

@@ -41,8 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 from services.gateway.auth import Metadata
-from services.gateway.budget import (LatencyEstimate, ThrottleConfig, ThrottleRegistry,
-                                     attempt_metadata, is_retry)
+from services.gateway.budget import LatencyEstimate, ThrottleConfig, ThrottleRegistry, attempt_metadata, is_retry
 from services.gateway.retry_alerts import AlertConfig, RetryInterval, RetryMonitor
 from shared import errors
 from shared.errors import DeadlineExpired, KeelError

@@ -7,17 +7,17 @@ import grpc
 
 from keel.gateway.v1 import gateway_pb2_grpc
 from services.gateway import config as gateway_config
-from services.gateway.auth import ApiKeyAuthenticator, Metadata, client_peer
+from services.gateway import recording
 from services.gateway.adapter_usage import AdapterUsage
+from services.gateway.auth import ApiKeyAuthenticator, Metadata, client_peer
 from services.gateway.pipeline import Pipeline, Served
 from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
-from services.gateway import recording
 from services.gateway.retry import RetryExecutor
 from services.gateway.retry_alerts import RetryMonitor
 from services.gateway.routing import Router
-from shared import metrics, proxyauth
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
+from shared import metrics, proxyauth
 from shared.config import ServerConfig
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 

@@ -52,7 +52,8 @@ class SubmitStream:
         self._writing = asyncio.Lock()
         self._readers: set[asyncio.Task] = set()
 
-    async def send(self, request: feedback_pb2.SubmitStreamRequest, timeout_s: float) -> feedback_pb2.SubmitStreamResponse:
+    async def send(self, request: feedback_pb2.SubmitStreamRequest,
+                   timeout_s: float) -> feedback_pb2.SubmitStreamResponse:
         """The answer to ``request``; the call's error (a KeelError) when the call ended first."""
         answer: asyncio.Future[feedback_pb2.SubmitStreamResponse] = asyncio.get_running_loop().create_future()
         answer.add_done_callback(_retrieved)

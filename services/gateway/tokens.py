@@ -40,8 +40,8 @@ class Tokens:
     async def detokenize(self, ids: list[int], call: Call) -> str:
         """The text of ``ids``, special tokens kept (the tokenizer refuses an id beyond its vocabulary)."""
         if len(ids) > self.limits.max_context_tokens:
-            raise errors.InvalidInput(f"at most {self.limits.max_context_tokens} token ids (the context), got {len(ids)}",
-                                      reason="TOO_MANY_TOKEN_IDS", metadata={"field": "token_ids"})
+            raise errors.InvalidInput(f"at most {self.limits.max_context_tokens} token ids (the context), "
+                                      f"got {len(ids)}", reason="TOO_MANY_TOKEN_IDS", metadata={"field": "token_ids"})
         if any(i > INT32_MAX for i in ids):
             raise errors.InvalidInput("a token id is beyond the vocabulary", reason="TOKEN_ID_OUT_OF_RANGE",
                                       metadata={"field": "token_ids"})

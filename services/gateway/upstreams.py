@@ -100,7 +100,8 @@ class Pool:
         stub = health_pb2_grpc.HealthStub(self.channels[target][0])
         while True:
             try:
-                watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAMES[self.stage]), wait_for_ready=True)
+                request = health_pb2.HealthCheckRequest(service=SERVICE_NAMES[self.stage])
+                watch = stub.Watch(request, wait_for_ready=True)
                 async for resp in watch:
                     self._note_health(target, resp.status == health_pb2.HealthCheckResponse.SERVING, "watch")
             except grpc.aio.AioRpcError:
@@ -118,9 +119,10 @@ class Pool:
         return self.balancer.pick(choose, skip=self._not_serving)
 
     async def pick(self, wait_s: float, choose: Callable[[Sequence[str]], str] | None = None) -> str:
-        """Next healthy replica (or the one ``choose`` takes among the healthy ones). With none, hold the request up to ``wait_s`` (what its deadline
-        leaves): it wakes when a health watch reports a replica SERVING, or when the balancer
-        re-admits one for a probe; then NO_HEALTHY_UPSTREAM with a retry hint."""
+        """Next healthy replica (or the one ``choose`` takes among the healthy ones). With none, hold
+        the request up to ``wait_s`` (what its deadline leaves): it wakes when a health watch reports
+        a replica SERVING, or when the balancer re-admits one for a probe; then NO_HEALTHY_UPSTREAM
+        with a retry hint."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait_s
         while True:
@@ -234,8 +236,9 @@ class MeshUpstreams:
                        resp.vocab_sha256, resp.chat_template_sha256)
 
     async def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]:
-        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling_pb(ask.sampling(seed)), input_fingerprint=enc.fingerprint,
-                                            adapter=ask.adapter, response_format=format_pb(ask.controls.response_format))
+        req = inference_pb2.GenerateRequest(prompt_ids=enc.ids, sampling=sampling_pb(ask.sampling(seed)),
+                                            input_fingerprint=enc.fingerprint, adapter=ask.adapter,
+                                            response_format=format_pb(ask.controls.response_format))
         pool, router = self.pools["inference"], self.pools["inference"].router
         if router is None:
             target, timeout = await pool.pick_for(timeout)
@@ -276,7 +279,8 @@ class MeshUpstreams:
     async def list_adapters(self, timeout: float, md: dict) -> list[str]:
         """The adapters one inference replica accepted, as sorted "id@version" names."""
         resp = await self.pools["inference"].call(
-            timeout, lambda stub, t: stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=t, metadata=_md(md)))
+            timeout,
+            lambda stub, t: stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=t, metadata=_md(md)))
         return sorted(f"{a.id}@{a.version}" for a in resp.adapters if a.state == "accepted")
 
     async def decode(self, ids: list[int], timeout: float, md: dict, skip_special_tokens: bool = True) -> str:

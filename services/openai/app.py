@@ -22,12 +22,12 @@ import logging
 from typing import AsyncIterator
 
 import grpc
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.openai import body as bodies
 from services.openai import convert, httperrors
 from services.openai.headers import deadline_s, has_key, metadata

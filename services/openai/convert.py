@@ -38,7 +38,8 @@ def _max_tokens(value: int | None, param: str) -> int:
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
 
-def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, top_logprobs: int) -> common_pb2.SamplingParams:
+def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool,
+             top_logprobs: int) -> common_pb2.SamplingParams:
     if body.n not in (None, 1):
         raise unsupported("n", "only n=1 is served")
     if body.store:
@@ -83,7 +84,8 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
             and body.max_tokens != body.max_completion_tokens:
         raise unsupported("max_tokens", "max_tokens and max_completion_tokens differ; send one")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    limit = _max_tokens(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens, param)
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    limit = _max_tokens(asked, param)
     req = gateway_pb2.GenerateRequest(
         chat=chat_messages(body.messages),
         sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0), adapter=adapter_of(body.model))

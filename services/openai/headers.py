@@ -59,6 +59,6 @@ def deadline_s(request: Request, limits: EdgeLimits) -> float | None:
     # the limit has: int() of a 400-digit string is slow, and its float overflows.
     if len(values) > 1 or not raw.isascii() or not raw.isdigit() or len(raw) > len(str(limits.max_deadline_ms)) \
             or not 1 <= int(raw) <= limits.max_deadline_ms:
-        raise errors.InvalidInput(f"{DEADLINE_HEADER} must be one integer of 1..{limits.max_deadline_ms} (milliseconds)",
-                                  reason="INVALID_HEADER", metadata={"field": DEADLINE_HEADER})
+        raise errors.InvalidInput(f"{DEADLINE_HEADER} must be one integer of 1..{limits.max_deadline_ms} "
+                                  "(milliseconds)", reason="INVALID_HEADER", metadata={"field": DEADLINE_HEADER})
     return int(raw) / 1000

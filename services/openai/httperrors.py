@@ -28,7 +28,8 @@ NEVER_RETRIED = frozenset({413, 431, 504})
 # any other error's code is Keel's reason.
 OPENAI_CODE = {"CONTEXT_LENGTH_EXCEEDED": "context_length_exceeded"}
 TYPE_BY_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                  409: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                  409: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
+                  401: "authentication_error", 403: "permission_error",
                   429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 # Which OpenAI field a gateway refusal is about, where its ErrorInfo names none (metadata "field"):
 # a refusal naming an adapter is about `model`; one whose reason starts with a sampling field's name

@@ -36,7 +36,8 @@ class EdgeLimits:
                  "0 < max_forwarded_header_bytes <= max_header_bytes":
                      0 < self.max_forwarded_header_bytes <= self.max_header_bytes,
                  "1 <= max_json_depth <= 256": 1 <= self.max_json_depth <= 256,
-                 "max_deadline_ms >= 1": self.max_deadline_ms >= 1, "preauth_body_bytes >= 0": self.preauth_body_bytes >= 0}
+                 "max_deadline_ms >= 1": self.max_deadline_ms >= 1,
+                 "preauth_body_bytes >= 0": self.preauth_body_bytes >= 0}
         broken = [rule for rule, ok in rules.items() if not ok]
         if broken:
             raise ValueError(f"edge limits need {', '.join(broken)}")

@@ -21,9 +21,8 @@ import json
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
-
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import grpc
 import pytest

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from keel.common.v1 import common_pb2
-from keel.gateway.v1 import gateway_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from keel.common.v1 import common_pb2
+from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Ask, Limits, check_ask
 from services.gateway.pipeline import Call, Encoded, Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor

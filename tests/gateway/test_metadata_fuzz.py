@@ -14,8 +14,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.servicer import GatewayServicer
 from shared import proxyauth
 from shared.interceptor import ServerInterceptor

@@ -13,8 +13,16 @@ from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
 from services.gateway.pipeline import Done, Encoded
-from services.gateway.routing import (POLICIES, Decision, PrefixIndex, Router, RoutingConfig, block_keys, decide,
-                                      imbalanced)
+from services.gateway.routing import (
+    POLICIES,
+    Decision,
+    PrefixIndex,
+    Router,
+    RoutingConfig,
+    block_keys,
+    decide,
+    imbalanced,
+)
 from services.gateway.upstreams import MeshUpstreams
 from shared.stages import SERVICE_NAMES
 from testing.ports import free_port

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Limits
 from services.gateway.pipeline import Call, Encoded, Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
@@ -140,9 +140,11 @@ def test_over_grpc_with_a_key(gateway):
     resp = gateway.Tokenize(gateway_pb2.TokenizeRequest(text="hi"), metadata=KEY, timeout=10)
     assert list(resp.token_ids) == [104, 105] and resp.context_tokens == 8
     chat = gateway_pb2.ChatMessages(messages=[{"role": "user", "content": "hi"}])
-    resp = gateway.Tokenize(gateway_pb2.TokenizeRequest(chat=chat, add_generation_prompt=True), metadata=KEY, timeout=10)
+    request = gateway_pb2.TokenizeRequest(chat=chat, add_generation_prompt=True)
+    resp = gateway.Tokenize(request, metadata=KEY, timeout=10)
     assert list(resp.token_ids) == [ord(c) for c in "uhi|A"]
-    assert gateway.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=[104, 105]), metadata=KEY, timeout=10).text == "hi"
+    request = gateway_pb2.DetokenizeRequest(token_ids=[104, 105])
+    assert gateway.Detokenize(request, metadata=KEY, timeout=10).text == "hi"
 
 
 @pytest.mark.parametrize("call,request_", [

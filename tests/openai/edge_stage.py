@@ -12,8 +12,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
+from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
 from shared import errors, proxyauth
 from shared.interceptor import to_status

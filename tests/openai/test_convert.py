@@ -130,7 +130,8 @@ def test_truncate_prompt_tokens_is_vllms_extension():
 def test_the_cut_prompt_is_flagged_on_the_answer_and_the_closing_chunk():
     r = gateway_pb2.GenerateResponse(text="x", trace_id="t", finish_reason="stop", prompt_truncated=True)
     assert convert.answer(convert.Reply.start(True, "t"), r, False)["prompt_truncated"] is True
-    assert "prompt_truncated" not in convert.answer(convert.Reply.start(True, "t"), gateway_pb2.GenerateResponse(), False)
+    answer = convert.answer(convert.Reply.start(True, "t"), gateway_pb2.GenerateResponse(), False)
+    assert "prompt_truncated" not in answer
     shaper = convert.StreamShaper(convert.Reply.start(False, "t"), MODEL_ID, False, False)
     assert shaper.event(gateway_pb2.GenerateStreamResponse(done=r))[-1]["prompt_truncated"] is True
 
