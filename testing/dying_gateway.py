@@ -20,7 +20,6 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 ANSWER = "ok"
