@@ -128,13 +128,16 @@ def connection_lost(err: errors.KeelError) -> bool:
 class Reconnect:
     """How a caller of the gateway (the HTTP front) retries a call whose connection was lost: at
     most ``attempts`` times, the n-th retry (n from 0) after a uniform draw in [d/2, d],
-    d = min(cap_s, base_s * 2**n); the jitter keeps the callers that lost one gateway together
-    from all coming back at once. About 5 s in all: a gateway's restart under load. (keel-client,
-    a package of its own, has the same policy: clients/python/src/keel_client/client.py.)"""
+    d = min(cap_s, base_s * 2**n) (the jitter keeps the callers that lost one gateway together
+    from all coming back at once), then once the channel it goes to has a connection again, waited
+    for at most ``ready_s`` (a gateway's restart under load takes seconds); none by then, the call
+    fails. So each attempt is spent on a gateway that was up. (keel-client, a package of its own,
+    has the same policy: clients/python/src/keel_client/client.py.)"""
 
     attempts: int = 6
-    base_s: float = 0.2
-    cap_s: float = 2.0
+    base_s: float = 0.1
+    cap_s: float = 1.0
+    ready_s: float = 10.0
 
     def delay_s(self, retry: int) -> float:
         d = min(self.cap_s, self.base_s * 2 ** retry)
@@ -153,8 +156,9 @@ class Reconnecting:
     def left_s(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    async def wait_or_raise(self, exc: grpc.aio.AioRpcError) -> None:
-        """Sleeps before the next attempt, or raises ``exc`` when the call is not to be sent again."""
+    async def wait_or_raise(self, exc: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> None:
+        """Waits until the next attempt, on ``channel``, may go; raises ``exc`` when the call is not
+        to be sent again."""
         if self.retries >= self.policy.attempts or not connection_lost(translate(exc)):
             raise exc
         delay = self.policy.delay_s(self.retries)
@@ -163,3 +167,9 @@ class Reconnecting:
             raise exc
         self.retries += 1
         await asyncio.sleep(delay)
+        left = self.left_s()
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.policy.ready_s if left is None
+                                   else min(self.policy.ready_s, left))
+        except TimeoutError:
+            raise exc from None

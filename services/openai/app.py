@@ -90,26 +90,31 @@ class Gateway:
         self._stubs = [gateway_pb2_grpc.GatewayStub(ch) for ch in self._channels]
 
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
+        return self._stubs[self._turn()]
+
+    def _turn(self) -> int:
         self._next = (self._next + 1) % len(self._stubs)
-        return self._stubs[self._next]
+        return self._next
 
     async def generate(self, req: gateway_pb2.GenerateRequest, md, timeout: float | None) -> gateway_pb2.GenerateResponse:
-        retries = client.Reconnecting(self.reconnect, timeout)
+        retries, i = client.Reconnecting(self.reconnect, timeout), self._turn()
         while True:
             try:
-                return await self.stub().Generate(req, metadata=md, timeout=retries.left_s())
+                return await self._stubs[i].Generate(req, metadata=md, timeout=retries.left_s())
             except grpc.aio.AioRpcError as exc:
-                await retries.wait_or_raise(exc)
+                i = self._turn()
+                await retries.wait_or_raise(exc, self._channels[i])
 
     async def open_stream(self, req: gateway_pb2.GenerateRequest, md, timeout: float | None):
         """(the GenerateStream call, its first message or EOF); sent again only until that message."""
-        retries = client.Reconnecting(self.reconnect, timeout)
+        retries, i = client.Reconnecting(self.reconnect, timeout), self._turn()
         while True:
-            call = self.stub().GenerateStream(req, metadata=md, timeout=retries.left_s())
+            call = self._stubs[i].GenerateStream(req, metadata=md, timeout=retries.left_s())
             try:
                 return call, await call.read()
             except grpc.aio.AioRpcError as exc:
-                await retries.wait_or_raise(exc)
+                i = self._turn()
+                await retries.wait_or_raise(exc, self._channels[i])
 
     async def close(self) -> None:
         for ch in self._channels:

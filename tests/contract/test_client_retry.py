@@ -20,8 +20,8 @@ from keel_client import AsyncClient, Client, Reconnect, errors  # noqa: E402
 from testing.dying_gateway import ANSWER, Keeper  # noqa: E402
 from testing.ports import free_port  # noqa: E402
 
-# Enough attempts to outlast the stand-in's restart (a Python start) on a loaded host.
-PATIENT = Reconnect(attempts=50, base_s=0.05, cap_s=0.5)
+# A wait for the connection that outlasts the stand-in's restart (a Python start) on a loaded host.
+PATIENT = Reconnect(ready_s=50)
 
 
 def _status(code: grpc.StatusCode, reason: str, retry_ms: int | None) -> tuple:
@@ -142,6 +142,6 @@ def test_the_async_client_sends_a_lost_call_again(dying):
 @pytest.mark.timeout(60)  # a hang, not a timing: the attempts end long before
 def test_an_unreachable_gateway_is_given_up_after_the_attempts():
     with Client(f"127.0.0.1:{free_port()}", api_key="k", timeout=30,
-                reconnect=Reconnect(attempts=3, base_s=0.01, cap_s=0.02)) as keel, pytest.raises(errors.Unavailable) as exc:
+                reconnect=Reconnect(attempts=3, base_s=0.01, cap_s=0.02, ready_s=0.5)) as keel, pytest.raises(errors.Unavailable) as exc:
         keel.generate("hi")
     assert exc.value.connection_lost and exc.value.retry_after_ms is None

@@ -15,8 +15,8 @@ from shared.client import Reconnect
 from testing.dying_gateway import ANSWER, Keeper
 from testing.ports import free_port
 
-# Enough attempts to outlast the stand-in's restart (a Python start) on a loaded host.
-PATIENT = Reconnect(attempts=50, base_s=0.05, cap_s=0.5)
+# A wait for the connection that outlasts the stand-in's restart (a Python start) on a loaded host.
+PATIENT = Reconnect(ready_s=50)
 
 
 @pytest.fixture
@@ -68,5 +68,5 @@ def test_a_stream_is_not_sent_again_after_its_first_message(dying):
 def test_an_unreachable_gateway_is_given_up_after_the_attempts():
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         _with_gateway(f"127.0.0.1:{free_port()}", lambda gw: gw.generate(gateway_pb2.GenerateRequest(prompt="hi"), (), 30),
-                      Reconnect(attempts=3, base_s=0.01, cap_s=0.02))
+                      Reconnect(attempts=3, base_s=0.01, cap_s=0.02, ready_s=0.5))
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE

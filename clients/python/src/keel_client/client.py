@@ -8,8 +8,9 @@ its first message:
   hinted delay, at most ``max_retries`` times;
 - a lost connection (UNAVAILABLE that no Keel server wrote: the gateway was unreachable, or
   restarting, or died mid-call): no answer reached the caller, so sending the call again is safe.
-  After a jittered, doubling wait (``Reconnect``), at most ``Reconnect.attempts`` times; with
-  several gateway addresses in the target the next attempt may go to another one.
+  After a jittered, doubling wait and once a gateway accepts connections again (``Reconnect``),
+  at most ``Reconnect.attempts`` times; with several gateway addresses in the target the next
+  attempt goes to one that is up.
 
 Failures raise keel_client.errors classes.
 """
@@ -30,13 +31,15 @@ from keel_client import errors, types
 @dataclass(frozen=True)
 class Reconnect:
     """Retries of a call whose connection was lost (``KeelError.connection_lost``). The n-th retry
-    (n from 0) waits a uniform draw in [d/2, d], d = min(cap_s, base_s * 2**n): the jitter keeps
-    clients that lost one gateway together from all coming back at once. The defaults span about
-    5 s, a gateway's restart under load."""
+    (n from 0) waits a uniform draw in [d/2, d], d = min(cap_s, base_s * 2**n) (the jitter keeps
+    clients that lost one gateway together from all coming back at once), then until the channel
+    has a connection again, at most ``ready_s`` (a gateway's restart under load takes seconds);
+    none by then, the call fails. So each attempt is spent on a gateway that was up."""
 
     attempts: int = 6
-    base_s: float = 0.2
-    cap_s: float = 2.0
+    base_s: float = 0.1
+    cap_s: float = 1.0
+    ready_s: float = 10.0
 
     def delay_s(self, retry: int) -> float:
         d = min(self.cap_s, self.base_s * 2 ** retry)
@@ -61,6 +64,10 @@ class _Retries:
 
     def left_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+    def ready_s(self) -> float:
+        """How long to wait for a connection before sending a lost call again."""
+        return min(self.reconnect.ready_s, self.left_s())
 
     def delay_s(self, err: errors.KeelError) -> float | None:
         """Seconds to wait before sending the call again, or None to give up with ``err``."""
@@ -129,6 +136,20 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
+    def _wait(self, retries: _Retries, err: errors.KeelError) -> bool:
+        """Waits before sending the call again (for a lost connection: until one is up); False: give up."""
+        delay = retries.delay_s(err)
+        if delay is None:
+            return False
+        time.sleep(delay)
+        if not err.connection_lost:
+            return True
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=retries.ready_s())
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def generate(self, prompt: str | None = None, **kwargs) -> types.Answer:
         """The whole answer. Keyword arguments: see keel_client.types.request (and ``timeout``)."""
         retries = _Retries(kwargs.pop("timeout", self.timeout), self.max_retries, self.reconnect)
@@ -138,10 +159,8 @@ class Client:
                 return types.answer(self._stub.Generate(req, metadata=self._md, timeout=retries.left_s()))
             except grpc.RpcError as exc:
                 err = errors.from_rpc_error(exc)
-                delay = retries.delay_s(err)
-                if delay is None:
+                if not self._wait(retries, err):
                     raise err from None
-                time.sleep(delay)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Stream:
         """A Stream of Delta pieces and the final Answer; retries apply until its first message."""
@@ -153,10 +172,8 @@ class Client:
                 stream._start()
                 return stream
             except errors.KeelError as err:
-                delay = retries.delay_s(err)
-                if delay is None:
+                if not self._wait(retries, err):
                     raise
-                time.sleep(delay)
 
 
 class AsyncStream:
@@ -210,6 +227,19 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _wait(self, retries: _Retries, err: errors.KeelError) -> bool:
+        delay = retries.delay_s(err)
+        if delay is None:
+            return False
+        await asyncio.sleep(delay)
+        if not err.connection_lost:
+            return True
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), retries.ready_s())
+        except TimeoutError:
+            return False
+        return True
+
     async def generate(self, prompt: str | None = None, **kwargs) -> types.Answer:
         retries = _Retries(kwargs.pop("timeout", self.timeout), self.max_retries, self.reconnect)
         req = types.request(prompt, **kwargs)
@@ -218,10 +248,8 @@ class AsyncClient:
                 return types.answer(await self._stub.Generate(req, metadata=self._md, timeout=retries.left_s()))
             except grpc.RpcError as exc:
                 err = errors.from_rpc_error(exc)
-                delay = retries.delay_s(err)
-                if delay is None:
+                if not await self._wait(retries, err):
                     raise err from None
-                await asyncio.sleep(delay)
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncStream:
         """An AsyncStream; retries apply until its first message."""
@@ -233,7 +261,5 @@ class AsyncClient:
                 await stream._start()
                 return stream
             except errors.KeelError as err:
-                delay = retries.delay_s(err)
-                if delay is None:
+                if not await self._wait(retries, err):
                     raise
-                await asyncio.sleep(delay)
