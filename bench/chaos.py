@@ -25,8 +25,9 @@ hangs (a client-side DEADLINE_EXCEEDED with no ErrorInfo means the gateway never
 every failure carries a retry hint (RetryInfo / grpc-retry-pushback-ms); every retry the
 gateway made (attempt n+1 in its trace spans) has a ``retry_decision`` record for attempt n, and
 every failed attempt has one (retry or stop); every hostile input (one request in
-``HOSTILE_EVERY``) the mesh rejected has a quarantine record, in Redis or the spill file (none
-lost; the OK rate counts the other requests). Spans a killed gateway had not exported yet are
+``HOSTILE_EVERY``) the mesh rejected names a quarantine record (``quarantine_id``: its own, or the
+earlier one of the same payload, stored once per ``dedup_window_s``) that is in Redis or the spill
+file (none lost; the OK rate counts the other requests). Spans a killed gateway had not exported yet are
 lost with it: with gateway kills, requests without gateway spans are counted, not failed.
 """
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Outcome:
     seconds: float
     retry_hint_ms: int | None = None
     hostile: bool = False
+    quarantine_id: str = ""  # the record a rejected input's answer names
 
     @property
     def rejected(self) -> bool:
@@ -121,22 +123,22 @@ def one_request(keel: Client, i: int, cfg: ChaosConfig) -> Outcome:
         took = time.monotonic() - start
         reason = "NO_ERROR_INFO" if err.reason == err.code else err.reason  # keel_client: no ErrorInfo
         return Outcome(err.code, reason, err.metadata.get("retry_stop", ""), err.trace_id, took, err.retry_after_ms,
-                       hostile)
+                       hostile, err.metadata.get("quarantine_id", ""))
 
 
-def quarantined(mesh: Mesh, traces: set[str], wait_s: float = 30) -> set[str]:
-    """Those of ``traces`` with a quarantine record: in the Redis stream, or in the spill file the
-    validator replays from (waited for up to ``wait_s``: a spilled record reaches Redis later)."""
+def quarantined(mesh: Mesh, ids: set[str], wait_s: float = 30) -> set[str]:
+    """Those of the record ``ids`` in the Redis stream, or in the spill file the validator replays
+    from (waited for up to ``wait_s``: a spilled record reaches Redis later)."""
     cfg = validator_config.load().quarantine
     db = redis.Redis.from_url(mesh.state()["redis_url"], decode_responses=True)
     spill = mesh.tmp / "spill.jsonl"  # testing/mesh.py points the validator's spill_path here
     deadline = time.monotonic() + wait_s
     while True:
-        found = {fields.get("trace_id") for _, fields in db.xrange(cfg.stream)}
+        found = {fields.get("record_id") for _, fields in db.xrange(cfg.stream)}
         if spill.exists():
-            found |= {json.loads(line).get("trace_id") for line in spill.read_text().splitlines() if whole_record(line)}
-        if traces <= found or time.monotonic() > deadline:
-            return traces & found
+            found |= {json.loads(line).get("record_id") for line in spill.read_text().splitlines() if whole_record(line)}
+        if ids <= found or time.monotonic() > deadline:
+            return ids & found
         time.sleep(1)
 
 
@@ -276,8 +278,9 @@ def report(cfg: ChaosConfig, command: str, calm: dict, chaos: dict, wall: dict, 
             f"| failures without a retry hint | {calm['unhinted']} | {chaos['unhinted']} | |",
             f"| hostile inputs sent / rejected | {calm['hostile']} / {calm['rejected']} | "
             f"{chaos['hostile']} / {chaos['rejected']} | |",
-            "", f"Quarantine (chaos phase): {kept} of the {chaos['rejected']} rejected inputs have a record "
-            f"(Redis stream or spill file); lost: {chaos['rejected'] - kept}.",
+            "", f"Quarantine (chaos phase): {kept} of the {chaos['rejected']} rejected inputs name a record "
+            f"(theirs, or the earlier one of the same payload) in the Redis stream or the spill file; "
+            f"lost: {chaos['rejected'] - kept}.",
             "", "Kills: " + ", ".join(f"{k['process']} at {k['at_s']} s" for k in killer.kills), "",
             "Retry cross-check (chaos phase, gateway trace spans vs `retry_decision` log records):",
             f"{check['attempts']} attempts, {check['failed_attempts']} failed, {check['retries']} retries made; "
@@ -319,7 +322,8 @@ def main() -> int:
         mesh.wait_serving(300)
         chaotic, killer, chaos_wall = run_phase(mesh, cfg, chaos=True)
         check = cross_check(mesh, {o.trace_id for o in chaotic if o.trace_id})
-        kept = len(quarantined(mesh, {o.trace_id for o in chaotic if o.rejected}))
+        found = quarantined(mesh, {o.quarantine_id for o in chaotic if o.rejected})
+        kept = sum(o.quarantine_id in found for o in chaotic if o.rejected)
     finally:
         stop_mesh(mesh)
     calm_s, chaos_s = summary(calm), summary(chaotic)
