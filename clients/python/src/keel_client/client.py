@@ -47,8 +47,8 @@ class Reconnect:
 
 
 # A restarted gateway is reachable again within about a second: reconnect on that scale instead of
-# grpc's default backoff (1 s doubling to 120 s), so that a retry does not fail on a channel still
-# waiting to reconnect. Round robin spreads calls over every address the target resolves to (e.g.
+# grpc's default backoff (1 s doubling to 120 s), so that a retry waiting for a connection
+# (``Reconnect``) goes soon after the gateway is back. Round robin spreads calls over every address the target resolves to (e.g.
 # "ipv4:10.0.0.1:50051,10.0.0.2:50051" or a DNS name with several) and skips the unreachable ones.
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.lb_policy_name", "round_robin"))
