@@ -89,7 +89,9 @@ class Stage:
                     "KEEL_INFERENCE_ENGINE__DTYPE": args.dtype,
                     "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads),
                     # the model of this checkout (var/ is per checkout; the scratch var dir is not)
-                    "KEEL_INFERENCE_MODEL_PATH": str(root / "var" / "model")}
+                    "KEEL_INFERENCE_MODEL_PATH": str(root / "var" / "model"),
+                    # the code of this checkout, whatever PYTHONPATH the bench was started with
+                    "PYTHONPATH": os.pathsep.join((str(root), str(root / "gen")))}
         self.log = self.scratch / "stage.log"
         registered = []
         for adapter in args.adapters:  # registered in the scratch registry before the first start

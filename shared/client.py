@@ -5,9 +5,14 @@
 ``.retry_after_ms`` is the server's valid retry hint (``grpc-retry-pushback-ms`` trailer first, then
 google.rpc.RetryInfo). ``metadata["retry_hint"]`` says "absent", "valid" or "invalid" (negative or
 unparseable: the caller must not retry); ``metadata["message_size"] == "1"`` marks size errors.
+``Reconnecting`` sends a call to the gateway again when its connection was lost before any answer.
 """
 from __future__ import annotations
 
+import asyncio
+import random
+import time
+from dataclasses import dataclass
 from typing import Iterable
 
 import grpc
@@ -111,3 +116,60 @@ def error_from(code: str, message: str, *, reason: str, metadata: dict[str, str]
     out = _BY_CODE.get(code, errors.Fatal)(message, reason=reason, metadata=metadata, retry_after_ms=retry_after_ms)
     out.code = code
     return out
+
+
+def connection_lost(err: errors.KeelError) -> bool:
+    """UNAVAILABLE that no Keel server wrote (Keel's errors carry an ErrorInfo reason): the
+    connection failed or broke before an answer, so nothing of one reached the caller."""
+    return err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """How a caller of the gateway (the HTTP front) retries a call whose connection was lost: at
+    most ``attempts`` times, the n-th retry (n from 0) after a uniform draw in [d/2, d],
+    d = min(cap_s, base_s * 2**n) (the jitter keeps the callers that lost one gateway together
+    from all coming back at once), then once the channel it goes to has a connection again, waited
+    for at most ``ready_s`` (a gateway's restart under load takes seconds); none by then, the call
+    fails. So each attempt is spent on a gateway that was up. (keel-client, a package of its own,
+    has the same policy: clients/python/src/keel_client/client.py.)"""
+
+    attempts: int = 6
+    base_s: float = 0.1
+    cap_s: float = 1.0
+    ready_s: float = 10.0
+
+    def delay_s(self, retry: int) -> float:
+        d = min(self.cap_s, self.base_s * 2 ** retry)
+        return random.uniform(d / 2, d)
+
+
+class Reconnecting:
+    """One call's retries of lost connections under ``policy``, within ``timeout`` seconds (None:
+    no deadline, the attempts alone bound them). A unary call may be sent again until it answers,
+    a stream only until its first message: only then has nothing reached the caller."""
+
+    def __init__(self, policy: Reconnect, timeout: float | None):
+        self.policy, self.retries = policy, 0
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left_s(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    async def wait_or_raise(self, exc: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> None:
+        """Waits until the next attempt, on ``channel``, may go; raises ``exc`` when the call is not
+        to be sent again."""
+        if self.retries >= self.policy.attempts or not connection_lost(translate(exc)):
+            raise exc
+        delay = self.policy.delay_s(self.retries)
+        left = self.left_s()
+        if left is not None and delay >= left:
+            raise exc
+        self.retries += 1
+        await asyncio.sleep(delay)
+        left = self.left_s()
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.policy.ready_s if left is None
+                                   else min(self.policy.ready_s, left))
+        except TimeoutError:
+            raise exc from None

@@ -23,6 +23,8 @@ class Mesh:
     def __init__(self, tmp: Path, ports: dict[str, list[int]], redis_port: int, proc: subprocess.Popen):
         self.tmp, self.ports, self.redis_port, self.proc = tmp, ports, redis_port, proc
         self.gateway = f"127.0.0.1:{ports['gateway'][0]}"
+        # every gateway replica, as one grpc target (a channel uses them round robin)
+        self.gateways = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports["gateway"])
         self.http = f"127.0.0.1:{ports['openai'][0]}"  # the OpenAI-compatible API
 
     def state(self) -> dict:
@@ -40,10 +42,19 @@ class Mesh:
     def log(self, process: str) -> list[dict]:
         """The JSON records of one process's log, e.g. "supervisor" or "gateway-0.0"."""
         lines = (self.tmp / "var" / "log" / f"{process}.log").read_text().splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
+        return [json.loads(line) for line in lines if line.startswith("{") and whole_record(line)]
 
     def spans(self, trace_id: str) -> list[dict]:
         return load_spans(trace_id, self.tmp / "traces")
+
+
+def whole_record(line: str) -> bool:
+    """False for a record a kill -9 cut short (the restarted process appends after it)."""
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def _metrics_port(workers: int) -> int:
@@ -52,13 +63,13 @@ def _metrics_port(workers: int) -> int:
 
 
 def mesh_env(tmp: Path, *, tokenizer_replicas: int = 1, inference_replicas: int = 1, tokenizer_workers: int = 2,
-             validator_replicas: int = 1,
+             validator_replicas: int = 1, gateway_replicas: int = 1,
              extra_env: dict | None = None) -> tuple[dict, dict[str, list[int]], int, dict]:
     """A mesh layout on free loopback ports under ``tmp``: (layout, ports, redis port, environment)."""
     ports = {"validator": [free_port() for _ in range(validator_replicas)],
              "tokenizer": [free_port() for _ in range(tokenizer_replicas)],
              "inference": [free_port() for _ in range(inference_replicas)], "feedback": [free_port()],
-             "gateway": [free_port()], "openai": [free_port()]}
+             "gateway": [free_port() for _ in range(gateway_replicas)], "openai": [free_port()]}
     redis_port = free_port()
     workers = {s: tokenizer_workers if s == "tokenizer" else 1 for s in ports}
     layout = {"redis": {"port": redis_port, "dir": str(tmp / "redis")},

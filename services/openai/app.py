@@ -87,10 +87,13 @@ def error_response(err: errors.KeelError, trace_id: str = "", extra: dict | None
 
 
 class Gateway:
-    """Channels to the gateway replicas (round robin), opened on the serving event loop."""
+    """Channels to the gateway replicas (round robin), opened on the serving event loop. A
+    generation whose connection was lost before any answer (a gateway killed or restarting) is
+    sent again, to the next replica, per ``reconnect`` (shared/client.py)."""
 
-    def __init__(self, targets: tuple[str, ...], max_message_bytes: int):
-        self.targets, self.max_message_bytes = targets, max_message_bytes
+    def __init__(self, targets: tuple[str, ...], max_message_bytes: int,
+                 reconnect: client.Reconnect = client.Reconnect()):
+        self.targets, self.max_message_bytes, self.reconnect = targets, max_message_bytes, reconnect
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[gateway_pb2_grpc.GatewayStub] = []
         self._next = 0
@@ -100,8 +103,32 @@ class Gateway:
         self._stubs = [gateway_pb2_grpc.GatewayStub(ch) for ch in self._channels]
 
     def stub(self) -> gateway_pb2_grpc.GatewayStub:
+        return self._stubs[self._turn()]
+
+    def _turn(self) -> int:
         self._next = (self._next + 1) % len(self._stubs)
-        return self._stubs[self._next]
+        return self._next
+
+    async def generate(self, req: gateway_pb2.GenerateRequest, md,
+                       timeout: float | None) -> gateway_pb2.GenerateResponse:
+        retries, i = client.Reconnecting(self.reconnect, timeout), self._turn()
+        while True:
+            try:
+                return await self._stubs[i].Generate(req, metadata=md, timeout=retries.left_s())
+            except grpc.aio.AioRpcError as exc:
+                i = self._turn()
+                await retries.wait_or_raise(exc, self._channels[i])
+
+    async def open_stream(self, req: gateway_pb2.GenerateRequest, md, timeout: float | None):
+        """(the GenerateStream call, its first message or EOF); sent again only until that message."""
+        retries, i = client.Reconnecting(self.reconnect, timeout), self._turn()
+        while True:
+            call = self._stubs[i].GenerateStream(req, metadata=md, timeout=retries.left_s())
+            try:
+                return call, await call.read()
+            except grpc.aio.AioRpcError as exc:
+                i = self._turn()
+                await retries.wait_or_raise(exc, self._channels[i])
 
     async def close(self) -> None:
         for ch in self._channels:
@@ -174,7 +201,7 @@ class Api:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await self._stream(req, md, timeout, chat, logprobs, include_usage)
         try:
-            resp = await self._unary(request, self.gateway.stub().Generate(req, metadata=md, timeout=timeout))
+            resp = await self._unary(request, self.gateway.generate(req, md, timeout))
         except grpc.aio.AioRpcError as exc:
             return error_response(translate(exc))
         except errors.Cancelled as err:
@@ -192,15 +219,14 @@ class Api:
         finally:
             gone.cancel()
         if not answer.done():
-            call.cancel()
+            answer.cancel()  # cancels the gRPC call it awaits
             raise errors.Cancelled("the client went away", reason="CANCELLED")
         return answer.result()
 
     async def _stream(self, req: gateway_pb2.GenerateRequest, md, timeout: float | None, chat: bool,
                       logprobs: bool, include_usage: bool) -> Response:
-        call = self.gateway.stub().GenerateStream(req, metadata=md, timeout=timeout)
         try:
-            first = await call.read()
+            call, first = await self.gateway.open_stream(req, md, timeout)
             trace_id = dict(await call.initial_metadata() or ()).get(TRACE_ID_KEY, "")
         except grpc.aio.AioRpcError as exc:
             return error_response(translate(exc))

@@ -1,6 +1,9 @@
-"""keel-client honours the server's retry hints (unit test: a scripted in-process gateway)."""
+"""keel-client honours the server's retry hints (a scripted in-process gateway) and sends a call
+again when its connection was lost before any answer (a stand-in gateway process that dies as under
+kill -9 and is restarted on its port: testing/dying_gateway.py)."""
 from __future__ import annotations
 
+import asyncio
 import sys
 from concurrent import futures
 from pathlib import Path
@@ -13,7 +16,13 @@ from google.rpc import error_details_pb2, status_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients/python/src"))
-from keel_client import Client, errors  # noqa: E402
+from keel_client import AsyncClient, Client, Reconnect, errors  # noqa: E402
+
+from testing.dying_gateway import ANSWER, Keeper  # noqa: E402
+from testing.ports import free_port  # noqa: E402
+
+# A wait for the connection that outlasts the stand-in's restart (a Python start) on a loaded host.
+PATIENT = Reconnect(ready_s=50)
 
 
 def _status(code: grpc.StatusCode, reason: str, retry_ms: int | None) -> tuple:
@@ -91,3 +100,50 @@ def test_a_hint_beyond_the_deadline_is_not_waited_for(serve):
     with Client(target, api_key="k", timeout=5) as keel, pytest.raises(errors.Unavailable):
         keel.generate("hi")
     assert servicer.calls == 1
+
+
+@pytest.fixture
+def dying(tmp_path):
+    keeper = Keeper(free_port(), tmp_path / "calls")
+    keeper.start()
+    yield keeper
+    keeper.stop()
+
+
+def test_a_call_whose_gateway_dies_is_sent_again(dying):
+    with Client(f"127.0.0.1:{dying.port}", api_key="k", timeout=60, reconnect=PATIENT) as keel:
+        assert keel.generate("hi").text == ANSWER
+    assert dying.calls() == 2 and dying.starts >= 2  # the lost call, then the one the restarted process answered
+
+
+def test_a_stream_is_sent_again_before_its_first_event(dying):
+    with Client(f"127.0.0.1:{dying.port}", api_key="k", timeout=60, reconnect=PATIENT) as keel:
+        events = list(keel.stream("die-first"))
+    assert events[-1].text == ANSWER and dying.calls() == 2
+
+
+def test_a_stream_is_not_sent_again_after_its_first_event(dying):
+    with Client(f"127.0.0.1:{dying.port}", api_key="k", timeout=60, reconnect=PATIENT) as keel:
+        stream = keel.stream("die-after-first")
+        with pytest.raises(errors.Unavailable) as exc:
+            list(stream)
+    assert exc.value.connection_lost and dying.calls() == 1  # the delta reached the caller: not replayed
+
+
+def test_the_async_client_sends_a_lost_call_again(dying):
+    async def ask():
+        async with AsyncClient(f"127.0.0.1:{dying.port}", api_key="k", timeout=60, reconnect=PATIENT) as keel:
+            answer = await keel.generate("hi")
+            stream = await keel.stream("die-first")  # the marker exists now: this one is answered
+            return answer, [e async for e in stream]
+    answer, events = asyncio.run(ask())
+    assert answer.text == ANSWER and events[-1].text == ANSWER and dying.calls() == 3
+
+
+@pytest.mark.timeout(60)  # a hang, not a timing: the attempts end long before
+def test_an_unreachable_gateway_is_given_up_after_the_attempts():
+    reconnect = Reconnect(attempts=3, base_s=0.01, cap_s=0.02, ready_s=0.5)
+    with Client(f"127.0.0.1:{free_port()}", api_key="k", timeout=30, reconnect=reconnect) as keel, \
+            pytest.raises(errors.Unavailable) as exc:
+        keel.generate("hi")
+    assert exc.value.connection_lost and exc.value.retry_after_ms is None

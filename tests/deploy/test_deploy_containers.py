@@ -88,8 +88,8 @@ def test_compose_service_per_stage_with_ports_health_limits_and_ro_config(stage)
     svc = compose()["services"][stage]
     assert svc["build"] == {"context": ".", "dockerfile": "deploy/docker/Dockerfile", "args": {"STAGE": stage}}
     assert str(mport) in svc["expose"]
-    if stage == "gateway":
-        assert svc["ports"] == [f"{port}:{port}"]
+    if stage == "gateway":  # two replicas, one host port each
+        assert svc["ports"] == [f"{port}-{port + 1}:{port}"] and svc["deploy"]["replicas"] == 2
     else:
         assert str(port) in svc["expose"] and "ports" not in svc  # only the gateway is published
     test = svc["healthcheck"]["test"]
@@ -133,7 +133,8 @@ def test_observability_profile_provisions_prometheus_and_grafana_from_deploy():
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
     published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
     public = {s: TOPOLOGY.ports(s)[0] for s in ("gateway", "openai")}
-    assert {s: published.pop(s) for s in public} == {s: [f"{p}:{p}"] for s, p in public.items()}
+    assert published.pop("gateway") == [f"{public['gateway']}-{public['gateway'] + 1}:{public['gateway']}"]
+    assert published.pop("openai") == [f"{public['openai']}:{public['openai']}"]
     assert all(p.startswith("127.0.0.1:") for ports in published.values() for p in ports), published
 
 

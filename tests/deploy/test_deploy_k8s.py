@@ -161,7 +161,7 @@ def test_autoscaling(rendered, overlay):
         hpa = one(objs, "HorizontalPodAutoscaler", stage)["spec"]
         assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": stage}
         assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
-        if overlay != "dev":
+        if overlay != "dev" or stage == "gateway":  # two gateways everywhere: one goes on while one restarts
             assert hpa["minReplicas"] >= 2  # a PDB of maxUnavailable 1 then always leaves one serving
         (metric,) = hpa["metrics"]
         if stage == "inference":

@@ -152,6 +152,16 @@ def store(fp: dict, record: WarmRecord) -> Path:
 
 @torch.inference_mode()
 def probe_digest(model: torch.nn.Module) -> str:
-    """sha256 of the float32 logits of one short forward pass: changes if weights, format or kernels do."""
-    logits = model(torch.tensor([PROBE_IDS], device=model.device)).logits.float().cpu()
+    """sha256 of the float32 logits of one short forward pass: changes if weights, format or kernels do.
+
+    The pass runs on one intra-op thread, wherever it is recorded or verified: a restart runs it
+    before serving, typically while the host is busy (the stages that still serve, others
+    restarting), and OpenMP threads stall whenever another process holds a core: on 2 shared
+    cores the pass took 3.6-4.2 s with 2 threads, over half of a restart (docs/BENCHMARKS.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        logits = model(torch.tensor([PROBE_IDS], device=model.device)).logits.float().cpu()
+    finally:
+        torch.set_num_threads(threads)
     return hashlib.sha256(logits.numpy().tobytes()).hexdigest()

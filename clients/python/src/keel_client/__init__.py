@@ -8,8 +8,8 @@
             print(event.text if isinstance(event, Delta) else f"\\n[{event.finish_reason}]")
 """
 from keel_client import errors
-from keel_client.client import AsyncClient, AsyncStream, Client, Stream
+from keel_client.client import AsyncClient, AsyncStream, Client, Reconnect, Stream
 from keel_client.types import Alternative, Answer, Delta, TokenLogprob, Verdict
 
-__all__ = ["Alternative", "Answer", "AsyncClient", "AsyncStream", "Client", "Delta", "Stream", "TokenLogprob",
-           "Verdict", "errors"]
+__all__ = ["Alternative", "Answer", "AsyncClient", "AsyncStream", "Client", "Delta", "Reconnect", "Stream",
+           "TokenLogprob", "Verdict", "errors"]

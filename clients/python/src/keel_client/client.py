@@ -1,14 +1,25 @@
 """Sync and asyncio clients of Keel's gateway.
 
-Every call sends the API key (``x-api-key``) and a deadline (``timeout`` seconds). A failure the
-server marks retryable (UNAVAILABLE or RESOURCE_EXHAUSTED with a retry hint) is retried after the
-hinted delay, at most ``max_retries`` times and only while the deadline leaves room; a stream is
-retried only before its first message. Failures raise keel_client.errors classes.
+Every call sends the API key (``x-api-key``) and a deadline (``timeout`` seconds). Two kinds of
+failure are sent again, only while the deadline leaves room for the wait, and a stream only before
+its first message:
+
+- one the server marks retryable (UNAVAILABLE or RESOURCE_EXHAUSTED with a retry hint): after the
+  hinted delay, at most ``max_retries`` times;
+- a lost connection (UNAVAILABLE that no Keel server wrote: the gateway was unreachable, or
+  restarting, or died mid-call): no answer reached the caller, so sending the call again is safe.
+  After a jittered, doubling wait and once a gateway accepts connections again (``Reconnect``),
+  at most ``Reconnect.attempts`` times; with several gateway addresses in the target the next
+  attempt goes to one that is up.
+
+Failures raise keel_client.errors classes.
 """
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -17,12 +28,59 @@ from keel.gateway.v1 import gateway_pb2_grpc
 from keel_client import errors, types
 
 
-def _retry_delay(err: errors.KeelError, attempt: int, max_retries: int, deadline: float) -> float | None:
-    """Seconds to wait before retrying, or None to give up."""
-    if not err.retryable or attempt > max_retries:
-        return None
-    delay = err.retry_after_ms / 1000
-    return delay if time.monotonic() + delay < deadline else None
+@dataclass(frozen=True)
+class Reconnect:
+    """Retries of a call whose connection was lost (``KeelError.connection_lost``). The n-th retry
+    (n from 0) waits a uniform draw in [d/2, d], d = min(cap_s, base_s * 2**n) (the jitter keeps
+    clients that lost one gateway together from all coming back at once), then until the channel
+    has a connection again, at most ``ready_s`` (a gateway's restart under load takes seconds);
+    none by then, the call fails. So each attempt is spent on a gateway that was up."""
+
+    attempts: int = 6
+    base_s: float = 0.1
+    cap_s: float = 1.0
+    ready_s: float = 10.0
+
+    def delay_s(self, retry: int) -> float:
+        d = min(self.cap_s, self.base_s * 2 ** retry)
+        return random.uniform(d / 2, d)
+
+
+# A restarted gateway is reachable again within about a second: reconnect on that scale instead of
+# grpc's default backoff (1 s doubling to 120 s), so that a retry waiting for a connection
+# (``Reconnect``) goes soon after the gateway is back. Round robin spreads calls over every address
+# the target resolves to (e.g. "ipv4:10.0.0.1:50051,10.0.0.2:50051" or a DNS name with several) and
+# skips the unreachable ones.
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.lb_policy_name", "round_robin"))
+
+
+class _Retries:
+    """One call's retries: which failure is sent again, after how long, within its deadline."""
+
+    def __init__(self, timeout: float, max_retries: int, reconnect: Reconnect):
+        self.deadline = time.monotonic() + timeout
+        self.max_retries, self.reconnect = max_retries, reconnect
+        self.hinted = self.lost = 0
+
+    def left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def ready_s(self) -> float:
+        """How long to wait for a connection before sending a lost call again."""
+        return min(self.reconnect.ready_s, self.left_s())
+
+    def delay_s(self, err: errors.KeelError) -> float | None:
+        """Seconds to wait before sending the call again, or None to give up with ``err``."""
+        if err.connection_lost and self.lost < self.reconnect.attempts:
+            delay = self.reconnect.delay_s(self.lost)
+            self.lost += 1
+        elif err.retryable and self.hinted < self.max_retries:
+            delay = err.retry_after_ms / 1000
+            self.hinted += 1
+        else:
+            return None
+        return delay if delay < self.left_s() else None
 
 
 def _trace_id(metadata) -> str:
@@ -63,12 +121,12 @@ class Client:
     """Blocking client: ``Client("host:50051", api_key=...)``; use as a context manager or close()."""
 
     def __init__(self, target: str, *, api_key: str, timeout: float = 60.0, max_retries: int = 2,
-                 credentials: grpc.ChannelCredentials | None = None):
-        self._channel = (grpc.secure_channel(target, credentials) if credentials
-                         else grpc.insecure_channel(target))
+                 reconnect: Reconnect = Reconnect(), credentials: grpc.ChannelCredentials | None = None):
+        self._channel = (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+                         else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._md = (("x-api-key", api_key),)
-        self.timeout, self.max_retries = timeout, max_retries
+        self.timeout, self.max_retries, self.reconnect = timeout, max_retries, reconnect
 
     def __enter__(self) -> Client:
         return self
@@ -79,38 +137,44 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
+    def _wait(self, retries: _Retries, err: errors.KeelError) -> bool:
+        """Waits before sending the call again (for a lost connection: until one is up); False: give up."""
+        delay = retries.delay_s(err)
+        if delay is None:
+            return False
+        time.sleep(delay)
+        if not err.connection_lost:
+            return True
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=retries.ready_s())
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def generate(self, prompt: str | None = None, **kwargs) -> types.Answer:
         """The whole answer. Keyword arguments: see keel_client.types.request (and ``timeout``)."""
-        timeout = kwargs.pop("timeout", self.timeout)
-        req, deadline, attempt = types.request(prompt, **kwargs), time.monotonic() + timeout, 0
+        retries = _Retries(kwargs.pop("timeout", self.timeout), self.max_retries, self.reconnect)
+        req = types.request(prompt, **kwargs)
         while True:
-            attempt += 1
             try:
-                return types.answer(self._stub.Generate(req, metadata=self._md,
-                                                        timeout=max(0.0, deadline - time.monotonic())))
+                return types.answer(self._stub.Generate(req, metadata=self._md, timeout=retries.left_s()))
             except grpc.RpcError as exc:
                 err = errors.from_rpc_error(exc)
-                delay = _retry_delay(err, attempt, self.max_retries, deadline)
-                if delay is None:
+                if not self._wait(retries, err):
                     raise err from None
-                time.sleep(delay)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Stream:
         """A Stream of Delta pieces and the final Answer; retries apply until its first message."""
-        timeout = kwargs.pop("timeout", self.timeout)
-        req, deadline, attempt = types.request(prompt, **kwargs), time.monotonic() + timeout, 0
+        retries = _Retries(kwargs.pop("timeout", self.timeout), self.max_retries, self.reconnect)
+        req = types.request(prompt, **kwargs)
         while True:
-            attempt += 1
-            stream = Stream(self._stub.GenerateStream(req, metadata=self._md,
-                                                      timeout=max(0.0, deadline - time.monotonic())))
+            stream = Stream(self._stub.GenerateStream(req, metadata=self._md, timeout=retries.left_s()))
             try:
                 stream._start()
                 return stream
             except errors.KeelError as err:
-                delay = _retry_delay(err, attempt, self.max_retries, deadline)
-                if delay is None:
+                if not self._wait(retries, err):
                     raise
-                time.sleep(delay)
 
 
 class AsyncStream:
@@ -148,12 +212,12 @@ class AsyncClient:
     call objects differ in every call (await, read() vs iteration), so one body cannot serve both."""
 
     def __init__(self, target: str, *, api_key: str, timeout: float = 60.0, max_retries: int = 2,
-                 credentials: grpc.ChannelCredentials | None = None):
-        self._channel = (grpc.aio.secure_channel(target, credentials) if credentials
-                         else grpc.aio.insecure_channel(target))
+                 reconnect: Reconnect = Reconnect(), credentials: grpc.ChannelCredentials | None = None):
+        self._channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+                         else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._md = (("x-api-key", api_key),)
-        self.timeout, self.max_retries = timeout, max_retries
+        self.timeout, self.max_retries, self.reconnect = timeout, max_retries, reconnect
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -164,34 +228,39 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _wait(self, retries: _Retries, err: errors.KeelError) -> bool:
+        delay = retries.delay_s(err)
+        if delay is None:
+            return False
+        await asyncio.sleep(delay)
+        if not err.connection_lost:
+            return True
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), retries.ready_s())
+        except TimeoutError:
+            return False
+        return True
+
     async def generate(self, prompt: str | None = None, **kwargs) -> types.Answer:
-        timeout = kwargs.pop("timeout", self.timeout)
-        req, deadline, attempt = types.request(prompt, **kwargs), time.monotonic() + timeout, 0
+        retries = _Retries(kwargs.pop("timeout", self.timeout), self.max_retries, self.reconnect)
+        req = types.request(prompt, **kwargs)
         while True:
-            attempt += 1
             try:
-                return types.answer(await self._stub.Generate(req, metadata=self._md,
-                                                              timeout=max(0.0, deadline - time.monotonic())))
+                return types.answer(await self._stub.Generate(req, metadata=self._md, timeout=retries.left_s()))
             except grpc.RpcError as exc:
                 err = errors.from_rpc_error(exc)
-                delay = _retry_delay(err, attempt, self.max_retries, deadline)
-                if delay is None:
+                if not await self._wait(retries, err):
                     raise err from None
-                await asyncio.sleep(delay)
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncStream:
         """An AsyncStream; retries apply until its first message."""
-        timeout = kwargs.pop("timeout", self.timeout)
-        req, deadline, attempt = types.request(prompt, **kwargs), time.monotonic() + timeout, 0
+        retries = _Retries(kwargs.pop("timeout", self.timeout), self.max_retries, self.reconnect)
+        req = types.request(prompt, **kwargs)
         while True:
-            attempt += 1
-            stream = AsyncStream(self._stub.GenerateStream(req, metadata=self._md,
-                                                           timeout=max(0.0, deadline - time.monotonic())))
+            stream = AsyncStream(self._stub.GenerateStream(req, metadata=self._md, timeout=retries.left_s()))
             try:
                 await stream._start()
                 return stream
             except errors.KeelError as err:
-                delay = _retry_delay(err, attempt, self.max_retries, deadline)
-                if delay is None:
+                if not await self._wait(retries, err):
                     raise
-                await asyncio.sleep(delay)

@@ -25,6 +25,12 @@ class KeelError(Exception):
         """The server asked for a retry (and said when): only then may the same call succeed."""
         return self.retry_after_ms is not None and self.code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
+    @property
+    def connection_lost(self) -> bool:
+        """UNAVAILABLE that no Keel server wrote (Keel's errors carry an ErrorInfo reason): the
+        connection failed or broke before an answer, so nothing of one reached the caller."""
+        return self.code == "UNAVAILABLE" and self.reason == "UNAVAILABLE"
+
 
 class InvalidRequest(KeelError):
     """INVALID_ARGUMENT: fix the request (``reason`` names the rule)."""
