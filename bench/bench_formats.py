@@ -34,7 +34,7 @@ def one(fmt: str, threads: int) -> dict:
 
     from services.inference import config as inf_config
     from services.inference.engine.core import Engine
-    from services.inference.startup.formats import decode_pass_s, invariant_sizes
+    from services.inference.formats.selection import decode_pass_s, invariant_sizes
     from services.inference.model.loader import load_model
 
     torch.set_num_threads(threads)

@@ -102,7 +102,7 @@ def warmup_cost(model, folders: list[Path]) -> dict:
     from services.inference.lora.registration import register
     from services.inference.lora.registry import LoraConfig
     from services.inference.lora.startup import check_adapters, running_base
-    from services.inference.startup.warmcache import model_sha256
+    from services.inference.model.digest import model_sha256
     sha = model_sha256(MODEL)
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(ROWS)
@@ -142,7 +142,7 @@ def stage_setup(args, var: Path) -> None:
     from services.inference.lora.registration import register
     from services.inference.lora.startup import running_base
     from services.inference.model.loader import load_model
-    from services.inference.startup.warmcache import model_sha256
+    from services.inference.model.digest import model_sha256
     cfg = stage_config(var)
     model = load_model(MODEL, "float32")
     runner = LlamaRunner(model)
@@ -154,8 +154,8 @@ def stage_setup(args, var: Path) -> None:
 
 def stage_start(var: Path) -> dict:
     """One start of the stage's engine, as the server does it; its phases and what the LoRA record gave."""
-    from services.inference.startup.bootstrap import start_engine
-    from services.inference.startup.warmcache import model_sha256
+    from services.inference.bootstrap import start_engine
+    from services.inference.model.digest import model_sha256
     seen = {}
 
     class Outcome(logging.Handler):

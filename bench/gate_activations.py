@@ -5,8 +5,8 @@ levels of a B-bit integer first, as an integer kernel would quantize it.
 For each --bits B: a = max |x| over the block, d = a / (2^(B-1) - 1), x -> round(x / d) * d (in
 float32, clamped to the levels; a zero block stays zero), then the exact kernel on the blocks. Only
 the summation order differs from an integer kernel on those levels: at B = 8 the emulation should
-give the agreement `gguf` itself gets (bench/gate_formats.py), which tells how far to trust the other
-widths. Scored against float32 on the gate's probes (services/inference/startup/gate.py); nothing
+give the agreement `gguf` itself gets (`python -m services.inference.formats.gate`), which tells how far to trust the other
+widths. Scored against float32 on the gate's probes (services/inference/formats/quality.py); nothing
 is stored.
 
 Run: .venv/bin/python bench/gate_activations.py [--bits 8,16] [--prompts N] [--threads 2]
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from bench.bench_inference import MODEL, machine  # noqa: E402
 from services.inference.model.blocks import EXACT_FORMAT, BlockLinear  # noqa: E402
 from services.inference.model.loader import load_model, model_in_format  # noqa: E402
-from services.inference.startup import gate, gateprobes  # noqa: E402
+from services.inference.formats import quality, gateprobes  # noqa: E402
 
 
 def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ def main() -> int:
         model_in_format(ref, EXACT_FORMAT, MODEL), b) for b in map(int, args.bits.split(","))}
     sequences = gateprobes.load(args.prompts)
     t0 = time.perf_counter()
-    results = gate.evaluate(ref, candidates, sequences, lambda i: None)
+    results = quality.evaluate(ref, candidates, sequences, lambda i: None)
     print(f"Command: `.venv/bin/python bench/gate_activations.py {' '.join(sys.argv[1:])}`")
     print(f"Machine: {machine()}; {len(sequences)} sequences, {time.perf_counter() - t0:.0f} s\n")
     print("| candidate | mean KL (nats) | p95 KL | greedy agreement |\n|---|---|---|---|")

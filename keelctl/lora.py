@@ -41,7 +41,7 @@ def _base(cfg, fmt: str | None):
     from services.inference.model.forward import LlamaRunner
     from services.inference.lora.startup import running_base
     from services.inference.model.loader import load_model
-    from services.inference.startup.warmcache import model_sha256
+    from services.inference.model.digest import model_sha256
     from services.inference.engine.warmup import set_deterministic
 
     e = cfg.engine

@@ -11,18 +11,18 @@ import grpc
 
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
-from services.inference.startup import formats, gateprobes
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.bootstrap import start_engine
-from services.inference.startup.startgate import GateJob
+from services.inference.formats import selection, gateprobes
+from services.inference.formats.background import BackgroundGate
+from services.inference.bootstrap import start_engine
+from services.inference.formats.startgate import GateJob
 from services.inference.engine import grammar
 from services.inference.engine.core import ENGINE_VERSION, Engine
 from services.inference.engine.grammar import Vocabulary
 from services.inference.model.loader import AUTO
 from services.inference.servicer import InferenceServicer
 from services.inference.engine.torchthread import TorchThread
-from services.inference.startup import warmcache
-from services.inference.startup.warmcache import model_sha256
+from services.inference import warmcache
+from services.inference.model.digest import model_sha256
 from shared import metrics
 from shared.config import ConfigError, ServerConfig
 from shared.stages import SERVICE_NAMES
@@ -138,9 +138,9 @@ def build() -> tuple[InferenceStage, ServerConfig]:
         raise ConfigError(f"field 'model_path' breaks rule 'exists': no model at {cfg.model_dir}; run `make model`")
     model_sha = model_sha256(cfg.model_dir)
     if cfg.engine.dtype != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
-        formats.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
+        selection.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
     elif cfg.formats.gate_at_start:  # so does a corrupted probe set the gate at start would read
         gateprobes.load(cfg.formats.gate_prompts)
     for name, fmt in cfg.engine.variants.items():  # so does a variant's
-        formats.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
+        selection.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
     return InferenceStage(cfg, model_sha), cfg.server

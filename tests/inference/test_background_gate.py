@@ -20,10 +20,10 @@ from keel.inference.v1 import inference_pb2
 from services.inference.engine.core import Engine
 from services.inference.engine.variants import Switch
 from services.inference.servicer import InferenceServicer
-from services.inference.startup import background
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.formats import FormatsConfig
-from services.inference.startup.startgate import GateJob, Verdict
+from services.inference.formats import background
+from services.inference.formats.background import BackgroundGate
+from services.inference.formats.selection import FormatsConfig
+from services.inference.formats.startgate import GateJob, Verdict
 from shared.errors import PreconditionFailed
 from shared.metrics import metrics_for
 from shared.stagestatus import StatusBoard

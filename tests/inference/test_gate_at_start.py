@@ -10,15 +10,17 @@ import logging
 
 import pytest
 
+from services.inference.model.digest import model_sha256
 from services.inference import server
 from services.inference.engine.variants import Switch
-from services.inference.startup import background, bootstrap, formats, gate, gateprobes, warmcache
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.startgate import GateJob
+from services.inference.formats import background, selection, quality, gateprobes
+from services.inference import bootstrap
+from services.inference.formats.background import BackgroundGate
+from services.inference.formats.startgate import GateJob
 from services.inference import config as inf_config
 from services.inference.config import InferenceConfig
-from services.inference.startup.formats import FormatsConfig
-from services.inference.startup.gate import GateThresholds
+from services.inference.formats.selection import FormatsConfig
+from services.inference.formats.quality import GateThresholds
 from shared.config import ConfigError
 from shared.errors import PreconditionFailed
 from shared.stagestatus import StatusBoard
@@ -38,12 +40,12 @@ def var_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def gate_runs(monkeypatch):
     """Each call of the gate's scoring: the formats it scored and how many sequences."""
-    calls, evaluate = [], gate.evaluate
+    calls, evaluate = [], quality.evaluate
 
     def counting(reference, candidates, sequences, progress=None):
         calls.append((sorted(candidates), len(sequences)))
         return evaluate(reference, candidates, sequences, progress)
-    monkeypatch.setattr(gate, "evaluate", counting)
+    monkeypatch.setattr(quality, "evaluate", counting)
     return calls
 
 
@@ -53,21 +55,21 @@ def _cfg(model_dir, **fmt) -> InferenceConfig:
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
-    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+    return bootstrap.start_engine(cfg, model_sha256(cfg.model_dir))
 
 
-def _stored(cfg: InferenceConfig) -> dict[str, gate.GateResult]:
-    sha = warmcache.model_sha256(cfg.model_dir)
-    return gate.load(formats.gate_path(sha), sha)
+def _stored(cfg: InferenceConfig) -> dict[str, quality.GateResult]:
+    sha = model_sha256(cfg.model_dir)
+    return quality.load(selection.gate_path(sha), sha)
 
 
 def _job(cfg: InferenceConfig, formats: tuple[str, ...]) -> GateJob:
-    return GateJob(str(cfg.model_dir), warmcache.model_sha256(cfg.model_dir), formats, cfg.formats, "cpu", 1,
+    return GateJob(str(cfg.model_dir), model_sha256(cfg.model_dir), formats, cfg.formats, "cpu", 1,
                    cfg.engine.max_batch_size)
 
 
 def _gate(cfg: InferenceConfig, started: bootstrap.Started) -> background.Outcome:
-    """The real child (python -m services.inference.startup.startgate) gating what the start left."""
+    """The real child (python -m services.inference.formats.startgate) gating what the start left."""
     async def go():
         await started.engine.start()
         try:
@@ -84,7 +86,7 @@ def test_a_first_start_serves_the_reference_with_the_ungated_candidates_preloade
     assert gate_runs == [] and not _stored(_cfg(model_dir))  # nothing gated before serving
     assert started.record.format == "float32" and started.candidates == CANDIDATES
     assert {k: v for k, v in started.engine.variants.items() if k != "primary"} == CANDIDATES
-    assert formats.GATING in started.record.reason
+    assert selection.GATING in started.record.reason
 
     async def refused():
         await started.engine.start()
@@ -117,7 +119,7 @@ def test_a_second_start_reads_the_stored_results_and_gates_nothing(var_dir, mode
     _gate(cfg, _start(cfg))
     second = _start(cfg)
     assert second.candidates == {} and not second.warm  # the results are part of the warm-start key
-    assert "no gate result" not in second.record.reason and formats.GATING not in second.record.reason
+    assert "no gate result" not in second.record.reason and selection.GATING not in second.record.reason
     third = _start(cfg)
     assert third.warm and third.record == second.record and third.candidates == {}
     assert gate_runs == []  # in this process: the one gate ran in the child
@@ -128,7 +130,7 @@ def test_only_candidates_without_a_stored_result_are_preloaded_for_the_gate(var_
     _gate(cfg, _start(cfg))
     started = _start(_cfg(model_dir, auto_candidates=("float32", "bfloat16", "int4")))
     assert started.candidates == {"auto-int4": "int4"}
-    assert formats.GATING in started.record.reason and measured(started.record.reason, "bfloat16")
+    assert selection.GATING in started.record.reason and measured(started.record.reason, "bfloat16")
 
 
 def test_a_candidate_failing_the_gate_is_stored_and_not_switched_to(var_dir, model_dir):

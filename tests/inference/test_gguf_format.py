@@ -13,9 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
 from services.inference.model import blocks, ggufindex
-from services.inference.startup import formats
+from services.inference.formats import selection
 from services.inference.engine.core import Engine
-from services.inference.startup.formats import FormatsConfig
+from services.inference.formats.selection import FormatsConfig
 from services.inference.model.forward import LlamaRunner
 from services.inference.engine.memory import static_bytes
 from services.inference.model.loader import check_dtype, convert_model, load_model, model_dtype
@@ -168,8 +168,8 @@ def test_without_a_compiler_gguf_is_refused_and_auto_serves_another_format(tiny_
 import json, sys, torch
 from pathlib import Path
 from services.inference.model import kernels
-from services.inference.startup import formats
-from services.inference.startup.formats import FormatsConfig
+from services.inference.formats import selection
+from services.inference.formats.selection import FormatsConfig
 from services.inference.model.loader import check_dtype, load_model
 from shared.errors import InvalidInput
 kernels.CACHE_DIR = Path({str(tmp_path / 'kernels')!r})
@@ -178,7 +178,7 @@ try:
     print(json.dumps({{"refused": False}}))
 except InvalidInput as exc:
     ref = load_model(Path({str(tiny_dir)!r}), "float32")
-    choice, _ = formats.choose_auto(ref, "sha", FormatsConfig(auto_candidates=("float32", "gguf")), 4, "cpu",
+    choice, _ = selection.choose_auto(ref, "sha", FormatsConfig(auto_candidates=("float32", "gguf")), 4, "cpu",
                                     Path({str(tiny_dir)!r}))
     print(json.dumps({{"refused": True, "reason": exc.reason, "message": str(exc), "format": choice.format,
                       "why": choice.reason}}))
@@ -199,18 +199,18 @@ def test_gguf_runs_on_cpu_only():
 
 
 def test_auto_can_choose_gguf_once_it_passed_the_gate(tiny, tiny_dir, tiny_gguf, monkeypatch, tmp_path):
-    from services.inference.startup import gate
+    from services.inference.formats import quality
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
     reference = load_model(tiny_dir, "float32")
-    [result] = gate.evaluate(reference, {"gguf": tiny_gguf}, _sequences())
+    [result] = quality.evaluate(reference, {"gguf": tiny_gguf}, _sequences())
     assert result.passes(FormatsConfig().gate), result
-    gate.store(formats.gate_path("sha"), "sha", [result], "test")
-    choice, model = formats.choose_auto(reference, "sha", FormatsConfig(auto_candidates=("float32", "gguf")),
+    quality.store(selection.gate_path("sha"), "sha", [result], "test")
+    choice, model = selection.choose_auto(reference, "sha", FormatsConfig(auto_candidates=("float32", "gguf")),
                                         4, "cpu", tiny_dir)
     assert "gguf: decode pass" in choice.reason  # eligible, timed against float32
     assert model_dtype(model) == choice.format
 
 
 def _sequences():
-    from services.inference.startup.gate import Sequence
+    from services.inference.formats.quality import Sequence
     return [Sequence(tuple(prompt(s, 24)), 8) for s in range(6)]

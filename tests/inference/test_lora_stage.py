@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from services.inference.startup import bootstrap, warmcache
+from services.inference.model.digest import model_sha256
+from services.inference import bootstrap
 from services.inference.config import InferenceConfig
 from services.inference.model.forward import LlamaRunner
 from services.inference.lora.registration import register
@@ -24,7 +25,7 @@ def setup(tmp_path, monkeypatch, tiny):
     model_dir = tmp_path / "model"
     save_model(tiny, model_dir)
     cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="float32"), lora=LoraConfig())
-    sha = warmcache.model_sha256(model_dir)
+    sha = model_sha256(model_dir)
     runner = LlamaRunner(load_model(model_dir, "float32"))
     runner.calibrate_invariant_sizes(cfg.engine.max_batch_size)
     base = running_base(runner, model_dir, sha, "float32")

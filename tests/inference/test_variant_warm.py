@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.startup import bootstrap, warmcache
+from services.inference.model.digest import model_sha256
+from services.inference import bootstrap
 from services.inference.config import InferenceConfig
-from services.inference.startup.formats import FormatsConfig
+from services.inference.formats.selection import FormatsConfig
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 
@@ -23,7 +24,7 @@ def _cfg(model_dir, **engine) -> InferenceConfig:
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
-    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+    return bootstrap.start_engine(cfg, model_sha256(cfg.model_dir))
 
 
 def test_the_record_covers_every_variant_and_a_changed_variant_list_measures_again(var_dir, model_dir):

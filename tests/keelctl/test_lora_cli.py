@@ -88,7 +88,7 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     from services.inference.lora.registry import LoraConfig, load_registry
     from services.inference.lora.startup import running_base
     from services.inference.servicer import InferenceServicer
-    from services.inference.startup.warmcache import model_sha256
+    from services.inference.model.digest import model_sha256
     from shared.metrics import metrics_for
     from testing.ports import free_port
     from tests.inference.helpers import tiny_config

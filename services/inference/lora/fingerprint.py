@@ -1,6 +1,6 @@
 """The base model an adapter is bound to, as named fields: any bound field that differs refuses the adapter.
 
-Bound fields: the weights hash (warmcache.model_sha256: sha256 over the model folder's config and
+Bound fields: the weights hash (model/digest.py model_sha256: sha256 over the model folder's config and
 weight files, computed once per process start and shared with the engine fingerprint), the
 config.json values an adapter's training depends on (rope_theta, vocab_size, tie_word_embeddings and
 the shape), the hashes of Keel's tokenizer vocabulary and chat template, and the torch, transformers

@@ -28,11 +28,12 @@ from shared.config import var_dir
 from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
 
 from services.inference.model.forward import LlamaRunner
-from services.inference.jsonfile import write_json
+from shared.jsonfile import write_json
 from services.inference.lora import fingerprint, manifest, peftconfig, probes, startcache
 from services.inference.lora.manifest import Manifest
 from services.inference.lora.probes import ProbeRow, ProbeSet
-from services.inference.lora.slots import AdapterWeights, LoraSlots, read_weights
+from services.inference.model.loraslots import AdapterWeights, LoraSlots
+from services.inference.lora.weights import read_weights
 
 log = logging.getLogger(__name__)
 

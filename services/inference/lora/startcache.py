@@ -43,8 +43,8 @@ from shared.config import var_dir
 
 from services.inference.lora import manifest, probes
 from services.inference.lora.probes import ProbeRow, Trace
-from services.inference.lora.slots import LoraSlots
-from services.inference.jsonfile import write_json
+from services.inference.model.loraslots import LoraSlots
+from shared.jsonfile import write_json
 
 if TYPE_CHECKING:
     from services.inference.lora.registry import Base

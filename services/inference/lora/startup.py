@@ -1,7 +1,7 @@
 """The running base and the adapter registry at the inference stage's start (and for `keel lora`).
 
 The base's fingerprint is computed once per start: the weights hash is the one the stage already
-computed for its engine fingerprint (warmcache.model_sha256, passed in), the tokenizer hashes come from
+computed for its engine fingerprint (model/digest.py model_sha256, passed in), the tokenizer hashes come from
 Keel's own tokenizer file (the tokenizer stage's `vocab_file`), the config values from config.json.
 """
 from __future__ import annotations

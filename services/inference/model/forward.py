@@ -14,7 +14,7 @@ In a step without LoRA terms a block format's layer is two calls (kernels/layer.
 rotary and decode attention; then o_proj, norm, MLP and both residual adds), the same ops in the
 same order as the op-by-op path that a step with adapters takes, so the bits are those of that path.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
-(lora/slots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
+(model/loraslots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.
 
 Shapes: P prompt tokens, B rows, H query heads, KV key/value heads, G = H // KV, D head_dim, V vocab.
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from services.inference.model.blocks import LayerArgs, block_format
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.model.llama import rotate_half
-from services.inference.lora.slots import NO_LORA, LoraSlots
+from services.inference.model.loraslots import NO_LORA, LoraSlots
 from services.inference.model.loader import model_dtype, residual_dtype
 
 
@@ -124,7 +124,7 @@ class LlamaRunner:
         self.dtype_name = model_dtype(model)
         self.layer_ops = block_format(model) is not None  # kernels/layer_ops.cpp serve rotary and attention
         self.invariant_sizes: tuple[int, ...] = ()
-        self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
+        self.lora: LoraSlots | None = None  # the preloaded adapters (model/loraslots.py), set at warm-up
         self.layers = [Layer.of(layer) for layer in model.model.layers]
         self.block_tokens = block_tokens
         self.pool = self._new_pool(-(-pool_tokens // block_tokens))

@@ -5,7 +5,7 @@ greedy answer), and at every answer position we compare the two next-token distr
   * KL(float32 || candidate) in nats, the mean and the 95th percentile over all scored positions;
   * greedy agreement, the share of positions where both put their maximum on the same token.
 Teacher forcing keeps one early disagreement from derailing the rest of a sequence, so each position
-is judged on its own. The gate over the 200 probes of gate_probes.json is run by `bench/gate_formats.py`
+is judged on its own. The gate over the 200 probes of gate_probes.json is run by `python -m services.inference.formats.gate`
 (`make gate`) or, for the `auto` candidates still lacking a result, by the stage in the background
 (startgate.py); both store the results with `store()`, and every start reads them.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from services.inference.jsonfile import write_json
+from shared.jsonfile import write_json
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ With `formats.gate_at_start` (the default), a start with `engine.dtype: auto` wh
 (`formats.auto_candidates`, those this device can run) lack a stored gate result for this model does
 not wait for them: it serves at once (bootstrap.py) and the stage runs this module as a child process
 at the lowest CPU priority (background.py). The child converts each such candidate from the float32
-reference, scores it over the probes of gate_probes.json (gate.evaluate), adds the results to the
+reference, scores it over the probes of gate_probes.json (quality.evaluate), adds the results to the
 model's file under var/gate/ (the file `make gate` writes), then chooses among every candidate as a
 start would (formats.choose_auto). A failing candidate is stored too, so a later start finds every
 candidate gated and runs nothing.
 
-Protocol: `python -m services.inference.startup.startgate STAGE_PID`, the job (a `GateJob`, JSON)
+Protocol: `python -m services.inference.formats.startgate STAGE_PID`, the job (a `GateJob`, JSON)
 on stdin; on stdout one JSON line per scored probe,
 {"done": n, "total": N}, then one {"choice": format or null, "reason": why}. Logs go to stderr as JSON.
 """
@@ -32,9 +32,9 @@ from shared import parentdeath
 from shared.config import ConfigError
 from shared.errors import InvalidInput
 
-from services.inference.startup import gate, gateprobes
-from services.inference.startup.formats import REFERENCE, FormatsConfig, choose_auto, gate_path
-from services.inference.startup.gate import GateThresholds
+from services.inference.formats import quality, gateprobes
+from services.inference.formats.selection import REFERENCE, FormatsConfig, choose_auto, gate_path
+from services.inference.formats.quality import GateThresholds
 from services.inference.model.loader import check_dtype, load_model, model_in_format
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Verdict:
 
 def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
     """The auto candidates this device can run that have no stored gate result for this model."""
-    stored = gate.load(gate_path(model_sha), model_sha)
+    stored = quality.load(gate_path(model_sha), model_sha)
 
     def runs_here(fmt: str) -> bool:
         try:
@@ -109,11 +109,11 @@ def run(job: GateJob, progress: Callable[[int, int], None]) -> Verdict:
     log.info("running the quality gate (no stored result for these formats)",
              extra={"formats": list(job.formats), "prompts": len(sequences)})
     t0 = time.perf_counter()
-    results = gate.evaluate(reference, {f: model_in_format(reference, f, model_dir, job.device) for f in job.formats},
+    results = quality.evaluate(reference, {f: model_in_format(reference, f, model_dir, job.device) for f in job.formats},
                             sequences, progress=lambda done: progress(done, len(sequences)))
     path = gate_path(sha)
-    stored = gate.load(path, sha)
-    gate.store(path, sha, [*(r for f, r in stored.items() if f not in job.formats), *results],
+    stored = quality.load(path, sha)
+    quality.store(path, sha, [*(r for f, r in stored.items() if f not in job.formats), *results],
                gateprobes.describe(len(sequences)))
     verdicts = {r.format: "fails: " + "; ".join(r.failures(cfg.gate)) if r.failures(cfg.gate) else "passes"
                 for r in results}

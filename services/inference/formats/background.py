@@ -2,7 +2,7 @@
 
 A start that found candidates without a stored gate result serves at once with each preloaded as a
 locked variant "auto-<format>" (bootstrap.py). Once the stage serves, `BackgroundGate.run` starts
-`python -m services.inference.startup.startgate` (a child process at nice 19: a thread of the
+`python -m services.inference.formats.startgate` (a child process at nice 19: a thread of the
 stage's own process would slow its batching thread, torchthread.py says why), hands it the job,
 shows its progress in the stage status ("serving; gating int8, gguf in the background 120/200"),
 and reads its verdict. When the verdict is one of the locked variants, that variant is unlocked and
@@ -36,10 +36,10 @@ from shared.config import ROOT_DIR
 
 from services.inference.engine.core import Engine
 from services.inference.engine.variants import Switch
-from services.inference.startup.startgate import GateJob, Verdict
+from services.inference.formats.startgate import GateJob, Verdict
 
 log = logging.getLogger(__name__)
-MODULE = "services.inference.startup.startgate"
+MODULE = "services.inference.formats.startgate"
 ACTOR = "auto quality gate"  # the SetVariant actor the switch is logged with
 STOP_GRACE_S = 5.0
 POLL_S = 0.05       # how often the engine's load is looked at while the child scores probes

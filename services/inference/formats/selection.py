@@ -1,7 +1,7 @@
 """Which weight format the stage serves: an explicit one checked against its quality gate, or `auto`.
 
 * An explicit format other than float32 (the reference) must have passed the gate for this very model
-  (results stored under var/gate/, keyed by the hash of the weights, by `bench/gate_formats.py` or by
+  (results stored under var/gate/, keyed by the hash of the weights, by `python -m services.inference.formats.gate` or by
   the gate `auto` runs in the background, startgate.py); a
   format that failed, or was never gated, stops the stage with a ConfigError (exit 2) unless
   `formats.force` is set.
@@ -26,9 +26,9 @@ import torch
 from shared.config import ConfigError, var_dir
 from shared.errors import InvalidInput
 
-from services.inference.startup import gate
+from services.inference.formats import quality
 from services.inference.model.forward import LlamaRunner
-from services.inference.startup.gate import GateResult, GateThresholds
+from services.inference.formats.quality import GateResult, GateThresholds
 from services.inference.model.loader import DTYPES, check_dtype, model_in_format, residual_dtype
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) ->
 def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig, field: str = "engine.dtype") -> FormatChoice:
     """The choice for an explicit format (`engine.dtype`, or the config `field` that names it, e.g. a
     variant's); ConfigError when it is not allowed to serve."""
-    results = gate.load(gate_path(model_sha), model_sha)
+    results = quality.load(gate_path(model_sha), model_sha)
     ok, why = verdict(fmt, results, cfg.gate)
     if not ok and not cfg.force:
         raise ConfigError(f"field '{field}' breaks rule 'quality gate': {why}; "
@@ -166,7 +166,7 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
     """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted.
     `gating`: candidates whose gate runs in the background (startgate.py); the reference is then
     eligible whether or not it is a candidate, so the stage serves while they are gated."""
-    results = gate.load(gate_path(model_sha), model_sha)
+    results = quality.load(gate_path(model_sha), model_sha)
     report, best = {}, None
     gated = []
     candidates = cfg.auto_candidates if not gating else tuple(dict.fromkeys((REFERENCE, *cfg.auto_candidates)))

@@ -2,7 +2,7 @@
 
 Runs on the stage's torch thread. A warm start (same engine fingerprint as a stored record, and the
 verification probe gives the same bits) loads the recorded format and hands the engine its stored
-calibration; a cold start resolves the format (formats.py), measures everything and stores the
+calibration; a cold start resolves the format (selection.py), measures everything and stores the
 record. With `auto`, candidates that have no stored gate result are not waited for: each is preloaded
 as a locked variant "auto-<format>" beside the format served now (the reference, or the fastest
 candidate whose stored result passes), and the stage gates them in the background once it serves
@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from services.inference.model import blocks
-from services.inference.startup import formats, gate, startgate, warmcache
+from services.inference.formats import selection, quality, startgate
+from services.inference import warmcache
 from services.inference.config import InferenceConfig
 from services.inference.engine.core import ENGINE_VERSION, Engine, EngineConfig
 from services.inference.lora.startup import check_adapters
 from services.inference.model.loader import AUTO, FROM_FILE_ONLY, load_model
-from services.inference.startup.warmcache import WarmRecord
+from services.inference.warmcache import WarmRecord
 from services.inference.engine.warmup import set_deterministic
 from shared import stagestatus
 
@@ -66,7 +67,7 @@ def fingerprint(cfg: InferenceConfig, e: EngineConfig, model_sha: str) -> dict:
     f = cfg.formats
     settings["formats"] = {"gate": f.gate.__dict__, "force": f.force, "auto_candidates": f.auto_candidates}
     # A new gate run can change what auto may pick, so the stored results are part of the key.
-    stored = gate.load(formats.gate_path(model_sha), model_sha)
+    stored = quality.load(selection.gate_path(model_sha), model_sha)
     settings["gate_results"] = {name: asdict(r) for name, r in sorted(stored.items())}
     return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
 
@@ -119,14 +120,14 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
                     extra={"format": record.format})
         del model
     if e.dtype == AUTO:
-        reference = load_model(cfg.model_dir, formats.REFERENCE, e.device)
+        reference = load_model(cfg.model_dir, selection.REFERENCE, e.device)
         phases.mark("load_model")
-        choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
+        choice, model = selection.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
                                             cfg.model_dir, gating=tuple(candidates.values()))
         del reference
         phases.mark("choose_format")
     else:
-        choice = formats.check_explicit(e.dtype, model_sha, cfg.formats)
+        choice = selection.check_explicit(e.dtype, model_sha, cfg.formats)
         model = load_model(cfg.model_dir, e.dtype, e.device)
         phases.mark("load_model")
     engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, e, choice.format),

@@ -1,10 +1,10 @@
 """The quality gate's probe set, stored as token ids (gate_probes.json), so the gate runs without a tokenizer.
 
-The file holds the chat prompts of `bench/bench_inference.py` (10 forms x 20 subjects) rendered with the
-model's chat template, each with the position its scoring starts at (the first token of the user's
+The file holds the chat prompts below (FORMS x SUBJECTS: 10 x 20, which the benchmarks send too) rendered
+with the model's chat template, each with the position its scoring starts at (the first token of the user's
 text: the shared system preamble before it says nothing about a format), and the sha256 of those
-sequences. `bench/gate_formats.py --write-probes` writes it (it alone needs the tokenizer); the gate at
-first start (startgate.py) and `bench/gate_formats.py` read it. A file whose ids do not hash to the
+sequences. `python -m services.inference.formats.gate --write-probes` writes it (it alone needs the tokenizer); the gate at
+first start (startgate.py) and `python -m services.inference.formats.gate` read it. A file whose ids do not hash to the
 stored digest is refused with a ConfigError: a gate scored on other prompts would not be this gate.
 """
 from __future__ import annotations
@@ -15,17 +15,33 @@ from pathlib import Path
 
 from shared.config import ConfigError
 
-from services.inference.startup.gate import Sequence
+from services.inference.formats.quality import Sequence
 
 PROBES_FILE = Path(__file__).with_name("gate_probes.json")
-ABOUT = ("The quality gate's probe set (docs/inference-formats.md): the chat prompts of bench/bench_inference.py "
+ABOUT = ("The quality gate's probe set (docs/inference-formats.md): the chat prompts of "
+         "services/inference/formats/gateprobes.py "
          "rendered with the model's chat template, as token ids; score_from is the first position scored. "
-         "Written by `bench/gate_formats.py --write-probes`; sha256 covers the sequences.")
+         "Written by `python -m services.inference.formats.gate --write-probes`; sha256 covers the sequences.")
+SUBJECTS = ["the moon", "photosynthesis", "the French revolution", "prime numbers", "volcanoes", "coffee",
+            "the internet", "black holes", "honey bees", "the Roman empire", "climate change", "chess",
+            "the human heart", "electric cars", "jazz music", "glaciers", "vaccines", "the printing press",
+            "octopuses", "solar panels"]
+FORMS = ["Explain {} in two sentences.", "Write a short poem about {}.", "Give three facts about {}.",
+         "What is the history of {}?", "Why is {} important?", "Describe {} to a child.",
+         "List common misconceptions about {}.", "Write a tweet about {}.", "How does {} work?",
+         "Summarize what you know about {}."]
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    """The first n prompts (FORMS x SUBJECTS) as token ids, rendered with `tok`'s chat template."""
+    texts = [f.format(s) for f in FORMS for s in SUBJECTS][:n]
+    out = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in out]
 
 
 def describe(n: int) -> str:
     """How a stored gate result was measured (the `probe_set` of var/gate/<model sha256>.json)."""
-    return (f"{n} chat prompts of services/inference/startup/gate_probes.json, teacher-forced, "
+    return (f"{n} chat prompts of services/inference/formats/gate_probes.json, teacher-forced, "
             "scored from the user's text to the assistant header")
 
 
@@ -47,7 +63,7 @@ def load(n: int | None = None, path: Path | None = None) -> list[Sequence]:
     when the file is unreadable, malformed or corrupted (its ids do not hash to its sha256), or holds
     fewer than `n`."""
     path = path or PROBES_FILE
-    fix = "restore it (`git checkout`, or `bench/gate_formats.py --write-probes`) or set formats.gate_at_start: false"
+    fix = "restore it (`git checkout`, or `python -m services.inference.formats.gate --write-probes`) or set formats.gate_at_start: false"
     try:
         data = json.loads(path.read_text())
         sequences = [Sequence(tuple(int(i) for i in s["ids"]), int(s["score_from"])) for s in data["sequences"]]
