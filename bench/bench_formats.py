@@ -41,7 +41,7 @@ def one(fmt: str, threads: int) -> dict:
     cfg = inf_config.load()
     rss0 = status_kib("VmRSS")
     model = load_model(cfg.model_dir, fmt)
-    engine = Engine(model, replace(cfg.engine, dtype=fmt, intra_op_threads=threads))
+    engine = Engine(model, replace(cfg.engine, format=fmt, intra_op_threads=threads))
     engine.warmup()
     rss = status_kib("VmRSS")
     sizes = invariant_sizes(model)

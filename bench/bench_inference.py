@@ -56,7 +56,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def engine_for(model, device: str, dtype: str, **kw) -> Engine:
-    cfg = dict(memory_budget_bytes=16 * 2 ** 30, max_batch_size=64, eos_token_ids=(), device=device, dtype=dtype,
+    cfg = dict(memory_budget_bytes=16 * 2 ** 30, max_batch_size=64, eos_token_ids=(), device=device, format=dtype,
                max_queued_requests=4096, max_queued_tokens=10 ** 8, queue_timeout_ms=10 ** 7)
     cfg.update(kw)
     engine = Engine(model, EngineConfig(**cfg))

@@ -15,7 +15,7 @@ Each peer runs in a fresh process (`--peer NAME`) and prints one JSON line; the 
                Each count is timed cold (no start-up record under its key: measured, and the record
                written) then cached (the same check again: one verified probe row per adapter and one
                for the base, lora/startcache.py).
-  stage        the inference stage's start (bootstrap.start_engine, engine.dtype float32) with a registry
+  stage        the inference stage's start (bootstrap.start_engine, engine.format float32) with a registry
                of 2 adapters, in fresh processes on one scratch var dir: a first start fills the engine's
                and the LoRA start-up records; then, alternately, starts without the LoRA record (engine
                warm, adapters measured: "cold") and with it ("cached"), `--starts` of each.
@@ -133,7 +133,7 @@ def stage_config(var: Path):
     from services.inference import config
     cfg = config.load()
     return replace(cfg, model_path=str(MODEL.resolve()), lora=replace(cfg.lora, registry_dir=str(var / "adapters")),
-                   engine=replace(cfg.engine, dtype="float32", intra_op_threads=1))
+                   engine=replace(cfg.engine, format="float32", intra_op_threads=1))
 
 
 def stage_setup(args, var: Path) -> None:

@@ -7,7 +7,7 @@ Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles l
 
 Workload: --requests chat prompts (the FORMS x SUBJECTS of services/inference/formats/gateprobes.py), max_tokens cycling through
 --max-tokens, greedy, the model's eos on: lengths are mixed by both. Keel runs first, one mesh per dtype
-(`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__DTYPE), each of N clients a closed
+(`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__FORMAT), each of N clients a closed
 loop over the shared list (N=1 takes the first 8 requests, N=4 the first 16, more take all): once
 straight to the inference stage (pre-tokenized ids, the mesh token), once through the gateway's
 GenerateStream (auth, tokenizer, validator both ways, retries, traces). The peers then run alone, each
@@ -195,7 +195,7 @@ def keel(variant: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[st
     dtype, _, threads = variant.partition("@")
     # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
     # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
-    env = {"KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
+    env = {"KEEL_INFERENCE_ENGINE__FORMAT": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
     if threads:
         env["KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS"] = threads
     tmp = Path(tempfile.mkdtemp(prefix="keel-serving-"))

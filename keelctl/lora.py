@@ -7,7 +7,7 @@
     keel lora card ID@VERSION            the version's model card
 
 register, verify and drift load the base model from the inference stage's config (model_path) in the
-weight format the stage last served (the registry's base.json; else engine.dtype, float32 for auto)
+weight format the stage last served (the registry's base.json; else engine.format, float32 for auto)
 and run the probe set through the engine's own runner. An adapter is bound to the weights, not to
 that format (docs/lora.md, "The first adapter on a fresh clone"). Exit status: 0 ok; 1 a refusal, a version that
 needs retraining or significant drift; 2 bad arguments or configuration.
@@ -32,7 +32,7 @@ def _format(cfg, given: str | None) -> str:
     running = read_running_base(cfg.lora.root)
     if running is not None:
         return running["format"]
-    return "float32" if cfg.engine.dtype == "auto" else cfg.engine.dtype
+    return "float32" if cfg.engine.format == "auto" else cfg.engine.format
 
 
 def _base(cfg, fmt: str | None):

@@ -62,14 +62,14 @@ class _Phases:
 
 def fingerprint(cfg: InferenceConfig, e: EngineConfig, model_sha: str) -> dict:
     settings = {k: getattr(e, k) for k in CALIBRATION_SETTINGS}
-    settings["fallback_dtype"] = e.breaker.fallback_dtype
+    settings["fallback_format"] = e.breaker.fallback_format
     settings["variants"] = dict(sorted(e.variants.items()))  # each preloaded format adds to the memory model
     f = cfg.formats
     settings["formats"] = {"gate": f.gate.__dict__, "force": f.force, "auto_candidates": f.auto_candidates}
     # A new gate run can change what auto may pick, so the stored results are part of the key.
     stored = quality.load(selection.gate_path(model_sha), model_sha)
     settings["gate_results"] = {name: asdict(r) for name, r in sorted(stored.items())}
-    return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
+    return warmcache.fingerprint(model_sha, e.format, ENGINE_VERSION, settings)
 
 
 def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, fp: dict, phases: _Phases) -> None:
@@ -84,7 +84,7 @@ def candidate_variants(cfg: InferenceConfig, model_sha: str) -> dict[str, str]:
     """Variant name -> format of each `auto` candidate to gate in the background: those this device
     runs that have no stored gate result, when the results can be stored (else the gate is lost work)."""
     e = cfg.engine
-    if e.dtype != AUTO or not cfg.formats.gate_at_start:
+    if e.format != AUTO or not cfg.formats.gate_at_start:
         return {}
     ungated = startgate.pending(cfg.formats, model_sha, e.device)
     if not ungated or not startgate.writable(model_sha):
@@ -108,7 +108,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         ok = warmcache.probe_digest(model) == record.probe_digest
         phases.mark("verify_probe")
         if ok:
-            engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, e, record.format),
+            engine = Engine(model, replace(e, format=record.format), others=_other_models(cfg, e, record.format),
                             locked=candidates)
             engine.warmup(record.calibration)
             phases.mark("warmup_reused")
@@ -119,7 +119,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         log.warning("warm start refused: the verification probe gave different logits; measuring again",
                     extra={"format": record.format})
         del model
-    if e.dtype == AUTO:
+    if e.format == AUTO:
         reference = load_model(cfg.model_dir, selection.REFERENCE, e.device)
         phases.mark("load_model")
         choice, model = selection.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
@@ -127,10 +127,10 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         del reference
         phases.mark("choose_format")
     else:
-        choice = selection.check_explicit(e.dtype, model_sha, cfg.formats)
-        model = load_model(cfg.model_dir, e.dtype, e.device)
+        choice = selection.check_explicit(e.format, model_sha, cfg.formats)
+        model = load_model(cfg.model_dir, e.format, e.device)
         phases.mark("load_model")
-    engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, e, choice.format),
+    engine = Engine(model, replace(e, format=choice.format), others=_other_models(cfg, e, choice.format),
                     locked=candidates)
     engine.warmup()
     phases.mark("warmup_measured")

@@ -137,8 +137,8 @@ def build() -> tuple[InferenceStage, ServerConfig]:
     if not (cfg.model_dir / "config.json").exists():
         raise ConfigError(f"field 'model_path' breaks rule 'exists': no model at {cfg.model_dir}; run `make model`")
     model_sha = model_sha256(cfg.model_dir)
-    if cfg.engine.dtype != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
-        selection.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
+    if cfg.engine.format != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
+        selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
     elif cfg.formats.gate_at_start:  # so does a corrupted probe set the gate at start would read
         gateprobes.load(cfg.formats.gate_prompts)
     for name, fmt in cfg.engine.variants.items():  # so does a variant's

@@ -96,8 +96,8 @@ async def test_the_verdict_switches_to_its_candidate_and_the_status_shows_the_pr
     assert outcome.verdict == Verdict("int8", "auto: int8 wins")
     assert outcome.switch == Switch("auto-int8", "primary") and engine.active_variant() == "auto-int8"
     _, after = await collect(engine, request("after", prompt(1), max_tokens=4))
-    assert (before.variant, before.dtype) == ("primary", "float32")
-    assert (after.variant, after.dtype) == ("auto-int8", "int8")
+    assert (before.variant, before.format) == ("primary", "float32")
+    assert (after.variant, after.format) == ("auto-int8", "int8")
     assert (PHASE, 3, 3) in board.seen and board.seen[0] == (PHASE, 0, 0)
     assert board.snapshot().phase == "serving"  # the gate is over
 

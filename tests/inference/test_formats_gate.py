@@ -13,7 +13,7 @@ import torch
 from services.inference.formats import selection, quality
 from services.inference.formats.selection import FormatsConfig
 from services.inference.formats.quality import GateResult, GateThresholds, Sequence
-from services.inference.model.loader import convert_model, model_dtype
+from services.inference.model.loader import convert_model
 from shared.config import ROOT_DIR, ConfigError
 from tests.inference.helpers import prompt
 from testing.tiny import save_model
@@ -83,7 +83,7 @@ def test_an_explicit_format_without_a_pass_is_refused(var_dir, stored, needle):
     _store(stored)
     with pytest.raises(ConfigError, match=needle) as err:
         selection.check_explicit("int4", SHA, FormatsConfig())
-    assert "engine.dtype" in str(err.value) and "formats.force" in str(err.value)
+    assert "engine.format" in str(err.value) and "formats.force" in str(err.value)
 
 
 def test_force_serves_a_failing_format_and_says_so(var_dir):
@@ -102,7 +102,7 @@ def test_auto_never_picks_a_format_that_fails_or_was_not_gated(var_dir, tiny):
     _store({"int8": (0.01, 0.05, 0.97), "int4": (0.5, 2.0, 0.6)})  # bfloat16: never gated
     cfg = FormatsConfig(auto_candidates=("float32", "bfloat16", "int8", "int4"))
     choice, model = selection.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu", model_dir=Path("unused"))
-    assert choice.format in ("float32", "int8") and model_dtype(model) == choice.format
+    assert choice.format in ("float32", "int8") and model.format == choice.format
     assert "int4 fails the quality gate" in choice.reason and "bfloat16 has no gate result" in choice.reason
     assert "decode pass" in choice.reason  # the eligible ones were timed
 
@@ -111,11 +111,11 @@ def test_auto_refuses_a_passing_format_whose_step_is_not_batch_invariant_on_this
     # aten's bfloat16 GEMM is batch-invariant on some CPUs and not on others: auto measures it.
     _store({"bfloat16": (0.01, 0.05, 0.97), "int8": (0.01, 0.05, 0.97)})
     real = selection.step_invariant
-    monkeypatch.setattr(selection, "step_invariant", lambda model, device: model_dtype(model) != "bfloat16"
+    monkeypatch.setattr(selection, "step_invariant", lambda model, device: model.format != "bfloat16"
                         and real(model, device))
     cfg = FormatsConfig(auto_candidates=("float32", "bfloat16", "int8"))
     choice, model = selection.choose_auto(tiny, SHA, cfg, max_batch=4, device="cpu", model_dir=Path("unused"))
-    assert choice.format != "bfloat16" and model_dtype(model) == choice.format
+    assert choice.format != "bfloat16" and model.format == choice.format
     assert "bfloat16: a decode step gives a row other bits beside other rows than alone" in choice.reason
 
 
@@ -150,7 +150,7 @@ def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(
 def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_path, tiny):
     model_dir = tmp_path / "model"
     save_model(tiny, model_dir)
-    env = {**os.environ, "KEEL_INFERENCE_ENGINE__DTYPE": "int4", "KEEL_INFERENCE_MODEL_PATH": str(model_dir),
+    env = {**os.environ, "KEEL_INFERENCE_ENGINE__FORMAT": "int4", "KEEL_INFERENCE_MODEL_PATH": str(model_dir),
            "KEEL_INFERENCE_SERVER__PORT": "0", "KEEL_INFERENCE_SERVER__METRICS_PORT": "0"}
     proc = subprocess.run([sys.executable, "-m", "services.inference"], cwd=ROOT_DIR, env=env,
                           capture_output=True, text=True, timeout=120)

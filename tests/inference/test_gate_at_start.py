@@ -51,7 +51,7 @@ def gate_runs(monkeypatch):
 
 def _cfg(model_dir, **fmt) -> InferenceConfig:
     values = {"auto_candidates": ("float32", "bfloat16", "int8"), "gate_prompts": 6, "gate": LENIENT, **fmt}
-    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="auto"), formats=FormatsConfig(**values))
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="auto"), formats=FormatsConfig(**values))
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
@@ -160,7 +160,7 @@ def test_gate_at_start_off_keeps_ungated_candidates_out(var_dir, model_dir, gate
 
 
 def test_an_explicit_format_is_not_gated(var_dir, model_dir, gate_runs):
-    cfg = dataclasses.replace(_cfg(model_dir), engine=tiny_config(dtype="float32"))
+    cfg = dataclasses.replace(_cfg(model_dir), engine=tiny_config(format="float32"))
     assert _start(cfg).candidates == {}
 
 

@@ -24,7 +24,7 @@ def setup(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
     model_dir = tmp_path / "model"
     save_model(tiny, model_dir)
-    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="float32"), lora=LoraConfig())
+    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="float32"), lora=LoraConfig())
     sha = model_sha256(model_dir)
     runner = LlamaRunner(load_model(model_dir, "float32"))
     runner.calibrate_invariant_sizes(cfg.engine.max_batch_size)

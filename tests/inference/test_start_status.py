@@ -40,7 +40,7 @@ def test_a_first_start_reports_each_step_then_the_background_gate_its_count(tmp_
     board = RecordingBoard()
     monkeypatch.setattr(stagestatus, "BOARD", board)
     lenient = GateThresholds(kl_mean_max=1e9, kl_p95_max=1e9, greedy_agreement_min=0)
-    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="auto"), formats=FormatsConfig(
+    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="auto"), formats=FormatsConfig(
         auto_candidates=("float32", "bfloat16", "int8"), gate_prompts=5, gate=lenient))
     sha = model_sha256(cfg.model_dir)
     started = bootstrap.start_engine(cfg, sha)

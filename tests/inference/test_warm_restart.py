@@ -24,7 +24,7 @@ def var_dir(tmp_path, monkeypatch):
 
 
 def _cfg(model_dir, **engine) -> InferenceConfig:
-    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"dtype": "float32", **engine}),
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"format": "float32", **engine}),
                            # no gate at start: these tests are about the record, not the gate (test_gate_at_start.py)
                            formats=FormatsConfig(auto_candidates=("float32", "bfloat16"), gate_at_start=False))
 
@@ -93,7 +93,7 @@ def test_warm_restart_off_never_reads_or_writes_records(var_dir, model_dir):
 
 
 def test_auto_stores_its_choice_and_a_warm_start_loads_that_format(var_dir, model_dir, monkeypatch):
-    cfg = _cfg(model_dir, dtype="auto")
+    cfg = _cfg(model_dir, format="auto")
     cold = _start(cfg)
     assert cold.record.format == "float32"  # bfloat16 has no stored gate result here
     assert "bfloat16 has no gate result" in cold.record.reason and "choose_format" in cold.phases_s
@@ -117,7 +117,7 @@ def test_model_hash_is_cached_by_size_and_mtime(var_dir, tmp_path):
 
 
 def test_new_gate_results_measure_again(var_dir, model_dir):
-    cfg = _cfg(model_dir, dtype="auto")
+    cfg = _cfg(model_dir, format="auto")
     _start(cfg)
     sha = model_sha256(cfg.model_dir)
     quality.store(selection.gate_path(sha), sha, [quality.GateResult("bfloat16", 0.0, 0.0, 1.0, 10, 2)], "test")

@@ -35,12 +35,12 @@ class Update:
 
 class OutputProcessor:
     def __init__(self, eos_token_ids: tuple[int, ...], counters: Counters, board: BreakerBoard,
-                 dtype_names: dict[str, str], masks: MaskExecutor):
+                 formats: dict[str, str], masks: MaskExecutor):
         self.eos = eos_token_ids
         self.masks = masks
         self.counters = counters
         self.board = board
-        self.dtype_names = dtype_names  # runner name -> dtype served
+        self.formats = formats  # runner name -> weight format served
 
     def update(self, batch: Batch, logits: torch.Tensor, policy: Policy) -> Update:
         out = Update()
@@ -134,7 +134,7 @@ class OutputProcessor:
         out.events.append((t, Finished(
             reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" and not streamed else 0), t.seed,
             queue_ms=(row.started - t.submitted) * 1000, ttft_ms=(row.first_token_at - t.submitted) * 1000,
-            dtype=self.dtype_names[row.runner], breaker_level=row.breaker_level, variant=row.variant,
+            format=self.formats[row.runner], breaker_level=row.breaker_level, variant=row.variant,
             adapter=t.adapter)))
 
     def _fail(self, row: Row, err: Exception, out: Update) -> None:

@@ -24,7 +24,7 @@ class Row:
     """A request in the running batch: its cache and progress. Owned by the loop thread."""
 
     ticket: Ticket
-    runner: str                    # the weight format that runs it (runner.py)
+    runner: str                    # the weight format whose LlamaRunner runs it (executor.py)
     cache: RowCache
     started: float
     breaker_level: int

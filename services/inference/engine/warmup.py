@@ -15,7 +15,7 @@ import torch
 
 from services.inference.model.forward import LlamaRunner
 from services.inference.engine.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
-from services.inference.model.loader import convert_model, model_dtype
+from services.inference.model.loader import convert_model
 from services.inference.engine.sampling import Draw, pick
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module],
     """One runner per weight format, keyed by it: `model`'s own, then each of `formats` (taken from
     `others` when loaded there, else converted from `model`). A format used by several variants, or
     by a variant and the breaker's fallback, is one model in memory."""
-    runners = {model_dtype(model): LlamaRunner(model, device, block_tokens)}
+    runner = LlamaRunner(model, device, block_tokens)
+    runners = {runner.format: runner}
     for fmt in formats:
         if fmt not in runners:
             runners[fmt] = LlamaRunner(others[fmt] if fmt in others else convert_model(model, fmt, device), device,
@@ -56,7 +57,7 @@ def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module],
     for name, runner in runners.items():
         sizes = runner.calibrate_invariant_sizes(max_batch) if batch_invariant else ()
         log.info("batch-invariant sizes for %s: %s", name, sizes or "none",
-                 extra={"runner": name, "dtype": runner.dtype_name, "invariant_sizes": list(sizes)})
+                 extra={"runner": name, "format": runner.format, "invariant_sizes": list(sizes)})
     return runners
 
 

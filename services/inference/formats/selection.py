@@ -29,7 +29,7 @@ from shared.errors import InvalidInput
 from services.inference.formats import quality
 from services.inference.model.forward import LlamaRunner
 from services.inference.formats.quality import GateResult, GateThresholds
-from services.inference.model.loader import DTYPES, check_dtype, model_in_format, residual_dtype
+from services.inference.model.loader import FORMATS, check_format, model_in_format, residual_dtype
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,16 @@ class FormatsConfig:
     gate: GateThresholds = field(default_factory=GateThresholds)
     force: bool = False  # serve an explicit format even when it failed or never ran the gate
     auto_candidates: tuple[str, ...] = ("float32", "int8", "gguf")
-    # engine.dtype auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
+    # engine.format auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
     gate_at_start: bool = True
     gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them
 
     def __post_init__(self):
         if self.gate_prompts is not None and self.gate_prompts < 1:
             raise ValueError(f"gate_prompts must be >= 1 or null, got {self.gate_prompts}")
-        unknown = [c for c in self.auto_candidates if c not in DTYPES]
+        unknown = [c for c in self.auto_candidates if c not in FORMATS]
         if unknown or not self.auto_candidates:
-            raise ValueError(f"auto_candidates must be a non-empty subset of {DTYPES}, got {unknown or 'none'}")
+            raise ValueError(f"auto_candidates must be a non-empty subset of {FORMATS}, got {unknown or 'none'}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) ->
     result = results.get(fmt)
     if result is None:
         return False, (f"{fmt} has no gate result for this model (run `make gate`, or start with "
-                       "engine.dtype auto and formats.gate_at_start)")
+                       "engine.format auto and formats.gate_at_start)")
     failures = result.failures(limits)
     if failures:
         return False, f"{fmt} fails the quality gate: " + "; ".join(failures)
@@ -82,8 +82,8 @@ def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) ->
                   f"greedy agreement {result.greedy_agreement:.3f})")
 
 
-def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig, field: str = "engine.dtype") -> FormatChoice:
-    """The choice for an explicit format (`engine.dtype`, or the config `field` that names it, e.g. a
+def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig, field: str = "engine.format") -> FormatChoice:
+    """The choice for an explicit format (`engine.format`, or the config `field` that names it, e.g. a
     variant's); ConfigError when it is not allowed to serve."""
     results = quality.load(gate_path(model_sha), model_sha)
     ok, why = verdict(fmt, results, cfg.gate)
@@ -104,10 +104,10 @@ def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
     gen = torch.Generator().manual_seed(seed)
     layer = model.model.layers[0]
     dense = (layer.self_attn.q_proj, layer.mlp.down_proj, model.lm_head)
-    dtype = residual_dtype(model)
+    torch_dtype = residual_dtype(model)
     refs = []
     for lin in dense:
-        xs = torch.randn(INVARIANCE_ROWS, lin.in_features, generator=gen).to(dtype)
+        xs = torch.randn(INVARIANCE_ROWS, lin.in_features, generator=gen).to(torch_dtype)
         refs.append((lin, xs, lin(xs)))
     with torch.inference_mode():
         return tuple(m for m in range(1, INVARIANCE_ROWS + 1)
@@ -175,7 +175,7 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
             report[fmt] = GATING
             continue
         try:
-            check_dtype(fmt, device)
+            check_format(fmt, device)
         except InvalidInput as exc:
             report[fmt] = str(exc)
             continue

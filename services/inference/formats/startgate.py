@@ -1,6 +1,6 @@
 """The quality gate `auto` runs for its candidates that have no stored result, while the stage serves.
 
-With `formats.gate_at_start` (the default), a start with `engine.dtype: auto` whose candidates
+With `formats.gate_at_start` (the default), a start with `engine.format: auto` whose candidates
 (`formats.auto_candidates`, those this device can run) lack a stored gate result for this model does
 not wait for them: it serves at once (bootstrap.py) and the stage runs this module as a child process
 at the lowest CPU priority (background.py). The child converts each such candidate from the float32
@@ -35,7 +35,7 @@ from shared.errors import InvalidInput
 from services.inference.formats import quality, gateprobes
 from services.inference.formats.selection import REFERENCE, FormatsConfig, choose_auto, gate_path
 from services.inference.formats.quality import GateThresholds
-from services.inference.model.loader import check_dtype, load_model, model_in_format
+from services.inference.model.loader import check_format, load_model, model_in_format
 
 log = logging.getLogger(__name__)
 NICE = 19  # the child's CPU priority: serving requests always comes first
@@ -81,7 +81,7 @@ def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
 
     def runs_here(fmt: str) -> bool:
         try:
-            check_dtype(fmt, device)
+            check_format(fmt, device)
             return True
         except InvalidInput:
             return False

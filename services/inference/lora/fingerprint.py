@@ -9,7 +9,7 @@ ListAdapters.base_fingerprint).
 
 The fields also carry `format`, the weight format the probe run was made in (FORMAT_FIELD). It is
 recorded, not bound: an adapter belongs to the weights, and the format a stage serves them in is a
-choice made at start (`engine.dtype: auto`). When the serving format differs from the one the golden
+choice made at start (`engine.format: auto`). When the serving format differs from the one the golden
 outputs were made in, the start-up checks judge the adapter by the drift gate instead of by exact
 greedy equality (registry._judge).
 """

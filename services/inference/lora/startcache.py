@@ -89,7 +89,7 @@ class StartCache:
 
     def __init__(self, engine_key: str, base: Base):
         self.key_fields = {"engine": engine_key, "base_fingerprint": base.digest,
-                           "probe_set_sha256": base.probe_set.sha256, "format": base.runner.dtype_name,
+                           "probe_set_sha256": base.probe_set.sha256, "format": base.runner.format,
                            "invariant_sizes": list(base.runner.invariant_sizes), "record_version": RECORD_VERSION}
         key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()[:32]
         self.path = var_dir() / "warm" / f"lora-{key}.json"

@@ -175,11 +175,11 @@ def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(heads, n_rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
+def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
     """The model of `model_dir`'s config.json with its weights as the blocks of its GGUF (CPU), for the
-    kernel of `fmt` (one of FORMATS)."""
+    kernel of `format` (one of FORMATS)."""
     kernels.load()  # KernelUnavailable here, before any work, when the kernel cannot be built
-    q8 = fmt == FORMAT
+    q8 = format == FORMAT
     config = LlamaConfig.from_json(json.loads((model_dir / "config.json").read_text()))
     path = gguf_file(model_dir)
     table = ggufindex.index(model_dir, path)
@@ -187,7 +187,7 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
                           if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
     if unsupported:
         names = ", ".join(kernels.SUPPORTED_TYPES[k].name for k in sorted(kernels.SUPPORTED_TYPES))
-        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {fmt} "
+        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {format} "
                            f"format does not compute on (it takes {names} and F32)",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
 
@@ -210,7 +210,7 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
     e, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     embed, embed_type = tensor("token_embd.weight")
     if embed_type == F32:
-        raise InvalidInput(f"the embedding is F32; the {fmt} format needs it in blocks",
+        raise InvalidInput(f"the embedding is F32; the {format} format needs it in blocks",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": "F32"})
     # A GGUF without output.weight ties lm_head to the embedding: the same blocks, counted once.
     head = tensor("output.weight") if "output.weight" in table else None
@@ -230,6 +230,7 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
               (tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")), e, q8)
         mlp.down_proj = linear(tensor(f"blk.{i}.ffn_down.weight"), config.intermediate_size)
     model.requires_grad_(False)
+    model.format = format
     return model.eval()
 
 
@@ -282,9 +283,3 @@ class LayerArgs:
         return cls((first.weight, first.variance_epsilon, *weight(qkv)[:2], sizes, qkv.q8),
                    (*weight(attn.o_proj), second.weight, second.variance_epsilon, *weight(gate_up),
                     *weight(mlp.down_proj), qkv.q8))
-
-
-def block_format(model: nn.Module) -> str | None:
-    """FORMAT or EXACT_FORMAT for a model load() made, None for any other."""
-    head = model.lm_head
-    return None if not isinstance(head, BlockLinear) else FORMAT if head.q8 else EXACT_FORMAT

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.inference.model.blocks import LayerArgs, block_format
+from services.inference.model.blocks import FORMATS as BLOCK_FORMATS, LayerArgs
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.model.llama import rotate_half
 from services.inference.model.loraslots import NO_LORA, LoraSlots
-from services.inference.model.loader import model_dtype, residual_dtype
+from services.inference.model.loader import residual_dtype
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,8 @@ class LlamaRunner:
         self.scale = self.head_dim ** -0.5
         # int8 and gguf models keep a float32 residual stream (embeddings, norms, attention).
         self.dtype = residual_dtype(model)
-        self.dtype_name = model_dtype(model)
-        self.layer_ops = block_format(model) is not None  # kernels/layer_ops.cpp serve rotary and attention
+        self.format: str = model.format  # the weight format it serves, as the model was loaded (loader.py)
+        self.layer_ops = self.format in BLOCK_FORMATS  # kernels/layer_ops.cpp serve rotary and attention
         self.invariant_sizes: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None  # the preloaded adapters (model/loraslots.py), set at warm-up
         self.layers = [Layer.of(layer) for layer in model.model.layers]
@@ -309,7 +309,7 @@ class LlamaRunner:
         invariant: its activation scale is computed per batch.
         """
         self.invariant_sizes = ()
-        if self.dtype_name == "int8":
+        if self.format == "int8":
             return ()
         small = max(max_batch, 16)
         large = (small + 1, 64, 257, 1024)

@@ -196,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        # The weight format it holds, set by whoever fills the weights (loader.py, blocks.py), so a
+        # runner is told its format rather than inferring it from the tensors.
+        self.format = "float32"
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -23,7 +23,7 @@ INT4_GROUP_SIZE = 32  # the smallest group the kernel takes: the lowest error at
 
 
 class _WeightOnlyLinear(torch.nn.Module):
-    format_name = ""
+    format = ""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -40,13 +40,13 @@ class _WeightOnlyLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
 class Int8Linear(_WeightOnlyLinear):
     """Per-output-channel symmetric int8 weights."""
 
-    format_name = "int8"
+    format = "int8"
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, linear.bias)
@@ -62,7 +62,7 @@ class Int8Linear(_WeightOnlyLinear):
 class Int4Linear(_WeightOnlyLinear):
     """Group-wise asymmetric int4 weights (groups along the input dimension)."""
 
-    format_name = "int4"
+    format = "int4"
 
     def __init__(self, linear: torch.nn.Linear, group_size: int = INT4_GROUP_SIZE):
         super().__init__(linear.in_features, linear.out_features, linear.bias)
@@ -100,11 +100,3 @@ def quantize_linears(model: torch.nn.Module, fmt: str, group_size: int = INT4_GR
     if hasattr(model, "config"):
         model.config.tie_word_embeddings = False  # lm_head is no longer the embedding matrix
     return model
-
-
-def weight_format(model: torch.nn.Module) -> str | None:
-    """'int8' or 'int4' when the model's linears are weight-only quantized, else None."""
-    for mod in model.modules():
-        if isinstance(mod, _WeightOnlyLinear):
-            return mod.format_name
-    return None
