@@ -323,7 +323,7 @@ class StepLoop:
             running_batch_size=len(self.scheduler.rows), pending_prefill=len(self.scheduler.pending),
             oom_cap=self.oom.cap,
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
-            invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.runner.runners.items()}),
+            invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.executor.runners.items()}),
             tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
             prefix_cache=self.kv.prefix_stats(),
             active_variant=self.active)
