@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
 from services.inference.model.loader import load_model
 from services.inference.model.quant import QUANTIZED, quantize_linears
-from services.inference.formats.gateprobes import chat_prompts
+from services.inference.formats.gateprompts import chat_prompts
 
 MODEL = Path("var/model")
 GATE_AGREEMENT = 0.8  # share of greedy tokens equal to fp32's, position by position

@@ -26,7 +26,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.bench_inference import engine_for, machine  # noqa: E402
-from services.inference.formats.gateprobes import FORMS, SUBJECTS  # noqa: E402
+from services.inference.formats.gateprompts import FORMS, SUBJECTS  # noqa: E402
 from keel.common.v1 import common_pb2  # noqa: E402
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from keelctl.ask import DEV_API_KEY  # noqa: E402

@@ -6,7 +6,7 @@ For each --bits B: a = max |x| over the block, d = a / (2^(B-1) - 1), x -> round
 float32, clamped to the levels; a zero block stays zero), then the exact kernel on the blocks. Only
 the summation order differs from an integer kernel on those levels: at B = 8 the emulation should
 give the agreement `gguf` itself gets (`python -m services.inference.formats.gate`), which tells how far to trust the other
-widths. Scored against float32 on the gate's probes (services/inference/formats/quality.py); nothing
+widths. Scored against float32 on the gate's prompts (services/inference/formats/quality.py); nothing
 is stored.
 
 Run: .venv/bin/python bench/gate_activations.py [--bits 8,16] [--prompts N] [--threads 2]
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from bench.bench_inference import MODEL, machine  # noqa: E402
 from services.inference.model.blocks import EXACT_FORMAT, BlockLinear  # noqa: E402
 from services.inference.model.loader import load_model, model_in_format  # noqa: E402
-from services.inference.formats import quality, gateprobes  # noqa: E402
+from services.inference.formats import quality, gateprompts  # noqa: E402
 
 
 def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -50,14 +50,14 @@ def with_rounded_inputs(model: torch.nn.Module, bits: int) -> torch.nn.Module:
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--bits", default="8,16")
-    ap.add_argument("--prompts", type=int, default=None, help="the first N probes (default: all 200)")
+    ap.add_argument("--prompts", type=int, default=None, help="the first N prompts (default: all 200)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ref = load_model(MODEL, "float32")
     candidates = {f"{EXACT_FORMAT}, inputs on {b}-bit levels": with_rounded_inputs(
         model_in_format(ref, EXACT_FORMAT, MODEL), b) for b in map(int, args.bits.split(","))}
-    sequences = gateprobes.load(args.prompts)
+    sequences = gateprompts.load(args.prompts)
     t0 = time.perf_counter()
     results = quality.evaluate(ref, candidates, sequences, lambda i: None)
     print(f"Command: `.venv/bin/python bench/gate_activations.py {' '.join(sys.argv[1:])}`")

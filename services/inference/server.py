@@ -11,7 +11,7 @@ import grpc
 
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
-from services.inference.formats import selection, gateprobes
+from services.inference.formats import selection, gateprompts
 from services.inference.formats.background import BackgroundGate
 from services.inference.bootstrap import start_engine
 from services.inference.formats.startgate import GateJob
@@ -139,8 +139,8 @@ def build() -> tuple[InferenceStage, ServerConfig]:
     model_sha = model_sha256(cfg.model_dir)
     if cfg.engine.format != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
         selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
-    elif cfg.formats.gate_at_start:  # so does a corrupted probe set the gate at start would read
-        gateprobes.load(cfg.formats.gate_prompts)
+    elif cfg.formats.gate_at_start:  # so does a corrupted prompt set the gate at start would read
+        gateprompts.load(cfg.formats.gate_prompts)
     for name, fmt in cfg.engine.variants.items():  # so does a variant's
         selection.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
     return InferenceStage(cfg, model_sha), cfg.server

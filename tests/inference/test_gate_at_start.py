@@ -1,6 +1,6 @@
 """`auto` serves at once and gates its ungated candidates in the background (startgate.py in a child
 process, background.py), stores the results, switches to what it then chooses, and a later start reads
-them instead of gating again; on the tiny model with a few of the stored probes."""
+them instead of gating again; on the tiny model with a few of the stored prompts."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ import pytest
 from services.inference.model.digest import model_sha256
 from services.inference import server
 from services.inference.engine.variants import Switch
-from services.inference.formats import background, selection, quality, gateprobes
+from services.inference.formats import background, selection, quality, gateprompts
 from services.inference import bootstrap
 from services.inference.formats.background import BackgroundGate
 from services.inference.formats.startgate import GateJob
@@ -166,15 +166,15 @@ def test_an_explicit_format_is_not_gated(var_dir, model_dir, gate_runs):
 
 @pytest.fixture
 def corrupted(tmp_path, monkeypatch):
-    data = json.loads(gateprobes.PROBES_FILE.read_text())
+    data = json.loads(gateprompts.PROMPTS_FILE.read_text())
     data["sequences"][3]["ids"][5] += 1
-    path = tmp_path / "gate_probes.json"
+    path = tmp_path / "gate_prompts.json"
     path.write_text(json.dumps(data))
-    monkeypatch.setattr(gateprobes, "PROBES_FILE", path)
+    monkeypatch.setattr(gateprompts, "PROMPTS_FILE", path)
     return path
 
 
-def test_the_stage_refuses_a_corrupted_or_unreadable_probe_file_before_it_listens(var_dir, model_dir, corrupted,
+def test_the_stage_refuses_a_corrupted_or_unreadable_prompt_file_before_it_listens(var_dir, model_dir, corrupted,
                                                                                   monkeypatch):
     monkeypatch.setenv("KEEL_INFERENCE_MODEL_PATH", str(model_dir))
     with pytest.raises(ConfigError, match="corrupted"):
@@ -186,12 +186,12 @@ def test_the_stage_refuses_a_corrupted_or_unreadable_probe_file_before_it_listen
     server.build()  # not needed, not read
 
 
-def test_the_stored_probes_hash_to_their_digest_and_are_the_full_set():
-    probes = gateprobes.load()
-    assert len(probes) == 200 and sum(len(s.ids) - s.score_from for s in probes) == 2640
-    assert gateprobes.load(6) == probes[:6]
+def test_the_stored_prompts_hash_to_their_digest_and_are_the_full_set():
+    prompts = gateprompts.load()
+    assert len(prompts) == 200 and sum(len(s.ids) - s.score_from for s in prompts) == 2640
+    assert gateprompts.load(6) == prompts[:6]
     with pytest.raises(ConfigError, match="formats.gate_prompts"):
-        gateprobes.load(201)
+        gateprompts.load(201)
 
 
 @pytest.mark.parametrize("key,value,field", [("GATE_AT_START", "sometimes", "formats.gate_at_start"),

@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 import torch
 
-from shared.controls import Controls, check_controls
+from shared.controls import Controls
 from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
 from shared.stages import CONTEXT_TOKENS
 
@@ -231,10 +231,10 @@ class Engine:
         self._state = EngineState.SERVING
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
+        self._check_serving()
+        validate(req, self._vocab_size, self.config.max_context_tokens)  # once, before a grammar is compiled
         matcher = None
         if req.controls.response_format is not None:  # compiled off the step loop (grammar.py)
-            self._check_serving()
-            check_controls(req.controls)
             matcher = await self._require_vocabulary().matcher(req.controls.response_format)
         ticket = self._submit(req, matcher)
         done = False
@@ -332,9 +332,8 @@ class Engine:
         return self._grammars
 
     def _submit(self, req: GenerationRequest, matcher=None) -> Ticket:
-        self._check_serving()
-        cfg = self.config
-        validate(req, self._vocab_size, cfg.max_context_tokens)
+        """Admit a request generate() has validated."""
+        self._check_serving()  # again: the engine may have begun draining while a grammar compiled
         if req.request_id in self._tickets:
             raise InvalidInput(f"request {req.request_id} is already in flight", reason="DUPLICATE_REQUEST_ID",
                                metadata={"request_id": req.request_id})

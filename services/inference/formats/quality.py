@@ -5,7 +5,7 @@ greedy answer), and at every answer position we compare the two next-token distr
   * KL(float32 || candidate) in nats, the mean and the 95th percentile over all scored positions;
   * greedy agreement, the share of positions where both put their maximum on the same token.
 Teacher forcing keeps one early disagreement from derailing the rest of a sequence, so each position
-is judged on its own. The gate over the 200 probes of gate_probes.json is run by `python -m services.inference.formats.gate`
+is judged on its own. The gate over the 200 prompts of gate_prompts.json is run by `python -m services.inference.formats.gate`
 (`make gate`) or, for the `auto` candidates still lacking a result, by the stage in the background
 (startgate.py); both store the results with `store()`, and every start reads them.
 """
@@ -99,9 +99,9 @@ def evaluate(reference: torch.nn.Module, candidates: dict[str, torch.nn.Module],
     return out
 
 
-def store(path: Path, model_sha256: str, results: list[GateResult], probe_set: str) -> None:
+def store(path: Path, model_sha256: str, results: list[GateResult], prompt_set: str) -> None:
     """Write the results of one model (by the hash of its weights) to `path`, atomically."""
-    write_json(path, {"model_sha256": model_sha256, "probe_set": probe_set,
+    write_json(path, {"model_sha256": model_sha256, "prompt_set": prompt_set,
                       "formats": {r.format: asdict(r) for r in results}})
 
 

@@ -46,7 +46,7 @@ class FormatsConfig:
     auto_candidates: tuple[str, ...] = ("float32", "int8", "gguf")
     # engine.format auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
     gate_at_start: bool = True
-    gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them
+    gate_prompts: int | None = None  # the first N prompts of gate_prompts.json; None: all of them
 
     def __post_init__(self):
         if self.gate_prompts is not None and self.gate_prompts < 1:

@@ -4,13 +4,13 @@ With `formats.gate_at_start` (the default), a start with `engine.format: auto` w
 (`formats.auto_candidates`, those this device can run) lack a stored gate result for this model does
 not wait for them: it serves at once (bootstrap.py) and the stage runs this module as a child process
 at the lowest CPU priority (background.py). The child converts each such candidate from the float32
-reference, scores it over the probes of gate_probes.json (quality.evaluate), adds the results to the
+reference, scores it over the prompts of gate_prompts.json (quality.evaluate), adds the results to the
 model's file under var/gate/ (the file `make gate` writes), then chooses among every candidate as a
 start would (formats.choose_auto). A failing candidate is stored too, so a later start finds every
 candidate gated and runs nothing.
 
 Protocol: `python -m services.inference.formats.startgate STAGE_PID`, the job (a `GateJob`, JSON)
-on stdin; on stdout one JSON line per scored probe,
+on stdin; on stdout one JSON line per scored prompt,
 {"done": n, "total": N}, then one {"choice": format or null, "reason": why}. Logs go to stderr as JSON.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from shared import parentdeath
 from shared.config import ConfigError
 from shared.errors import InvalidInput
 
-from services.inference.formats import quality, gateprobes
+from services.inference.formats import quality, gateprompts
 from services.inference.formats.selection import REFERENCE, FormatsConfig, choose_auto, gate_path
 from services.inference.formats.quality import GateThresholds
 from services.inference.model.loader import check_format, load_model, model_in_format
@@ -104,7 +104,7 @@ def run(job: GateJob, progress: Callable[[int, int], None]) -> Verdict:
     """Gate `job.formats` against the float32 reference, store the results, then choose."""
     cfg, sha = job.config, job.model_sha
     model_dir = Path(job.model_dir)
-    sequences = gateprobes.load(cfg.gate_prompts)
+    sequences = gateprompts.load(cfg.gate_prompts)
     reference = load_model(model_dir, REFERENCE, job.device)
     log.info("running the quality gate (no stored result for these formats)",
              extra={"formats": list(job.formats), "prompts": len(sequences)})
@@ -114,7 +114,7 @@ def run(job: GateJob, progress: Callable[[int, int], None]) -> Verdict:
     path = gate_path(sha)
     stored = quality.load(path, sha)
     quality.store(path, sha, [*(r for f, r in stored.items() if f not in job.formats), *results],
-               gateprobes.describe(len(sequences)))
+               gateprompts.describe(len(sequences)))
     verdicts = {r.format: "fails: " + "; ".join(r.failures(cfg.gate)) if r.failures(cfg.gate) else "passes"
                 for r in results}
     log.info("quality gate run", extra={
