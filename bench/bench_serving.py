@@ -5,7 +5,8 @@ Run:  .venv/bin/python bench/bench_serving.py [--requests 64] [--concurrency 1,4
       [--dtypes gguf[,gguf@1]] [--write docs/bench/serving.md]     (dtype@T: T intra-op threads)
 Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles llama-cpp-python, ~5 min).
 
-Workload: --requests chat prompts (the FORMS x SUBJECTS of services/inference/formats/gateprompts.py), max_tokens cycling through
+Workload: --requests chat prompts (the FORMS x SUBJECTS of services/inference/formats/gateprompts.py),
+max_tokens cycling through
 --max-tokens, greedy, the model's eos on: lengths are mixed by both. Keel runs first, one mesh per dtype
 (`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__FORMAT), each of N clients a closed
 loop over the shared list (N=1 takes the first 8 requests, N=4 the first 16, more take all): once

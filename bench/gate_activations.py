@@ -5,7 +5,8 @@ levels of a B-bit integer first, as an integer kernel would quantize it.
 For each --bits B: a = max |x| over the block, d = a / (2^(B-1) - 1), x -> round(x / d) * d (in
 float32, clamped to the levels; a zero block stays zero), then the exact kernel on the blocks. Only
 the summation order differs from an integer kernel on those levels: at B = 8 the emulation should
-give the agreement `gguf` itself gets (`python -m services.inference.formats.gate`), which tells how far to trust the other
+give the agreement `gguf` itself gets (`python -m services.inference.formats.gate`), which tells how far to
+trust the other
 widths. Scored against float32 on the gate's prompts (services/inference/formats/quality.py); nothing
 is stored.
 

@@ -72,11 +72,11 @@ def fingerprint(cfg: InferenceConfig, e: EngineConfig, model_sha: str) -> dict:
     return warmcache.fingerprint(model_sha, e.format, ENGINE_VERSION, settings)
 
 
-def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, fp: dict, phases: _Phases) -> None:
+def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, format: str, fp: dict, phases: _Phases) -> None:
     """Check the LoRA registry against this base and preload the accepted adapters (never at request time);
     with warm restarts on, the checks' probe runs are reused from var/warm where they verify."""
     key = warmcache.fingerprint_key(fp) if cfg.warm_restart else ""
-    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, fmt, key))
+    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, format, key))
     phases.mark("adapters")
 
 
@@ -153,5 +153,5 @@ def _other_models(cfg: InferenceConfig, e: EngineConfig, served: str) -> dict[st
     """The variants' and the breaker's formats the engine cannot convert from the served model at warm-up,
     loaded from the weight files: every one when the served model is quantized or gguf (it converts to
     nothing else), and the gguf formats whatever serves (read from the GGUF, never converted)."""
-    return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats()
-            if fmt != served and (served in FROM_FILE_ONLY or fmt in blocks.FORMATS)}
+    return {format: load_model(cfg.model_dir, format, e.device) for format in e.other_formats()
+            if format != served and (served in FROM_FILE_ONLY or format in blocks.FORMATS)}

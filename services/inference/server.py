@@ -57,9 +57,9 @@ class InferenceStage:
             Vocabulary, self.cfg.model_dir / "hf-tokenizer" / "tokenizer.json", self.cfg.engine.eos_token_ids))
         # read on the torch thread (its thread count) before the batching loop takes it over
         served = {*engine.variants.values(), *engine.config.other_formats()}
-        facts = await self.torch.run(lambda: {fmt: warmcache.serving_facts(self.model_sha, fmt, ENGINE_VERSION)
-                                              for fmt in served})
-        self.servicer.facts = {fmt: {**f, "grammar": grammar.version()} for fmt, f in facts.items()}
+        facts = await self.torch.run(lambda: {format: warmcache.serving_facts(self.model_sha, format, ENGINE_VERSION)
+                                              for format in served})
+        self.servicer.facts = {format: {**f, "grammar": grammar.version()} for format, f in facts.items()}
         if started.candidates:
             e = self.cfg.engine
             threads = int(facts[started.record.format]["threads"])  # the candidates are timed as the engine runs
@@ -141,6 +141,6 @@ def build() -> tuple[InferenceStage, ServerConfig]:
         selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
     elif cfg.formats.gate_at_start:  # so does a corrupted prompt set the gate at start would read
         gateprompts.load(cfg.formats.gate_prompts)
-    for name, fmt in cfg.engine.variants.items():  # so does a variant's
-        selection.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
+    for name, format in cfg.engine.variants.items():  # so does a variant's
+        selection.check_explicit(format, model_sha, cfg.formats, field=f"engine.variants.{name}")
     return InferenceStage(cfg, model_sha), cfg.server

@@ -73,7 +73,8 @@ def test_a_first_start_answers_before_the_background_gate_ends_then_switches_to_
     try:
         with grpc.insecure_channel(f"127.0.0.1:{restarted.port}") as ch:
             variants = restarted.stub(ch).GetVariant(inference_pb2.GetVariantRequest(), timeout=30).variants
-            assert "auto-int8" not in variants and variants["primary"] == after.engine["format"]  # the winner, from the start
+            # the winner, from the start
+            assert "auto-int8" not in variants and variants["primary"] == after.engine["format"]
             assert _phase(ch).phase == "serving"
     finally:
         restarted.stop()

@@ -51,7 +51,8 @@ def gate_runs(monkeypatch):
 
 def _cfg(model_dir, **fmt) -> InferenceConfig:
     values = {"auto_candidates": ("float32", "bfloat16", "int8"), "gate_prompts": 6, "gate": LENIENT, **fmt}
-    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="auto"), formats=FormatsConfig(**values))
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="auto"),
+                           formats=FormatsConfig(**values))
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:

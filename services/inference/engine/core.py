@@ -85,11 +85,11 @@ class EngineConfig:
         check_format(self.format, self.device, allow_auto=True)  # the stage resolves "auto" (formats/selection.py)
         if self.breaker.fallback_format is not None:
             check_format(self.breaker.fallback_format, self.device)
-        for name, fmt in self.variants.items():
+        for name, format in self.variants.items():
             if not NAME.match(name):
                 raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} ({PRIMARY!r} is reserved)",
                                    reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
-            check_format(fmt, self.device)
+            check_format(format, self.device)
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
                     "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens", "kv_block_tokens")
         for name in positive:

@@ -50,10 +50,10 @@ def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module],
     by a variant and the breaker's fallback, is one model in memory."""
     runner = LlamaRunner(model, device, block_tokens)
     runners = {runner.format: runner}
-    for fmt in formats:
-        if fmt not in runners:
-            runners[fmt] = LlamaRunner(others[fmt] if fmt in others else convert_model(model, fmt, device), device,
-                                       block_tokens)
+    for format in formats:
+        if format not in runners:
+            loaded = others[format] if format in others else convert_model(model, format, device)
+            runners[format] = LlamaRunner(loaded, device, block_tokens)
     for name, runner in runners.items():
         sizes = runner.calibrate_invariant_sizes(max_batch) if batch_invariant else ()
         log.info("batch-invariant sizes for %s: %s", name, sizes or "none",

@@ -16,7 +16,7 @@ while the child scores prompts and the engine has work (rows running, admitted o
 is stopped (SIGSTOP) and continued when the engine is idle. A stage that is never idle still
 finishes its gate: after MAX_PAUSE_S stopped in a row, the child runs for RUN_S whatever the load
 (so at about RUN_S / (MAX_PAUSE_S + RUN_S) of its speed). Once every prompt is scored the child times
-the formats (formats.choose_auto) and is never stopped: a stop would be counted into a format's time.
+the formats (selection.choose_auto) and is never stopped: a stop would be counted into a format's time.
 The child arms SIGKILL for the stage's death (shared/parentdeath.py), which a stopped process obeys.
 """
 from __future__ import annotations
@@ -136,7 +136,7 @@ class BackgroundGate:
                 _signal(proc, signal.SIGCONT)
 
     async def _apply(self, verdict: Verdict) -> Switch | None:
-        name = next((n for n, fmt in self.candidates.items() if fmt == verdict.choice), None)
+        name = next((n for n, format in self.candidates.items() if format == verdict.choice), None)
         if name is None:
             log.info("background quality gate: keeping the served format", extra={
                 "choice": verdict.choice, "reason": verdict.reason, "active": self.engine.active_variant()})

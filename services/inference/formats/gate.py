@@ -8,7 +8,7 @@ where the stage's own gate at first start (formats.gate_at_start, startgate.py) 
 thresholds come from config/inference.yaml (formats.gate).
 
 Run: .venv/bin/python -m services.inference.formats.gate [--prompts N] [--threads 2]
-     .venv/bin/python -m services.inference.formats.gate --write-prompts   # re-render the prompt file (needs the tokenizer)
+     .venv/bin/python -m services.inference.formats.gate --write-prompts  # re-render the prompt file (tokenizer)
 """
 from __future__ import annotations
 

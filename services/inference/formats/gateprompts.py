@@ -3,9 +3,10 @@
 The file holds the chat prompts below (FORMS x SUBJECTS: 10 x 20, which the benchmarks send too) rendered
 with the model's chat template, each with the position its scoring starts at (the first token of the user's
 text: the shared system preamble before it says nothing about a format), and the sha256 of those
-sequences. `python -m services.inference.formats.gate --write-prompts` writes it (it alone needs the tokenizer); the gate at
-first start (startgate.py) and `python -m services.inference.formats.gate` read it. A file whose ids do not hash to the
-stored digest is refused with a ConfigError: a gate scored on other prompts would not be this gate.
+sequences. `python -m services.inference.formats.gate --write-prompts` writes it (it alone needs the
+tokenizer); the gate at first start (startgate.py) and `python -m services.inference.formats.gate` read it.
+A file whose ids do not hash to the stored digest is refused with a ConfigError: a gate scored on other
+prompts would not be this gate.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def load(n: int | None = None, path: Path | None = None) -> list[Sequence]:
     when the file is unreadable, malformed or corrupted (its ids do not hash to its sha256), or holds
     fewer than `n`."""
     path = path or PROMPTS_FILE
-    fix = "restore it (`git checkout`, or `python -m services.inference.formats.gate --write-prompts`) or set formats.gate_at_start: false"
+    fix = ("restore it (`git checkout`, or `python -m services.inference.formats.gate --write-prompts`) "
+           "or set formats.gate_at_start: false")
     try:
         data = json.loads(path.read_text())
         sequences = [Sequence(tuple(int(i) for i in s["ids"]), int(s["score_from"])) for s in data["sequences"]]

@@ -6,7 +6,7 @@ not wait for them: it serves at once (bootstrap.py) and the stage runs this modu
 at the lowest CPU priority (background.py). The child converts each such candidate from the float32
 reference, scores it over the prompts of gate_prompts.json (quality.evaluate), adds the results to the
 model's file under var/gate/ (the file `make gate` writes), then chooses among every candidate as a
-start would (formats.choose_auto). A failing candidate is stored too, so a later start finds every
+start would (selection.choose_auto). A failing candidate is stored too, so a later start finds every
 candidate gated and runs nothing.
 
 Protocol: `python -m services.inference.formats.startgate STAGE_PID`, the job (a `GateJob`, JSON)
@@ -79,9 +79,9 @@ def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
     """The auto candidates this device can run that have no stored gate result for this model."""
     stored = quality.load(gate_path(model_sha), model_sha)
 
-    def runs_here(fmt: str) -> bool:
+    def runs_here(format: str) -> bool:
         try:
-            check_format(fmt, device)
+            check_format(format, device)
             return True
         except InvalidInput:
             return False
@@ -109,12 +109,12 @@ def run(job: GateJob, progress: Callable[[int, int], None]) -> Verdict:
     log.info("running the quality gate (no stored result for these formats)",
              extra={"formats": list(job.formats), "prompts": len(sequences)})
     t0 = time.perf_counter()
-    results = quality.evaluate(reference, {f: model_in_format(reference, f, model_dir, job.device) for f in job.formats},
-                            sequences, progress=lambda done: progress(done, len(sequences)))
+    candidates = {f: model_in_format(reference, f, model_dir, job.device) for f in job.formats}
+    results = quality.evaluate(reference, candidates, sequences, progress=lambda done: progress(done, len(sequences)))
     path = gate_path(sha)
     stored = quality.load(path, sha)
     quality.store(path, sha, [*(r for f, r in stored.items() if f not in job.formats), *results],
-               gateprompts.describe(len(sequences)))
+                  gateprompts.describe(len(sequences)))
     verdicts = {r.format: "fails: " + "; ".join(r.failures(cfg.gate)) if r.failures(cfg.gate) else "passes"
                 for r in results}
     log.info("quality gate run", extra={

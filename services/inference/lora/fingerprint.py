@@ -41,8 +41,8 @@ def tokenizer_hashes(tokenizer) -> dict[str, str]:
     return {"tokenizer_vocab_sha256": tokenizer.vocab_sha256, "chat_template_sha256": tokenizer.chat_template_sha256}
 
 
-def base_fields(weights_sha256: str, config: dict, tokenizer: dict[str, str], fmt: str) -> dict[str, str]:
-    return {"weights_sha256": weights_sha256, **config_values(config), **tokenizer, "format": fmt,
+def base_fields(weights_sha256: str, config: dict, tokenizer: dict[str, str], format: str) -> dict[str, str]:
+    return {"weights_sha256": weights_sha256, **config_values(config), **tokenizer, "format": format,
             # Installed versions, read from the packages' metadata: importing transformers and peft would
             # cost the stage seconds at every start.
             **{name: version(name) for name in ("torch", "transformers", "peft")}}

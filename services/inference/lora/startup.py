@@ -29,14 +29,14 @@ def tokenizer_file() -> Path:
     return path if path.is_absolute() else ROOT_DIR / path
 
 
-def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str) -> Base:
+def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, format: str) -> Base:
     tokenizer = fingerprint.open_tokenizer(tokenizer_file())
     fields = fingerprint.base_fields(model_sha, fingerprint.read_config(model_dir),
-                                     fingerprint.tokenizer_hashes(tokenizer), fmt)
+                                     fingerprint.tokenizer_hashes(tokenizer), format)
     return Base(runner, fields, load_probe_set(tokenizer))
 
 
-def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str,
+def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, format: str,
                    engine_key: str = "") -> AdapterTable:
     """Every registered adapter checked against the running base; the accepted ones are in the runner's slots.
 
@@ -46,7 +46,7 @@ def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_
     is no problem (nothing to check, logged), but registered adapters stop the start with the
     tokenizer's error."""
     try:
-        base = running_base(runner, model_dir, model_sha, fmt)
+        base = running_base(runner, model_dir, model_sha, format)
     except (KeelError, OSError) as exc:
         if versions(cfg.root):
             raise

@@ -63,7 +63,9 @@ def convert_model(model: torch.nn.Module, format: str, device: str = "cpu") -> t
 
 def model_in_format(reference: torch.nn.Module, format: str, model_dir: Path, device: str = "cpu") -> torch.nn.Module:
     """`reference` (float32) in `format`: converted, or for the gguf formats read from the model's GGUF."""
-    return load_model(model_dir, format, device) if format in blocks.FORMATS else convert_model(reference, format, device)
+    if format in blocks.FORMATS:
+        return load_model(model_dir, format, device)
+    return convert_model(reference, format, device)
 
 
 def residual_dtype(model: torch.nn.Module) -> torch.dtype:

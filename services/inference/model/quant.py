@@ -83,19 +83,19 @@ class Int4Linear(_WeightOnlyLinear):
         return aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
-def quantize_linears(model: torch.nn.Module, fmt: str, group_size: int = INT4_GROUP_SIZE) -> torch.nn.Module:
-    """Replace every nn.Linear of `model` (lm_head included) by its weight-only `fmt` version, in place.
+def quantize_linears(model: torch.nn.Module, format: str, group_size: int = INT4_GROUP_SIZE) -> torch.nn.Module:
+    """Replace every nn.Linear of `model` (lm_head included) by its weight-only `format` version, in place.
 
     A tied lm_head gets its own quantized copy; the float embedding it was tied to stays as it is.
     """
-    if fmt not in QUANTIZED:
-        raise ValueError(f"unknown weight-only format {fmt!r}; expected one of {QUANTIZED}")
+    if format not in QUANTIZED:
+        raise ValueError(f"unknown weight-only format {format!r}; expected one of {QUANTIZED}")
     names = [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name in names:  # one layer at a time, so the float weight is freed before the next is quantized
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        setattr(parent, child, Int8Linear(linear) if fmt == "int8" else Int4Linear(linear, group_size))
+        setattr(parent, child, Int8Linear(linear) if format == "int8" else Int4Linear(linear, group_size))
         del linear
     if hasattr(model, "config"):
         model.config.tie_word_embeddings = False  # lm_head is no longer the embedding matrix
