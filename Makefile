@@ -48,11 +48,11 @@ var/model/keel-source.json: .venv/.stamp
 adapters: model
 	$(PY) -m training.adapters --out var/adapters-src --base var/model
 
-# Quality gate of every weight format on the model (~2 min on 2 cores): engine.dtype auto only picks
-# formats with a passing result under var/gate/, and an explicit non-float32 dtype needs one. The
+# Quality gate of every weight format on the model (~2 min on 2 cores): engine.format auto only picks
+# formats with a passing result under var/gate/, and an explicit non-float32 format needs one. The
 # stage runs it itself at its first start with auto (formats.gate_at_start); this pays it ahead.
 gate: model
-	$(PY) bench/gate_formats.py
+	$(PY) -m services.inference.formats.gate
 
 # Keel's C++ kernel of the gguf weight format (services/inference/model/kernels), built once per source hash
 # under build/kernels/ (~20 s). A host that cannot build it still sets up: the inference stage then

@@ -1,4 +1,4 @@
-"""The first start of the whole mesh with `engine.dtype: auto` and no stored gate results: how soon it
+"""The first start of the whole mesh with `engine.format: auto` and no stored gate results: how soon it
 answers, and what one client loses while auto's candidates are gated in the background.
 
 1. fresh: `keel up` (testing/mesh.py: Redis and every stage, the real model, free ports) with an empty

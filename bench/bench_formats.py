@@ -33,14 +33,14 @@ def one(fmt: str, threads: int) -> dict:
 
     from services.inference import config as inf_config
     from services.inference.engine.core import Engine
+    from services.inference.formats.selection import decode_pass_s, invariant_sizes
     from services.inference.model.loader import load_model
-    from services.inference.startup.formats import decode_pass_s, invariant_sizes
 
     torch.set_num_threads(threads)
     cfg = inf_config.load()
     rss0 = status_kib("VmRSS")
     model = load_model(cfg.model_dir, fmt)
-    engine = Engine(model, replace(cfg.engine, dtype=fmt, intra_op_threads=threads))
+    engine = Engine(model, replace(cfg.engine, format=fmt, intra_op_threads=threads))
     engine.warmup()
     rss = status_kib("VmRSS")
     sizes = invariant_sizes(model)

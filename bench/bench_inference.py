@@ -25,18 +25,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
+from services.inference.formats.gateprompts import chat_prompts
 from services.inference.model.loader import load_model
 from services.inference.model.quant import QUANTIZED, quantize_linears
 
 MODEL = Path("var/model")
-SUBJECTS = ["the moon", "photosynthesis", "the French revolution", "prime numbers", "volcanoes", "coffee",
-            "the internet", "black holes", "honey bees", "the Roman empire", "climate change", "chess",
-            "the human heart", "electric cars", "jazz music", "glaciers", "vaccines", "the printing press",
-            "octopuses", "solar panels"]
-FORMS = ["Explain {} in two sentences.", "Write a short poem about {}.", "Give three facts about {}.",
-         "What is the history of {}?", "Why is {} important?", "Describe {} to a child.",
-         "List common misconceptions about {}.", "Write a tweet about {}.", "How does {} work?",
-         "Summarize what you know about {}."]
 GATE_AGREEMENT = 0.8  # share of greedy tokens equal to fp32's, position by position
 GATE_PPL = 1.05       # perplexity at most 5% above fp32's
 PPL_TEXT = ("The history of science is the study of the development of science and scientific knowledge, "
@@ -57,19 +50,13 @@ NOTES = ("Keel runs in-process (no gRPC). The peer is `model.generate` on static
          "compare ratios within a table, not across runs.")
 
 
-def prompts(tok, n: int) -> list[list[int]]:
-    texts = [f.format(s) for f in FORMS for s in SUBJECTS][:n]
-    out = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
-    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in out]
-
-
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
 
 
 def engine_for(model, device: str, dtype: str, **kw) -> Engine:
-    cfg = dict(memory_budget_bytes=16 * 2 ** 30, max_batch_size=64, eos_token_ids=(), device=device, dtype=dtype,
+    cfg = dict(memory_budget_bytes=16 * 2 ** 30, max_batch_size=64, eos_token_ids=(), device=device, format=dtype,
                max_queued_requests=4096, max_queued_tokens=10 ** 8, queue_timeout_ms=10 ** 7)
     cfg.update(kw)
     engine = Engine(model, EngineConfig(**cfg))
@@ -334,7 +321,7 @@ async def run_gpu(args) -> list[str]:
     if not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA")
     # bandit B615 does not apply: a local directory, never the Hub.
-    ids = prompts(AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer")), 200)  # nosec B615
+    ids = chat_prompts(AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer")), 200)  # nosec B615
     lines: list[str] = []
     model = load_model(MODEL, "float32", "cuda")
     await memory(model, "cuda", lines)
@@ -350,7 +337,7 @@ async def run_cpu(args, device: str) -> list[str]:
         else set(args.sections.split(","))
     # bandit B615 does not apply: a local directory, never the Hub.
     tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))  # nosec B615
-    ids = prompts(tok, max(200, args.invariance_prompts))
+    ids = chat_prompts(tok, max(200, args.invariance_prompts))
     model = load_model(MODEL, "float32", device)
     lines: list[str] = []
     if "throughput" in want:

@@ -15,7 +15,7 @@ Each peer runs in a fresh process (`--peer NAME`) and prints one JSON line; the 
                Each count is timed cold (no start-up record under its key: measured, and the record
                written) then cached (the same check again: one verified probe row per adapter and one
                for the base, lora/startcache.py).
-  stage        the inference stage's start (bootstrap.start_engine, engine.dtype float32) with a registry
+  stage        the inference stage's start (bootstrap.start_engine, engine.format float32) with a registry
                of 2 adapters, in fresh processes on one scratch var dir: a first start fills the engine's
                and the LoRA start-up records; then, alternately, starts without the LoRA record (engine
                warm, adapters measured: "cold") and with it ("cached"), `--starts` of each.
@@ -101,8 +101,8 @@ def warmup_cost(model, folders: list[Path]) -> dict:
     from services.inference.lora.registration import register
     from services.inference.lora.registry import LoraConfig
     from services.inference.lora.startup import check_adapters, running_base
+    from services.inference.model.digest import model_sha256
     from services.inference.model.forward import LlamaRunner
-    from services.inference.startup.warmcache import model_sha256
     sha = model_sha256(MODEL)
     runner = LlamaRunner(model)
     runner.calibrate_invariant_sizes(ROWS)
@@ -134,16 +134,16 @@ def stage_config(var: Path):
     from services.inference import config
     cfg = config.load()
     return replace(cfg, model_path=str(MODEL.resolve()), lora=replace(cfg.lora, registry_dir=str(var / "adapters")),
-                   engine=replace(cfg.engine, dtype="float32", intra_op_threads=1))
+                   engine=replace(cfg.engine, format="float32", intra_op_threads=1))
 
 
 def stage_setup(args, var: Path) -> None:
     """Register 2 adapters against the base the stage will run (float32) into the scratch registry."""
     from services.inference.lora.registration import register
     from services.inference.lora.startup import running_base
+    from services.inference.model.digest import model_sha256
     from services.inference.model.forward import LlamaRunner
     from services.inference.model.loader import load_model
-    from services.inference.startup.warmcache import model_sha256
     cfg = stage_config(var)
     model = load_model(MODEL, "float32")
     runner = LlamaRunner(model)
@@ -155,8 +155,8 @@ def stage_setup(args, var: Path) -> None:
 
 def stage_start(var: Path) -> dict:
     """One start of the stage's engine, as the server does it; its phases and what the LoRA record gave."""
-    from services.inference.startup.bootstrap import start_engine
-    from services.inference.startup.warmcache import model_sha256
+    from services.inference.bootstrap import start_engine
+    from services.inference.model.digest import model_sha256
     seen = {}
 
     class Outcome(logging.Handler):

@@ -23,12 +23,13 @@ from pathlib import Path
 import grpc
 import psutil
 
-from bench.bench_inference import FORMS, SUBJECTS, engine_for, machine
+from bench.bench_inference import engine_for, machine
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl.ask import DEV_API_KEY
 from services.inference.engine.core import GenerationRequest, TokenEvent
 from services.inference.engine.torchthread import TorchThread
+from services.inference.formats.gateprompts import FORMS, SUBJECTS
 from services.inference.model.loader import load_model
 from services.tokenizer.core import Tokenizer
 from services.validator import config as validator_config

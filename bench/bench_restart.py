@@ -86,7 +86,7 @@ class Stage:
         self.port = free_port()
         self.env = {**os.environ, "KEEL_VAR_DIR": str(self.scratch), "KEEL_INFERENCE_SERVER__PORT": str(self.port),
                     "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()),
-                    "KEEL_INFERENCE_ENGINE__DTYPE": args.dtype,
+                    "KEEL_INFERENCE_ENGINE__FORMAT": args.dtype,
                     "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads),
                     # the model of this checkout (var/ is per checkout; the scratch var dir is not)
                     "KEEL_INFERENCE_MODEL_PATH": str(root / "var" / "model"),

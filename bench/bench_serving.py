@@ -5,9 +5,10 @@ Run:  .venv/bin/python -m bench.bench_serving [--requests 64] [--concurrency 1,4
       [--dtypes gguf[,gguf@1]] [--write docs/bench/serving.md]     (dtype@T: T intra-op threads)
 Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles llama-cpp-python, ~5 min).
 
-Workload: --requests chat prompts (the FORMS x SUBJECTS of bench_inference), max_tokens cycling through
+Workload: --requests chat prompts (the FORMS x SUBJECTS of services/inference/formats/gateprompts.py),
+max_tokens cycling through
 --max-tokens, greedy, the model's eos on: lengths are mixed by both. Keel runs first, one mesh per dtype
-(`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__DTYPE), each of N clients a closed
+(`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__FORMAT), each of N clients a closed
 loop over the shared list (N=1 takes the first 8 requests, N=4 the first 16, more take all): once
 straight to the inference stage (pre-tokenized ids, the mesh token), once through the gateway's
 GenerateStream (auth, tokenizer, validator both ways, retries, traces). The peers then run alone, each
@@ -40,12 +41,13 @@ import grpc
 import psutil
 import torch
 
-from bench.bench_inference import FORMS, SUBJECTS, machine
+from bench.bench_inference import machine
 from bench.lib import llamacpp_peer
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from keelctl.ask import DEV_API_KEY
+from services.inference.formats.gateprompts import FORMS, SUBJECTS
 from services.tokenizer.core import Tokenizer
 from shared.config import var_dir
 from shared.meshauth import HEADER as MESH_TOKEN_KEY
@@ -194,7 +196,7 @@ def keel(variant: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[st
     dtype, _, threads = variant.partition("@")
     # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
     # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
-    env = {"KEEL_INFERENCE_ENGINE__DTYPE": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
+    env = {"KEEL_INFERENCE_ENGINE__FORMAT": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
     if threads:
         env["KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS"] = threads
     tmp = Path(tempfile.mkdtemp(prefix="keel-serving-"))

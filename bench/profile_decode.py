@@ -95,7 +95,7 @@ def main() -> int:
                     help="a block format's layers op by op (as a step with LoRA terms runs them), not in two calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(ROOT / "var/model", dtype=args.dtype)
+    model = load_model(ROOT / "var/model", args.dtype)
     if args.aten_layers:  # before the runner looks its layers' modules up
         for m in list(model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
             for name, child in m.named_children():

@@ -4,7 +4,7 @@ something is wrong, what to do about it.
     keel doctor          exit 0: nothing blocks a start (warnings may remain); 1: something does
 
 Checks, in order: the CPU's flags (/proc/cpuinfo) and the weight formats they run and accelerate
-(the formats are services/inference/model/loader.py's DTYPES; the configured engine.dtype must run here),
+(the formats are services/inference/model/loader.py's FORMATS; the configured engine.format must run here),
 the C++ compiler a format with a C++ kernel needs, free memory against the inference stage's
 engine.memory_budget_bytes, the mesh's ports (config/keel.yaml, the feedback stage's
 rotation webhook's included) free, the Redis `keel up` starts
@@ -73,14 +73,14 @@ class Host:
         from keelctl.layout import load_layout
         from services.feedback import config as feedback_config
         from services.inference import config as inference_config
-        from services.inference.model.loader import DTYPES
+        from services.inference.model.loader import FORMATS
         from services.tokenizer import config as tokenizer_config
         from services.validator import config as validator_config
         from shared.config import ROOT_DIR
 
         vocab = Path(tokenizer_config.load().vocab_file)
         return cls(inference_config.load(), load_layout(), vocab if vocab.is_absolute() else ROOT_DIR / vocab,
-                   validator_config.load().quarantine.redis_url, feedback_config.load().database.url, DTYPES)
+                   validator_config.load().quarantine.redis_url, feedback_config.load().database.url, FORMATS)
 
 
 def cpu_flags(host: Host) -> set[str]:
@@ -92,8 +92,8 @@ def cpu_flags(host: Host) -> set[str]:
 
 def check_cpu(host: Host) -> list[Finding]:
     """One finding per weight format: whether it runs here and what accelerates it; only the
-    configured engine.dtype failing to run blocks the start."""
-    from services.inference.model.loader import check_dtype
+    configured engine.format failing to run blocks the start."""
+    from services.inference.model.loader import check_format
     from shared.errors import InvalidInput
 
     flags = cpu_flags(host)
@@ -103,7 +103,7 @@ def check_cpu(host: Host) -> list[Finding]:
         needs = FORMAT_NEEDS.get(fmt, FormatNeeds())
         problems = []
         try:
-            check_dtype(fmt, e.device)
+            check_format(fmt, e.device)
         except InvalidInput as exc:
             problems.append(exc.message)
         if needs.tool and not host.which(needs.tool):
@@ -113,12 +113,12 @@ def check_cpu(host: Host) -> list[Finding]:
                  f"no {' / '.join(needs.fast_with)} on this CPU" if needs.fast_with else "")
         what = "; ".join(x for x in (speed, needs.note, "" if fast else needs.without) if x)
         if problems:
-            blocks = e.dtype == fmt
+            blocks = e.format == fmt
             fix = (f"install {needs.tool} (apt-get install {needs.tool})" if needs.tool and not host.which(needs.tool)
-                   else "choose another engine.dtype (config/inference.yaml) or auto")
+                   else "choose another engine.format (config/inference.yaml) or auto")
             out.append(Finding(f"format {fmt}", FAIL if blocks else WARN,
                                f"does not run here: {'; '.join(problems)}" + (
-                                   "" if blocks else " (blocks a start only where engine.dtype names it)"), fix))
+                                   "" if blocks else " (blocks a start only where engine.format names it)"), fix))
         else:
             out.append(Finding(f"format {fmt}", OK, f"runs{': ' + what if what else ''}"))
     if not flags & {"avx2", "avx512f"}:

@@ -7,7 +7,7 @@
     keel lora card ID@VERSION            the version's model card
 
 register, verify and drift load the base model from the inference stage's config (model_path) in the
-weight format the stage last served (the registry's base.json; else engine.dtype, float32 for auto)
+weight format the stage last served (the registry's base.json; else engine.format, float32 for auto)
 and run the probe set through the engine's own runner. An adapter is bound to the weights, not to
 that format (docs/lora.md, "The first adapter on a fresh clone"). Exit status: 0 ok; 1 a refusal, a version that
 needs retraining or significant drift; 2 bad arguments or configuration.
@@ -18,60 +18,26 @@ import argparse
 import json
 import sys
 
-from services.inference import config as inf_config
-from services.inference.lora import ops
-from services.inference.lora.registry import read_running_base
+from services.inference import adapters
 from shared.config import ConfigError
 from shared.errors import KeelError
-
-
-def _format(cfg, given: str | None) -> str:
-    """The weight format to check adapters in: given, else the one the stage last served."""
-    if given:
-        return given
-    running = read_running_base(cfg.lora.root)
-    if running is not None:
-        return running["format"]
-    return "float32" if cfg.engine.dtype == "auto" else cfg.engine.dtype
-
-
-def _base(cfg, fmt: str | None):
-    import torch
-
-    from services.inference.engine.warmup import set_deterministic
-    from services.inference.lora.startup import running_base
-    from services.inference.model.forward import LlamaRunner
-    from services.inference.model.loader import load_model
-    from services.inference.startup.warmcache import model_sha256
-
-    e = cfg.engine
-    fmt = _format(cfg, fmt)
-    print(f"loading the base model ({fmt}) from {cfg.model_dir}", file=sys.stderr, flush=True)
-    if e.intra_op_threads is not None:
-        torch.set_num_threads(e.intra_op_threads)
-    set_deterministic(e.device)
-    runner = LlamaRunner(load_model(cfg.model_dir, fmt, e.device), e.device)
-    if e.batch_invariant:  # the same batch sizes the stage pads to, so probe rows meet the same kernels
-        runner.calibrate_invariant_sizes(e.max_batch_size)
-    return running_base(runner, cfg.model_dir, model_sha256(cfg.model_dir), fmt)
 
 
 def cmd_register(cfg, args) -> int:
     from pathlib import Path
 
-    from services.inference.lora.registration import forward_steps, register
-    from services.inference.lora.registry import versions
     from shared.progress import Progress
 
     src = Path(args.path)
     adapter_id = args.id or src.resolve().name
     version = args.version
     if version is None:  # next integer after the registered numeric versions of this id
-        numeric = [int(f.name) for f in versions(cfg.lora.root) if f.parent.name == adapter_id and f.name.isdigit()]
+        numeric = [int(f.name) for f in adapters.versions(cfg.lora.root)
+                   if f.parent.name == adapter_id and f.name.isdigit()]
         version = str(max(numeric, default=0) + 1)
-    base = _base(cfg, args.format)
-    with Progress(f"{adapter_id}@{version}: probe runs", forward_steps(base), unit="step") as bar:
-        m = register(src, adapter_id, version, base, cfg.lora,
+    base = adapters.running_base(cfg, args.format)
+    with Progress(f"{adapter_id}@{version}: probe runs", adapters.forward_steps(base), unit="step") as bar:
+        m = adapters.register(src, adapter_id, version, base, cfg.lora,
                      Path(args.training_data_manifest) if args.training_data_manifest else None, bar.update)
     kl = m.kl_vs_base
     print(f"registered {m.name} in {cfg.lora.root / m.id / m.version}")
@@ -119,14 +85,14 @@ def _replica_states(cfg, args) -> dict[str, dict[str, str]] | None:
 
 
 def cmd_list(cfg, args) -> int:
-    rows, running = ops.matrix(cfg.lora)
+    rows, running = adapters.matrix(cfg.lora)
     replicas = _replica_states(cfg, args)
     if args.json:
-        print(json.dumps({"running_base": running, "versions": ops.as_json(rows), "replicas": replicas}, indent=1))
+        print(json.dumps({"running_base": running, "versions": adapters.as_json(rows), "replicas": replicas},
+                         indent=1))
         return 0
-    from services.inference.lora.fingerprint import digest
     print(f"registry {cfg.lora.root}")
-    print(f"running base {digest(running)[:16] if running else '(no stage has started with this registry)'}")
+    print(f"running base {adapters.digest(running)[:16] if running else '(no stage has started with this registry)'}")
     for target, states in (replicas or {}).items():
         print(f"replica {target}: base {states.get('(base)', '?')[:16]}")
     print(f"{'ADAPTER':<28} {'REGISTERED BASE':<18} {'FITS RUNNING BASE':<30} STATE")
@@ -141,7 +107,7 @@ def cmd_list(cfg, args) -> int:
 
 
 def cmd_verify(cfg, args) -> int:
-    verdicts = ops.verify(cfg.lora, _base(cfg, args.format))
+    verdicts = adapters.verify(cfg.lora, adapters.running_base(cfg, args.format))
     retrain = [v for v in verdicts if v.retrain_request is not None]
     for v in verdicts:
         s = v.state
@@ -152,7 +118,7 @@ def cmd_verify(cfg, args) -> int:
 
 
 def cmd_drift(cfg, args) -> int:
-    d = ops.measure_drift(cfg.lora, _base(cfg, args.format), args.adapter)
+    d = adapters.measure_drift(cfg.lora, adapters.running_base(cfg, args.format), args.adapter)
     print(f"{d['adapter']}: {d['direction']} over {d['positions']} probe positions: mean {d['mean']:.6f}, "
           f"p95 {d['p95']:.6f} nats/token (threshold {d['threshold']}); greedy agreement {d['greedy_agreement']:.3f}")
     print("significant drift" if d["significant"] else "no significant drift")
@@ -160,8 +126,7 @@ def cmd_drift(cfg, args) -> int:
 
 
 def cmd_card(cfg, args) -> int:
-    from services.inference.lora import manifest
-    print((ops.find(cfg.lora, args.adapter) / manifest.CARD).read_text(), end="")
+    print(adapters.card(cfg, args.adapter), end="")
     return 0
 
 
@@ -191,7 +156,7 @@ def main(argv: list[str]) -> int:
     commands = {"register": cmd_register, "list": cmd_list, "verify": cmd_verify, "drift": cmd_drift,
                 "card": cmd_card}
     try:
-        return commands[args.cmd](inf_config.load(), args)
+        return commands[args.cmd](adapters.load_config(), args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

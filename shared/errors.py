@@ -312,9 +312,9 @@ REASONS: dict[str, Reason] = {
         InvalidInput, "SetVariant named a model variant this replica did not preload (GetVariant lists them)"),
     "STEP_FAILED": Reason(Fatal, "a model step failed (a bug or a dead device)"),
     "SAMPLING_FAILED": Reason(Fatal, "sampling one row failed (a bug); only that row fails, its batch-mates go on"),
-    "DTYPE_MISMATCH": Reason(InvalidInput, "start-up: model weights and configured dtype disagree"),
-    "UNKNOWN_DTYPE": Reason(InvalidInput, "start-up: the configured dtype is unknown"),
-    "UNSUPPORTED_DTYPE": Reason(InvalidInput, "start-up: the dtype is not supported on this device"),
+    "FORMAT_MISMATCH": Reason(InvalidInput, "start-up: model weights and configured format disagree"),
+    "UNKNOWN_FORMAT": Reason(InvalidInput, "start-up: the configured format is unknown"),
+    "UNSUPPORTED_FORMAT": Reason(InvalidInput, "start-up: the format is not supported on this device"),
     "KERNEL_UNAVAILABLE": Reason(InvalidInput, "start-up: the gguf format's C++ kernel cannot be built or loaded"),
     "UNSUPPORTED_BLOCK_TYPE": Reason(
         InvalidInput, "start-up: the GGUF holds a block type the gguf format does not compute on"),

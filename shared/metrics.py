@@ -134,8 +134,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "step so far (static + live caches + the step's transient peak), to hold against the prediction.",
        owner="inference"),
     _g("keel_inference_breaker_level", "Circuit breaker level per error type: 0 closed, 1 parameters capped, "
-       "2 smaller batch / fallback dtype, 3 open (rejecting).", ("error_type",), "inference"),
-    _g("keel_inference_weight_format", "1 for the weight format the stage serves (engine.dtype, auto resolved "
+       "2 smaller batch / fallback format, 3 open (rejecting).", ("error_type",), "inference"),
+    _g("keel_inference_weight_format", "1 for the weight format the stage serves (engine.format, auto resolved "
        "at start).", ("format",), "inference"),
     _g("keel_inference_active_variant", "1 for the model variant new requests start on, 0 for the other variants "
        "preloaded at warm-up (SetVariant switches it; a start serves primary).", ("variant",), "inference"),

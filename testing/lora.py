@@ -17,7 +17,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from services.inference.lora.peftconfig import parse
-from services.inference.lora.slots import LoraSlots, read_weights
+from services.inference.lora.weights import read_weights
+from services.inference.model.loraslots import LoraSlots
 
 
 def make_adapter(base: torch.nn.Module, out_dir: Path, *, seed: int, rank: int = 4, alpha: float = 8,

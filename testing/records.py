@@ -10,5 +10,5 @@ def record(trace_id: str, *, created_ms: int = 1_700_000_000_000, prompt=(1, 2, 
             "messages": [{"role": "user", "content": content}],
             "sampling": {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": seed},
             "domain": "", "source": "", "output_ids": list(output), "finish_reason": "stop",
-            "engine": {"dtype": "float32"}, "input_fingerprint": "f" * 64,
+            "engine": {"format": "float32"}, "input_fingerprint": "f" * 64,
             "validation": {"passed": True, "verdicts": [], "probes": {"entropy_mean": 0.5}, "low_confidence": False}})

@@ -74,7 +74,7 @@ class FakeUpstreams:
                 await self.decode_called.wait()
                 self.decode_called.clear()
             yield Step(t, 0.5)
-        yield Done("stop", 3, len(self.tokens), seed, {"dtype": "float32"}, "inference-a")
+        yield Done("stop", 3, len(self.tokens), seed, {"format": "float32"}, "inference-a")
 
     async def decode(self, ids, timeout, md):
         self.calls.append("decode")

@@ -5,8 +5,9 @@ levels of a B-bit integer first, as an integer kernel would quantize it.
 For each --bits B: a = max |x| over the block, d = a / (2^(B-1) - 1), x -> round(x / d) * d (in
 float32, clamped to the levels; a zero block stays zero), then the exact kernel on the blocks. Only
 the summation order differs from an integer kernel on those levels: at B = 8 the emulation should
-give the agreement `gguf` itself gets (bench/gate_formats.py), which tells how far to trust the other
-widths. Scored against float32 on the gate's probes (services/inference/startup/gate.py); nothing
+give the agreement `gguf` itself gets (`python -m services.inference.formats.gate`), which tells how far to
+trust the other
+widths. Scored against float32 on the gate's prompts (services/inference/formats/quality.py); nothing
 is stored.
 
 Run: .venv/bin/python -m bench.probes.gate_activations [--bits 8,16] [--prompts N] [--threads 2]
@@ -20,9 +21,9 @@ import time
 import torch
 
 from bench.bench_inference import MODEL, machine
+from services.inference.formats import gateprompts, quality
 from services.inference.model.blocks import EXACT_FORMAT, BlockLinear
 from services.inference.model.loader import load_model, model_in_format
-from services.inference.startup import gate, gateprobes
 
 
 def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -47,16 +48,16 @@ def with_rounded_inputs(model: torch.nn.Module, bits: int) -> torch.nn.Module:
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--bits", default="8,16")
-    ap.add_argument("--prompts", type=int, default=None, help="the first N probes (default: all 200)")
+    ap.add_argument("--prompts", type=int, default=None, help="the first N prompts (default: all 200)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ref = load_model(MODEL, "float32")
     candidates = {f"{EXACT_FORMAT}, inputs on {b}-bit levels": with_rounded_inputs(
         model_in_format(ref, EXACT_FORMAT, MODEL), b) for b in map(int, args.bits.split(","))}
-    sequences = gateprobes.load(args.prompts)
+    sequences = gateprompts.load(args.prompts)
     t0 = time.perf_counter()
-    results = gate.evaluate(ref, candidates, sequences, lambda i: None)
+    results = quality.evaluate(ref, candidates, sequences, lambda i: None)
     print(f"Command: `.venv/bin/python -m bench.probes.gate_activations {' '.join(sys.argv[1:])}`")
     print(f"Machine: {machine()}; {len(sequences)} sequences, {time.perf_counter() - t0:.0f} s\n")
     print("| candidate | mean KL (nats) | p95 KL | greedy agreement |\n|---|---|---|---|")

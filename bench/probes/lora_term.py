@@ -2,7 +2,7 @@
 
 For SmolLM2's projection shapes (576->576 q/o, 576->192 k/v, 576->1536 gate/up, 1536->576 down), rank 8
 and 5 slots, compares three per-token formulations of B[s] (A[s] h):
-  einsum   gathered stacks, torch.einsum("ni,nri->nr") then einsum("nr,nor->no")  (lora/slots.py)
+  einsum   gathered stacks, torch.einsum("ni,nri->nr") then einsum("nr,nor->no")  (model/loraslots.py)
   bmm      the same gathers through torch.bmm
   mulsum   gathered stacks, broadcast multiply and sum over the last dimension
 Counts rows of 16-row batches (random slots) that equal the same row computed alone, bit for bit, at 1 and

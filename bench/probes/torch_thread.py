@@ -28,7 +28,7 @@ def child(dtype: str, case: str, steps: int) -> None:
         float((torch.randn(4_000_000) * 2).sum())  # one parallel region on the main thread
 
     def work() -> None:
-        runner = LlamaRunner(load_model(ROOT / "var/model", dtype=dtype))
+        runner = LlamaRunner(load_model(ROOT / "var/model", dtype))
         caches = [runner.new_cache(64 + steps) for _ in range(16)]
         for c in caches:
             runner.prefill(list(range(10, 50)), c)

@@ -93,7 +93,7 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("keel_inference_observed_peak_memory_bytes", "observed peak {{instance}} "
                                                           "(engine.memory_audit)")], "bytes"),
         ts("Breaker level by error type", [("max by (error_type) (keel_inference_breaker_level)", "{{error_type}}")],
-           "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback dtype, 3 open."),
+           "none", "0 closed, 1 parameters capped, 2 smaller batch / fallback format, 3 open."),
         ts("Prefix cache hit rate by replica", [(
             f"sum by (instance) (rate(keel_inference_prefix_cache_hit_tokens_total{RATE})) / "
             f"sum by (instance) (rate(keel_inference_prefix_cache_prompt_tokens_total{RATE}))", "{{instance}}"),
@@ -110,7 +110,7 @@ ROWS: list[tuple[str, list[dict]]] = [
            "\"base\" = no adapter."),
         stat("Weight format served", [("max by (instance, format) (keel_inference_weight_format)",
                                        "{{instance}} {{format}}")], "none",
-             "engine.dtype as resolved at start (auto picks the fastest gated, batch-invariant format)."),
+             "engine.format as resolved at start (auto picks the fastest gated, batch-invariant format)."),
         ts("Active model variant by replica", [("max by (instance, variant) (keel_inference_active_variant)",
                                                "{{instance}} {{variant}}")], "none",
            "1 for the variant new requests start on (SetVariant, e.g. rotation); a restart serves primary."),

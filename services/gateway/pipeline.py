@@ -60,7 +60,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     seed: int
-    engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. dtype)
+    engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. format)
     replica: str = ""  # the inference replica that generated it (failures seen later are reported there)
     adapter: str = ""  # the LoRA adapter that served it as "id@version" ("" = the base model)
 

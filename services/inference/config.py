@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.inference.engine.core import EngineConfig
-from services.inference.startup.formats import FormatsConfig
+from services.inference.formats.selection import FormatsConfig
 from services.inference.lora.registry import LoraConfig
 from shared import config
 from shared.config import ROOT_DIR, ServerConfig

@@ -11,18 +11,18 @@ import grpc
 
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
-from services.inference.startup import formats, gateprobes
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.bootstrap import start_engine
-from services.inference.startup.startgate import GateJob
+from services.inference import warmcache
+from services.inference.bootstrap import start_engine
 from services.inference.engine import grammar
 from services.inference.engine.core import ENGINE_VERSION, Engine
 from services.inference.engine.grammar import Vocabulary
+from services.inference.engine.torchthread import TorchThread
+from services.inference.formats import gateprompts, selection
+from services.inference.formats.background import BackgroundGate
+from services.inference.formats.startgate import GateJob
+from services.inference.model.digest import model_sha256
 from services.inference.model.loader import AUTO
 from services.inference.servicer import InferenceServicer
-from services.inference.engine.torchthread import TorchThread
-from services.inference.startup import warmcache
-from services.inference.startup.warmcache import model_sha256
 from shared import metrics
 from shared.config import ConfigError, ServerConfig
 from shared.stages import SERVICE_NAMES
@@ -57,9 +57,9 @@ class InferenceStage:
             Vocabulary, self.cfg.model_dir / "hf-tokenizer" / "tokenizer.json", self.cfg.engine.eos_token_ids))
         # read on the torch thread (its thread count) before the batching loop takes it over
         served = {*engine.variants.values(), *engine.config.other_formats()}
-        facts = await self.torch.run(lambda: {fmt: warmcache.serving_facts(self.model_sha, fmt, ENGINE_VERSION)
-                                              for fmt in served})
-        self.servicer.facts = {fmt: {**f, "grammar": grammar.version()} for fmt, f in facts.items()}
+        facts = await self.torch.run(lambda: {format: warmcache.serving_facts(self.model_sha, format, ENGINE_VERSION)
+                                              for format in served})
+        self.servicer.facts = {format: {**f, "grammar": grammar.version()} for format, f in facts.items()}
         if started.candidates:
             e = self.cfg.engine
             threads = int(facts[started.record.format]["threads"])  # the candidates are timed as the engine runs
@@ -87,10 +87,12 @@ class InferenceStage:
     async def _update_gauges(self) -> None:
         m = self.m
         queue, batch = m.gauge("keel_inference_queue_depth"), m.gauge("keel_inference_running_batch_size")
-        predicted, budget = m.gauge("keel_inference_predicted_memory_bytes"), m.gauge("keel_inference_memory_budget_bytes")
+        predicted = m.gauge("keel_inference_predicted_memory_bytes")
+        budget = m.gauge("keel_inference_memory_budget_bytes")
         observed = m.gauge("keel_inference_observed_peak_memory_bytes")
         level, hit_rate = m.gauge("keel_inference_breaker_level"), m.gauge("keel_inference_prefix_cache_hit_rate")
-        faults, ooms = m.counter("keel_inference_numerical_faults_total"), m.counter("keel_inference_oom_recoveries_total")
+        faults = m.counter("keel_inference_numerical_faults_total")
+        ooms = m.counter("keel_inference_oom_recoveries_total")
         looked_up, hits = (m.counter("keel_inference_prefix_cache_prompt_tokens_total"),
                            m.counter("keel_inference_prefix_cache_hit_tokens_total"))
         seen = {"numerical_faults": 0, "oom_recoveries": 0, "prompt_tokens": 0, "hit_tokens": 0}
@@ -141,10 +143,10 @@ def build() -> tuple[InferenceStage, ServerConfig]:
     if not (cfg.model_dir / "config.json").exists():
         raise ConfigError(f"field 'model_path' breaks rule 'exists': no model at {cfg.model_dir}; run `make model`")
     model_sha = model_sha256(cfg.model_dir)
-    if cfg.engine.dtype != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
-        formats.check_explicit(cfg.engine.dtype, model_sha, cfg.formats)
-    elif cfg.formats.gate_at_start:  # so does a corrupted probe set the gate at start would read
-        gateprobes.load(cfg.formats.gate_prompts)
-    for name, fmt in cfg.engine.variants.items():  # so does a variant's
-        formats.check_explicit(fmt, model_sha, cfg.formats, field=f"engine.variants.{name}")
+    if cfg.engine.format != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
+        selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
+    elif cfg.formats.gate_at_start:  # so does a corrupted prompt set the gate at start would read
+        gateprompts.load(cfg.formats.gate_prompts)
+    for name, format in cfg.engine.variants.items():  # so does a variant's
+        selection.check_explicit(format, model_sha, cfg.formats, field=f"engine.variants.{name}")
     return InferenceStage(cfg, model_sha), cfg.server

@@ -16,8 +16,8 @@ from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.engine.controls import TokenLogprobs
 from services.inference.engine.core import Engine, Finished, GenerationRequest, TokenEvent
 from shared import errors, tracing
-from shared.failures import REPORTABLE
 from shared.controls import controls_of
+from shared.failures import REPORTABLE
 
 BASE_LABEL = "base"  # the adapter label of requests served by the base model
 
@@ -63,7 +63,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tracer = tracing.tracer()
         queued_ns = start_ns + int(ev.queue_ms * 1e6)
         kv = self.engine.memory.kv_bytes_per_token if self.engine.memory else 0
-        common = {"dtype": ev.dtype, "breaker_level": ev.breaker_level, "inference.variant": ev.variant,
+        common = {"format": ev.format, "breaker_level": ev.breaker_level, "inference.variant": ev.variant,
                   "adapter": ev.adapter}
         phases = [("inference.queue", start_ns, queued_ns, {}),
                   ("inference.prefill", queued_ns, first_ns, {"prompt_tokens": ev.prompt_tokens,
@@ -96,7 +96,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     id=ev.token_id, logprob=ev.logprob, entropy=ev.entropy, index=ev.index,
                     logprobs=logprobs_pb(ev.logprobs) if ev.logprobs is not None else None))
             elif isinstance(ev, Finished):
-                if ev.dtype != self.engine.variants[ev.variant]:  # run by the breaker's fallback format
+                if ev.format != self.engine.variants[ev.variant]:  # run by the breaker's fallback format
                     self._fallbacks.inc()
                     self._fallback_tokens.inc(ev.completion_tokens)
                 span.set_attributes(ev.span_attributes())
@@ -106,7 +106,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self._phase_spans(ev, start_ns, first_ns if ev.completion_tokens else time.time_ns(), time.time_ns())
                 yield inference_pb2.GenerateEvent(finished=inference_pb2.Finished(
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
-                    breaker_level=ev.breaker_level, dtype=ev.dtype, engine=self.facts.get(ev.dtype, {"format": ev.dtype}),
+                    breaker_level=ev.breaker_level, engine=self.facts.get(ev.format, {"format": ev.format}),
                     variant=ev.variant, adapter=ev.adapter,
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
 

@@ -46,7 +46,7 @@ def test_every_answer_leaves_a_replay_record_with_the_seed_the_gateway_picked(me
     assert rec.sampling.seed == answered.seed and rec.sampling.temperature == pytest.approx(0.8)
     assert len(rec.prompt_ids) == answered.usage.prompt_tokens
     assert len(rec.output_ids) == answered.usage.completion_tokens
-    assert rec.finish_reason == answered.finish_reason and rec.engine["dtype"]
+    assert rec.finish_reason == answered.finish_reason and rec.engine["format"]
     # the engine facts behind the client's system_fingerprint are in the record, field by field
     assert {"weights_sha256", "format", "torch", "blas_build", "cpu_capability", "threads",
             "engine_version"} <= set(rec.engine)

@@ -1,7 +1,7 @@
 """docs/lora.md's "first adapter on a fresh clone" block, run line by line on a fresh var/.
 
 The `keel lora register` line runs before any stage has served (no base.json, so the golden outputs
-are made in float32); the mesh then serves int8, as `engine.dtype: auto` does once its gate passes
+are made in float32); the mesh then serves int8, as `engine.format: auto` does once its gate passes
 int8, and the adapter must still answer: it is bound to the weights, and the drift gate checks the
 format. `make adapters` is the cached fixture of tests/e2e/test_lora_mesh.py (training.adapters)."""
 from __future__ import annotations
@@ -51,7 +51,7 @@ def walked(tmp_path_factory):
                 outputs[line] = keel_lora(tmp, *argv[2:])
             elif argv[:2] == ["keel", "up"]:  # the test's own free ports, waited on until SERVING
                 # int8 without a stored gate result (its gate is tested elsewhere): force it
-                mesh = start_mesh(tmp, extra_env={"KEEL_INFERENCE_ENGINE__DTYPE": SERVED_FORMAT,
+                mesh = start_mesh(tmp, extra_env={"KEEL_INFERENCE_ENGINE__FORMAT": SERVED_FORMAT,
                                                   "KEEL_INFERENCE_FORMATS__FORCE": "true"})
             else:
                 outputs[line] = keel(mesh, *argv[1:])

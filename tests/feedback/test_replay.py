@@ -30,10 +30,10 @@ def test_a_shorter_replay_differs_where_it_ended():
 
 
 def test_a_different_engine_or_prompt_is_not_comparable_naming_the_fields():
-    other = replace(body("b" * 32, prompt=(9, 9), output=(0,)), engine={"dtype": "bfloat16"})
+    other = replace(body("b" * 32, prompt=(9, 9), output=(0,)), engine={"format": "bfloat16"})
     out = compare(body(), other)
-    assert out.result == "not_comparable" and out.fields == ("engine.dtype", "prompt_ids")
-    assert out.describe() == "not comparable: engine.dtype, prompt_ids differ"
+    assert out.result == "not_comparable" and out.fields == ("engine.format", "prompt_ids")
+    assert out.describe() == "not comparable: engine.format, prompt_ids differ"
 
 
 def test_a_different_tokenizer_or_chat_template_is_not_comparable_naming_the_hashes():

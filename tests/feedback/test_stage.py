@@ -55,7 +55,7 @@ def replay_record(trace_id: str) -> feedback_pb2.ReplayRecord:
     return feedback_pb2.ReplayRecord(
         trace_id=trace_id, created_unix_ms=1_700_000_000_000, prompt_ids=[1, 2, 3], output_ids=[4, 5],
         messages=[common_pb2.ChatMessage(role="user", content="hi")], finish_reason="stop",
-        sampling=common_pb2.SamplingParams(max_tokens=8, seed=7), engine={"dtype": "float32"})
+        sampling=common_pb2.SamplingParams(max_tokens=8, seed=7), engine={"format": "float32"})
 
 
 def item(trace_id: str, **kw) -> feedback_pb2.SubmitRequest:

@@ -47,7 +47,7 @@ class AdapterUpstreams(FakeUpstreams):
                                   metadata={"adapter": ask.adapter})
         for t in self.tokens:
             yield Step(t, 0.5)
-        yield Done("stop", 3, len(self.tokens), seed, {"dtype": "float32"}, "inference-a",
+        yield Done("stop", 3, len(self.tokens), seed, {"format": "float32"}, "inference-a",
                    ACCEPTED.get(ask.adapter, ""))
 
 

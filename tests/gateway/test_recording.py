@@ -73,7 +73,7 @@ def dropped(reason: str) -> float:
 def served(trace_id: str) -> Served:
     return Served(Ask(messages=(("user", "hi"),), max_tokens=8, temperature=0.7, top_p=0.9, top_k=40),
                   Encoded([1, 2, 3], False, 3, "fp", "v" * 64, "c" * 64),
-                  Done("stop", 3, 2, 1234, {"dtype": "float32"}), [5, 6],
+                  Done("stop", 3, 2, 1234, {"format": "float32"}), [5, 6],
                   common_pb2.ValidationResult(passed=True, probes={"entropy_mean": 0.25}, verdicts=[
                       common_pb2.Verdict(plugin="p", passed=True, message="", blocking=False)]), trace_id)
 
@@ -102,7 +102,7 @@ def test_a_record_carries_sampling_engine_and_verdicts():
     s = rec.sampling
     assert (s.max_tokens, s.top_k, s.seed) == (8, 40, 1234)
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
-    assert dict(rec.engine) == {"dtype": "float32"}
+    assert dict(rec.engine) == {"format": "float32"}
     assert rec.validation.verdicts[0].plugin == "p" and rec.validation.probes["entropy_mean"] == 0.25
 
 

@@ -1,4 +1,4 @@
-"""A stand-in for `python -m services.inference.startup.startgate` in background.py's unit tests: it
+"""A stand-in for `python -m services.inference.formats.startgate` in background.py's unit tests: it
 reads the job, prints three progress lines, then does what FAKE_GATE says: a JSON verdict to print,
 "die" (exit 3 without a verdict) or "hang" (wait until killed); "score" stops after the first of the
 three lines, as if scoring probes, and waits until killed."""
@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from services.inference.startup.startgate import GateJob
+from services.inference.formats.startgate import GateJob
 
 job = GateJob.from_json(sys.stdin.read())
 action = os.environ["FAKE_GATE"]

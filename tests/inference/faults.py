@@ -1,7 +1,7 @@
-"""Fault injection for the engine's tests: per-request faults applied around the model runner.
+"""Fault injection for the engine's tests: per-request faults applied around the batch executor.
 
-Production never loads this module. `inject(engine)` wraps a warmed engine's runner with
-`FaultInjectingRunner` and returns its table (request id -> FaultSpec): each row gets the faults
+Production never loads this module. `inject(engine)` wraps a warmed engine's batch executor with
+`FaultInjectingExecutor` and returns its table (request id -> FaultSpec): each row gets the faults
 of its request id; the step loop and the forward pass know nothing of faults.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ def injected_oom(request_id: str, step: int) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(f"injected out of memory (request {request_id}, step {step})")
 
 
-class FaultInjectingRunner:
-    """Applies each row's FaultSpec around `ModelRunner.execute` (slow steps, OOM, NaN hidden state)."""
+class FaultInjectingExecutor:
+    """Applies each row's FaultSpec around `BatchExecutor.execute` (slow steps, OOM, NaN hidden state)."""
 
     def __init__(self, inner, faults: dict[str, FaultSpec]):
         self.inner = inner
@@ -103,8 +103,8 @@ class FaultInjectingRunner:
 
 
 def inject(engine) -> dict[str, FaultSpec]:
-    """Wrap a warmed engine's model runner; returns the table (request id -> FaultSpec) it reads,
+    """Wrap a warmed engine's batch executor; returns the table (request id -> FaultSpec) it reads,
     for the test to fill before it submits those requests."""
     faults: dict[str, FaultSpec] = {}
-    engine._loop.runner = FaultInjectingRunner(engine._loop.runner, faults)
+    engine._loop.executor = FaultInjectingExecutor(engine._loop.executor, faults)
     return faults

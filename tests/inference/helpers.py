@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from services.inference.engine.core import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
+from services.inference.formats import selection
 from services.inference.model.kvpool import RowCache
-from services.inference.startup import formats
 
 # Long enough prompts that the tiny model's activations, not its fixed buffers, set the prefill peak.
 TINY_PROBES = (16, 256, 1024)
@@ -40,7 +40,7 @@ def clone_cache(cache: RowCache) -> RowCache:
 
 # What `auto` reports for a format that passed its gate and was then measured on this host: timed,
 # or refused for rows that are not batch-invariant here (aten's bfloat16 kernels are on some CPUs).
-MEASURED_VERDICTS = (formats.TIMED, formats.NOT_ROW_INVARIANT, formats.STEP_NOT_INVARIANT)
+MEASURED_VERDICTS = (selection.TIMED, selection.NOT_ROW_INVARIANT, selection.STEP_NOT_INVARIANT)
 
 
 def measured(reason: str, fmt: str) -> bool:

@@ -169,16 +169,16 @@ def test_budget_smaller_than_the_model_is_refused(tiny):
 
 @pytest.mark.parametrize("field,value", [("max_batch_size", 0), ("memory_budget_bytes", 0),
                                          ("queue_timeout_ms", 0), ("max_queued_requests", -1),
-                                         ("dtype", "fp8"), ("warmup_prompt_tokens", ())])
+                                         ("format", "fp8"), ("warmup_prompt_tokens", ())])
 def test_bad_config_is_rejected(field, value):
     with pytest.raises(InvalidInput):
         EngineConfig(**{"memory_budget_bytes": 10 ** 9, field: value})
 
 
-def test_model_dtype_must_match_config(tiny):
+def test_model_format_must_match_config(tiny):
     with pytest.raises(InvalidInput) as e:
-        Engine(tiny, tiny_config(dtype="bfloat16"))
-    assert e.value.reason == "DTYPE_MISMATCH"
+        Engine(tiny, tiny_config(format="bfloat16"))
+    assert e.value.reason == "FORMAT_MISMATCH"
 
 
 @pytest.mark.slow

@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry
 from keel.inference.v1 import inference_pb2
 from services.inference.engine.core import Engine
 from services.inference.engine.variants import Switch
+from services.inference.formats import background
+from services.inference.formats.background import BackgroundGate
+from services.inference.formats.selection import FormatsConfig
+from services.inference.formats.startgate import GateJob, Verdict
 from services.inference.servicer import InferenceServicer
-from services.inference.startup import background
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.formats import FormatsConfig
-from services.inference.startup.startgate import GateJob, Verdict
 from shared.errors import PreconditionFailed
 from shared.metrics import metrics_for
 from shared.stagestatus import StatusBoard
@@ -98,8 +98,8 @@ async def test_the_verdict_switches_to_its_candidate_and_the_status_shows_the_pr
     assert outcome.verdict == Verdict("int8", "auto: int8 wins")
     assert outcome.switch == Switch("auto-int8", "primary") and engine.active_variant() == "auto-int8"
     _, after = await collect(engine, request("after", prompt(1), max_tokens=4))
-    assert (before.variant, before.dtype) == ("primary", "float32")
-    assert (after.variant, after.dtype) == ("auto-int8", "int8")
+    assert (before.variant, before.format) == ("primary", "float32")
+    assert (after.variant, after.format) == ("auto-int8", "int8")
     assert (PHASE, 3, 3) in board.seen and board.seen[0] == (PHASE, 0, 0)
     assert board.snapshot().phase == "serving"  # the gate is over
 

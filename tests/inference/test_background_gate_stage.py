@@ -20,7 +20,7 @@ from tests.inference.test_variant_server import MODEL, PROMPT, Stage, _generate
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="run `make model` first")]
-ENV = {"KEEL_INFERENCE_ENGINE__DTYPE": "auto", "KEEL_INFERENCE_FORMATS__GATE_AT_START": "true",
+ENV = {"KEEL_INFERENCE_ENGINE__FORMAT": "auto", "KEEL_INFERENCE_FORMATS__GATE_AT_START": "true",
        "KEEL_INFERENCE_FORMATS__GATE_PROMPTS": "4", "KEEL_INFERENCE_FORMATS__AUTO_CANDIDATES": '["float32", "int8"]'}
 GATING = "serving; gating int8 in the background"
 
@@ -42,7 +42,7 @@ def test_a_first_start_answers_before_the_background_gate_ends_then_switches_to_
             assert dict(stub.GetVariant(inference_pb2.GetVariantRequest(), timeout=30).variants) == {
                 "primary": "float32", "auto-int8": "int8"}
             before, before_ids, _ = _generate(stub)
-            assert (before.variant, before.dtype, before.engine["format"]) == ("primary", "float32", "float32")
+            assert (before.variant, before.engine["format"]) == ("primary", "float32")
             assert _phase(ch).phase == GATING  # answered while the gate still runs
             end = time.monotonic() + 400
             seen_total = 0
@@ -57,14 +57,14 @@ def test_a_first_start_answers_before_the_background_gate_ends_then_switches_to_
         messages = [r.get("msg") for r in stage.log()]
         assert "quality gate run" in messages
         if "background quality gate: switched to the format auto chose" in messages:
-            assert active == "auto-int8" and (after.variant, after.dtype) == ("auto-int8", "int8")
+            assert active == "auto-int8" and (after.variant, after.engine["format"]) == ("auto-int8", "int8")
             outcome = compare(_record(before, before_ids), _record(after, after_ids))
             assert outcome.result == "not_comparable" and "engine.format" in outcome.fields
             switched = [r for r in stage.log() if r.get("msg") == "active variant switched"]
             assert [(r["variant"], r["actor"]) for r in switched] == [("auto-int8", "auto quality gate")]
         else:
             assert "background quality gate: keeping the served format" in messages
-            assert active == "primary" and after.dtype == "float32"
+            assert active == "primary" and after.engine["format"] == "float32"
         assert seen_total in (0, 4)  # when a poll caught the scoring, it counted the 4 probes
     finally:
         stage.stop()
@@ -73,7 +73,8 @@ def test_a_first_start_answers_before_the_background_gate_ends_then_switches_to_
     try:
         with grpc.insecure_channel(f"127.0.0.1:{restarted.port}") as ch:
             variants = restarted.stub(ch).GetVariant(inference_pb2.GetVariantRequest(), timeout=30).variants
-            assert "auto-int8" not in variants and variants["primary"] == after.dtype  # the winner, from the start
+            # the winner, from the start
+            assert "auto-int8" not in variants and variants["primary"] == after.engine["format"]
             assert _phase(ch).phase == "serving"
     finally:
         restarted.stop()

@@ -30,7 +30,7 @@ async def test_stream_indices_usage_and_length_finish(make_engine):
     tokens, fin = await collect(engine, request("a", prompt(1, 9), max_tokens=7))
     assert [t.index for t in tokens] == list(range(7))
     assert fin.finish_reason == "length" and fin.prompt_tokens == 9 and fin.completion_tokens == 7
-    assert fin.dtype == "float32" and fin.breaker_level == 0
+    assert fin.format == "float32" and fin.breaker_level == 0
     assert all(t.logprob <= 0 and t.entropy >= 0 for t in tokens)
     assert fin.ttft_ms >= fin.queue_ms >= 0
 

@@ -129,7 +129,7 @@ def trip(engine, times: int) -> None:
         engine.report_failure("output_limit", "validator said too long")
 
 
-FAST_TRIP = BreakerConfig(output_limit=TripRule(60.0, 1), logit_clamp=1e9, fallback_dtype="bfloat16",
+FAST_TRIP = BreakerConfig(output_limit=TripRule(60.0, 1), logit_clamp=1e9, fallback_format="bfloat16",
                           degraded_max_batch_size=2)
 
 
@@ -156,12 +156,12 @@ async def test_level_one_clamps_logits(make_engine):
 
 
 @pytest.mark.asyncio
-async def test_level_two_shrinks_the_batch_and_uses_the_fallback_dtype(make_engine):
+async def test_level_two_shrinks_the_batch_and_uses_the_fallback_format(make_engine):
     engine = await make_engine(breaker=FAST_TRIP)
     trip(engine, 2)
     assert engine.stats().breaker_level == 2 and engine.stats().batch_cap == 2
     _, fin = await collect(engine, request("a", prompt(3), max_tokens=3))
-    assert fin.dtype == "bfloat16" and fin.breaker_level == 2
+    assert fin.format == "bfloat16" and fin.breaker_level == 2
 
 
 @pytest.mark.asyncio

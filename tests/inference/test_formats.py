@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.model.loader import convert_model, model_dtype
+from services.inference.model.loader import convert_model
 from services.inference.model.quant import Int4Linear, Int8Linear, quantize_linears
 from shared.errors import InvalidInput
 
@@ -76,7 +76,7 @@ def test_int4_needs_whole_groups():
 @pytest.mark.parametrize("fmt,cls,min_cosine", [("int8", Int8Linear, 0.99), ("int4", Int4Linear, 0.5)])
 def test_conversion_swaps_every_linear_including_lm_head(tiny, fmt, cls, min_cosine):
     model = convert_model(tiny, fmt)
-    assert model is not tiny and model_dtype(model) == fmt and model_dtype(tiny) == "float32"
+    assert model is not tiny and model.format == fmt and tiny.format == "float32"
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, cls)
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the residual stream stays float32
@@ -98,14 +98,14 @@ def test_weight_only_layers_store_fewer_bytes_than_float32():
 def test_quantized_models_cannot_be_converted_again(tiny):
     with pytest.raises(InvalidInput) as err:
         convert_model(convert_model(tiny, "int4"), "float32")
-    assert err.value.reason == "UNSUPPORTED_DTYPE"
+    assert err.value.reason == "UNSUPPORTED_FORMAT"
 
 
-@pytest.mark.parametrize("dtype,device,reason", [("int2", "cpu", "UNKNOWN_DTYPE"), ("auto", "cpu", "UNKNOWN_DTYPE"),
-                                                 ("int4", "cuda", "UNSUPPORTED_DTYPE")])
-def test_bad_format_is_refused(tiny, dtype, device, reason):
+@pytest.mark.parametrize("fmt,device,reason", [("int2", "cpu", "UNKNOWN_FORMAT"), ("auto", "cpu", "UNKNOWN_FORMAT"),
+                                                 ("int4", "cuda", "UNSUPPORTED_FORMAT")])
+def test_bad_format_is_refused(tiny, fmt, device, reason):
     with pytest.raises(InvalidInput) as err:
-        convert_model(tiny, dtype, device)
+        convert_model(tiny, fmt, device)
     assert err.value.reason == reason
 
 
@@ -118,12 +118,12 @@ def test_the_config_schema_names_exactly_the_formats_the_loader_knows():
     """A format the loader serves but the schema lacks would stop the stage at config load."""
     import json
 
-    from services.inference.model.loader import AUTO, DTYPES
+    from services.inference.model.loader import AUTO, FORMATS
     from shared.config import ROOT_DIR
 
     schema = json.loads((ROOT_DIR / "config" / "schemas" / "inference.schema.json").read_text())
     engine, formats = schema["properties"]["engine"]["properties"], schema["properties"]["formats"]["properties"]
-    assert engine["dtype"]["enum"] == [AUTO, *DTYPES]
-    assert engine["breaker"]["properties"]["fallback_dtype"]["enum"] == [*DTYPES, None]
-    assert formats["auto_candidates"]["items"]["enum"] == list(DTYPES)
-    assert engine["variants"]["additionalProperties"]["enum"] == list(DTYPES)
+    assert engine["format"]["enum"] == [AUTO, *FORMATS]
+    assert engine["breaker"]["properties"]["fallback_format"]["enum"] == [*FORMATS, None]
+    assert formats["auto_candidates"]["items"]["enum"] == list(FORMATS)
+    assert engine["variants"]["additionalProperties"]["enum"] == list(FORMATS)

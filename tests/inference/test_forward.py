@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.inference.model.forward import LlamaRunner, Segment
-from services.inference.model.loader import convert_model, load_model, model_dtype
+from services.inference.model.loader import convert_model, load_model
 from shared.errors import InvalidInput
 from testing.tiny import tiny_model
 from tests.inference.helpers import prompt, read_cache
@@ -110,15 +110,15 @@ def test_poisoned_row_does_not_touch_the_others(tiny):
 
 def test_bf16_conversion_keeps_the_original(tiny):
     bf16 = convert_model(tiny, "bfloat16")
-    assert model_dtype(bf16) == "bfloat16" and model_dtype(tiny) == "float32"
+    assert bf16.format == "bfloat16" and tiny.format == "float32"
     runner = LlamaRunner(bf16)
     assert runner.kv_bytes_per_token == LlamaRunner(tiny).kv_bytes_per_token // 2
 
 
-@pytest.mark.parametrize("dtype,min_cosine", [("bfloat16", 0.99), ("float16", 0.99), ("int8", 0.9)])
-def test_reduced_precision_logits_track_fp32(tiny, dtype, min_cosine):
+@pytest.mark.parametrize("fmt,min_cosine", [("bfloat16", 0.99), ("float16", 0.99), ("int8", 0.9)])
+def test_reduced_precision_logits_track_fp32(tiny, fmt, min_cosine):
     """On random weights int8's per-tensor error is large; a broken conversion would be uncorrelated."""
-    fp32, low = LlamaRunner(tiny), LlamaRunner(convert_model(tiny, dtype))
+    fp32, low = LlamaRunner(tiny), LlamaRunner(convert_model(tiny, fmt))
     for seed in range(8):
         ids = prompt(seed, 20)
         a, b = fp32.prefill(ids, fp32.new_cache(20)), low.prefill(ids, low.new_cache(20))
@@ -129,15 +129,15 @@ def test_reduced_precision_logits_track_fp32(tiny, dtype, min_cosine):
 def test_int8_model_cannot_be_converted_back(tiny):
     with pytest.raises(InvalidInput) as e:
         convert_model(convert_model(tiny, "int8"), "float32")
-    assert e.value.reason == "UNSUPPORTED_DTYPE"
+    assert e.value.reason == "UNSUPPORTED_FORMAT"
 
 
-@pytest.mark.parametrize("dtype,device,reason", [("fp8", "cpu", "UNKNOWN_DTYPE"), ("int2", "cpu", "UNKNOWN_DTYPE"),
-                                                 ("int8-dynamic", "cpu", "UNKNOWN_DTYPE"),
-                                                 ("int8", "cuda", "UNSUPPORTED_DTYPE")])
-def test_load_model_rejects_bad_dtype(dtype, device, reason, tmp_path):
+@pytest.mark.parametrize("fmt,device,reason", [("fp8", "cpu", "UNKNOWN_FORMAT"), ("int2", "cpu", "UNKNOWN_FORMAT"),
+                                                 ("int8-dynamic", "cpu", "UNKNOWN_FORMAT"),
+                                                 ("int8", "cuda", "UNSUPPORTED_FORMAT")])
+def test_load_model_rejects_bad_format(fmt, device, reason, tmp_path):
     with pytest.raises(InvalidInput) as e:
-        load_model(tmp_path, dtype, device)
+        load_model(tmp_path, fmt, device)
     assert e.value.reason == reason
 
 

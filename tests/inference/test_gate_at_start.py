@@ -1,6 +1,6 @@
 """`auto` serves at once and gates its ungated candidates in the background (startgate.py in a child
 process, background.py), stores the results, switches to what it then chooses, and a later start reads
-them instead of gating again; on the tiny model with a few of the stored probes."""
+them instead of gating again; on the tiny model with a few of the stored prompts."""
 from __future__ import annotations
 
 import asyncio
@@ -10,15 +10,16 @@ import logging
 
 import pytest
 
+from services.inference import bootstrap, server
 from services.inference import config as inf_config
-from services.inference import server
 from services.inference.config import InferenceConfig
 from services.inference.engine.variants import Switch
-from services.inference.startup import background, bootstrap, formats, gate, gateprobes, warmcache
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.formats import FormatsConfig
-from services.inference.startup.gate import GateThresholds
-from services.inference.startup.startgate import GateJob
+from services.inference.formats import background, gateprompts, quality, selection
+from services.inference.formats.background import BackgroundGate
+from services.inference.formats.quality import GateThresholds
+from services.inference.formats.selection import FormatsConfig
+from services.inference.formats.startgate import GateJob
+from services.inference.model.digest import model_sha256
 from shared.config import ConfigError
 from shared.errors import PreconditionFailed
 from shared.stagestatus import StatusBoard
@@ -40,36 +41,37 @@ def var_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def gate_runs(monkeypatch):
     """Each call of the gate's scoring: the formats it scored and how many sequences."""
-    calls, evaluate = [], gate.evaluate
+    calls, evaluate = [], quality.evaluate
 
     def counting(reference, candidates, sequences, progress=None):
         calls.append((sorted(candidates), len(sequences)))
         return evaluate(reference, candidates, sequences, progress)
-    monkeypatch.setattr(gate, "evaluate", counting)
+    monkeypatch.setattr(quality, "evaluate", counting)
     return calls
 
 
 def _cfg(model_dir, **fmt) -> InferenceConfig:
     values = {"auto_candidates": ("float32", "bfloat16", "int8"), "gate_prompts": 6, "gate": LENIENT, **fmt}
-    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="auto"), formats=FormatsConfig(**values))
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="auto"),
+                           formats=FormatsConfig(**values))
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
-    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+    return bootstrap.start_engine(cfg, model_sha256(cfg.model_dir))
 
 
-def _stored(cfg: InferenceConfig) -> dict[str, gate.GateResult]:
-    sha = warmcache.model_sha256(cfg.model_dir)
-    return gate.load(formats.gate_path(sha), sha)
+def _stored(cfg: InferenceConfig) -> dict[str, quality.GateResult]:
+    sha = model_sha256(cfg.model_dir)
+    return quality.load(selection.gate_path(sha), sha)
 
 
 def _job(cfg: InferenceConfig, formats: tuple[str, ...]) -> GateJob:
-    return GateJob(str(cfg.model_dir), warmcache.model_sha256(cfg.model_dir), formats, cfg.formats, "cpu", 1,
+    return GateJob(str(cfg.model_dir), model_sha256(cfg.model_dir), formats, cfg.formats, "cpu", 1,
                    cfg.engine.max_batch_size)
 
 
 def _gate(cfg: InferenceConfig, started: bootstrap.Started) -> background.Outcome:
-    """The real child (python -m services.inference.startup.startgate) gating what the start left."""
+    """The real child (python -m services.inference.formats.startgate) gating what the start left."""
     async def go():
         await started.engine.start()
         try:
@@ -86,7 +88,7 @@ def test_a_first_start_serves_the_reference_with_the_ungated_candidates_preloade
     assert gate_runs == [] and not _stored(_cfg(model_dir))  # nothing gated before serving
     assert started.record.format == "float32" and started.candidates == CANDIDATES
     assert {k: v for k, v in started.engine.variants.items() if k != "primary"} == CANDIDATES
-    assert formats.GATING in started.record.reason
+    assert selection.GATING in started.record.reason
 
     async def refused():
         await started.engine.start()
@@ -119,7 +121,7 @@ def test_a_second_start_reads_the_stored_results_and_gates_nothing(var_dir, mode
     _gate(cfg, _start(cfg))
     second = _start(cfg)
     assert second.candidates == {} and not second.warm  # the results are part of the warm-start key
-    assert "no gate result" not in second.record.reason and formats.GATING not in second.record.reason
+    assert "no gate result" not in second.record.reason and selection.GATING not in second.record.reason
     third = _start(cfg)
     assert third.warm and third.record == second.record and third.candidates == {}
     assert gate_runs == []  # in this process: the one gate ran in the child
@@ -130,7 +132,7 @@ def test_only_candidates_without_a_stored_result_are_preloaded_for_the_gate(var_
     _gate(cfg, _start(cfg))
     started = _start(_cfg(model_dir, auto_candidates=("float32", "bfloat16", "int4")))
     assert started.candidates == {"auto-int4": "int4"}
-    assert formats.GATING in started.record.reason and measured(started.record.reason, "bfloat16")
+    assert selection.GATING in started.record.reason and measured(started.record.reason, "bfloat16")
 
 
 def test_a_candidate_failing_the_gate_is_stored_and_not_switched_to(var_dir, model_dir):
@@ -160,21 +162,21 @@ def test_gate_at_start_off_keeps_ungated_candidates_out(var_dir, model_dir, gate
 
 
 def test_an_explicit_format_is_not_gated(var_dir, model_dir, gate_runs):
-    cfg = dataclasses.replace(_cfg(model_dir), engine=tiny_config(dtype="float32"))
+    cfg = dataclasses.replace(_cfg(model_dir), engine=tiny_config(format="float32"))
     assert _start(cfg).candidates == {}
 
 
 @pytest.fixture
 def corrupted(tmp_path, monkeypatch):
-    data = json.loads(gateprobes.PROBES_FILE.read_text())
+    data = json.loads(gateprompts.PROMPTS_FILE.read_text())
     data["sequences"][3]["ids"][5] += 1
-    path = tmp_path / "gate_probes.json"
+    path = tmp_path / "gate_prompts.json"
     path.write_text(json.dumps(data))
-    monkeypatch.setattr(gateprobes, "PROBES_FILE", path)
+    monkeypatch.setattr(gateprompts, "PROMPTS_FILE", path)
     return path
 
 
-def test_the_stage_refuses_a_corrupted_or_unreadable_probe_file_before_it_listens(var_dir, model_dir, corrupted,
+def test_the_stage_refuses_a_corrupted_or_unreadable_prompt_file_before_it_listens(var_dir, model_dir, corrupted,
                                                                                   monkeypatch):
     monkeypatch.setenv("KEEL_INFERENCE_MODEL_PATH", str(model_dir))
     with pytest.raises(ConfigError, match="corrupted"):
@@ -186,12 +188,12 @@ def test_the_stage_refuses_a_corrupted_or_unreadable_probe_file_before_it_listen
     server.build()  # not needed, not read
 
 
-def test_the_stored_probes_hash_to_their_digest_and_are_the_full_set():
-    probes = gateprobes.load()
-    assert len(probes) == 200 and sum(len(s.ids) - s.score_from for s in probes) == 2640
-    assert gateprobes.load(6) == probes[:6]
+def test_the_stored_prompts_hash_to_their_digest_and_are_the_full_set():
+    prompts = gateprompts.load()
+    assert len(prompts) == 200 and sum(len(s.ids) - s.score_from for s in prompts) == 2640
+    assert gateprompts.load(6) == prompts[:6]
     with pytest.raises(ConfigError, match="formats.gate_prompts"):
-        gateprobes.load(201)
+        gateprompts.load(201)
 
 
 @pytest.mark.parametrize("key,value,field", [("GATE_AT_START", "sometimes", "formats.gate_at_start"),

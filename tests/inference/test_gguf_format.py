@@ -14,11 +14,11 @@ from safetensors import safe_open
 
 from services.inference.engine.core import Engine
 from services.inference.engine.memory import static_bytes
+from services.inference.formats import selection
+from services.inference.formats.selection import FormatsConfig
 from services.inference.model import blocks, ggufindex
 from services.inference.model.forward import LlamaRunner
-from services.inference.model.loader import check_dtype, convert_model, load_model, model_dtype
-from services.inference.startup import formats
-from services.inference.startup.formats import FormatsConfig
+from services.inference.model.loader import check_format, convert_model, load_model
 from shared.errors import InvalidInput
 from tests.inference.gguf_fixtures import write_tiny_gguf
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
@@ -74,10 +74,10 @@ def test_the_tiny_gguf_tracks_its_reference_and_is_its_own_format(tiny_dir, fmt)
         assert ((got - want).norm() / want.norm()).item() < 0.06
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
     assert not torch.equal(got, want)  # another summation order than MKL's: close, not the same bits
-    assert model_dtype(model) == fmt
+    assert model.format == fmt
     with pytest.raises(InvalidInput) as err:
         convert_model(model, "float32")
-    assert err.value.reason == "UNSUPPORTED_DTYPE"
+    assert err.value.reason == "UNSUPPORTED_FORMAT"
     with pytest.raises(InvalidInput):
         convert_model(reference, fmt)
 
@@ -133,7 +133,7 @@ async def test_200_prompts_give_the_same_tokens_alone_and_in_batches(tiny_gguf, 
     """Sampled and greedy requests through the engine: alone, then 200 at once (batches up to 16)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    engine = Engine(tiny_gguf, tiny_config(dtype="gguf", max_batch_size=16, max_queued_requests=256))
+    engine = Engine(tiny_gguf, tiny_config(format="gguf", max_batch_size=16, max_queued_requests=256))
     engine.warmup()
     await engine.start()
     try:
@@ -183,17 +183,17 @@ def test_without_a_compiler_gguf_is_refused_and_auto_serves_another_format(tiny_
 import json, sys, torch
 from pathlib import Path
 from services.inference.model import kernels
-from services.inference.startup import formats
-from services.inference.startup.formats import FormatsConfig
-from services.inference.model.loader import check_dtype, load_model
+from services.inference.formats import selection
+from services.inference.formats.selection import FormatsConfig
+from services.inference.model.loader import check_format, load_model
 from shared.errors import InvalidInput
 kernels.CACHE_DIR = Path({str(tmp_path / 'kernels')!r})
 try:
-    check_dtype("gguf")
+    check_format("gguf")
     print(json.dumps({{"refused": False}}))
 except InvalidInput as exc:
     ref = load_model(Path({str(tiny_dir)!r}), "float32")
-    choice, _ = formats.choose_auto(ref, "sha", FormatsConfig(auto_candidates=("float32", "gguf")), 4, "cpu",
+    choice, _ = selection.choose_auto(ref, "sha", FormatsConfig(auto_candidates=("float32", "gguf")), 4, "cpu",
                                     Path({str(tiny_dir)!r}))
     print(json.dumps({{"refused": True, "reason": exc.reason, "message": str(exc), "format": choice.format,
                       "why": choice.reason}}))
@@ -209,23 +209,23 @@ except InvalidInput as exc:
 
 def test_gguf_runs_on_cpu_only():
     with pytest.raises(InvalidInput) as err:
-        check_dtype("gguf", "cuda")
-    assert err.value.reason == "UNSUPPORTED_DTYPE"
+        check_format("gguf", "cuda")
+    assert err.value.reason == "UNSUPPORTED_FORMAT"
 
 
 def test_auto_can_choose_gguf_once_it_passed_the_gate(tiny, tiny_dir, tiny_gguf, monkeypatch, tmp_path):
-    from services.inference.startup import gate
+    from services.inference.formats import quality
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
     reference = load_model(tiny_dir, "float32")
-    [result] = gate.evaluate(reference, {"gguf": tiny_gguf}, _sequences())
+    [result] = quality.evaluate(reference, {"gguf": tiny_gguf}, _sequences())
     assert result.passes(FormatsConfig().gate), result
-    gate.store(formats.gate_path("sha"), "sha", [result], "test")
-    choice, model = formats.choose_auto(reference, "sha", FormatsConfig(auto_candidates=("float32", "gguf")),
+    quality.store(selection.gate_path("sha"), "sha", [result], "test")
+    choice, model = selection.choose_auto(reference, "sha", FormatsConfig(auto_candidates=("float32", "gguf")),
                                         4, "cpu", tiny_dir)
     assert "gguf: decode pass" in choice.reason  # eligible, timed against float32
-    assert model_dtype(model) == choice.format
+    assert model.format == choice.format
 
 
 def _sequences():
-    from services.inference.startup.gate import Sequence
+    from services.inference.formats.quality import Sequence
     return [Sequence(tuple(prompt(s, 24)), 8) for s in range(6)]

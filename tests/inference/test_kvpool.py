@@ -51,11 +51,11 @@ def test_write_and_read_address_positions_across_blocks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_row_alone_equals_the_row_in_batches_of_other_lengths(tiny, dtype, threads):
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_a_row_alone_equals_the_row_in_batches_of_other_lengths(tiny, fmt, threads):
     """Alone, a short row's decode attention spans one block; next to a 300-token row its block table is
     padded to 19-20 blocks, next to a 40-token row to 3. Its logits stay bitwise equal."""
-    model = tiny if dtype == "float32" else convert_model(tiny, dtype)
+    model = tiny if fmt == "float32" else convert_model(tiny, fmt)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

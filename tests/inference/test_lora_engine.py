@@ -190,9 +190,9 @@ async def test_a_variant_switch_moves_base_requests_but_not_adapter_requests(tin
         before, _ = await collect(engine, request("r1", p, steps, adapter="alpha"))
         await engine.set_variant("fallback", "test")
         after, fin = await collect(engine, request("r2", p, steps, adapter="alpha"))
-        assert (fin.variant, fin.dtype, fin.adapter) == ("primary", "float32", "alpha@1")
+        assert (fin.variant, fin.format, fin.adapter) == ("primary", "float32", "alpha@1")
         assert ids(after) == ids(before)
         _, base_fin = await collect(engine, request("r3", p, 4))
-        assert (base_fin.variant, base_fin.dtype) == ("fallback", "int8")
+        assert (base_fin.variant, base_fin.format) == ("fallback", "int8")
     finally:
         await engine.stop(grace_s=0)

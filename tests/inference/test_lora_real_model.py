@@ -9,9 +9,9 @@ import torch
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import check_adapters, running_base
+from services.inference.model.digest import model_sha256
 from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.model.loader import load_model
-from services.inference.startup.warmcache import model_sha256
 from testing.lora import load_slots, make_adapter, peft_logits, tokenizer
 from tests.inference.helpers import clone_cache
 

@@ -6,13 +6,14 @@ from dataclasses import replace
 
 import pytest
 
+from services.inference import bootstrap
 from services.inference.config import InferenceConfig
 from services.inference.lora.registration import register
 from services.inference.lora.registry import LoraConfig
 from services.inference.lora.startup import running_base
+from services.inference.model.digest import model_sha256
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import load_model
-from services.inference.startup import bootstrap, warmcache
 from testing.lora import make_adapter
 from testing.tiny import save_model
 from tests.inference.helpers import tiny_config
@@ -25,8 +26,8 @@ def setup(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
     model_dir = tmp_path / "model"
     save_model(tiny, model_dir)
-    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="float32"), lora=LoraConfig())
-    sha = warmcache.model_sha256(model_dir)
+    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="float32"), lora=LoraConfig())
+    sha = model_sha256(model_dir)
     runner = LlamaRunner(load_model(model_dir, "float32"))
     runner.calibrate_invariant_sizes(cfg.engine.max_batch_size)
     base = running_base(runner, model_dir, sha, "float32")

@@ -6,12 +6,13 @@ import asyncio
 
 import pytest
 
+from services.inference import bootstrap
 from services.inference.config import InferenceConfig
-from services.inference.startup import bootstrap, warmcache
-from services.inference.startup.background import BackgroundGate
-from services.inference.startup.formats import FormatsConfig
-from services.inference.startup.gate import GateThresholds
-from services.inference.startup.startgate import GateJob
+from services.inference.formats.background import BackgroundGate
+from services.inference.formats.quality import GateThresholds
+from services.inference.formats.selection import FormatsConfig
+from services.inference.formats.startgate import GateJob
+from services.inference.model.digest import model_sha256
 from shared import stagestatus
 from tests.inference.helpers import tiny_config
 
@@ -43,9 +44,9 @@ def test_a_first_start_reports_each_step_then_the_background_gate_its_count(tmp_
     board = RecordingBoard()
     monkeypatch.setattr(stagestatus, "BOARD", board)
     lenient = GateThresholds(kl_mean_max=1e9, kl_p95_max=1e9, greedy_agreement_min=0)
-    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(dtype="auto"), formats=FormatsConfig(
+    cfg = InferenceConfig(model_path=str(model_dir), engine=tiny_config(format="auto"), formats=FormatsConfig(
         auto_candidates=("float32", "bfloat16", "int8"), gate_prompts=5, gate=lenient))
-    sha = warmcache.model_sha256(cfg.model_dir)
+    sha = model_sha256(cfg.model_dir)
     started = bootstrap.start_engine(cfg, sha)
     r = board.reports
     assert r[0] == ("phase", bootstrap.STARTING, 0)

@@ -28,13 +28,13 @@ def tiny_int8(tiny):
 @pytest.mark.asyncio
 async def test_after_a_switch_new_requests_run_on_the_variant_with_its_tokens(make_engine, tiny_int8):
     engine = await make_engine(variants=VARIANTS)
-    int8_alone = await make_engine(model=tiny_int8, dtype="int8")
+    int8_alone = await make_engine(model=tiny_int8, format="int8")
     before, fin = await collect(engine, request("a", prompt(1), max_tokens=12))
-    assert (fin.variant, fin.dtype) == ("primary", "float32")
+    assert (fin.variant, fin.format) == ("primary", "float32")
 
     assert await engine.set_variant("fallback", "test") == Switch("fallback", "primary")
     after, fin = await collect(engine, request("b", prompt(1), max_tokens=12))
-    assert (fin.variant, fin.dtype) == ("fallback", "int8")
+    assert (fin.variant, fin.format) == ("fallback", "int8")
     reference, _ = await collect(int8_alone, request("c", prompt(1), max_tokens=12))
     assert ids(after) == ids(reference)
     assert engine.active_variant() == "fallback" and engine.stats().active_variant == "fallback"
@@ -63,9 +63,9 @@ async def test_a_request_running_during_the_switch_finishes_on_its_variant_with_
 
     old = [e for rid, e in order if rid == "old"]
     new = [e for rid, e in order if rid == "new"]
-    assert (old[-1].variant, old[-1].dtype) == ("primary", "float32")
+    assert (old[-1].variant, old[-1].format) == ("primary", "float32")
     assert [e.token_id for e in old if isinstance(e, TokenEvent)] == ids(alone)
-    assert (new[-1].variant, new[-1].dtype) == ("fallback", "int8")
+    assert (new[-1].variant, new[-1].format) == ("fallback", "int8")
     # the new request ran to its end while the old one was still running: they overlapped
     assert order.index(("new", new[-1])) < order.index(("old", old[-1]))
 
@@ -79,7 +79,7 @@ async def test_setting_the_active_variant_again_changes_nothing_and_switching_ba
     assert engine.active_variant() == "fallback"
     assert await engine.set_variant("primary", "test") == Switch("primary", "fallback")
     _, fin = await collect(engine, request("a", prompt(4), max_tokens=3))
-    assert (fin.variant, fin.dtype) == ("primary", "float32")
+    assert (fin.variant, fin.format) == ("primary", "float32")
 
 
 @pytest.mark.asyncio
@@ -116,7 +116,7 @@ async def test_a_switch_and_generation_on_the_variant_open_no_file(make_engine):
         await collect(engine, request("b", prompt(5), max_tokens=6))
     finally:
         watching[0] = False
-    assert fin.dtype == "int8" and opened == []
+    assert fin.format == "int8" and opened == []
     assert engine.memory.static_bytes == static
 
 
@@ -126,7 +126,7 @@ def test_the_memory_model_counts_each_preloaded_format_once(tiny, tiny_int8):
     plain = Engine(tiny, tiny_config())
     plain.warmup()
     shared = Engine(tiny, tiny_config(variants={"fallback": "int8", "cheap": "bfloat16"},
-                                      breaker=BreakerConfig(fallback_dtype="bfloat16")))
+                                      breaker=BreakerConfig(fallback_format="bfloat16")))
     shared.warmup()
     assert plain.memory.static_bytes == static_bytes(tiny)
     assert shared.memory.static_bytes == static_bytes(tiny) + static_bytes(tiny_int8) + static_bytes(bf16)
@@ -141,7 +141,7 @@ async def test_breaker_level_two_overrides_the_variant_format_and_keeps_the_vari
     await engine.set_variant("fallback", "test")
     trip(engine, 2)
     _, fin = await collect(engine, request("a", prompt(6), max_tokens=3))
-    assert (fin.variant, fin.dtype, fin.breaker_level) == ("fallback", "bfloat16", 2)
+    assert (fin.variant, fin.format, fin.breaker_level) == ("fallback", "bfloat16", 2)
 
 
 @pytest.mark.parametrize("name", ["primary", "Bad Name", ""])

@@ -40,7 +40,7 @@ class Stage:
         self.env = {**os.environ, "KEEL_VAR_DIR": str(tmp / "var"), "KEEL_TRACES_DIR": str(tmp / "traces"),
                     "KEEL_INFERENCE_SERVER__PORT": str(self.port),
                     "KEEL_INFERENCE_SERVER__METRICS_PORT": str(self.metrics_port),
-                    "KEEL_INFERENCE_ENGINE__DTYPE": "float32", "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": "1",
+                    "KEEL_INFERENCE_ENGINE__FORMAT": "float32", "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": "1",
                     "KEEL_INFERENCE_ENGINE__WARMUP_PROMPT_TOKENS": "[16, 64]",
                     "KEEL_INFERENCE_ENGINE__WARMUP_MAX_TOKENS": "32", **env}
         self.env.pop("KEEL_MESH_TOKEN", None)  # no token: the stage accepts any caller
@@ -125,12 +125,12 @@ def test_switching_the_real_model_over_grpc_and_serving_primary_again_after_a_re
             got = stub.GetVariant(inference_pb2.GetVariantRequest(), timeout=30)
             assert got.active == "primary" and dict(got.variants) == {"primary": "float32", "fallback": "int8"}
             before, _, _ = _generate(stub)
-            assert (before.variant, before.dtype) == ("primary", "float32")
+            assert (before.variant, before.engine["format"]) == ("primary", "float32")
 
             done = stub.SetVariant(inference_pb2.SetVariantRequest(variant="fallback", actor="rotation:42"), timeout=30)
             assert (done.active, done.previous) == ("fallback", "primary")
             after, _, trace_id = _generate(stub)
-            assert (after.variant, after.dtype, after.engine["format"]) == ("fallback", "int8", "int8")
+            assert (after.variant, after.engine["format"]) == ("fallback", "int8")
             again = stub.SetVariant(inference_pb2.SetVariantRequest(variant="fallback", actor="rotation:42"),
                                     timeout=30)
             assert (again.active, again.previous) == ("fallback", "fallback")
@@ -170,7 +170,7 @@ def test_switching_the_real_model_over_grpc_and_serving_primary_again_after_a_re
         with grpc.insecure_channel(f"127.0.0.1:{restarted.port}") as ch:
             assert restarted.stub(ch).GetVariant(inference_pb2.GetVariantRequest(), timeout=30).active == "primary"
             fin, _, _ = _generate(restarted.stub(ch))
-            assert (fin.variant, fin.dtype) == ("primary", "float32")
+            assert (fin.variant, fin.engine["format"]) == ("primary", "float32")
         warm = [r for r in restarted.log() if r.get("msg") == "engine warm"]
         assert warm and warm[0]["warm_start"] is True
         _eventually(lambda: restarted.gauge("primary") == 1.0 and restarted.gauge("fallback") == 0.0)

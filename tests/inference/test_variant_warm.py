@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from services.inference import bootstrap
 from services.inference.config import InferenceConfig
-from services.inference.startup import bootstrap, warmcache
-from services.inference.startup.formats import FormatsConfig
+from services.inference.formats.selection import FormatsConfig
+from services.inference.model.digest import model_sha256
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 
@@ -18,12 +19,12 @@ def var_dir(tmp_path, monkeypatch):
 
 def _cfg(model_dir, **engine) -> InferenceConfig:
     # no gate results in the scratch var/: force lets int8 serve (the gate refusal is tested elsewhere)
-    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"dtype": "float32", **engine}),
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"format": "float32", **engine}),
                            formats=FormatsConfig(force=True))
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
-    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+    return bootstrap.start_engine(cfg, model_sha256(cfg.model_dir))
 
 
 @pytest.mark.slow
@@ -40,7 +41,7 @@ def test_the_record_covers_every_variant_and_a_changed_variant_list_measures_aga
 
 @pytest.mark.asyncio
 async def test_a_quantized_primary_serves_a_float_variant_loaded_from_the_weight_files(var_dir, model_dir):
-    started = _start(_cfg(model_dir, dtype="int8", variants={"full": "float32"}))
+    started = _start(_cfg(model_dir, format="int8", variants={"full": "float32"}))
     reference = _start(_cfg(model_dir))
     engine = started.engine
     await engine.start()
@@ -49,7 +50,7 @@ async def test_a_quantized_primary_serves_a_float_variant_loaded_from_the_weight
         await engine.set_variant("full", "test")
         got, fin = await collect(engine, request("a", prompt(8), max_tokens=8))
         want, _ = await collect(reference.engine, request("b", prompt(8), max_tokens=8))
-        assert (fin.variant, fin.dtype) == ("full", "float32") and ids(got) == ids(want)
+        assert (fin.variant, fin.format) == ("full", "float32") and ids(got) == ids(want)
     finally:
         await engine.stop(grace_s=0)
         await reference.engine.stop(grace_s=0)

@@ -7,10 +7,12 @@ import os
 
 import pytest
 
+from services.inference import bootstrap
 from services.inference.config import InferenceConfig
 from services.inference.engine import core as engine_module
-from services.inference.startup import bootstrap, formats, gate, warmcache
-from services.inference.startup.formats import FormatsConfig
+from services.inference.formats import quality, selection
+from services.inference.formats.selection import FormatsConfig
+from services.inference.model.digest import model_sha256
 from testing.tiny import save_model, tiny_model
 from tests.inference.helpers import measured, tiny_config
 
@@ -22,13 +24,13 @@ def var_dir(tmp_path, monkeypatch):
 
 
 def _cfg(model_dir, **engine) -> InferenceConfig:
-    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"dtype": "float32", **engine}),
+    return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"format": "float32", **engine}),
                            # no gate at start: these tests are about the record, not the gate (test_gate_at_start.py)
                            formats=FormatsConfig(auto_candidates=("float32", "bfloat16"), gate_at_start=False))
 
 
 def _start(cfg: InferenceConfig) -> bootstrap.Started:
-    return bootstrap.start_engine(cfg, warmcache.model_sha256(cfg.model_dir))
+    return bootstrap.start_engine(cfg, model_sha256(cfg.model_dir))
 
 
 def _no_measuring(monkeypatch):
@@ -91,7 +93,7 @@ def test_warm_restart_off_never_reads_or_writes_records(var_dir, model_dir):
 
 
 def test_auto_stores_its_choice_and_a_warm_start_loads_that_format(var_dir, model_dir, monkeypatch):
-    cfg = _cfg(model_dir, dtype="auto")
+    cfg = _cfg(model_dir, format="auto")
     cold = _start(cfg)
     assert cold.record.format == "float32"  # bfloat16 has no stored gate result here
     assert "bfloat16 has no gate result" in cold.record.reason and "choose_format" in cold.phases_s
@@ -105,20 +107,20 @@ def test_model_hash_is_cached_by_size_and_mtime(var_dir, tmp_path):
     d.mkdir()
     f = d / "model.safetensors"
     f.write_bytes(b"a" * 1000)
-    first = warmcache.model_sha256(d)
+    first = model_sha256(d)
     st = f.stat()
     f.write_bytes(b"b" * 1000)  # same size; restore the mtime: the cached hash is used
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert warmcache.model_sha256(d) == first
+    assert model_sha256(d) == first
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new mtime: hashed again
-    assert warmcache.model_sha256(d) != first
+    assert model_sha256(d) != first
 
 
 def test_new_gate_results_measure_again(var_dir, model_dir):
-    cfg = _cfg(model_dir, dtype="auto")
+    cfg = _cfg(model_dir, format="auto")
     _start(cfg)
-    sha = warmcache.model_sha256(cfg.model_dir)
-    gate.store(formats.gate_path(sha), sha, [gate.GateResult("bfloat16", 0.0, 0.0, 1.0, 10, 2)], "test")
+    sha = model_sha256(cfg.model_dir)
+    quality.store(selection.gate_path(sha), sha, [quality.GateResult("bfloat16", 0.0, 0.0, 1.0, 10, 2)], "test")
     again = _start(cfg)
     assert not again.warm and "bfloat16 has no gate result" not in again.record.reason
     assert measured(again.record.reason, "bfloat16")  # now eligible, so measured

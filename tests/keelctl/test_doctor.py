@@ -40,7 +40,7 @@ def host(tmp_path) -> Host:
     (tmp_path / "vocab.kvoc").write_bytes(b"")
     lay = layout()
     inference = InferenceConfig(model_path=str(model_dir),
-                                engine=EngineConfig(memory_budget_bytes=3 * GIB, dtype="auto"))
+                                engine=EngineConfig(memory_budget_bytes=3 * GIB, format="auto"))
     return Host(inference, lay, tmp_path / "vocab.kvoc", f"redis://127.0.0.1:{lay.redis.port}/0", "",
                 ("float32", "int8", "gguf"), tmp_path / "cpuinfo", tmp_path / "meminfo",
                 which=lambda name: f"/usr/bin/{name}")
@@ -68,9 +68,9 @@ def test_a_cpu_without_vector_flags_is_warned(host):
 def test_without_a_cpp_compiler_gguf_cannot_run_and_blocks_only_when_configured(host):
     host = replace(host, which=lambda name: None)
     gguf = by_check(doctor.check_cpu(host))["format gguf"]
-    assert gguf.status == WARN and "g++" in gguf.what and "only where engine.dtype names it" in gguf.what
+    assert gguf.status == WARN and "g++" in gguf.what and "only where engine.format names it" in gguf.what
     assert "g++" in gguf.fix
-    chosen = replace(host, inference=replace(host.inference, engine=replace(host.inference.engine, dtype="gguf")))
+    chosen = replace(host, inference=replace(host.inference, engine=replace(host.inference.engine, format="gguf")))
     assert by_check(doctor.check_cpu(chosen))["format gguf"].status == FAIL
 
 

@@ -17,7 +17,7 @@ def mesh_env(tmp_path, monkeypatch):
     save_model(tiny_model(), model_dir)
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("KEEL_INFERENCE_MODEL_PATH", str(model_dir))
-    monkeypatch.setenv("KEEL_INFERENCE_ENGINE__DTYPE", "float32")
+    monkeypatch.setenv("KEEL_INFERENCE_ENGINE__FORMAT", "float32")
     monkeypatch.setenv("KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS", "1")
     return tmp_path
 
@@ -87,8 +87,8 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     from services.inference.engine.core import Engine
     from services.inference.lora.registry import LoraConfig, load_registry
     from services.inference.lora.startup import running_base
+    from services.inference.model.digest import model_sha256
     from services.inference.servicer import InferenceServicer
-    from services.inference.startup.warmcache import model_sha256
     from shared.metrics import metrics_for
     from testing.ports import free_port
     from tests.inference.helpers import tiny_config
@@ -98,7 +98,7 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     assert main(["lora", "register", str(make_adapter(tiny, mesh_env / "wide", seed=2, rank=8)),
                  "--id", "wide"]) == 0
     capsys.readouterr()
-    engine = Engine(tiny, tiny_config(dtype="float32"))
+    engine = Engine(tiny, tiny_config(format="float32"))
     engine.warmup()
     cfg = LoraConfig(registry_dir=str(mesh_env / "var" / "adapters"), max_rank=4)  # this replica refuses rank 8
     base = running_base(engine.primary_runner, mesh_env / "model", model_sha256(mesh_env / "model"), "float32")

@@ -74,7 +74,7 @@ def test_dataclass_rule_becomes_config_error_naming_the_block():
 
 def test_client_facing_error_in_engine_config_becomes_config_error():
     from services.inference import config as inference_config
-    env = {"KEEL_INFERENCE_ENGINE__BREAKER__FALLBACK_DTYPE": "int8", "KEEL_INFERENCE_ENGINE__DEVICE": "cuda"}
+    env = {"KEEL_INFERENCE_ENGINE__BREAKER__FALLBACK_FORMAT": "int8", "KEEL_INFERENCE_ENGINE__DEVICE": "cuda"}
     with pytest.raises(ConfigError, match=r"field 'engine' breaks rule 'EngineConfig'.*CPU only"):
         inference_config.load(environ=env)
 

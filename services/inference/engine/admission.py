@@ -12,11 +12,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
-
 from services.inference.engine.api import GenerationRequest, TokenEvent
 from services.inference.engine.controls import RowControls
 from services.inference.engine.memory import MemoryModel
+from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.inference.engine.controls import TokenLogprobs
 from shared.controls import Controls, check_controls, check_max_tokens
 from shared.errors import InvalidInput
-
-from services.inference.engine.controls import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class Finished:
     seed: int
     queue_ms: float     # submission -> start of the prefill
     ttft_ms: float      # submission -> first token sampled
-    dtype: str          # dtype of the model that served the request (changes under breaker level 2)
+    format: str         # weight format of the model that served the request (changes under breaker level 2)
     breaker_level: int  # breaker level in force when the request was prefilled
     variant: str = "primary"  # the model variant the request started on (variants.py)
     adapter: str = ""   # the adapter that served it, "id@version" ("" = the base model)
@@ -61,7 +60,7 @@ class Finished:
         return {"inference.finish_reason": self.finish_reason, "inference.prompt_tokens": self.prompt_tokens,
                 "inference.completion_tokens": self.completion_tokens, "inference.seed": str(self.seed),
                 "inference.queue_ms": round(self.queue_ms, 3), "inference.ttft_ms": round(self.ttft_ms, 3),
-                "inference.dtype": self.dtype, "inference.breaker_level": self.breaker_level,
+                "inference.format": self.format, "inference.breaker_level": self.breaker_level,
                 "inference.variant": self.variant, "inference.adapter": self.adapter}
 
 

@@ -2,7 +2,7 @@
 
 Each kind counts its failures in a sliding window; reaching the threshold raises its level by one:
   1  adjust parameters: temperature capped, logits clamped
-  2  adjust architecture: smaller max batch, fallback dtype for new requests
+  2  adjust architecture: smaller max batch, fallback format for new requests
   3  reject new requests with NotReady(reason="CIRCUIT_OPEN")
 After a quiet period without failures of that kind the level steps down by one ("half_open" while
 above 0); any failure while half open climbs straight back up. The engine applies the highest level.
@@ -41,7 +41,7 @@ class BreakerConfig:
     temperature_cap: float = 0.3
     logit_clamp: float = 10.0
     degraded_max_batch_size: int = 4
-    fallback_dtype: str | None = None  # used for new requests at level >= 2; None keeps the dtype
+    fallback_format: str | None = None  # used for new requests at level >= 2; None keeps the format
 
     def __post_init__(self):
         for kind in KINDS:
@@ -157,7 +157,7 @@ class BreakerBoard:
             temperature_cap=c.temperature_cap if level >= 1 else None,
             logit_clamp=c.logit_clamp if level >= 1 else None,
             max_batch_size=min(c.degraded_max_batch_size, self.max_batch_size) if level >= 2 else None,
-            use_fallback=level >= 2 and c.fallback_dtype is not None,
+            use_fallback=level >= 2 and c.fallback_format is not None,
             reject=level >= MAX_LEVEL,
             retry_after_ms=round(retry_s * 1000),
         )

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.inference.engine.grammar import MaskExecutor, Vocabulary, allowed
 from shared.controls import MAX_TOP_LOGPROBS, Controls
 from shared.errors import InvalidInput, KeelError
-
-from services.inference.engine.grammar import MaskExecutor, Vocabulary, allowed
 
 
 @dataclass(frozen=True)

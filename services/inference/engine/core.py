@@ -2,7 +2,7 @@
 
 Usage (the servicer owns the process; this module never imports grpc):
 
-    engine = Engine(load_model("var/model", cfg.dtype), cfg)
+    engine = Engine(load_model("var/model", cfg.format), cfg)
     engine.warmup()                     # blocking: forward passes + memory model
     await engine.start()                # starts the batching thread
     async for item in engine.generate(req):   # TokenEvent ... then Finished
@@ -22,29 +22,28 @@ from types import MappingProxyType
 
 import torch
 
-from shared.controls import Controls, check_controls
-from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
-from shared.stages import CONTEXT_TOKENS
-
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
 from services.inference.engine.api import Finished, GenerationRequest, TokenEvent, validate
 from services.inference.engine.breaker import BreakerBoard, BreakerConfig
 from services.inference.engine.controls import RowControls
-from services.inference.model.forward import LlamaRunner
+from services.inference.engine.executor import BatchExecutor
 from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
-from services.inference.lora.registry import AdapterTable
 from services.inference.engine.loop import LoopSettings, StepLoop
 from services.inference.engine.memory import MemoryModel
-from services.inference.model.loader import check_dtype, model_dtype
 from services.inference.engine.oom import OomPolicy
 from services.inference.engine.output import OutputProcessor
 from services.inference.engine.prefix import PrefixCache
-from services.inference.engine.runner import ModelRunner
 from services.inference.engine.schedule import Scheduler, batch_cap
 from services.inference.engine.stats import Counters, EngineState, EngineStats
 from services.inference.engine.torchthread import TorchThread
 from services.inference.engine.variants import NAME, PRIMARY, Switch
 from services.inference.engine.warmup import Calibration, build_runners, measure_memory, set_deterministic
+from services.inference.lora.registry import AdapterTable
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.loader import check_format
+from shared.controls import Controls
+from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
+from shared.stages import CONTEXT_TOKENS
 
 # Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
 # 2: runners (and their batch-invariant sizes) are keyed by weight format, no longer "primary"/"fallback".
@@ -66,7 +65,7 @@ class EngineConfig:
     max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     eos_token_ids: tuple[int, ...] = (2,)
-    dtype: str = "float32"
+    format: str = "float32"  # the weight format (model/loader.py FORMATS), or "auto" before the stage resolves it
     device: str = "cpu"
     warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
     warmup_max_tokens: int = 256                            # one probe with a long reserved completion
@@ -78,18 +77,18 @@ class EngineConfig:
     intra_op_threads: int | None = None       # torch.set_num_threads at warmup (process-wide); None: torch's
     prefix_cache_bytes: int = 0               # budget share kept for the prefix cache (0: no prefix cache)
     kv_block_tokens: int = 16                 # positions per KV cache block (kvpool.py)
-    # Model variants preloaded at warm-up besides "primary" (this dtype): name -> weight format (variants.py).
+    # Model variants preloaded at warm-up besides "primary" (this format): name -> weight format (variants.py).
     variants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
-        check_dtype(self.dtype, self.device, allow_auto=True)  # the stage resolves "auto" (formats.py)
-        if self.breaker.fallback_dtype is not None:
-            check_dtype(self.breaker.fallback_dtype, self.device)
-        for name, fmt in self.variants.items():
+        check_format(self.format, self.device, allow_auto=True)  # the stage resolves "auto" (formats/selection.py)
+        if self.breaker.fallback_format is not None:
+            check_format(self.breaker.fallback_format, self.device)
+        for name, format in self.variants.items():
             if not NAME.match(name):
                 raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} ({PRIMARY!r} is reserved)",
                                    reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
-            check_dtype(fmt, self.device)
+            check_format(format, self.device)
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
                     "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens", "kv_block_tokens")
         for name in positive:
@@ -112,7 +111,7 @@ class EngineConfig:
 
     def other_formats(self) -> tuple[str, ...]:
         """The weight formats the variants and the breaker's fallback run on (the primary's may be among them)."""
-        fallback = (self.breaker.fallback_dtype,) if self.breaker.fallback_dtype else ()
+        fallback = (self.breaker.fallback_format,) if self.breaker.fallback_format else ()
         return tuple(dict.fromkeys((*self.variants.values(), *fallback)))
 
 
@@ -124,14 +123,14 @@ class Engine:
         model cannot be converted to another format, so the caller loads those from the weight files);
         a format missing there is converted from `model` at warm-up. `locked`: variants SetVariant
         refuses until `unlock_variant` (candidates whose quality gate has not passed yet)."""
-        if model_dtype(model) != config.dtype:
-            raise InvalidInput(f"model is {model_dtype(model)} but config.dtype is {config.dtype}",
-                               reason="DTYPE_MISMATCH")
+        if model.format != config.format:
+            raise InvalidInput(f"model is {model.format} but config.format is {config.format}",
+                               reason="FORMAT_MISMATCH")
         self.model = model
         self.others = others
         self.config = config
         # name -> weight format of every variant this engine serves; fixed for its lifetime
-        self.variants: Mapping[str, str] = MappingProxyType({PRIMARY: config.dtype, **config.variants})
+        self.variants: Mapping[str, str] = MappingProxyType({PRIMARY: config.format, **config.variants})
         self._locked = set(locked) & set(config.variants)
         self.board = BreakerBoard(config.breaker, config.max_batch_size, clock)
         self.memory: MemoryModel | None = None
@@ -175,27 +174,27 @@ class Engine:
             runner.resize_pool(pool_blocks + cfg.prefix_cache_bytes // runner.block_bytes)
         limits = QueueLimits(cfg.max_queued_requests, cfg.max_queued_tokens, cfg.queue_timeout_ms)
         self._admission = Admission(self.memory, cfg.memory_budget_bytes, limits, pool_blocks, cfg.prefix_cache_bytes)
-        self._vocab_size = runners[cfg.dtype].vocab_size
+        self._vocab_size = runners[cfg.format].vocab_size
         self._runners = runners
-        runner = ModelRunner(runners)
+        executor = BatchExecutor(runners)
         counters = Counters()
         prefix = None
         if cfg.prefix_cache_bytes:  # blocks are prefill chunks: see prefix.py
             prefix = PrefixCache(cfg.prefill_tokens_per_iteration, cfg.prefix_cache_bytes)
         output = OutputProcessor(cfg.eos_token_ids, counters, self.board,
-                                 {name: r.dtype_name for name, r in runners.items()},
+                                 {name: r.format for name, r in runners.items()},
                                  MaskExecutor(torch.get_num_threads()))
-        self._loop = StepLoop(runner, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
+        self._loop = StepLoop(executor, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
                               self.board, OomPolicy(cfg.max_batch_size, cfg.oom_backoff_steps), counters,
                               self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device,
-                                                        self.variants, cfg.breaker.fallback_dtype),
+                                                        self.variants, cfg.breaker.fallback_format),
                               tokens_per_s, prefix)
         self._state = EngineState.WARM
 
     @property
     def primary_runner(self) -> LlamaRunner:
         """The warmed, calibrated runner of the served format (adapters are checked on it before start)."""
-        return self._runners[self.config.dtype]
+        return self._runners[self.config.format]
 
     def install_adapters(self, table: AdapterTable) -> None:
         """Serve the accepted adapters of `table` from their slots (call after warmup, before start).
@@ -231,10 +230,10 @@ class Engine:
         self._state = EngineState.SERVING
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
+        self._check_serving()
+        validate(req, self._vocab_size, self.config.max_context_tokens)  # once, before a grammar is compiled
         matcher = None
         if req.controls.response_format is not None:  # compiled off the step loop (grammar.py)
-            self._check_serving()
-            check_controls(req.controls)
             matcher = await self._require_vocabulary().matcher(req.controls.response_format)
         ticket = self._submit(req, matcher)
         done = False
@@ -332,9 +331,8 @@ class Engine:
         return self._grammars
 
     def _submit(self, req: GenerationRequest, matcher=None) -> Ticket:
-        self._check_serving()
-        cfg = self.config
-        validate(req, self._vocab_size, cfg.max_context_tokens)
+        """Admit a request generate() has validated."""
+        self._check_serving()  # again: the engine may have begun draining while a grammar compiled
         if req.request_id in self._tickets:
             raise InvalidInput(f"request {req.request_id} is already in flight", reason="DUPLICATE_REQUEST_ID",
                                metadata={"request_id": req.request_id})

@@ -7,7 +7,7 @@ of the tokens allowed next for one row in microseconds (docs/generation.md has t
 against outlines-core, and why xgrammar was not taken). Its parser limits bound the work of every
 mask ("fuel"), so a hostile document makes that row fail with a reason, never a step that stalls.
 
-`Grammars.matcher(fmt)` compiles on a worker thread (the constructor releases the GIL), waits at
+`Grammars.matcher(response_format)` compiles on a worker thread (the constructor releases the GIL), waits at
 most `compile_timeout_s`, and caches the compiled matcher by the document's sha256 (LRU); each
 request gets a deep copy. The end-of-text token is in a mask only where the grammar is complete.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import llguidance
 import torch
+
 # The numpy helpers, not llguidance.torch: that module wraps a function in torch.compile at import
 # (start-up time spent on a path Keel does not use).
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -65,16 +66,17 @@ def version() -> str:
     return f"{ENGINE_NAME}=={llguidance.__version__}"
 
 
-def _grammar(fmt: ResponseFormat) -> str:
-    if fmt.kind == "json_schema":
+def _grammar(response_format: ResponseFormat) -> str:
+    if response_format.kind == "json_schema":
         # Compact JSON (no free whitespace between tokens): what a client parses is the same, and
         # a model cannot spend its max_tokens on indentation.
-        return llguidance.LLMatcher.grammar_from_json_schema(fmt.document, overrides={"whitespace_flexible": False})
-    if fmt.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(fmt.document)
+        return llguidance.LLMatcher.grammar_from_json_schema(response_format.document,
+                                                             overrides={"whitespace_flexible": False})
+    if response_format.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(response_format.document)
     # Lark string literals take JSON's escapes, so json.dumps quotes any choice exactly.
     return llguidance.LLMatcher.grammar_from_lark(
-        "start: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in fmt.choices))
+        "start: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in response_format.choices))
 
 
 @dataclass(frozen=True)
@@ -102,22 +104,22 @@ class Grammars:
         self._cache: OrderedDict[str, llguidance.LLMatcher | _Refused] = OrderedDict()
         self._compiling: dict[str, asyncio.Future] = {}
 
-    def _compile(self, fmt: ResponseFormat) -> llguidance.LLMatcher | _Refused:
+    def _compile(self, response_format: ResponseFormat) -> llguidance.LLMatcher | _Refused:
         try:
-            grammar = _grammar(fmt)
+            grammar = _grammar(response_format)
         except ValueError as exc:  # the JSON Schema document is not JSON (or not an object)
             return _Refused(str(exc))
         return llguidance.LLMatcher(self.vocab.tokenizer, grammar, log_level=0, limits=self._parser_limits)
 
-    async def matcher(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of `fmt`'s grammar; InvalidInput when it does not compile."""
-        key = fmt.digest
-        field = f"response_format.{fmt.kind}"
+    async def matcher(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `response_format`'s grammar; InvalidInput when it does not compile."""
+        key = response_format.digest
+        field = f"response_format.{response_format.kind}"
         template = self._cache.get(key)
         if template is None:
             pending = self._compiling.get(key)
             if pending is None:
-                pending = asyncio.wrap_future(self._pool.submit(self._compile, fmt))
+                pending = asyncio.wrap_future(self._pool.submit(self._compile, response_format))
                 self._compiling[key] = pending
                 pending.add_done_callback(lambda done: self._compiled(key, done))
             try:

@@ -8,9 +8,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from shared.errors import KeelError
-
 from services.inference.engine.admission import Ticket
+from shared.errors import KeelError
 
 
 @dataclass(frozen=True)

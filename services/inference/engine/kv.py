@@ -7,15 +7,15 @@ prompt block the step computed. The loop decides when; this decides which blocks
 """
 from __future__ import annotations
 
+from services.inference.engine.executor import BatchExecutor
 from services.inference.engine.prefix import PrefixCache, PrefixStats
-from services.inference.engine.runner import ModelRunner
 from services.inference.engine.schedule import Row
 from services.inference.model.kvpool import RowCache
 
 
 class KvManager:
-    def __init__(self, runner: ModelRunner, prefix: PrefixCache | None):
-        self.runner = runner
+    def __init__(self, executor: BatchExecutor, prefix: PrefixCache | None):
+        self.executor = executor
         self.prefix = prefix
 
     @property
@@ -27,7 +27,7 @@ class KvManager:
 
     def new_cache(self, runner: str, positions: int) -> RowCache:
         """Blocks for `positions` positions from the runner's pool (raises on out of memory)."""
-        return self.runner.new_cache(runner, positions)
+        return self.executor.new_cache(runner, positions)
 
     def adopt_prefix(self, row: Row) -> None:
         """Hold the cached blocks the row's prompt starts with in its block table; its prefill

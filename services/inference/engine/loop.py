@@ -2,8 +2,9 @@
 
 Each iteration: drain the inbox (submit, cancel, variant switch, a refusal to count, stop sent by other
 threads), end cancelled and expired requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a
-cache (the `KvManager`: their blocks and the prefix cache's), then for each batch of the plan `runner.execute(batch)` -> logits and
-`OutputProcessor.update(batch, logits)` -> events. It then publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
+cache (the `KvManager`: their blocks and the prefix cache's), then for each batch of the plan
+`executor.execute(batch)` -> logits and `OutputProcessor.update(batch, logits)` -> events. It then
+publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
 consumers' asyncio loops. Nothing here is shared with the asyncio side but the inbox (a thread-safe
 queue), the tickets' `cancelled` flags and the published snapshot.
 """
@@ -17,23 +18,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
-from shared.failures import FailureKind
-
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import TokenEvent
 from services.inference.engine.breaker import BreakerBoard, Policy
+from services.inference.engine.executor import BatchExecutor
 from services.inference.engine.inbox import Cancel, Command, Refused, SetVariant, Stop, Submit
+from services.inference.engine.kv import KvManager
 from services.inference.engine.memory import MemoryModel, PeakMeter
 from services.inference.engine.oom import OomPolicy, is_oom
 from services.inference.engine.output import OutputProcessor
-from services.inference.engine.kv import KvManager
 from services.inference.engine.prefix import PrefixCache
-from services.inference.engine.runner import ModelRunner
 from services.inference.engine.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
 from services.inference.engine.stats import Counters, EngineStats, MemoryStats
 from services.inference.engine.torchthread import TorchThread
 from services.inference.engine.variants import PRIMARY, Switch
+from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
+from shared.failures import FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,10 @@ class LoopSettings:
 
 
 class StepLoop:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, output: OutputProcessor, board: BreakerBoard,
+    def __init__(self, executor: BatchExecutor, scheduler: Scheduler, output: OutputProcessor, board: BreakerBoard,
                  oom: OomPolicy, counters: Counters, memory: MemoryModel, settings: LoopSettings,
                  tokens_per_s: float, prefix: PrefixCache | None = None):
-        self.runner = runner
+        self.executor = executor
         self.scheduler = scheduler
         self.output = output
         self.board = board
@@ -60,7 +60,7 @@ class StepLoop:
         self.memory = memory
         self.settings = settings
         self.tokens_per_s = tokens_per_s
-        self.kv = KvManager(runner, prefix)
+        self.kv = KvManager(executor, prefix)
         self.observed_peak_bytes = 0
         self.active = PRIMARY  # the variant new rows start on; changed only by this thread (_switch)
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -241,7 +241,7 @@ class StepLoop:
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""
         try:
-            logits = self.runner.execute(batch)
+            logits = self.executor.execute(batch)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -323,7 +323,7 @@ class StepLoop:
             running_batch_size=len(self.scheduler.rows), pending_prefill=len(self.scheduler.pending),
             oom_cap=self.oom.cap,
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
-            invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.runner.runners.items()}),
+            invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.executor.runners.items()}),
             tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
             prefix_cache=self.kv.prefix_stats(),
             active_variant=self.active)

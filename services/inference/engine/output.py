@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import Fatal, KeelError, NumericalInstability
-from shared.failures import FailureKind
-
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import Finished, TokenEvent
 from services.inference.engine.breaker import BreakerBoard, Policy
@@ -23,6 +20,8 @@ from services.inference.engine.grammar import MaskExecutor
 from services.inference.engine.sampling import Draw, Pick, clamp_logits, clamp_temperature, pick, row_is_finite
 from services.inference.engine.schedule import Batch, Row
 from services.inference.engine.stats import Counters
+from shared.errors import Fatal, KeelError, NumericalInstability
+from shared.failures import FailureKind
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +34,12 @@ class Update:
 
 class OutputProcessor:
     def __init__(self, eos_token_ids: tuple[int, ...], counters: Counters, board: BreakerBoard,
-                 dtype_names: dict[str, str], masks: MaskExecutor):
+                 formats: dict[str, str], masks: MaskExecutor):
         self.eos = eos_token_ids
         self.masks = masks
         self.counters = counters
         self.board = board
-        self.dtype_names = dtype_names  # runner name -> dtype served
+        self.formats = formats  # runner name -> weight format served
 
     def update(self, batch: Batch, logits: torch.Tensor, policy: Policy) -> Update:
         out = Update()
@@ -107,7 +106,8 @@ class OutputProcessor:
         picks = pick(logits, [Draw(t, row.ticket.req.top_p, row.ticket.req.top_k, row.ticket.seed,
                                    len(row.ticket.req.prompt_ids) + row.generated)
                               for row, t in zip(rows, temperatures)], shaped.scores)
-        lps = logprobs(ctls, shaped.scores, [p.token_id for p in picks], temperatures) if any(ctls) else [None] * len(rows)
+        picked = [p.token_id for p in picks]
+        lps = logprobs(ctls, shaped.scores, picked, temperatures) if any(ctls) else [None] * len(rows)
         return [shaped.errors.get(r) or (p, lp) for r, (p, lp) in enumerate(zip(picks, lps))]
 
     def _emit(self, row: Row, p: Pick, logprobs: TokenLogprobs | None, ends: bool, out: Update) -> None:
@@ -134,7 +134,7 @@ class OutputProcessor:
         out.events.append((t, Finished(
             reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" and not streamed else 0), t.seed,
             queue_ms=(row.started - t.submitted) * 1000, ttft_ms=(row.first_token_at - t.submitted) * 1000,
-            dtype=self.dtype_names[row.runner], breaker_level=row.breaker_level, variant=row.variant,
+            format=self.formats[row.runner], breaker_level=row.breaker_level, variant=row.variant,
             adapter=t.adapter)))
 
     def _fail(self, row: Row, err: Exception, out: Update) -> None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shared.errors import DeadlineExpired
-
 from services.inference.engine.admission import Admission, Ticket
 from services.inference.engine.breaker import Policy
 from services.inference.model.kvpool import RowCache
+from shared.errors import DeadlineExpired
 
 
 @dataclass(eq=False)
@@ -24,7 +23,7 @@ class Row:
     """A request in the running batch: its cache and progress. Owned by the loop thread."""
 
     ticket: Ticket
-    runner: str                    # the weight format that runs it (runner.py)
+    runner: str                    # the weight format whose LlamaRunner runs it (executor.py)
     cache: RowCache
     started: float
     breaker_level: int

@@ -2,7 +2,7 @@
 
 Why one: once another thread of the process has run an OpenMP parallel region (any parallel torch
 op), every parallel region of the batching thread costs more. Measured with
-`bench/probe_torch_thread.py`: a decode step of 16 rows takes 1.4x as long in fp32 and 1.7x in
+`bench/probes/torch_thread.py`: a decode step of 16 rows takes 1.4x as long in fp32 and 1.7x in
 bf16. So the stage loads the model, warms the engine up and runs its batching loop on this thread,
 and nothing else in the process calls into torch.
 

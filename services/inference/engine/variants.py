@@ -1,6 +1,6 @@
 """Model variants: named weight formats of the served model, preloaded at warm-up; one serves new requests.
 
-"primary" is the format the stage resolved at start (`engine.dtype`, `auto` included); the others are
+"primary" is the format the stage resolved at start (`engine.format`, `auto` included); the others are
 `engine.variants` (name -> format). Every format the engine needs (the variants' and the breaker's
 fallback) is one model and one runner, keyed by its format, however many names use it. The active
 variant is owned by the step loop thread and changed only through its inbox (loop.py), so a switch

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.inference.model.forward import LlamaRunner
 from services.inference.engine.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
-from services.inference.model.loader import convert_model, model_dtype
 from services.inference.engine.sampling import Draw, pick
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.loader import convert_model
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,16 @@ def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module],
     """One runner per weight format, keyed by it: `model`'s own, then each of `formats` (taken from
     `others` when loaded there, else converted from `model`). A format used by several variants, or
     by a variant and the breaker's fallback, is one model in memory."""
-    runners = {model_dtype(model): LlamaRunner(model, device, block_tokens)}
-    for fmt in formats:
-        if fmt not in runners:
-            runners[fmt] = LlamaRunner(others[fmt] if fmt in others else convert_model(model, fmt, device), device,
-                                       block_tokens)
+    runner = LlamaRunner(model, device, block_tokens)
+    runners = {runner.format: runner}
+    for format in formats:
+        if format not in runners:
+            loaded = others[format] if format in others else convert_model(model, format, device)
+            runners[format] = LlamaRunner(loaded, device, block_tokens)
     for name, runner in runners.items():
         sizes = runner.calibrate_invariant_sizes(max_batch) if batch_invariant else ()
         log.info("batch-invariant sizes for %s: %s", name, sizes or "none",
-                 extra={"runner": name, "dtype": runner.dtype_name, "invariant_sizes": list(sizes)})
+                 extra={"runner": name, "format": runner.format, "invariant_sizes": list(sizes)})
     return runners
 
 

@@ -1,6 +1,6 @@
 """The base model an adapter is bound to, as named fields: any bound field that differs refuses the adapter.
 
-Bound fields: the weights hash (warmcache.model_sha256: sha256 over the model folder's config and
+Bound fields: the weights hash (model/digest.py model_sha256: sha256 over the model folder's config and
 weight files, computed once per process start and shared with the engine fingerprint), the
 config.json values an adapter's training depends on (rope_theta, vocab_size, tie_word_embeddings and
 the shape), the hashes of Keel's tokenizer vocabulary and chat template, and the torch, transformers
@@ -9,7 +9,7 @@ ListAdapters.base_fingerprint).
 
 The fields also carry `format`, the weight format the probe run was made in (FORMAT_FIELD). It is
 recorded, not bound: an adapter belongs to the weights, and the format a stage serves them in is a
-choice made at start (`engine.dtype: auto`). When the serving format differs from the one the golden
+choice made at start (`engine.format: auto`). When the serving format differs from the one the golden
 outputs were made in, the start-up checks judge the adapter by the drift gate instead of by exact
 greedy equality (registry._judge).
 """
@@ -41,8 +41,8 @@ def tokenizer_hashes(tokenizer) -> dict[str, str]:
     return {"tokenizer_vocab_sha256": tokenizer.vocab_sha256, "chat_template_sha256": tokenizer.chat_template_sha256}
 
 
-def base_fields(weights_sha256: str, config: dict, tokenizer: dict[str, str], fmt: str) -> dict[str, str]:
-    return {"weights_sha256": weights_sha256, **config_values(config), **tokenizer, "format": fmt,
+def base_fields(weights_sha256: str, config: dict, tokenizer: dict[str, str], format: str) -> dict[str, str]:
+    return {"weights_sha256": weights_sha256, **config_values(config), **tokenizer, "format": format,
             # Installed versions, read from the packages' metadata: importing transformers and peft would
             # cost the stage seconds at every start.
             **{name: version(name) for name in ("torch", "transformers", "peft")}}

@@ -91,6 +91,7 @@ def card(m: Manifest) -> str:
     """model_card.md: the record in words."""
     base = "\n".join(f"| {k} | `{v}` |" for k, v in sorted(m.base.items()))
     kl = m.kl_vs_base
+    golden = len(m.golden_ids[0]) if m.golden_ids else 0
     return f"""# Adapter {m.name}
 
 LoRA adapter served unmerged by Keel's inference stage (slot-preloaded at warm-up).
@@ -98,7 +99,7 @@ LoRA adapter served unmerged by Keel's inference stage (slot-preloaded at warm-u
 - Rank {m.rank}, alpha {m.alpha:g}{', rank-stabilised' if m.use_rslora else ''}; targets: {', '.join(m.targets)}
 - Training data version: `{m.training_data_version or 'not given'}`
 - Registered: {m.created_at}
-- Probe set: `{m.probe_set_sha256[:16]}` ({len(m.golden_ids)} probes x {len(m.golden_ids[0]) if m.golden_ids else 0} golden tokens)
+- Probe set: `{m.probe_set_sha256[:16]}` ({len(m.golden_ids)} probes x {golden} golden tokens)
 - Change against the base on the probe set, {kl['direction']}: mean {kl['mean']:.4f}, p95 {kl['p95']:.4f} nats/token
 - Drift gate: {m.drift_gate['direction']} over the top {m.drift_gate['top_k']} golden log-probabilities per position,
   {m.drift_gate['aggregation']}; threshold {m.drift_gate['threshold']} at registration (lora.drift_threshold)

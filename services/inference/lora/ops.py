@@ -7,13 +7,21 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from shared.errors import NotFound
-
 from services.inference.lora import fingerprint, manifest, probes
-from services.inference.lora.registry import (AdapterState, Base, LoraConfig, check_name, drift_of,
-                                              load_registry, read_running_base, static_checks, versions)
 from services.inference.lora.probes import ProbeRow
-from services.inference.lora.slots import LoraSlots
+from services.inference.lora.registry import (
+    AdapterState,
+    Base,
+    LoraConfig,
+    check_name,
+    drift_of,
+    load_registry,
+    read_running_base,
+    static_checks,
+    versions,
+)
+from services.inference.model.loraslots import LoraSlots
+from shared.errors import NotFound
 
 # Refusals that a new training run against the current base fixes (the others are defects of the adapter).
 RETRAIN_REASONS = ("BASE_FINGERPRINT_MISMATCH", "GOLDEN_MISMATCH", "ADAPTER_DRIFT")

@@ -15,14 +15,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.errors import PreconditionFailed
-
 from services.inference.lora import manifest, peftconfig, probes
 from services.inference.lora.manifest import Manifest
 from services.inference.lora.probes import ProbeRow
 from services.inference.lora.registry import DRIFT_DIRECTION, Base, LoraConfig, base_greedy, check_name
-from services.inference.lora.slots import LoraSlots, read_weights
-
+from services.inference.lora.weights import read_weights
+from services.inference.model.loraslots import LoraSlots
+from shared.errors import PreconditionFailed
 
 # The probe runs of a registration: the base's greedy one, the adapter's greedy one, the teacher-forced one.
 PROBE_RUNS = 3

@@ -10,7 +10,8 @@ understood (UNSUPPORTED_ADAPTER_CONFIG), weights fit the targets (INERT_ADAPTER)
 greedy outputs equal the golden ones when served in the format they were made in (GOLDEN_MISMATCH),
 differ from the base's (ADAPTER_CHANGES_NOTHING), and drift below `drift_threshold` (ADAPTER_DRIFT when
 `drift_action` is refuse; in another format than the golden outputs', the drift gate is the check).
-A refusal never stops the stage. The accepted versions are loaded into slots 1.. in name order; nothing is read after that.
+A refusal never stops the stage. The accepted versions are loaded into slots 1.. in name order;
+nothing is read after that.
 The probe runs' results may come from the start-up record of an earlier start (startcache.py); the
 judgement (`_judge`) is the same either way.
 """
@@ -23,16 +24,16 @@ from pathlib import Path
 
 import torch
 
-from shared import adapters
-from shared.config import var_dir
-from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
-
-from services.inference.model.forward import LlamaRunner
-from services.inference.jsonfile import write_json
 from services.inference.lora import fingerprint, manifest, peftconfig, probes, startcache
 from services.inference.lora.manifest import Manifest
 from services.inference.lora.probes import ProbeRow, ProbeSet
-from services.inference.lora.slots import AdapterWeights, LoraSlots, read_weights
+from services.inference.lora.weights import read_weights
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.loraslots import AdapterWeights, LoraSlots
+from shared import adapters
+from shared.config import var_dir
+from shared.errors import InvalidInput, KeelError, NotFound, PreconditionFailed
+from shared.jsonfile import write_json
 
 log = logging.getLogger(__name__)
 

@@ -36,15 +36,13 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from safetensors.torch import load_file
-
-from shared.config import var_dir
 
 from services.inference.lora import manifest, probes
 from services.inference.lora.probes import ProbeRow, Trace
-from services.inference.lora.slots import LoraSlots
-from services.inference.jsonfile import write_json
+from services.inference.model.loraslots import LoraSlots
+from shared.config import var_dir
+from shared.jsonfile import write_json
 
 if TYPE_CHECKING:
     from services.inference.lora.registry import Base
@@ -89,7 +87,7 @@ class StartCache:
 
     def __init__(self, engine_key: str, base: Base):
         self.key_fields = {"engine": engine_key, "base_fingerprint": base.digest,
-                           "probe_set_sha256": base.probe_set.sha256, "format": base.runner.dtype_name,
+                           "probe_set_sha256": base.probe_set.sha256, "format": base.runner.format,
                            "invariant_sizes": list(base.runner.invariant_sizes), "record_version": RECORD_VERSION}
         key = hashlib.sha256(json.dumps(self.key_fields, sort_keys=True).encode()).hexdigest()[:32]
         self.path = var_dir() / "warm" / f"lora-{key}.json"

@@ -1,7 +1,7 @@
 """The running base and the adapter registry at the inference stage's start (and for `keel lora`).
 
 The base's fingerprint is computed once per start: the weights hash is the one the stage already
-computed for its engine fingerprint (warmcache.model_sha256, passed in), the tokenizer hashes come from
+computed for its engine fingerprint (model/digest.py model_sha256, passed in), the tokenizer hashes come from
 Keel's own tokenizer file (the tokenizer stage's `vocab_file`), the config values from config.json.
 """
 from __future__ import annotations
@@ -9,15 +9,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from shared import stagestatus
-from shared.config import ROOT_DIR
-from shared.errors import KeelError
-
-from services.inference.model.forward import LlamaRunner
 from services.inference.lora import fingerprint
 from services.inference.lora.probes import load_probe_set
 from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions
 from services.inference.lora.startcache import StartCache
+from services.inference.model.forward import LlamaRunner
+from shared import stagestatus
+from shared.config import ROOT_DIR
+from shared.errors import KeelError
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +28,14 @@ def tokenizer_file() -> Path:
     return path if path.is_absolute() else ROOT_DIR / path
 
 
-def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str) -> Base:
+def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, format: str) -> Base:
     tokenizer = fingerprint.open_tokenizer(tokenizer_file())
     fields = fingerprint.base_fields(model_sha, fingerprint.read_config(model_dir),
-                                     fingerprint.tokenizer_hashes(tokenizer), fmt)
+                                     fingerprint.tokenizer_hashes(tokenizer), format)
     return Base(runner, fields, load_probe_set(tokenizer))
 
 
-def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, fmt: str,
+def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, format: str,
                    engine_key: str = "") -> AdapterTable:
     """Every registered adapter checked against the running base; the accepted ones are in the runner's slots.
 
@@ -46,7 +45,7 @@ def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_
     is no problem (nothing to check, logged), but registered adapters stop the start with the
     tokenizer's error."""
     try:
-        base = running_base(runner, model_dir, model_sha, fmt)
+        base = running_base(runner, model_dir, model_sha, format)
     except (KeelError, OSError) as exc:
         if versions(cfg.root):
             raise

@@ -22,9 +22,9 @@ x16, for the 8-bit kernel (the same bytes, regrouped; a weight [N, K] becomes [c
 The modules keep the Llama layout of llama.py (forward.py, the LoRA term, the gate see the same
 attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding and `KernelRMSNorm`
 RMSNorm (kernels/layer_ops.cpp, as are the rotary embedding and decode attention forward.py runs
-for these formats). Each layer also holds its query/key/value blocks as one [Nq + Nk + Nv, ...] matrix (`self_attn.qkv`) and gate/up as one
-(`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj and up_proj as row views of them: forward.py
-runs one kernel call for each fused matrix. The kernels' order per output element depends only on
+for these formats). Each layer also holds its query/key/value blocks as one [Nq + Nk + Nv, ...]
+matrix (`self_attn.qkv`) and gate/up as one (`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj
+and up_proj as row views of them: forward.py runs one kernel call for each fused matrix. The kernels' order per output element depends only on
 K (services/inference/model/kernels), so a fused call gives the bits of the separate ones (x16 parts
 are fused only when each is whole groups of 16 rows).
 
@@ -42,10 +42,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from shared.errors import InvalidInput
-
 from services.inference.model import ggufindex, kernels, llama
 from services.inference.model.llama import LlamaConfig, LlamaForCausalLM
+from shared.errors import InvalidInput
 
 FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp)
 EXACT_FORMAT = "gguf_f32"  # float32 activations (gguf_mm.cpp)
@@ -178,11 +177,11 @@ def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(heads, n_rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
+def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
     """The model of `model_dir`'s config.json with its weights as the blocks of its GGUF (CPU), for the
-    kernel of `fmt` (one of FORMATS)."""
+    kernel of `format` (one of FORMATS)."""
     kernels.load()  # KernelUnavailable here, before any work, when the kernel cannot be built
-    q8 = fmt == FORMAT
+    q8 = format == FORMAT
     config = LlamaConfig.from_json(json.loads((model_dir / "config.json").read_text()))
     path = gguf_file(model_dir)
     table = ggufindex.index(model_dir, path)
@@ -190,7 +189,7 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
                           if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
     if unsupported:
         names = ", ".join(kernels.SUPPORTED_TYPES[k].name for k in sorted(kernels.SUPPORTED_TYPES))
-        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {fmt} "
+        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {format} "
                            f"format does not compute on (it takes {names} and F32)",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
 
@@ -213,7 +212,7 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
     e, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     embed, embed_type = tensor("token_embd.weight")
     if embed_type == F32:
-        raise InvalidInput(f"the embedding is F32; the {fmt} format needs it in blocks",
+        raise InvalidInput(f"the embedding is F32; the {format} format needs it in blocks",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": "F32"})
     # A GGUF without output.weight ties lm_head to the embedding: the same blocks, counted once.
     head = tensor("output.weight") if "output.weight" in table else None
@@ -233,6 +232,7 @@ def load(model_dir: Path, fmt: str = FORMAT) -> LlamaForCausalLM:
               (tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")), e, q8)
         mlp.down_proj = linear(tensor(f"blk.{i}.ffn_down.weight"), config.intermediate_size)
     model.requires_grad_(False)
+    model.format = format
     return model.eval()
 
 
@@ -285,9 +285,3 @@ class LayerArgs:
         return cls((first.weight, first.variance_epsilon, *weight(qkv)[:2], sizes, qkv.q8),
                    (*weight(attn.o_proj), second.weight, second.variance_epsilon, *weight(gate_up),
                     *weight(mlp.down_proj), qkv.q8))
-
-
-def block_format(model: nn.Module) -> str | None:
-    """FORMAT or EXACT_FORMAT for a model load() made, None for any other."""
-    head = model.lm_head
-    return None if not isinstance(head, BlockLinear) else FORMAT if head.q8 else EXACT_FORMAT

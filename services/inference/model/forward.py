@@ -14,7 +14,7 @@ In a step without LoRA terms a block format's layer is two calls (kernels/layer.
 rotary and decode attention; then o_proj, norm, MLP and both residual adds), the same ops in the
 same order as the op-by-op path that a step with adapters takes, so the bits are those of that path.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
-(lora/slots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
+(model/loraslots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.
 
 Shapes: P prompt tokens, B rows, H query heads, KV key/value heads, G = H // KV, D head_dim, V vocab.
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.inference.model.blocks import LayerArgs, block_format
+from services.inference.model.blocks import FORMATS as BLOCK_FORMATS
+from services.inference.model.blocks import LayerArgs
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.model.llama import rotate_half
-from services.inference.lora.slots import NO_LORA, LoraSlots
-from services.inference.model.loader import model_dtype, residual_dtype
+from services.inference.model.loader import residual_dtype
+from services.inference.model.loraslots import NO_LORA, LoraSlots
 
 
 @dataclass(frozen=True)
@@ -121,10 +122,10 @@ class LlamaRunner:
         self.scale = self.head_dim ** -0.5
         # int8 and gguf models keep a float32 residual stream (embeddings, norms, attention).
         self.dtype = residual_dtype(model)
-        self.dtype_name = model_dtype(model)
-        self.layer_ops = block_format(model) is not None  # kernels/layer_ops.cpp serve rotary and attention
+        self.format: str = model.format  # the weight format it serves, as the model was loaded (loader.py)
+        self.layer_ops = self.format in BLOCK_FORMATS  # kernels/layer_ops.cpp serve rotary and attention
         self.invariant_sizes: tuple[int, ...] = ()
-        self.lora: LoraSlots | None = None  # the preloaded adapters (lora/slots.py), set at warm-up
+        self.lora: LoraSlots | None = None  # the preloaded adapters (model/loraslots.py), set at warm-up
         self.layers = [Layer.of(layer) for layer in model.model.layers]
         self.block_tokens = block_tokens
         self.pool = self._new_pool(-(-pool_tokens // block_tokens))
@@ -309,7 +310,7 @@ class LlamaRunner:
         invariant: its activation scale is computed per batch.
         """
         self.invariant_sizes = ()
-        if self.dtype_name == "int8":
+        if self.format == "int8":
             return ()
         small = max(max_batch, 16)
         large = (small + 1, 64, 257, 1024)
@@ -334,7 +335,8 @@ class LlamaRunner:
 
 
 # keel::layer_attention's decode rows, table and lengths for a step without decode rows.
-_NO_DECODE_ROWS = (torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+_NO_DECODE_ROWS = (torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
+                   torch.zeros(0, dtype=torch.long))
 
 
 def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:

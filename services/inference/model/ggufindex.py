@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.inference.jsonfile import write_json
+from shared.jsonfile import write_json
 
 log = logging.getLogger(__name__)
 

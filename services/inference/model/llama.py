@@ -87,8 +87,9 @@ class CausalLMOutput(NamedTuple):
 class Linear(nn.Linear):
     """An nn.Linear created without initialising its weight (torch.empty): the loader assigns the
     file's tensor, a random test model (testing/tiny.py) draws its own. Skipping the init saves a
-    second per start on the real model; building on the meta device instead runs the init's decompositions, whose first use imports
-    torch's compiler stack (sympy, mpmath, ~800 modules), which costs as much."""
+    second per start on the real model; building on the meta device instead runs the init's
+    decompositions, whose first use imports torch's compiler stack (sympy, mpmath, ~800 modules),
+    which costs as much."""
 
     def reset_parameters(self) -> None:
         pass
@@ -196,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        # The weight format it holds, set by whoever fills the weights (loader.py, blocks.py), so a
+        # runner is told its format rather than inferring it from the tensors.
+        self.format = "float32"
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -18,88 +18,85 @@ from pathlib import Path
 
 import torch
 
+from services.inference.model import blocks, kernels, llama
+from services.inference.model.quant import QUANTIZED, quantize_linears
 from shared.errors import InvalidInput
 
-from services.inference.model import blocks, kernels, llama
-from services.inference.model.quant import QUANTIZED, quantize_linears, weight_format
-
-DTYPES = ("float32", "bfloat16", "float16") + QUANTIZED + blocks.FORMATS
+FORMATS = ("float32", "bfloat16", "float16") + QUANTIZED + blocks.FORMATS
 # Formats whose models cannot be converted to another format: the others are loaded from the files.
 FROM_FILE_ONLY = QUANTIZED + blocks.FORMATS
-AUTO = "auto"  # the stage picks a format at start (formats.py); a model is never "auto"
+AUTO = "auto"  # the stage picks a format at start (formats/selection.py); a model is never "auto"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_dtype(dtype: str, device: str = "cpu", allow_auto: bool = False) -> None:
-    if dtype == AUTO and allow_auto:
+def check_format(format: str, device: str = "cpu", allow_auto: bool = False) -> None:
+    if format == AUTO and allow_auto:
         return
-    if dtype not in DTYPES:
-        expected = ((AUTO,) if allow_auto else ()) + DTYPES
-        raise InvalidInput(f"unknown dtype {dtype!r}; expected one of {expected}", reason="UNKNOWN_DTYPE",
-                           metadata={"dtype": dtype})
-    if dtype in FROM_FILE_ONLY and device != "cpu":
+    if format not in FORMATS:
+        expected = ((AUTO,) if allow_auto else ()) + FORMATS
+        raise InvalidInput(f"unknown format {format!r}; expected one of {expected}", reason="UNKNOWN_FORMAT",
+                           metadata={"format": format})
+    if format in FROM_FILE_ONLY and device != "cpu":
         # The weight-only kernels used here (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu, Keel's
         # gguf_mm) are CPU ones; on another device the dequantized formats (float32, bfloat16) serve.
-        raise InvalidInput(f"{dtype} runs on CPU only", reason="UNSUPPORTED_DTYPE",
-                           metadata={"dtype": dtype, "device": device})
-    if dtype in blocks.FORMATS:
+        raise InvalidInput(f"{format} runs on CPU only", reason="UNSUPPORTED_FORMAT",
+                           metadata={"format": format, "device": device})
+    if format in blocks.FORMATS:
         try:
             kernels.load()
         except kernels.KernelUnavailable as exc:
-            raise InvalidInput(f"{dtype} needs Keel's C++ kernel, which is unavailable here: {exc.reason}",
-                               reason="KERNEL_UNAVAILABLE", metadata={"dtype": dtype}) from exc
+            raise InvalidInput(f"{format} needs Keel's C++ kernel, which is unavailable here: {exc.reason}",
+                               reason="KERNEL_UNAVAILABLE", metadata={"format": format}) from exc
 
 
-def convert_model(model: torch.nn.Module, dtype: str, device: str = "cpu") -> torch.nn.Module:
-    """Return `model` in `dtype` (a copy when a conversion is needed); quantized models cannot be converted."""
-    check_dtype(dtype, device)
-    if model_dtype(model) == dtype:
+def convert_model(model: torch.nn.Module, format: str, device: str = "cpu") -> torch.nn.Module:
+    """Return `model` in `format` (a copy when a conversion is needed); quantized models cannot be converted."""
+    check_format(format, device)
+    if model.format == format:
         return model
-    if model_dtype(model) in FROM_FILE_ONLY or dtype in blocks.FORMATS:
-        raise InvalidInput(f"a {model_dtype(model)} model cannot be converted to {dtype} (load it from the files)",
-                           reason="UNSUPPORTED_DTYPE", metadata={"dtype": dtype})
-    return _to_format(copy.deepcopy(model), dtype, device)
+    if model.format in FROM_FILE_ONLY or format in blocks.FORMATS:
+        raise InvalidInput(f"a {model.format} model cannot be converted to {format} (load it from the files)",
+                           reason="UNSUPPORTED_FORMAT", metadata={"format": format})
+    return _to_format(copy.deepcopy(model), format, device)
 
 
-def model_in_format(reference: torch.nn.Module, dtype: str, model_dir: Path, device: str = "cpu") -> torch.nn.Module:
-    """`reference` (float32) in `dtype`: converted, or for the gguf formats read from the model's GGUF."""
-    return load_model(model_dir, dtype, device) if dtype in blocks.FORMATS else convert_model(reference, dtype, device)
-
-
-def model_dtype(model: torch.nn.Module) -> str:
-    """The format name load_model would use for this model."""
-    by_dtype = {v: k for k, v in _TORCH_DTYPES.items()}
-    return blocks.block_format(model) or weight_format(model) or by_dtype[residual_dtype(model)]
+def model_in_format(reference: torch.nn.Module, format: str, model_dir: Path, device: str = "cpu") -> torch.nn.Module:
+    """`reference` (float32) in `format`: converted, or for the gguf formats read from the model's GGUF."""
+    if format in blocks.FORMATS:
+        return load_model(model_dir, format, device)
+    return convert_model(reference, format, device)
 
 
 def residual_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype of the residual stream (embeddings, norms, attention): the norms' weights' dtype."""
+    """The torch dtype of the residual stream (embeddings, norms, attention): the norms' weights' dtype."""
     return model.model.norm.weight.dtype
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+def load_model(path: str | Path, format: str = "float32", device: str = "cpu") -> torch.nn.Module:
     """Load a Llama-family causal LM from a safetensors directory, in eval mode, without grad."""
-    check_dtype(dtype, device)
+    check_format(format, device)
     path = Path(path)
     if not (path / "config.json").exists():
         raise InvalidInput(f"no model at {path} (config.json missing); run `make model`",
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
-    if dtype in blocks.FORMATS:
-        return blocks.load(path, dtype)
-    return _to_format(llama.load(path), dtype, device)
+    if format in blocks.FORMATS:
+        return blocks.load(path, format)
+    return _to_format(llama.load(path), format, device)
 
 
-def _to_format(model: torch.nn.Module, dtype: str, device: str) -> torch.nn.Module:
-    if dtype in QUANTIZED:
-        model = quantize_linears(model.to(dtype=torch.float32), dtype).eval()
+def _to_format(model: torch.nn.Module, format: str, device: str) -> torch.nn.Module:
+    """A float model (llama.load's, or a copy of one) in `format`, which it carries from here on."""
+    model.format = format
+    if format in QUANTIZED:
+        model = quantize_linears(model.to(dtype=torch.float32), format).eval()
         # The float tensors left (embedding, norms) may still be views of the mmapped weight file;
         # copies let the whole mapping go, so the process keeps only what the format needs.
         for t in list(model.parameters()) + list(model.buffers()):
             t.data = t.data.clone()
-    elif model.device == torch.device(device) and model_dtype(model) == dtype:
+    elif model.device == torch.device(device) and residual_dtype(model) == _TORCH_DTYPES[format]:
         return model.eval()  # nothing converted, nothing freed: no collection to pay for (~0.2 s)
     else:
-        model = model.to(device=device, dtype=_TORCH_DTYPES[dtype]).eval()
+        model = model.to(device=device, dtype=_TORCH_DTYPES[format]).eval()
     _return_freed_memory()
     return model
 

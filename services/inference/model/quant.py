@@ -23,7 +23,7 @@ INT4_GROUP_SIZE = 32  # the smallest group the kernel takes: the lowest error at
 
 
 class _WeightOnlyLinear(torch.nn.Module):
-    format_name = ""
+    format = ""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -40,13 +40,13 @@ class _WeightOnlyLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
 class Int8Linear(_WeightOnlyLinear):
     """Per-output-channel symmetric int8 weights."""
 
-    format_name = "int8"
+    format = "int8"
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, linear.bias)
@@ -62,7 +62,7 @@ class Int8Linear(_WeightOnlyLinear):
 class Int4Linear(_WeightOnlyLinear):
     """Group-wise asymmetric int4 weights (groups along the input dimension)."""
 
-    format_name = "int4"
+    format = "int4"
 
     def __init__(self, linear: torch.nn.Linear, group_size: int = INT4_GROUP_SIZE):
         super().__init__(linear.in_features, linear.out_features, linear.bias)
@@ -83,28 +83,20 @@ class Int4Linear(_WeightOnlyLinear):
         return aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
-def quantize_linears(model: torch.nn.Module, fmt: str, group_size: int = INT4_GROUP_SIZE) -> torch.nn.Module:
-    """Replace every nn.Linear of `model` (lm_head included) by its weight-only `fmt` version, in place.
+def quantize_linears(model: torch.nn.Module, format: str, group_size: int = INT4_GROUP_SIZE) -> torch.nn.Module:
+    """Replace every nn.Linear of `model` (lm_head included) by its weight-only `format` version, in place.
 
     A tied lm_head gets its own quantized copy; the float embedding it was tied to stays as it is.
     """
-    if fmt not in QUANTIZED:
-        raise ValueError(f"unknown weight-only format {fmt!r}; expected one of {QUANTIZED}")
+    if format not in QUANTIZED:
+        raise ValueError(f"unknown weight-only format {format!r}; expected one of {QUANTIZED}")
     names = [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
     for name in names:  # one layer at a time, so the float weight is freed before the next is quantized
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        setattr(parent, child, Int8Linear(linear) if fmt == "int8" else Int4Linear(linear, group_size))
+        setattr(parent, child, Int8Linear(linear) if format == "int8" else Int4Linear(linear, group_size))
         del linear
     if hasattr(model, "config"):
         model.config.tie_word_embeddings = False  # lm_head is no longer the embedding matrix
     return model
-
-
-def weight_format(model: torch.nn.Module) -> str | None:
-    """'int8' or 'int4' when the model's linears are weight-only quantized, else None."""
-    for mod in model.modules():
-        if isinstance(mod, _WeightOnlyLinear):
-            return mod.format_name
-    return None

@@ -30,7 +30,8 @@ import torch
 
 from shared.config import ROOT_DIR
 
-__all__ = ["BLOCK", "ISAS", "K_TYPES", "MM_TYPES", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels", "QuantType", "load"]
+__all__ = ["BLOCK", "ISAS", "K_TYPES", "MM_TYPES", "Q8_ISAS", "SUPPORTED_TYPES", "KernelUnavailable", "Kernels",
+           "QuantType", "load"]
 
 
 class QuantType(NamedTuple):
@@ -53,7 +54,8 @@ Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
 SOURCES = tuple(Path(__file__).with_name(f)
                 for f in ("gguf_mm.cpp", "gguf_q8.cpp", "gguf_q8k.cpp", "layer_ops.cpp", "layer.cpp"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "ops.h", "q8act.h"))  # included by the sources: part of the build's hash
+# Included by the sources: part of the build's hash.
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "ops.h", "q8act.h"))
 LIB_NAME = "keel_gguf_mm"
 # -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
 # torch's OpenMP loop, inlined into the kernel; without the flag it runs on one thread.
@@ -173,6 +175,7 @@ def _build(final: Path, so: Path) -> None:
                 raise
     except Exception as e:  # compiler errors, ninja missing, unwritable cache: the caller gets a reason
         tail = "\n".join(str(e).strip().splitlines()[-20:])
-        raise KernelUnavailable(f"building {', '.join(s.name for s in SOURCES)} failed: {type(e).__name__}: {tail}") from None
+        names = ", ".join(s.name for s in SOURCES)
+        raise KernelUnavailable(f"building {names} failed: {type(e).__name__}: {tail}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,7 +2,7 @@
 
 A start that found candidates without a stored gate result serves at once with each preloaded as a
 locked variant "auto-<format>" (bootstrap.py). Once the stage serves, `BackgroundGate.run` starts
-`python -m services.inference.startup.startgate` (a child process at nice 19: a thread of the
+`python -m services.inference.formats.startgate` (a child process at nice 19: a thread of the
 stage's own process would slow its batching thread, torchthread.py says why), hands it the job,
 shows its progress in the stage status ("serving; gating int8, gguf in the background 120/200"),
 and reads its verdict. When the verdict is one of the locked variants, that variant is unlocked and
@@ -12,11 +12,11 @@ replay of an answer served before the switch is "not comparable: engine.format d
 verdict, or a child that dies, leaves the stage serving what it serves.
 
 Nice 19 shares out the CPU, not the memory bandwidth and the caches a decode step is bound by, so
-while the child scores probes and the engine has work (rows running, admitted or queued) the child
+while the child scores prompts and the engine has work (rows running, admitted or queued) the child
 is stopped (SIGSTOP) and continued when the engine is idle. A stage that is never idle still
 finishes its gate: after MAX_PAUSE_S stopped in a row, the child runs for RUN_S whatever the load
-(so at about RUN_S / (MAX_PAUSE_S + RUN_S) of its speed). Once every probe is scored the child times
-the formats (formats.choose_auto) and is never stopped: a stop would be counted into a format's time.
+(so at about RUN_S / (MAX_PAUSE_S + RUN_S) of its speed). Once every prompt is scored the child times
+the formats (selection.choose_auto) and is never stopped: a stop would be counted into a format's time.
 The child arms SIGKILL for the stage's death (shared/parentdeath.py), which a stopped process obeys.
 """
 from __future__ import annotations
@@ -31,18 +31,17 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.inference.engine.core import Engine
+from services.inference.engine.variants import Switch
+from services.inference.formats.startgate import GateJob, Verdict
 from shared import stagestatus
 from shared.config import ROOT_DIR
 
-from services.inference.engine.core import Engine
-from services.inference.engine.variants import Switch
-from services.inference.startup.startgate import GateJob, Verdict
-
 log = logging.getLogger(__name__)
-MODULE = "services.inference.startup.startgate"
+MODULE = "services.inference.formats.startgate"
 ACTOR = "auto quality gate"  # the SetVariant actor the switch is logged with
 STOP_GRACE_S = 5.0
-POLL_S = 0.05       # how often the engine's load is looked at while the child scores probes
+POLL_S = 0.05       # how often the engine's load is looked at while the child scores prompts
 MAX_PAUSE_S = 20.0  # the longest the child stays stopped in a row
 RUN_S = 2.0         # how long it then runs, loaded or not
 
@@ -60,7 +59,7 @@ class BackgroundGate:
         self.job, self.engine, self.candidates, self.board = job, engine, candidates, board
         self.phase = f"serving; gating {', '.join(job.formats)} in the background"
         self._proc: asyncio.subprocess.Process | None = None
-        self._scoring = True  # until the child reports its last probe scored
+        self._scoring = True  # until the child reports its last prompt scored
 
     async def run(self) -> Outcome:
         self.board.phase(self.phase)
@@ -116,7 +115,7 @@ class BackgroundGate:
         return bool(s.running_batch_size or s.pending_prefill or s.queue_depth)
 
     async def _yield_to_requests(self, proc: asyncio.subprocess.Process) -> None:
-        """Stop the child while the engine has work and it scores probes (the module's docstring);
+        """Stop the child while the engine has work and it scores prompts (the module's docstring);
         runs until cancelled, and leaves the child running."""
         clock = asyncio.get_running_loop().time
         stopped_at, run_until = None, 0.0
@@ -136,7 +135,7 @@ class BackgroundGate:
                 _signal(proc, signal.SIGCONT)
 
     async def _apply(self, verdict: Verdict) -> Switch | None:
-        name = next((n for n, fmt in self.candidates.items() if fmt == verdict.choice), None)
+        name = next((n for n, format in self.candidates.items() if format == verdict.choice), None)
         if name is None:
             log.info("background quality gate: keeping the served format", extra={
                 "choice": verdict.choice, "reason": verdict.reason, "active": self.engine.active_variant()})

@@ -5,7 +5,8 @@ greedy answer), and at every answer position we compare the two next-token distr
   * KL(float32 || candidate) in nats, the mean and the 95th percentile over all scored positions;
   * greedy agreement, the share of positions where both put their maximum on the same token.
 Teacher forcing keeps one early disagreement from derailing the rest of a sequence, so each position
-is judged on its own. The gate over the 200 probes of gate_probes.json is run by `bench/gate_formats.py`
+is judged on its own. The gate over the 200 prompts of gate_prompts.json is run by
+`python -m services.inference.formats.gate`
 (`make gate`) or, for the `auto` candidates still lacking a result, by the stage in the background
 (startgate.py); both store the results with `store()`, and every start reads them.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from services.inference.jsonfile import write_json
+from shared.jsonfile import write_json
 
 
 @dataclass(frozen=True)
@@ -77,31 +78,31 @@ def evaluate(reference: torch.nn.Module, candidates: dict[str, torch.nn.Module],
              sequences: list[Sequence], progress: Callable[[int], None] | None = None) -> list[GateResult]:
     """Compare each candidate (by format name) with `reference` (float32) over `sequences`;
     `progress(n)` after each sequence, n of them scored."""
-    kls: dict[str, list[torch.Tensor]] = {fmt: [] for fmt in candidates}
+    kls: dict[str, list[torch.Tensor]] = {format: [] for format in candidates}
     agree = dict.fromkeys(candidates, 0)
     for i, seq in enumerate(sequences):
         ref = _log_probs(reference, seq)
-        for fmt, model in candidates.items():
+        for format, model in candidates.items():
             cand = _log_probs(model, seq)
-            kls[fmt].append((ref.exp() * (ref - cand)).sum(-1).clamp(min=0))
-            agree[fmt] += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+            kls[format].append((ref.exp() * (ref - cand)).sum(-1).clamp(min=0))
+            agree[format] += int((ref.argmax(-1) == cand.argmax(-1)).sum())
         if progress is not None:
             progress(i + 1)
     out = []
-    for fmt in candidates:
-        kl = torch.cat(kls[fmt]).double()
+    for format in candidates:
+        kl = torch.cat(kls[format]).double()
         n = kl.numel()
         if bool(torch.isfinite(kl).all()):
             mean, p95 = float(kl.mean()), float(torch.quantile(kl, 0.95))
         else:
             mean = p95 = math.inf
-        out.append(GateResult(fmt, mean, p95, agree[fmt] / n, n, len(sequences)))
+        out.append(GateResult(format, mean, p95, agree[format] / n, n, len(sequences)))
     return out
 
 
-def store(path: Path, model_sha256: str, results: list[GateResult], probe_set: str) -> None:
+def store(path: Path, model_sha256: str, results: list[GateResult], prompt_set: str) -> None:
     """Write the results of one model (by the hash of its weights) to `path`, atomically."""
-    write_json(path, {"model_sha256": model_sha256, "probe_set": probe_set,
+    write_json(path, {"model_sha256": model_sha256, "prompt_set": prompt_set,
                       "formats": {r.format: asdict(r) for r in results}})
 
 

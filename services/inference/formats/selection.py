@@ -1,7 +1,8 @@
 """Which weight format the stage serves: an explicit one checked against its quality gate, or `auto`.
 
 * An explicit format other than float32 (the reference) must have passed the gate for this very model
-  (results stored under var/gate/, keyed by the hash of the weights, by `bench/gate_formats.py` or by
+  (results stored under var/gate/, keyed by the hash of the weights, by
+  `python -m services.inference.formats.gate` or by
   the gate `auto` runs in the background, startgate.py); a
   format that failed, or was never gated, stops the stage with a ConfigError (exit 2) unless
   `formats.force` is set.
@@ -23,13 +24,12 @@ from pathlib import Path
 
 import torch
 
+from services.inference.formats import quality
+from services.inference.formats.quality import GateResult, GateThresholds
+from services.inference.model.forward import LlamaRunner
+from services.inference.model.loader import FORMATS, check_format, model_in_format, residual_dtype
 from shared.config import ConfigError, var_dir
 from shared.errors import InvalidInput
-
-from services.inference.startup import gate
-from services.inference.model.forward import LlamaRunner
-from services.inference.startup.gate import GateResult, GateThresholds
-from services.inference.model.loader import DTYPES, check_dtype, model_in_format, residual_dtype
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,16 @@ class FormatsConfig:
     gate: GateThresholds = field(default_factory=GateThresholds)
     force: bool = False  # serve an explicit format even when it failed or never ran the gate
     auto_candidates: tuple[str, ...] = ("float32", "int8", "gguf")
-    # engine.dtype auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
+    # engine.format auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
     gate_at_start: bool = True
-    gate_prompts: int | None = None  # the first N probes of gate_probes.json; None: all of them
+    gate_prompts: int | None = None  # the first N prompts of gate_prompts.json; None: all of them
 
     def __post_init__(self):
         if self.gate_prompts is not None and self.gate_prompts < 1:
             raise ValueError(f"gate_prompts must be >= 1 or null, got {self.gate_prompts}")
-        unknown = [c for c in self.auto_candidates if c not in DTYPES]
+        unknown = [c for c in self.auto_candidates if c not in FORMATS]
         if unknown or not self.auto_candidates:
-            raise ValueError(f"auto_candidates must be a non-empty subset of {DTYPES}, got {unknown or 'none'}")
+            raise ValueError(f"auto_candidates must be a non-empty subset of {FORMATS}, got {unknown or 'none'}")
 
 
 @dataclass(frozen=True)
@@ -67,33 +67,33 @@ def gate_path(model_sha: str) -> Path:
     return var_dir() / "gate" / f"{model_sha}.json"
 
 
-def verdict(fmt: str, results: dict[str, GateResult], limits: GateThresholds) -> tuple[bool, str]:
+def verdict(format: str, results: dict[str, GateResult], limits: GateThresholds) -> tuple[bool, str]:
     """(passes, why) for one format against the stored gate results of the model."""
-    if fmt == REFERENCE:
+    if format == REFERENCE:
         return True, "float32 is the reference the gate compares with"
-    result = results.get(fmt)
+    result = results.get(format)
     if result is None:
-        return False, (f"{fmt} has no gate result for this model (run `make gate`, or start with "
-                       "engine.dtype auto and formats.gate_at_start)")
+        return False, (f"{format} has no gate result for this model (run `make gate`, or start with "
+                       "engine.format auto and formats.gate_at_start)")
     failures = result.failures(limits)
     if failures:
-        return False, f"{fmt} fails the quality gate: " + "; ".join(failures)
-    return True, (f"{fmt} passes the quality gate (mean KL {result.kl_mean:.4f}, p95 KL {result.kl_p95:.4f}, "
+        return False, f"{format} fails the quality gate: " + "; ".join(failures)
+    return True, (f"{format} passes the quality gate (mean KL {result.kl_mean:.4f}, p95 KL {result.kl_p95:.4f}, "
                   f"greedy agreement {result.greedy_agreement:.3f})")
 
 
-def check_explicit(fmt: str, model_sha: str, cfg: FormatsConfig, field: str = "engine.dtype") -> FormatChoice:
-    """The choice for an explicit format (`engine.dtype`, or the config `field` that names it, e.g. a
+def check_explicit(format: str, model_sha: str, cfg: FormatsConfig, field: str = "engine.format") -> FormatChoice:
+    """The choice for an explicit format (`engine.format`, or the config `field` that names it, e.g. a
     variant's); ConfigError when it is not allowed to serve."""
-    results = gate.load(gate_path(model_sha), model_sha)
-    ok, why = verdict(fmt, results, cfg.gate)
+    results = quality.load(gate_path(model_sha), model_sha)
+    ok, why = verdict(format, results, cfg.gate)
     if not ok and not cfg.force:
         raise ConfigError(f"field '{field}' breaks rule 'quality gate': {why}; "
                           "set formats.force: true to serve it anyway")
     if not ok:
         log.warning("serving a format that did not pass the quality gate (formats.force)",
                     extra={"field": field, "why": why})
-    return FormatChoice(fmt, ("forced: " if not ok else "configured: ") + why, results.get(fmt))
+    return FormatChoice(format, ("forced: " if not ok else "configured: ") + why, results.get(format))
 
 
 def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
@@ -104,10 +104,10 @@ def invariant_sizes(model: torch.nn.Module, seed: int = 0) -> tuple[int, ...]:
     gen = torch.Generator().manual_seed(seed)
     layer = model.model.layers[0]
     dense = (layer.self_attn.q_proj, layer.mlp.down_proj, model.lm_head)
-    dtype = residual_dtype(model)
+    torch_dtype = residual_dtype(model)
     refs = []
     for lin in dense:
-        xs = torch.randn(INVARIANCE_ROWS, lin.in_features, generator=gen).to(dtype)
+        xs = torch.randn(INVARIANCE_ROWS, lin.in_features, generator=gen).to(torch_dtype)
         refs.append((lin, xs, lin(xs)))
     with torch.inference_mode():
         return tuple(m for m in range(1, INVARIANCE_ROWS + 1)
@@ -166,50 +166,50 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
     """Pick the fastest candidate that passes the gate and is batch-invariant; returns it converted.
     `gating`: candidates whose gate runs in the background (startgate.py); the reference is then
     eligible whether or not it is a candidate, so the stage serves while they are gated."""
-    results = gate.load(gate_path(model_sha), model_sha)
+    results = quality.load(gate_path(model_sha), model_sha)
     report, best = {}, None
     gated = []
     candidates = cfg.auto_candidates if not gating else tuple(dict.fromkeys((REFERENCE, *cfg.auto_candidates)))
-    for fmt in candidates:
-        if fmt in gating:
-            report[fmt] = GATING
+    for format in candidates:
+        if format in gating:
+            report[format] = GATING
             continue
         try:
-            check_dtype(fmt, device)
+            check_format(format, device)
         except InvalidInput as exc:
-            report[fmt] = str(exc)
+            report[format] = str(exc)
             continue
-        ok, why = verdict(fmt, results, cfg.gate)
+        ok, why = verdict(format, results, cfg.gate)
         if ok:
-            gated.append(fmt)
+            gated.append(format)
         else:
-            report[fmt] = why
-    for fmt in gated:
-        model = model_in_format(reference, fmt, model_dir, device)
+            report[format] = why
+    for format in gated:
+        model = model_in_format(reference, format, model_dir, device)
         sizes = invariant_sizes(model)
-        if fmt != REFERENCE and len(sizes) < INVARIANCE_ROWS:
-            report[fmt] = f"{NOT_ROW_INVARIANT} at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
+        if format != REFERENCE and len(sizes) < INVARIANCE_ROWS:
+            report[format] = f"{NOT_ROW_INVARIANT} at M = {sorted(set(range(1, INVARIANCE_ROWS + 1)) - set(sizes))}"
             continue
-        if fmt != REFERENCE and not step_invariant(model, device):
-            report[fmt] = STEP_NOT_INVARIANT
+        if format != REFERENCE and not step_invariant(model, device):
+            report[format] = STEP_NOT_INVARIANT
             continue
         if len(gated) == 1:  # nothing to compare with: timing it would only slow the start down
-            report[fmt] = "the only candidate that passes the gate (not timed)"
-            best = (0.0, fmt, model)
+            report[format] = "the only candidate that passes the gate (not timed)"
+            best = (0.0, format, model)
             break
         one = min(sizes, default=1)  # the engine pads a float32 pass of 1 row to this size
         big = next((m for m in sizes if m >= max_batch), max_batch)
         t1, tb = decode_pass_s(model, one), decode_pass_s(model, big)
-        report[fmt] = f"{TIMED} {t1 * 1e3:.1f} ms at batch 1 (as {one}), {tb * 1e3:.1f} ms at batch {big}"
+        report[format] = f"{TIMED} {t1 * 1e3:.1f} ms at batch 1 (as {one}), {tb * 1e3:.1f} ms at batch {big}"
         if best is None or t1 + tb < best[0]:
-            best = (t1 + tb, fmt, model)
+            best = (t1 + tb, format, model)
         del model
     if best is None:
         raise ConfigError("field 'formats.auto_candidates' breaks rule 'eligible': no candidate passes the "
                           "gate and the batch-invariance check: " + "; ".join(f"{k}: {v}" for k, v in report.items()))
-    _, fmt, model = best
+    _, format, model = best
     why = "the only eligible format" if len(gated) == 1 else "the fastest eligible format on this host"
-    reason = f"auto: {fmt} is {why}; " + "; ".join(
+    reason = f"auto: {format} is {why}; " + "; ".join(
         f"{k}: {v}" for k, v in report.items())
-    log.info("weight format chosen", extra={"format": fmt, "candidates": report})
-    return FormatChoice(fmt, reason, results.get(fmt)), model
+    log.info("weight format chosen", extra={"format": format, "candidates": report})
+    return FormatChoice(format, reason, results.get(format)), model

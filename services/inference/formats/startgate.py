@@ -1,16 +1,16 @@
 """The quality gate `auto` runs for its candidates that have no stored result, while the stage serves.
 
-With `formats.gate_at_start` (the default), a start with `engine.dtype: auto` whose candidates
+With `formats.gate_at_start` (the default), a start with `engine.format: auto` whose candidates
 (`formats.auto_candidates`, those this device can run) lack a stored gate result for this model does
 not wait for them: it serves at once (bootstrap.py) and the stage runs this module as a child process
 at the lowest CPU priority (background.py). The child converts each such candidate from the float32
-reference, scores it over the probes of gate_probes.json (gate.evaluate), adds the results to the
+reference, scores it over the prompts of gate_prompts.json (quality.evaluate), adds the results to the
 model's file under var/gate/ (the file `make gate` writes), then chooses among every candidate as a
-start would (formats.choose_auto). A failing candidate is stored too, so a later start finds every
+start would (selection.choose_auto). A failing candidate is stored too, so a later start finds every
 candidate gated and runs nothing.
 
-Protocol: `python -m services.inference.startup.startgate STAGE_PID`, the job (a `GateJob`, JSON)
-on stdin; on stdout one JSON line per scored probe,
+Protocol: `python -m services.inference.formats.startgate STAGE_PID`, the job (a `GateJob`, JSON)
+on stdin; on stdout one JSON line per scored prompt,
 {"done": n, "total": N}, then one {"choice": format or null, "reason": why}. Logs go to stderr as JSON.
 """
 from __future__ import annotations
@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
+from services.inference.formats import gateprompts, quality
+from services.inference.formats.quality import GateThresholds
+from services.inference.formats.selection import REFERENCE, FormatsConfig, choose_auto, gate_path
+from services.inference.model.loader import check_format, load_model, model_in_format
 from shared import parentdeath
 from shared.config import ConfigError
 from shared.errors import InvalidInput
-
-from services.inference.startup import gate, gateprobes
-from services.inference.startup.formats import REFERENCE, FormatsConfig, choose_auto, gate_path
-from services.inference.startup.gate import GateThresholds
-from services.inference.model.loader import check_dtype, load_model, model_in_format
 
 log = logging.getLogger(__name__)
 NICE = 19  # the child's CPU priority: serving requests always comes first
@@ -77,11 +76,11 @@ class Verdict:
 
 def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
     """The auto candidates this device can run that have no stored gate result for this model."""
-    stored = gate.load(gate_path(model_sha), model_sha)
+    stored = quality.load(gate_path(model_sha), model_sha)
 
-    def runs_here(fmt: str) -> bool:
+    def runs_here(format: str) -> bool:
         try:
-            check_dtype(fmt, device)
+            check_format(format, device)
             return True
         except InvalidInput:
             return False
@@ -104,17 +103,17 @@ def run(job: GateJob, progress: Callable[[int, int], None]) -> Verdict:
     """Gate `job.formats` against the float32 reference, store the results, then choose."""
     cfg, sha = job.config, job.model_sha
     model_dir = Path(job.model_dir)
-    sequences = gateprobes.load(cfg.gate_prompts)
+    sequences = gateprompts.load(cfg.gate_prompts)
     reference = load_model(model_dir, REFERENCE, job.device)
     log.info("running the quality gate (no stored result for these formats)",
              extra={"formats": list(job.formats), "prompts": len(sequences)})
     t0 = time.perf_counter()
-    results = gate.evaluate(reference, {f: model_in_format(reference, f, model_dir, job.device) for f in job.formats},
-                            sequences, progress=lambda done: progress(done, len(sequences)))
+    candidates = {f: model_in_format(reference, f, model_dir, job.device) for f in job.formats}
+    results = quality.evaluate(reference, candidates, sequences, progress=lambda done: progress(done, len(sequences)))
     path = gate_path(sha)
-    stored = gate.load(path, sha)
-    gate.store(path, sha, [*(r for f, r in stored.items() if f not in job.formats), *results],
-               gateprobes.describe(len(sequences)))
+    stored = quality.load(path, sha)
+    quality.store(path, sha, [*(r for f, r in stored.items() if f not in job.formats), *results],
+                  gateprompts.describe(len(sequences)))
     verdicts = {r.format: "fails: " + "; ".join(r.failures(cfg.gate)) if r.failures(cfg.gate) else "passes"
                 for r in results}
     log.info("quality gate run", extra={

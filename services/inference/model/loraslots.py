@@ -1,4 +1,5 @@
 """Accepted adapters' LoRA weights, stacked by slot, and the LoRA term of the forward pass (never merged).
+lora/weights.py reads an adapter's weights; this module is the arithmetic the forward pass runs.
 
 For each (layer, projection, rank) that some adapter targets there is one stack A [S, r, in] and one
 stack B [S, out, r] in float32, S = adapters + 1, indexed by slot (slot 0, the base model, and the
@@ -6,92 +7,41 @@ slots of other ranks stay zero and are never read). A projection no adapter targ
 
 The term for token n with slot s is `(B[s] @ (A[s] @ h_n)) * scaling[s]`, PEFT's unmerged order. It is
 computed, for the tokens whose adapter targets the projection, with a per-token gather and
-`torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32: measured by bench/probe_lora_term.py
+`torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32: measured by bench/probes/lora_term.py
 (an AVX-512 host, 1 and 2 threads) this gives every row the same bits alone or inside any batch, while
-a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py checks the engine's rows). Only rows with an adapter are computed; base rows are never touched, so a base row is
-bitwise the same in a batch with adapters and without. Tokens are taken in chunks of `chunk_tokens`,
-so a long prefill gathers at most that many copies of a stack at a time.
+a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py checks the engine's rows). Only
+rows with an adapter are computed; base rows are never touched, so a base row is bitwise the same in
+a batch with adapters and without. Tokens are taken in chunks of `chunk_tokens`, so a long prefill gathers at most that many copies of a stack at a time.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 import torch
-from safetensors.torch import load_file
 
-from shared.errors import PreconditionFailed
-
-from services.inference.lora.peftconfig import SUPPORTED_TARGETS, LoraSpec, unsupported
-
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(self_attn|mlp)\.(?P<name>\w+)$")
 CHUNK_TOKENS = 256
+
+
+class RankScaling(Protocol):
+    """What the slots read of an adapter's config (lora/peftconfig.py LoraSpec)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def scaling(self) -> float: ...
 
 
 @dataclass(frozen=True)
 class AdapterWeights:
     """One adapter's pairs by (layer index, projection name): A [r, in] and B [out, r], float32."""
 
-    spec: LoraSpec
+    spec: RankScaling
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def inert(message: str, **meta) -> PreconditionFailed:
-    return PreconditionFailed(message, reason="INERT_ADAPTER", metadata=meta)
-
-
-def targeted_modules(model: torch.nn.Module, targets: tuple[str, ...]) -> dict[str, torch.nn.Module]:
-    """Base modules an adapter with these target_modules would wrap (PEFT's rule: the name, or its
-    last dotted part, equals a target). INERT_ADAPTER when a target matches nothing;
-    UNSUPPORTED_ADAPTER_CONFIG when it matches a module the LoRA term is not applied to."""
-    found = {}
-    for target in targets:
-        hits = {n: m for n, m in model.named_modules() if n == target or n.endswith("." + target)}
-        if not hits:
-            raise inert(f"target module {target!r} matches no module of the base model", target=target)
-        for name in hits:
-            if not _LAYER.match(name) or name.rsplit(".", 1)[1] not in SUPPORTED_TARGETS:
-                raise unsupported(f"target {target!r} wraps {name}, which this build does not adapt "
-                                  f"(only {', '.join(SUPPORTED_TARGETS)})", "target_modules")
-        found.update(hits)
-    return found
-
-
-def read_weights(path: Path, spec: LoraSpec, model: torch.nn.Module) -> AdapterWeights:
-    """Read adapter_model.safetensors and check it against the base: one lora_A/lora_B pair for every
-    targeted module and none for anything else (INERT_ADAPTER), shapes that fit (BASE_FINGERPRINT_MISMATCH)."""
-    modules = targeted_modules(model, spec.targets)
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(path)).items():
-        m = _KEY.match(key)
-        if m is None:
-            raise unsupported(f"adapter tensor {key!r} is not a LoRA A/B weight", key)
-        halves.setdefault(m["module"], {})[m["ab"]] = tensor
-    stray = sorted(set(halves) - set(modules))
-    if stray:
-        raise inert(f"{len(stray)} adapter weight(s) name modules the base does not have or the config does "
-                    f"not target, e.g. {stray[0]}", module=stray[0])
-    pairs = {}
-    for name, module in modules.items():
-        half = halves.get(name, {})
-        if set(half) != {"A", "B"}:
-            raise inert(f"{len(modules)} modules targeted but {name} has no lora_A/lora_B pair",
-                        module=name, targeted=len(modules), pairs=sum(len(h) == 2 for h in halves.values()))
-        a, b = half["A"].float(), half["B"].float()
-        out_f, in_f = _dims(module)
-        if a.shape != (spec.rank, in_f) or b.shape != (out_f, spec.rank):
-            raise PreconditionFailed(
-                f"{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit a rank-{spec.rank} "
-                f"adapter of a {in_f}->{out_f} projection", reason="BASE_FINGERPRINT_MISMATCH",
-                metadata={"fields": "shape", "module": name})
-        m = _LAYER.match(name)
-        pairs[(int(m["layer"]), m["name"])] = (a.contiguous(), b.contiguous())
-    return AdapterWeights(spec, pairs)
-
-
-def _dims(module: torch.nn.Module) -> tuple[int, int]:
+def weight_dims(module: torch.nn.Module) -> tuple[int, int]:
     return module.out_features, module.in_features
 
 
@@ -117,7 +67,7 @@ class LoraSlots:
                 self.ranks.setdefault(name, torch.zeros(self.count, dtype=torch.long, device=device))[slot] = rank
                 if (layer, name, rank) not in self.stacks:
                     proj = getattr(getattr(layers[layer], "self_attn" if name in _ATTN else "mlp"), name)
-                    out_f, in_f = _dims(proj)
+                    out_f, in_f = weight_dims(proj)
                     self.stacks[(layer, name, rank)] = (torch.zeros(self.count, rank, in_f, device=device),
                                                         torch.zeros(self.count, out_f, rank, device=device))
                 a_stack, b_stack = self.stacks[(layer, name, rank)]

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.model.forward import LlamaRunner, RowCache, Segment
 from services.inference.engine.schedule import Batch
+from services.inference.model.forward import LlamaRunner, RowCache, Segment
 
 
-class ModelRunner:
-    """The engine's model runners, keyed by weight format (one per format the variants and the breaker use)."""
+class BatchExecutor:
+    """Runs a step's batches, each on the LlamaRunner of its weight format (one per format the variants
+    and the breaker use)."""
 
     def __init__(self, runners: dict[str, LlamaRunner]):
         self.runners = runners

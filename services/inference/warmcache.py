@@ -9,7 +9,7 @@ verification probe. A later start with the same fingerprint loads the model, run
 forward pass of a few tokens) and reuses the record only if the logits are the same bits; otherwise,
 or when no record matches, it measures again and overwrites the record.
 
-Hashing ~500 MB of weights takes a second or two, so each file's hash is cached by (size, mtime).
+The model's hash is model/digest.py's.
 The LoRA start-up checks keep their record beside these, keyed by this fingerprint's key among
 other things (lora/startcache.py).
 """
@@ -23,48 +23,16 @@ from pathlib import Path
 
 import torch
 
-from shared.config import var_dir
-
-from services.inference.model import blocks, ggufindex, kernels
-from services.inference.startup.gate import GateResult
-from services.inference.jsonfile import write_json
 from services.inference.engine.memory import MemoryModel
 from services.inference.engine.warmup import Calibration
+from services.inference.formats.quality import GateResult
+from services.inference.model import blocks, kernels
+from shared.config import var_dir
+from shared.jsonfile import write_json
 
 log = logging.getLogger(__name__)
 
 PROBE_IDS = (1, 504, 2583, 314, 253, 1142, 28, 30)  # any fixed ids: the probe only needs to be the same
-
-
-def model_sha256(model_dir: Path) -> str:
-    """sha256 over the model directory's config and weight files, each hashed once per (size, mtime)."""
-    cache_path = var_dir() / "warm" / "file-hashes.json"
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    total = hashlib.sha256()
-    changed = False
-    files = (p for p in Path(model_dir).iterdir()
-             if p.suffix in (".json", ".safetensors") and p.name != ggufindex.INDEX_NAME)  # the index is derived
-    for path in sorted(files):
-        st = path.stat()
-        key = str(path.resolve())
-        entry = cache.get(key)
-        if not entry or entry["size"] != st.st_size or entry["mtime_ns"] != st.st_mtime_ns:
-            digest = hashlib.sha256()
-            with path.open("rb") as f:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-            entry = cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
-            changed = True
-        total.update(f"{path.name}:{entry['sha256']}\n".encode())
-    if changed:
-        try:
-            write_json(cache_path, cache)
-        except OSError:  # a read-only var/: the next start hashes the files again
-            pass
-    return total.hexdigest()
 
 
 def fingerprint(model_sha: str, requested_format: str, engine_version: int, settings: dict) -> dict:

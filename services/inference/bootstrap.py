@@ -2,7 +2,7 @@
 
 Runs on the stage's torch thread. A warm start (same engine fingerprint as a stored record, and the
 verification probe gives the same bits) loads the recorded format and hands the engine its stored
-calibration; a cold start resolves the format (formats.py), measures everything and stores the
+calibration; a cold start resolves the format (selection.py), measures everything and stores the
 record. With `auto`, candidates that have no stored gate result are not waited for: each is preloaded
 as a locked variant "auto-<format>" beside the format served now (the reference, or the fastest
 candidate whose stored result passes), and the stage gates them in the background once it serves
@@ -18,14 +18,15 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from services.inference.model import blocks
-from services.inference.startup import formats, gate, startgate, warmcache
+from services.inference import warmcache
 from services.inference.config import InferenceConfig
 from services.inference.engine.core import ENGINE_VERSION, Engine, EngineConfig
-from services.inference.lora.startup import check_adapters
-from services.inference.model.loader import AUTO, FROM_FILE_ONLY, load_model
-from services.inference.startup.warmcache import WarmRecord
 from services.inference.engine.warmup import set_deterministic
+from services.inference.formats import quality, selection, startgate
+from services.inference.lora.startup import check_adapters
+from services.inference.model import blocks
+from services.inference.model.loader import AUTO, FROM_FILE_ONLY, load_model
+from services.inference.warmcache import WarmRecord
 from shared import stagestatus
 
 log = logging.getLogger(__name__)
@@ -61,21 +62,21 @@ class _Phases:
 
 def fingerprint(cfg: InferenceConfig, e: EngineConfig, model_sha: str) -> dict:
     settings = {k: getattr(e, k) for k in CALIBRATION_SETTINGS}
-    settings["fallback_dtype"] = e.breaker.fallback_dtype
+    settings["fallback_format"] = e.breaker.fallback_format
     settings["variants"] = dict(sorted(e.variants.items()))  # each preloaded format adds to the memory model
     f = cfg.formats
     settings["formats"] = {"gate": f.gate.__dict__, "force": f.force, "auto_candidates": f.auto_candidates}
     # A new gate run can change what auto may pick, so the stored results are part of the key.
-    stored = gate.load(formats.gate_path(model_sha), model_sha)
+    stored = quality.load(selection.gate_path(model_sha), model_sha)
     settings["gate_results"] = {name: asdict(r) for name, r in sorted(stored.items())}
-    return warmcache.fingerprint(model_sha, e.dtype, ENGINE_VERSION, settings)
+    return warmcache.fingerprint(model_sha, e.format, ENGINE_VERSION, settings)
 
 
-def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, fmt: str, fp: dict, phases: _Phases) -> None:
+def _adapters(cfg: InferenceConfig, engine: Engine, model_sha: str, format: str, fp: dict, phases: _Phases) -> None:
     """Check the LoRA registry against this base and preload the accepted adapters (never at request time);
     with warm restarts on, the checks' probe runs are reused from var/warm where they verify."""
     key = warmcache.fingerprint_key(fp) if cfg.warm_restart else ""
-    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, fmt, key))
+    engine.install_adapters(check_adapters(cfg.lora, engine.primary_runner, cfg.model_dir, model_sha, format, key))
     phases.mark("adapters")
 
 
@@ -83,7 +84,7 @@ def candidate_variants(cfg: InferenceConfig, model_sha: str) -> dict[str, str]:
     """Variant name -> format of each `auto` candidate to gate in the background: those this device
     runs that have no stored gate result, when the results can be stored (else the gate is lost work)."""
     e = cfg.engine
-    if e.dtype != AUTO or not cfg.formats.gate_at_start:
+    if e.format != AUTO or not cfg.formats.gate_at_start:
         return {}
     ungated = startgate.pending(cfg.formats, model_sha, e.device)
     if not ungated or not startgate.writable(model_sha):
@@ -107,7 +108,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         ok = warmcache.probe_digest(model) == record.probe_digest
         phases.mark("verify_probe")
         if ok:
-            engine = Engine(model, replace(e, dtype=record.format), others=_other_models(cfg, e, record.format),
+            engine = Engine(model, replace(e, format=record.format), others=_other_models(cfg, e, record.format),
                             locked=candidates)
             engine.warmup(record.calibration)
             phases.mark("warmup_reused")
@@ -118,18 +119,18 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
         log.warning("warm start refused: the verification probe gave different logits; measuring again",
                     extra={"format": record.format})
         del model
-    if e.dtype == AUTO:
-        reference = load_model(cfg.model_dir, formats.REFERENCE, e.device)
+    if e.format == AUTO:
+        reference = load_model(cfg.model_dir, selection.REFERENCE, e.device)
         phases.mark("load_model")
-        choice, model = formats.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
+        choice, model = selection.choose_auto(reference, model_sha, cfg.formats, e.max_batch_size, e.device,
                                             cfg.model_dir, gating=tuple(candidates.values()))
         del reference
         phases.mark("choose_format")
     else:
-        choice = formats.check_explicit(e.dtype, model_sha, cfg.formats)
-        model = load_model(cfg.model_dir, e.dtype, e.device)
+        choice = selection.check_explicit(e.format, model_sha, cfg.formats)
+        model = load_model(cfg.model_dir, e.format, e.device)
         phases.mark("load_model")
-    engine = Engine(model, replace(e, dtype=choice.format), others=_other_models(cfg, e, choice.format),
+    engine = Engine(model, replace(e, format=choice.format), others=_other_models(cfg, e, choice.format),
                     locked=candidates)
     engine.warmup()
     phases.mark("warmup_measured")
@@ -152,5 +153,5 @@ def _other_models(cfg: InferenceConfig, e: EngineConfig, served: str) -> dict[st
     """The variants' and the breaker's formats the engine cannot convert from the served model at warm-up,
     loaded from the weight files: every one when the served model is quantized or gguf (it converts to
     nothing else), and the gguf formats whatever serves (read from the GGUF, never converted)."""
-    return {fmt: load_model(cfg.model_dir, fmt, e.device) for fmt in e.other_formats()
-            if fmt != served and (served in FROM_FILE_ONLY or fmt in blocks.FORMATS)}
+    return {format: load_model(cfg.model_dir, format, e.device) for format in e.other_formats()
+            if format != served and (served in FROM_FILE_ONLY or format in blocks.FORMATS)}
