@@ -20,13 +20,13 @@ x16, for the 8-bit kernel (the same bytes, regrouped; a weight [N, K] becomes [c
   zero blocks. One 64-byte load gives the kernel 4 quants of 16 rows, one int32 lane per row.
 
 The modules keep the Llama layout of llama.py (forward.py, the LoRA term, the gate see the same
-attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding and `KernelRMSNorm`
-RMSNorm (kernels/layer_ops.cpp, as are the rotary embedding and decode attention forward.py runs
-for these formats). Each layer also holds its query/key/value blocks as one [Nq + Nk + Nv, ...]
-matrix (`self_attn.qkv`) and gate/up as one (`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj
-and up_proj as row views of them: forward.py runs one kernel call for each fused matrix. The kernels' order per output element depends only on
-K (services/inference/model/kernels), so a fused call gives the bits of the separate ones (x16 parts
-are fused only when each is whole groups of 16 rows).
+attributes): `BlockLinear` replaces nn.Linear, `BlockEmbedding` nn.Embedding and `KernelRMSNorm` RMSNorm
+(kernels/layer_ops.cpp, as are the rotary embedding and decode attention forward.py runs for these
+formats). Each layer also holds its query/key/value blocks as one [Nq + Nk + Nv, ...] matrix
+(`self_attn.qkv`) and gate/up as one (`mlp.gate_up`), with q_proj, k_proj, v_proj, gate_proj and up_proj
+as row views of them: forward.py runs one kernel call for each fused matrix. The kernels' order per
+output element depends only on K (services/inference/model/kernels), so a fused call gives the bits of
+the separate ones (x16 parts are fused only when each is whole groups of 16 rows).
 
 llama.cpp stores the query and key rows of each head interleaved for its rotary layout
 (convert_hf_to_gguf.py's permute); the loader puts them back in the reference's order.

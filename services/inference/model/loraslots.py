@@ -8,10 +8,11 @@ slots of other ranks stay zero and are never read). A projection no adapter targ
 The term for token n with slot s is `(B[s] @ (A[s] @ h_n)) * scaling[s]`, PEFT's unmerged order. It is
 computed, for the tokens whose adapter targets the projection, with a per-token gather and
 `torch.einsum("ni,nri->nr")` / `einsum("nr,nor->no")` in float32: measured by bench/probes/lora_term.py
-(an AVX-512 host, 1 and 2 threads) this gives every row the same bits alone or inside any batch, while
-a gathered `torch.bmm` did not (tests/inference/test_lora_forward.py checks the engine's rows). Only
-rows with an adapter are computed; base rows are never touched, so a base row is bitwise the same in
-a batch with adapters and without. Tokens are taken in chunks of `chunk_tokens`, so a long prefill gathers at most that many copies of a stack at a time.
+(an AVX-512 host, 1 and 2 threads) this gives every row the same bits alone or inside any batch, while a
+gathered `torch.bmm` did not (tests/inference/test_lora_forward.py checks the engine's rows). Only rows
+with an adapter are computed; base rows are never touched, so a base row is bitwise the same in a batch
+with adapters and without. Tokens are taken in chunks of `chunk_tokens`, so a long prefill gathers at
+most that many copies of a stack at a time.
 """
 from __future__ import annotations
 
