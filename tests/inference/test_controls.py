@@ -12,7 +12,7 @@ import pytest_asyncio
 import torch
 
 from services.inference.engine.controls import RowControls, shape
-from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
+from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary, recursive_ref
 from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
@@ -119,11 +119,33 @@ async def test_bad_documents_are_refused_with_a_reason_and_hold_nobody_up(make_e
     assert fin.finish_reason == "length" and len(tokens) == 8
     engine.install_vocabulary(vocab)
     for fmt, field in ((ResponseFormat("regex", "(a"), "regex"), (ResponseFormat("json_schema", "{no"), "json_schema"),
-                       (ResponseFormat("json_schema", '{"type": "frobnicate"}'), "json_schema")):
+                       (ResponseFormat("json_schema", '{"type": "frobnicate"}'), "json_schema"),
+                       (ResponseFormat("json_schema", json.dumps(TREE)), "json_schema")):
         with pytest.raises(InvalidInput) as err:
             await collect(engine, request("b", prompt(1), controls=Controls(response_format=fmt)))
         assert err.value.reason == "RESPONSE_FORMAT_INVALID"
         assert err.value.metadata["field"] == f"response_format.{field}"
+    assert "recursive" in err.value.message  # refused when compiled, not while decoding
+
+
+# A tree node whose children are tree nodes: no finite answer is forced to end.
+TREE = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array",
+                                                                          "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}
+
+
+def testrecursive_refs_are_found_and_shared_ones_are_not():
+    shared = {"type": "object", "$defs": {"name": {"type": "string"}},
+              "properties": {"a": {"$ref": "#/$defs/name"}, "b": {"$ref": "#/$defs/name"}}}
+    mutual = {"$defs": {"a": {"properties": {"b": {"$ref": "#/$defs/b"}}},
+                        "b": {"properties": {"a": {"$ref": "#/$defs/a"}}}},
+              "properties": {"x": {"$ref": "#/$defs/a"}}}
+    root = {"type": "object", "properties": {"self": {"$ref": "#"}}}
+    assert recursive_ref(TREE) == "#/$defs/node"
+    assert recursive_ref(mutual) in ("#/$defs/a", "#/$defs/b")
+    assert recursive_ref(root) == "#"
+    assert recursive_ref(shared) is None
+    assert recursive_ref({"$ref": "#/$defs/missing"}) is None  # the grammar engine says what is wrong
 
 
 def mixed_controls(i: int) -> Controls:

@@ -85,7 +85,7 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int) -
     if req.total_tokens > max_context_tokens:
         raise bad(f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context window "
                   f"({max_context_tokens})", "CONTEXT_LENGTH_EXCEEDED",
-                  max_context_tokens=max_context_tokens, prompt_tokens=len(ids))
+                  prompt_tokens=len(ids), max_tokens=req.max_tokens, context_tokens=max_context_tokens)
     if not _finite_number(req.temperature) or req.temperature < 0:
         raise bad(f"temperature must be a finite number >= 0, got {req.temperature!r}", "INVALID_TEMPERATURE")
     if not _finite_number(req.top_p) or not 0 < req.top_p <= 1:

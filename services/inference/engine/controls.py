@@ -15,6 +15,7 @@ log_softmax(scores / temperature) at the token (temperature 0, greedy: log_softm
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ import torch
 from services.inference.engine.grammar import MaskExecutor, Vocabulary, allowed
 from shared.controls import MAX_TOP_LOGPROBS, Controls
 from shared.errors import InvalidInput, KeelError
+
+log = logging.getLogger("keel.inference.controls")
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ class RowControls:
 
     def _grammar_failed(self, why: str | None = None) -> InvalidInput:
         kind = self.c.response_format.kind
-        why = why or f"the response format failed while decoding: {self.matcher.get_error()[:200]}"
+        if why is None:  # the grammar engine's own words describe its state: the log keeps them
+            log.info("response format failed while decoding", extra={"error": self.matcher.get_error()[:500]})
+            why = "the response format ran out of the grammar engine's per-token budget while decoding"
         return InvalidInput(why, reason="RESPONSE_FORMAT_TOO_COMPLEX", metadata={"field": f"response_format.{kind}"})
 
     def _text(self, token: int) -> str:

@@ -66,8 +66,46 @@ def version() -> str:
     return f"{ENGINE_NAME}=={llguidance.__version__}"
 
 
+def recursive_ref(schema) -> str | None:
+    """A local `$ref` of `schema` that is reached again from inside its own target (a recursive
+    schema, which no finite answer need end: the grammar engine accepts it and then fails while
+    decoding), or None. Edges: ref -> the refs inside its target; a cycle from the root is one."""
+    def refs(node) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["$ref"]] if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") else []
+            return own + [r for v in node.values() for r in refs(v)]
+        return [r for v in node for r in refs(v)] if isinstance(node, list) else []
+
+    def target(ref: str):
+        node = schema
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node[int(part)] if isinstance(node, list) else node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                return None
+        return node
+
+    done: set[str] = set()
+
+    def cycle(ref: str, path: tuple[str, ...]) -> str | None:
+        if ref in path:
+            return ref
+        if ref in done:
+            return None
+        node = target(ref)
+        found = next((c for c in (cycle(r, (*path, ref)) for r in refs(node)) if c), None) if node is not None else None
+        done.add(ref)
+        return found
+
+    return next((c for c in (cycle(r, ()) for r in refs(schema)) if c), None)
+
+
 def _grammar(response_format: ResponseFormat) -> str:
     if response_format.kind == "json_schema":
+        recursive = recursive_ref(json.loads(response_format.document))
+        if recursive is not None:
+            raise ValueError(f"the schema is recursive ($ref {recursive[:100]!r} refers back to itself): "
+                             "a recursive schema is not served")
         # Compact JSON (no free whitespace between tokens): what a client parses is the same, and
         # a model cannot spend its max_tokens on indentation.
         return llguidance.LLMatcher.grammar_from_json_schema(response_format.document,
@@ -107,8 +145,10 @@ class Grammars:
     def _compile(self, response_format: ResponseFormat) -> llguidance.LLMatcher | _Refused:
         try:
             grammar = _grammar(response_format)
-        except ValueError as exc:  # the JSON Schema document is not JSON (or not an object)
+        except ValueError as exc:  # the JSON Schema document is not JSON, or is recursive
             return _Refused(str(exc))
+        except RecursionError:
+            return _Refused("the JSON Schema document is nested too deeply to read")
         return llguidance.LLMatcher(self.vocab.tokenizer, grammar, log_level=0, limits=self._parser_limits)
 
     async def matcher(self, response_format: ResponseFormat) -> llguidance.LLMatcher:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shared.errors import PreconditionFailed
+
+log = logging.getLogger("keel.inference.lora")
 
 MANIFEST = "keel-adapter.json"
 GOLDEN = "golden.safetensors"
@@ -65,8 +68,12 @@ def read(folder: Path) -> Manifest:
         data["golden_ids"] = tuple(tuple(g) for g in data["golden_ids"])
         return Manifest(**data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise PreconditionFailed(f"{path}: {exc}", reason="ADAPTER_RECORD_INVALID",
-                                 metadata={"path": str(path)}) from exc
+        # The message reaches clients (a request naming the adapter): it names the file, not the
+        # server's folders; the log has the path.
+        log.warning("unreadable adapter manifest", extra={"path": str(path), "error": repr(exc)})
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise PreconditionFailed(f"{MANIFEST} is unreadable ({why})", reason="ADAPTER_RECORD_INVALID",
+                                 metadata={"file": MANIFEST}) from exc
 
 
 def file_sha256(path: Path) -> str:
@@ -83,8 +90,9 @@ def check_files(folder: Path, m: Manifest) -> None:
     for name, sha in sorted(expected.items()):
         path = folder / name
         if not path.exists() or file_sha256(path) != sha:
-            raise PreconditionFailed(f"{path} is missing or changed since registration",
-                                     reason="ADAPTER_RECORD_INVALID", metadata={"path": str(path)})
+            log.warning("adapter file missing or changed", extra={"path": str(path)})
+            raise PreconditionFailed(f"{name} is missing or changed since registration",
+                                     reason="ADAPTER_RECORD_INVALID", metadata={"file": name})
 
 
 def card(m: Manifest) -> str:
