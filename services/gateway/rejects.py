@@ -122,7 +122,7 @@ class RejectSpill:
             self._wake.clear()
             try:
                 await self._drain()
-            except Exception:  # noqa: BLE001 - a dead task would strand the spill
+            except Exception:  # a dead task would strand the spill
                 log.exception("resending rejected inputs failed; retrying")
 
     async def _drain(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shared.errors import DeadlineExpired
+from shared.errors import DeadlineExpired, Overloaded
 
 from services.inference.engine.admission import Admission, Ticket, deadline_refusal
 from services.inference.engine.breaker import Policy
@@ -145,7 +145,7 @@ class Scheduler:
             return 0
         return self._queued_tokens_ahead()
 
-    def deadline_refusal(self, ticket: Ticket, ahead_tokens: int, pace: Pace, now: float) -> Exception | None:
+    def deadline_refusal(self, ticket: Ticket, ahead_tokens: int, pace: Pace, now: float) -> Overloaded | None:
         """admission.deadline_refusal for `ticket` behind `ahead_tokens`, in the batch running now."""
         req = ticket.req
         remaining = None if req.deadline is None else req.deadline - now
