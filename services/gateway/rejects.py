@@ -120,6 +120,8 @@ class RejectSpill:
                 async with asyncio.timeout(self.cfg.retry_interval_s):
                     await self._wake.wait()
             self._wake.clear()
+            if not self._spill.pending:
+                continue
             try:
                 await self._drain()
             except Exception:  # a dead task would strand the spill
