@@ -115,6 +115,7 @@ SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (se
 AMBIGUOUS_API_KEY = "AMBIGUOUS_API_KEY"        # several API keys presented in one request
 AUTH_FAILURES_LIMITED = "AUTH_FAILURES_LIMITED"  # too many failed authentications from a peer
 INVALID_ADAPTER = "INVALID_ADAPTER"            # the adapter field is not "id" or "id@version" (contract.py)
+DEADLINE_UNREACHABLE = "DEADLINE_UNREACHABLE"  # inference's estimate: the request cannot finish by its deadline
 # ErrorInfo metadata keys that describe the gateway's own retry handling. They stay in logs and
 # traces; the gateway removes them from what its clients receive (shared/interceptor.py).
 INTERNAL_METADATA_KEYS = frozenset({"retry_stop", "attempts", "retry_hint", "message_size"})
@@ -294,6 +295,9 @@ REASONS: dict[str, Reason] = {
         PreconditionFailed, "the request could never fit the stage's memory budget"),
     "QUEUE_FULL": Reason(Overloaded, "the inference queue is full; retry after the hint"),
     "QUEUE_TIMEOUT": Reason(Overloaded, "the request waited too long in the queue; retry after the hint"),
+    "DEADLINE_UNREACHABLE": Reason(
+        Overloaded, "the request cannot finish within its deadline at the measured decode rate (docs/inference.md); "
+                    "retry after the hint, or lower max_tokens"),
     "OUT_OF_MEMORY": Reason(Overloaded, "the batch ran out of memory; retry after the hint"),
     "CIRCUIT_OPEN": Reason(NotReady, "inference's breaker is open after repeated faults; retry after the hint"),
     "WARMING_UP": Reason(NotReady, "the inference engine is loading; retry after the hint"),

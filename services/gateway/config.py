@@ -7,6 +7,7 @@ from services.gateway.auth import ApiKeyEntry
 from services.gateway.contract import Limits
 from services.gateway.ratelimit import AuthFailureLimit, RateLimit, RateLimitConfig
 from services.gateway.recording import ReplayConfig
+from services.gateway.rejects import RejectSpillConfig
 from services.gateway.retry import RetryConfig
 from services.gateway.routing import RoutingConfig
 from shared import config
@@ -36,6 +37,7 @@ class GatewayConfig:
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
     auth_failures: AuthFailureLimit = field(default_factory=AuthFailureLimit)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    rejected_spill: RejectSpillConfig = field(default_factory=RejectSpillConfig)
 
 
 def load(path=None, environ=None) -> GatewayConfig:

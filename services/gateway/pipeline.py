@@ -21,6 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from keel.common.v1 import common_pb2
 from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask, fit
+from services.gateway.rejects import Rejected
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
 from services.gateway.streamtext import DecodeStream, StreamedText
@@ -163,8 +164,12 @@ class Generated:
 
 class Pipeline:
     def __init__(self, upstreams: Upstreams, executor: RetryExecutor, limits: Limits,
-                 rng: random.Random | None = None, on_served: Callable[[Served], None] | None = None):
+                 rng: random.Random | None = None, on_served: Callable[[Served], None] | None = None,
+                 spill_rejected: Callable[[Rejected], None] | None = None):
         self.up, self.ex, self.limits = upstreams, executor, limits
+        # Keeps a rejected input the validator could not take (services/gateway/rejects.py); the
+        # stage always gives one, pipelines built without one (unit tests) log the loss instead.
+        self._spill_rejected = spill_rejected
         self._rng = rng or random.SystemRandom()
         # Called once per answered request, after validation; must not block (it hands off to a queue).
         self._on_served = on_served
@@ -242,16 +247,29 @@ class Pipeline:
     async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, call: Call) -> None:
         """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
         when larger than ``max_quarantine_payload_bytes`` (a message must stay far below the
-        channel limit). The validator answers with the same rejection; if it cannot be reached,
-        the client still gets the gateway's rejection and the failure is logged."""
+        channel limit). The validator answers with the same rejection. If it cannot take it within
+        the call's deadline, the input is spilled to disk (fsync'd) before the client gets the
+        gateway's rejection, and sent again from there until the validator has it."""
+        payload = clip_payload(payload_of(ask), self.limits.max_quarantine_payload_bytes)
+        source, domain = ask.source or "default", ask.domain or "default"
         try:
-            payload = clip_payload(payload_of(ask), self.limits.max_quarantine_payload_bytes)
             await self.hop("validator", "ValidateInput", lambda t, md: self.up.validate_input(
-                payload, ask.source or "default", ask.domain or "default", t, md, rejected=rejected), call)
+                payload, source, domain, t, md, rejected=rejected), call)
         except errors.InvalidInput as echoed:
             rejected.metadata.update({k: v for k, v in echoed.metadata.items() if k in ("rule", "quarantine_id")})
         except errors.KeelError as err:
-            log.error("could not quarantine a rejected input", extra={"reason": rejected.reason, "error": str(err)})
+            if self._spill_rejected is None:
+                log.error("could not quarantine a rejected input", extra={"reason": rejected.reason, "error": str(err)})
+                return
+            try:
+                self._spill_rejected(Rejected(payload, source, domain, rejected.reason, rejected.message,
+                                              call.trace_id))
+            except OSError as disk:  # the client still gets its rejection, never a 500
+                log.error("could not quarantine nor spill a rejected input", extra={
+                    "reason": rejected.reason, "error": str(err), "spill_error": str(disk)})
+                return
+            log.warning("rejected input spilled for the quarantine", extra={
+                "reason": rejected.reason, "error": err.reason, "trace_id": call.trace_id})
 
     async def generate(self, ask: Ask, call: Call) -> Answer:
         prep = await self.prepare(ask, call)

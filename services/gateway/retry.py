@@ -13,6 +13,8 @@ Policy per gRPC status of a failed attempt (``KeelError.code``):
   out of its own per-attempt timeout while the overall deadline still had time.
 - Anything else (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED, PERMISSION_DENIED,
   OUT_OF_RANGE, INTERNAL, CANCELLED, NOT_FOUND, ...): never retried.
+- Inference's DEADLINE_UNREACHABLE (the request cannot finish by its deadline at the measured
+  decode rate) stops at once (``deadline``): a retry would have less time, not more.
 - A local "no upstream to send to" (reason NO_HEALTHY_UPSTREAM) stops at once
   (``circuit_open``) and costs no retry token, since no upstream answered.
 - A replica that went away mid-call (reason CONNECTION_LOST: no server answered; or SHUTTING_DOWN:
@@ -138,6 +140,8 @@ def decide(err: KeelError, *, attempt: int, max_attempts: int, idempotent: bool,
         return _stop("circuit_open")
     if err.code not in RETRYABLE_CODES:
         return _stop("non_retryable")
+    if err.reason == errors.DEADLINE_UNREACHABLE:  # inference's estimate: less time left can only do worse
+        return _stop("deadline")
     hint = hint_state(err)
     if err.code == "RESOURCE_EXHAUSTED" and (hint == "absent" or err.metadata.get("message_size") == "1"):
         return _stop("non_retryable")

@@ -12,6 +12,7 @@ from services.gateway.adapter_usage import AdapterUsage
 from services.gateway.auth import ApiKeyAuthenticator, Metadata, client_peer
 from services.gateway.pipeline import Pipeline, Served
 from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
+from services.gateway.rejects import RejectSpill, sender
 from services.gateway.retry import RetryExecutor
 from services.gateway.retry_alerts import RetryMonitor
 from services.gateway.routing import Router
@@ -54,7 +55,9 @@ class GatewayStage:
             usage.served(served)
             if recorder is not None:
                 recorder.served(served)
-        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits, on_served=on_served)
+        self.rejects = RejectSpill(cfg.rejected_spill, sender(self.upstreams.validate_input))
+        self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits, on_served=on_served,
+                                 spill_rejected=self.rejects.put)
 
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
         key_id = self._auth.authenticate(metadata, client_peer(metadata, peer, self._proxy_token))
@@ -70,6 +73,7 @@ class GatewayStage:
         # is held until its deadline, so an upstream being down (restarting) never makes the
         # gateway itself NOT_SERVING. An outage shows as NO_HEALTHY_UPSTREAM answers and metrics.
         self.upstreams.start()
+        self.rejects.start()
         if self.recorder is not None:
             self.recorder.start()
 
@@ -77,6 +81,7 @@ class GatewayStage:
         if self.recorder is not None:
             await self.recorder.close()
         await self.feedback.close()
+        await self.rejects.close()
         await self.upstreams.close()
 
 

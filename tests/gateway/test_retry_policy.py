@@ -7,6 +7,7 @@ import pytest
 
 from services.gateway.retry import RetryConfig, decide, hint_state
 from services.gateway.retry_alerts import ks_distance_uniform
+from shared import errors
 from shared.errors import (
     Cancelled,
     DeadlineExpired,
@@ -60,6 +61,12 @@ def test_unavailable_stops_at_three_attempts():
 def test_request_cap_applies_below_the_code_cap():
     d = run(NotReady("down"), attempt=1, max_attempts=1)
     assert (d.retry, d.reason) == (False, "max_attempts")
+
+
+def test_a_deadline_inference_cannot_meet_is_not_retried_within_it():
+    # The engine's estimate says the call cannot finish by its deadline: a retry has less time left.
+    d = run(Overloaded("too long for its deadline", reason=errors.DEADLINE_UNREACHABLE, retry_after_ms=250))
+    assert (d.retry, d.reason) == (False, "deadline")
 
 
 def test_resource_exhausted_waits_the_hint_times_jitter():

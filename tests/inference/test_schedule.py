@@ -7,6 +7,7 @@ from services.inference.engine.admission import Admission, QueueLimits, Ticket
 from services.inference.engine.breaker import Policy
 from services.inference.engine.memory import MemoryModel
 from services.inference.engine.schedule import Row, Scheduler, batch_cap
+from services.inference.engine.stats import Pace
 from tests.inference.helpers import prompt, request
 
 POLICY = Policy(level=0, temperature_cap=None, logit_clamp=None, max_batch_size=None, use_fallback=False,
@@ -28,7 +29,7 @@ def test_newcomers_prefill_in_fifo_order_within_the_token_budget_and_the_first_a
     s = scheduler(prefill_tokens=100)
     big, a, b, c = ticket("big", 150), ticket("a", 40), ticket("b", 40), ticket("c", 40)
     for t in (big, a, b, c):
-        s.submit(t, cap=16, retry_after_ms=50)
+        s.submit(t, cap=16, retry_after_ms=50, pace=Pace(), now=0.0)
     assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["big"]  # over budget, but first
     assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["a", "b"]
     assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["c"]
@@ -38,7 +39,7 @@ def test_requests_beyond_the_cap_or_the_budget_wait_in_the_queue():
     s = scheduler(budget=100)
     first, second, third = ticket("1", 30, 20), ticket("2", 30, 20), ticket("3", 10, 5)
     for t in (first, second, third):
-        s.submit(t, cap=16, retry_after_ms=50)
+        s.submit(t, cap=16, retry_after_ms=50, pace=Pace(), now=0.0)
     assert len(s.admission.queue) == 1  # 50 + 50 bytes fill the budget; strict FIFO keeps "3" behind
     s.cancel(first)
     assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["2", "3"]

@@ -15,7 +15,39 @@ from dataclasses import dataclass, field
 from services.inference.engine.api import GenerationRequest, TokenEvent
 from services.inference.engine.controls import RowControls
 from services.inference.engine.memory import MemoryModel
-from shared.errors import DeadlineExpired, Overloaded, PreconditionFailed
+from services.inference.engine.stats import Pace
+from shared.errors import DEADLINE_UNREACHABLE, DeadlineExpired, Overloaded, PreconditionFailed
+
+# Decoding steps measured before the pace is believed; until then every request is admitted.
+MIN_PACE_STEPS = 16
+
+
+def deadline_refusal(remaining_s: float | None, max_tokens: int, ahead_tokens: int, batch: int,
+                     pace: Pace) -> Overloaded | None:
+    """The refusal of a request that cannot finish within its deadline at the measured pace, or
+    None to admit it (docs/inference.md, Admission by deadline):
+
+        finish_s = ahead_tokens / (row_tokens_per_s * batch) + max_tokens / row_tokens_per_s
+
+    ``remaining_s``: what is left of its deadline (None: it has none); ``ahead_tokens``: the tokens
+    the engine generates before it gets a row (0 when a slot is free and nothing waits), drained by
+    the ``batch`` rows running meanwhile; ``pace``: the per-row decode rate at that batch. Admitted
+    without an estimate: no deadline, a pace of fewer than MIN_PACE_STEPS steps, an idle engine
+    (batch 0: the pace was measured under another load). The retry hint is the wait for a row."""
+    rate = pace.row_tokens_per_s
+    if remaining_s is None or pace.steps < MIN_PACE_STEPS or rate <= 0 or batch == 0:
+        return None
+    wait_s = ahead_tokens / (rate * batch)
+    finish_s = wait_s + max_tokens / rate
+    if finish_s <= remaining_s:
+        return None
+    return Overloaded(
+        f"the request cannot finish within its deadline: {max_tokens} tokens at the measured "
+        f"{rate:.1f} tokens/s per row need ~{finish_s:.1f}s ({wait_s:.1f}s of them waiting for a row), "
+        f"the deadline leaves {max(remaining_s, 0):.1f}s; lower max_tokens or allow a longer deadline",
+        reason=DEADLINE_UNREACHABLE, retry_after_ms=max(50, round(1000 * wait_s)),
+        metadata={"estimated_ms": round(1000 * finish_s), "remaining_ms": round(1000 * max(remaining_s, 0)),
+                  "row_tokens_per_s": f"{rate:.2f}", "ahead_tokens": ahead_tokens})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -22,7 +23,7 @@ from types import MappingProxyType
 
 import torch
 
-from services.inference.engine.admission import Admission, QueueLimits, Ticket
+from services.inference.engine.admission import Admission, QueueLimits, Ticket, deadline_refusal
 from services.inference.engine.api import Finished, GenerationRequest, TokenEvent, validate
 from services.inference.engine.breaker import BreakerBoard, BreakerConfig
 from services.inference.engine.controls import RowControls
@@ -53,6 +54,8 @@ ENGINE_VERSION = 3
 NOT_SERVING_REASONS = {EngineState.DRAINING: "DRAINING", EngineState.STOPPED: "SHUTTING_DOWN"}
 
 __all__ = ["Engine", "EngineConfig", "BreakerConfig", "GenerationRequest", "TokenEvent", "Finished"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +327,23 @@ class Engine:
             self._loop.refused(err)
             raise err
 
+    def _refuse_if_deadline_unreachable(self, ticket: Ticket) -> None:
+        """Refuse now a request that cannot finish within its deadline (admission.deadline_refusal),
+        judged on the loop's last published state, rather than after the loop's current step; the
+        loop judges it again on its exact state when it takes the request in. One that would have
+        to queue (``ahead_tokens``) behind a full queue is left to the loop: QUEUE_FULL comes first."""
+        stats = self._loop.stats()
+        if stats.ahead_tokens and self._admission.queue_full(stats.queue_depth, stats.queued_tokens, ticket, 0):
+            return
+        req = ticket.req
+        remaining = None if req.deadline is None else req.deadline - time.monotonic()
+        if err := deadline_refusal(remaining, req.max_tokens, stats.ahead_tokens,
+                                   stats.running_batch_size + stats.pending_prefill, stats.pace):
+            log.info("request refused", extra={"reason": err.reason, "request_id": req.request_id,
+                                               "detail": err.metadata})
+            self._loop.refused(err)
+            raise err
+
     def _require_vocabulary(self) -> Grammars:
         if self._grammars is None:
             raise PreconditionFailed("this engine has no vocabulary for stop strings or response formats",
@@ -353,6 +373,7 @@ class Engine:
         ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue(),
                         slot=slot, adapter=adapter, blocks=self._admission.blocks(req), controls=controls)
         self._refuse_if_queue_full(ticket)
+        self._refuse_if_deadline_unreachable(ticket)
         self._loop.submit(ticket)
         self._tickets[req.request_id] = ticket
         return ticket

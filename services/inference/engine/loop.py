@@ -29,7 +29,7 @@ from services.inference.engine.oom import OomPolicy, is_oom
 from services.inference.engine.output import OutputProcessor
 from services.inference.engine.prefix import PrefixCache
 from services.inference.engine.schedule import Batch, Row, Scheduler, StepPlan, batch_cap
-from services.inference.engine.stats import Counters, EngineStats, MemoryStats
+from services.inference.engine.stats import Counters, EngineStats, MemoryStats, Pace
 from services.inference.engine.torchthread import TorchThread
 from services.inference.engine.variants import PRIMARY, Switch
 from shared.errors import DeadlineExpired, Fatal, KeelError, Overloaded
@@ -60,6 +60,7 @@ class StepLoop:
         self.memory = memory
         self.settings = settings
         self.tokens_per_s = tokens_per_s
+        self.pace = Pace()  # per-row decode rate, measured by this loop's steps (deadline admission)
         self.kv = KvManager(executor, prefix)
         self.observed_peak_bytes = 0
         self.active = PRIMARY  # the variant new rows start on; changed only by this thread (_switch)
@@ -168,8 +169,11 @@ class StepLoop:
         if ticket.cancelled:
             return
         try:
-            self.scheduler.submit(ticket, self._cap(self.board.policy()), self._retry_after_ms())
+            self.scheduler.submit(ticket, self._cap(self.board.policy()), self._retry_after_ms(), self.pace,
+                                  time.monotonic())
         except KeelError as err:
+            log.info("request refused", extra={"reason": err.reason, "request_id": ticket.req.request_id,
+                                               "detail": err.metadata})
             self._emit(ticket, err)
             return
         self.counters.admitted += 1
@@ -184,8 +188,10 @@ class StepLoop:
         done.set_result(switch)
 
     def _expire(self) -> None:
-        tickets, rows = self.scheduler.expire(time.monotonic(), self._retry_after_ms())
+        tickets, rows = self.scheduler.expire(time.monotonic(), self._retry_after_ms(), self.pace)
         for ticket, err in tickets:
+            log.info("queued request ended", extra={"reason": err.reason, "request_id": ticket.req.request_id,
+                                                    "detail": err.metadata})
             self._emit(ticket, err)
         for row, err in rows:
             if err is None:
@@ -212,8 +218,9 @@ class StepLoop:
         for batch in plan.batches(rows):
             self._execute(batch, plan.policy)
         if decoding:
-            rate = decoding / max(time.monotonic() - t0, 1e-6)
-            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * rate
+            step_s = max(time.monotonic() - t0, 1e-6)
+            self.tokens_per_s = 0.8 * self.tokens_per_s + 0.2 * decoding / step_s
+            self.pace = self.pace.after(step_s)
         self.oom.on_step()
 
     def _new_row(self, ticket: Ticket, policy: Policy) -> None:
@@ -324,6 +331,7 @@ class StepLoop:
             oom_cap=self.oom.cap,
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
             invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.executor.runners.items()}),
-            tokens_per_s=round(self.tokens_per_s, 2), counters=self.counters.snapshot(),
+            tokens_per_s=round(self.tokens_per_s, 2), pace=self.pace,
+            ahead_tokens=self.scheduler.ahead_tokens(self._cap(self.board.policy())), counters=self.counters.snapshot(),
             prefix_cache=self.kv.prefix_stats(),
             active_variant=self.active)

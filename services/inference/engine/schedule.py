@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.inference.engine.admission import Admission, Ticket
+from services.inference.engine.admission import Admission, Ticket, deadline_refusal
 from services.inference.engine.breaker import Policy
+from services.inference.engine.stats import Pace
 from services.inference.model.kvpool import RowCache
-from shared.errors import DeadlineExpired
+from shared.errors import DeadlineExpired, Overloaded
 
 
 @dataclass(eq=False)
@@ -112,10 +113,18 @@ class Scheduler:
         self.rows: list[Row] = []
         self.pending: list[Ticket] = []  # admitted (memory reserved), waiting for their prefill
 
-    def submit(self, ticket: Ticket, cap: int, retry_after_ms: int) -> None:
-        """Admit now when nothing waits and it fits, else queue it (raises Overloaded when full)."""
-        if not self.admission.queue and len(self.rows) + len(self.pending) < cap \
-                and self.admission.fits_now(ticket):
+    def submit(self, ticket: Ticket, cap: int, retry_after_ms: int, pace: Pace, now: float) -> None:
+        """Admit now when nothing waits and it fits, else queue it. Raises Overloaded when it would
+        have to queue and the queue is full (QUEUE_FULL first: it could not even wait), or when it
+        cannot finish within its deadline at the measured pace."""
+        now_ok = not self.admission.queue and len(self.rows) + len(self.pending) < cap \
+            and self.admission.fits_now(ticket)
+        if not now_ok and (err := self.admission.queue_full(len(self.admission.queue), self.admission.queued_tokens,
+                                                            ticket, retry_after_ms)):
+            raise err
+        if err := self.deadline_refusal(ticket, self.ahead_tokens(cap), pace, now):
+            raise err
+        if now_ok:
             self.admission.reserve(ticket)
             self.pending.append(ticket)
         else:
@@ -128,10 +137,32 @@ class Scheduler:
             self.pending.remove(ticket)
             self.admission.release(ticket)
 
-    def expire(self, now: float, retry_after_ms: int
+    def ahead_tokens(self, cap: int) -> int:
+        """Tokens the engine generates before a newcomer gets a row: none when a slot is free and
+        nothing waits, else what the queue asks for and the fewest a running row has left."""
+        if not self.admission.queue and len(self.rows) + len(self.pending) < cap:
+            return 0
+        return self._queued_tokens_ahead()
+
+    def deadline_refusal(self, ticket: Ticket, ahead_tokens: int, pace: Pace, now: float) -> Overloaded | None:
+        """admission.deadline_refusal for `ticket` behind `ahead_tokens`, in the batch running now."""
+        req = ticket.req
+        remaining = None if req.deadline is None else req.deadline - now
+        return deadline_refusal(remaining, req.max_tokens, ahead_tokens, len(self.rows) + len(self.pending), pace)
+
+    def expire(self, now: float, retry_after_ms: int, pace: Pace
                ) -> tuple[list[tuple[Ticket, Exception]], list[tuple[Row, Exception | None]]]:
-        """Queued tickets and running rows to end now: (ticket, error) and (row, error or None = cancelled)."""
+        """Queued tickets and running rows to end now: (ticket, error) and (row, error or None = cancelled).
+        A queued ticket is also ended once it cannot finish within its deadline at the pace measured
+        since (a burst is queued before enough steps were measured), each behind the ones before it."""
         tickets = [(t, e) for t, e in self.admission.expire(now, retry_after_ms) if e is not None]
+        ahead = self._running_tokens_left()
+        for ticket in list(self.admission.queue):
+            if err := self.deadline_refusal(ticket, ahead, pace, now):
+                self.admission.remove(ticket)
+                tickets.append((ticket, err))
+            else:
+                ahead += ticket.req.max_tokens
         rows = []
         for row in self.rows:
             deadline = row.ticket.req.deadline
@@ -180,9 +211,14 @@ class Scheduler:
 
     def retry_after_ms(self, tokens_per_s: float) -> int:
         """Rough time to drain what is ahead at the measured throughput (never below 50 ms)."""
-        ahead = sum(t.req.max_tokens for t in self.admission.queue)
-        ahead += min((r.ticket.req.max_tokens - r.generated for r in self.rows), default=0)
-        return int(min(60_000, max(50, 1000 * ahead / max(tokens_per_s, 1e-3))))
+        return int(min(60_000, max(50, 1000 * self._queued_tokens_ahead() / max(tokens_per_s, 1e-3))))
+
+    def _queued_tokens_ahead(self) -> int:
+        """The queued requests' max_tokens and the fewest tokens a running row has left."""
+        return sum(t.req.max_tokens for t in self.admission.queue) + self._running_tokens_left()
+
+    def _running_tokens_left(self) -> int:
+        return min((r.ticket.req.max_tokens - r.generated for r in self.rows), default=0)
 
     def idle_wait(self) -> float:
         expiry = self.admission.next_expiry()

@@ -62,6 +62,21 @@ class CounterStats:
 
 
 @dataclass(frozen=True)
+class Pace:
+    """How fast one row decodes at the current batch: an EWMA of 1 / step time over the steps that
+    decoded (each decoding row gets one token per step; a step that also prefills newcomers counts
+    whole, so the rate errs slow), and how many steps it has seen."""
+
+    row_tokens_per_s: float = 0.0
+    steps: int = 0
+
+    def after(self, step_s: float) -> Pace:
+        """The pace once a decoding step of ``step_s`` seconds is counted (the first counts whole)."""
+        rate = 1 / max(step_s, 1e-6)
+        return Pace(rate if not self.steps else 0.8 * self.row_tokens_per_s + 0.2 * rate, self.steps + 1)
+
+
+@dataclass(frozen=True)
 class MemoryStats:
     model: MemoryModel | None = None  # the fitted memory model (coefficients)
     budget_bytes: int = 0
@@ -86,6 +101,8 @@ class EngineStats:
     memory: MemoryStats = MemoryStats()
     invariant_batch_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=_empty)  # by runner (format)
     tokens_per_s: float = 0.0
+    pace: Pace = Pace()               # per-row decode rate, for the deadline check (admission.py)
+    ahead_tokens: int = 0             # tokens to generate before a newcomer gets a row (Scheduler.ahead_tokens)
     breaker: Mapping[str, BreakerState] = field(default_factory=_empty)  # by kind
     breaker_level: int = 0
     counters: CounterStats = CounterStats()
