@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -49,6 +50,9 @@ class DyingGateway(gateway_pb2_grpc.GatewayServicer):
             os._exit(137)
         yield gateway_pb2.GenerateStreamResponse(delta=ANSWER)
         if first:
+            # Let the caller read the delta first: a process that exits with unread input resets the
+            # connection, and a reset can discard what the caller had not read yet.
+            time.sleep(0.5)
             os._exit(137)
         yield gateway_pb2.GenerateStreamResponse(done=gateway_pb2.GenerateResponse(text=ANSWER, trace_id="e" * 32))
 

@@ -5,9 +5,6 @@ gateway's servicer answers ListModels from a stand-in pipeline, so the servicer'
 call (deadline, trace, metadata) runs too. Bounded: a fixed number of examples, one call each."""
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import grpc
 import pytest
 from google.rpc import error_details_pb2
@@ -15,10 +12,9 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.servicer import GatewayServicer
+from keel.gateway.v1 import gateway_pb2
 from shared import proxyauth
-from shared.interceptor import ServerInterceptor
+from tests.gateway.served import served_gateway
 from tests.gateway.test_auth_failures import shipped_config, stage_with
 
 NAMES = ("authorization", "x-api-key", "traceparent", "tracestate", proxyauth.CLIENT_HEADER, proxyauth.HEADER,
@@ -42,28 +38,10 @@ class Pipeline:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    """(channel to the gateway on its own event loop thread, stop)."""
+    """A stub of the gateway (its real interceptor and the shipped keys) over the stand-in pipeline."""
     stage = stage_with(tmp_path_factory.mktemp("gw"), shipped_config())
-    loop = asyncio.new_event_loop()
-    ready, holder = threading.Event(), {}
-
-    async def serve():
-        srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(Pipeline(), stage.cfg.limits, None), srv)
-        holder["port"] = srv.add_insecure_port("127.0.0.1:0")
-        holder["stop"] = asyncio.Event()
-        await srv.start()
-        ready.set()
-        await holder["stop"].wait()
-        await srv.stop(None)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    with grpc.insecure_channel(f"127.0.0.1:{holder['port']}") as ch:
-        yield gateway_pb2_grpc.GatewayStub(ch)
-    loop.call_soon_threadsafe(holder["stop"].set)
-    thread.join(10)
+    with served_gateway(stage, Pipeline, stage.cfg.limits) as stub:
+        yield stub
 
 
 def answered_by_grpc(exc: grpc.RpcError) -> bool:

@@ -3,24 +3,21 @@ limits; a text beyond the context is CONTEXT_LENGTH_EXCEEDED, never cut; over gR
 authenticated, rate limited and traced by the gateway's interceptor like Generate."""
 from __future__ import annotations
 
-import asyncio
 import random
-import threading
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Limits
 from services.gateway.pipeline import Call, Encoded, Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
-from services.gateway.servicer import GatewayServicer
 from services.gateway.tokens import Tokens
 from shared import errors
-from shared.interceptor import ServerInterceptor
 from testing.upstreams import FakeUpstreams, no_sleep
+from tests.gateway.served import served_gateway
 from tests.gateway.test_auth_failures import shipped_config, stage_with
 
 LIMITS = Limits(max_context_tokens=8, max_prompt_bytes=64)
@@ -104,27 +101,9 @@ async def test_detokenize_keeps_special_tokens_and_refuses_too_many_or_huge_ids(
 def gateway(tmp_path_factory):
     """The servicer over the fake tokenizer, behind the real interceptor and the shipped keys."""
     stage = stage_with(tmp_path_factory.mktemp("gw"), shipped_config())
-    loop = asyncio.new_event_loop()
-    ready, holder = threading.Event(), {}
-
-    async def serve():
-        srv = grpc.aio.server(interceptors=[ServerInterceptor("gateway", authenticate=stage.authenticate)])
-        pipeline = Pipeline(Tokenizer(), RetryExecutor(RetryConfig(), sleep=no_sleep), LIMITS)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(pipeline, LIMITS, None), srv)
-        holder["port"] = srv.add_insecure_port("127.0.0.1:0")
-        holder["stop"] = asyncio.Event()
-        await srv.start()
-        ready.set()
-        await holder["stop"].wait()
-        await srv.stop(None)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    with grpc.insecure_channel(f"127.0.0.1:{holder['port']}") as ch:
-        yield gateway_pb2_grpc.GatewayStub(ch)
-    loop.call_soon_threadsafe(holder["stop"].set)
-    thread.join(10)
+    with served_gateway(stage, lambda: Pipeline(Tokenizer(), RetryExecutor(RetryConfig(), sleep=no_sleep), LIMITS),
+                        LIMITS) as stub:
+        yield stub
 
 
 def reason_of(exc: grpc.RpcError) -> str:

@@ -60,10 +60,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
 
 @contextlib.contextmanager
-def running(log_path: Path, **settings: str):
-    """(base URL, stand-in gateway) of a stage whose config is overridden by ``settings``
-    (KEEL_OPENAI_<NAME> -> value); the stage's log goes to ``log_path``."""
-    gateway = Gateway()
+def running(log_path: Path | None, gateway: gateway_pb2_grpc.GatewayServicer | None = None, **settings: str):
+    """(base URL, stand-in gateway) of a stage in front of ``gateway`` (this module's Gateway if
+    None) whose config is overridden by ``settings`` (KEEL_OPENAI_<NAME> -> value); the stage's log
+    goes to ``log_path`` (None: nowhere)."""
+    gateway = gateway or Gateway()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     gateway_pb2_grpc.add_GatewayServicer_to_server(gateway, server)
     gport = server.add_insecure_port("127.0.0.1:0")
@@ -72,7 +73,7 @@ def running(log_path: Path, **settings: str):
     env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{gport}]",
                **{proxyauth.ENV: PROXY}, **{f"KEEL_OPENAI_{k.upper()}": v for k, v in settings.items()})
     env.pop("KEEL_MESH_TLS_DIR", None)
-    with open(log_path, "wb") as log:
+    with open(log_path or os.devnull, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -6,15 +6,11 @@ one `error` event in place of `data: [DONE]`."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -24,15 +20,13 @@ from openai import OpenAI
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from keelctl import health
 from shared import errors, proxyauth
 from shared.interceptor import to_status
 from shared.modelfile import MODEL_ID
-from testing.ports import free_port
+from tests.openai.edge_stage import PROXY, running
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "0af7651916cd43dd8448eb211c80319c"
-PROXY = "proxy-token-for-this-test"
 pytestmark = pytest.mark.slow
 
 
@@ -113,24 +107,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
 @pytest.fixture(scope="module")
 def stage():
-    gateway = Gateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    gateway_pb2_grpc.add_GatewayServicer_to_server(gateway, server)
-    gport = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    port = free_port()
-    env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{gport}]",
-               **{proxyauth.ENV: PROXY})
-    env.pop("KEEL_MESH_TLS_DIR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        health.wait_serving({"openai": (f"127.0.0.1:{port}", health.HTTP)}, 60, lambda: proc.poll() is None)
-        yield f"http://127.0.0.1:{port}", gateway
-    finally:
-        proc.kill()
-        proc.wait()
-        server.stop(None)
+    with running(None, Gateway()) as served:
+        yield served
 
 
 def client(url: str) -> OpenAI:
