@@ -227,7 +227,10 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_generation(mesh):
     body = json.dumps({"model": MODEL_ID, "messages": LONG, "max_tokens": 1000, "stream": True}).encode()
     host, http_port = mesh.http.split(":")
     with socket.create_connection((host, int(http_port)), timeout=300) as s:
+        # A deadline the 1000 tokens fit in at any measured pace: admission refuses a request that
+        # cannot finish by its deadline (DEADLINE_UNREACHABLE), and this one must run to be cut.
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: keel\r\nAuthorization: Bearer " + DEV_API_KEY.encode()
+                  + b"\r\nx-keel-deadline-ms: 3600000"
                   + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         seen = b""
         while seen.count(b"data: ") < 4:  # the role and three deltas
@@ -257,7 +260,8 @@ def test_a_client_that_times_out_on_a_unary_answer_frees_the_model(mesh):
         # the 1000 tokens take longer than the timeout; a sampled story could end within it
         impatient.chat.completions.create(model=MODEL_ID, messages=LONG, max_tokens=1000,
                                           response_format={"type": "json_schema", "json_schema": {
-                                              "name": "story", "schema": UNENDING_STORY}})
+                                              "name": "story", "schema": UNENDING_STORY}},
+                                          extra_headers={"x-keel-deadline-ms": "3600000"})  # not refused
     wait_until(lambda: value(port, "keel_requests", **cancelled) == cancelled_before + 1, 30,
                "the inference call to end as CANCELLED")
     wait_until(lambda: value(port, batch) == 0, 10, "the row to leave the batch")

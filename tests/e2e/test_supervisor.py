@@ -6,11 +6,9 @@ import os
 import signal
 
 import grpc
-import openai
 import pytest
 
 from keelctl import health
-from shared import errors
 from shared.modelfile import MODEL_ID
 from testing.mesh import start_mesh, stop_mesh, wait_until
 from tests.e2e.conftest import SERVICES
@@ -68,9 +66,11 @@ def test_sigterm_drains_the_call_in_flight(own_mesh, api_md, gateway_request):
     assert '"msg": "draining"' in log.read_text()
 
 
-def test_the_http_front_answers_503_with_retry_after_while_the_gateway_is_down(own_mesh):
-    """kill -9 the gateway: the OpenAI-compatible front, still up, answers 503 in OpenAI's error
-    object with a Retry-After the SDKs honour, until the supervisor has the gateway back."""
+def test_the_http_front_sends_a_call_again_across_a_gateway_restart(own_mesh):
+    """kill -9 the gateway: the OpenAI-compatible front, still up, sends the next call again once the
+    supervisor has the gateway back (nothing was generated for it: shared/client.py's Reconnect), so
+    the caller gets its answer instead of an error. What it answers when the gateway stays down
+    (503 CONNECTION_LOST with Retry-After) is tests/openai/test_server.py's."""
     mesh = own_mesh
     mesh.wait_serving(120)
     api = client(mesh)
@@ -78,20 +78,5 @@ def test_the_http_front_answers_503_with_retry_after_while_the_gateway_is_down(o
     assert api.chat.completions.create(**ask).choices[0].message.content
     old_pid = mesh.state()["processes"]["gateway-0.0"]["pid"]
     os.kill(old_pid, signal.SIGKILL)
-    with pytest.raises(openai.APIStatusError) as exc:
-        api.chat.completions.create(**ask)
-    r = exc.value.response
-    assert r.status_code == 503, r.text
-    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-should-retry"] == "true"
-    body = r.json()["error"]
-    assert body["code"] == errors.CONNECTION_LOST and body["type"] == "service_unavailable_error" and body["message"]
-    wait_until(lambda: mesh.state()["processes"]["gateway-0.0"]["pid"] != old_pid, 10, "gateway restarted")
-    mesh.wait_serving(120)
-
-    def answered():
-        try:
-            return api.chat.completions.create(**ask).choices[0].message.content
-        except openai.APIStatusError as e:  # the front's channel reconnects on gRPC's own backoff
-            assert e.response.status_code == 503, e.response.text
-            return None
-    assert wait_until(answered, 30, "the front answering again")
+    assert api.chat.completions.create(**ask).choices[0].message.content
+    assert mesh.state()["processes"]["gateway-0.0"]["pid"] != old_pid  # answered by the restarted one
