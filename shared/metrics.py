@@ -181,6 +181,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "the engine answered, or base); never a name a client asked for.", ("adapter",), "gateway"),
     _c("keel_gateway_adapter_tokens_total", "Tokens of answered requests by serving adapter and kind (prompt, "
        "completion).", ("adapter", "kind"), "gateway"),
+    _g("keel_gateway_rejected_spill_backlog", "Inputs the gateway rejected that wait in its spill file for the "
+       "validator's quarantine (services/gateway/rejects.py); above 0 for long: the validator is not taking them.",
+       owner="gateway"),
     _c("keel_gateway_route_decisions_total", "Inference replicas picked by the router, by reason (prefix: the "
        "longest cached prefix; miss: none cached, least loaded; imbalanced: least loaded over the cache; "
        "least_loaded, round_robin: those policies).", ("reason",), "gateway"),

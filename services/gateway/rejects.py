@@ -81,8 +81,11 @@ def sender(validate_input) -> Send:
 
 
 class RejectSpill:
-    def __init__(self, cfg: RejectSpillConfig, send: Send):
-        self.cfg, self._send = cfg, send
+    """``on_backlog(n)`` hears the backlog whenever it changes and every ``retry_interval_s``
+    (the gateway exports it: keel_gateway_rejected_spill_backlog)."""
+
+    def __init__(self, cfg: RejectSpillConfig, send: Send, on_backlog: Callable[[int], None] = lambda n: None):
+        self.cfg, self._send, self._on_backlog = cfg, send, on_backlog
         self._spill: SpillLog | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -110,6 +113,7 @@ class RejectSpill:
     def put(self, record: Rejected) -> None:
         """Durable once it returns (fsync'd); the resend task is woken."""
         self._spill.append(record.to_json())
+        self._on_backlog(self._spill.pending)
         self._wake.set()
 
     async def _run(self) -> None:
@@ -120,12 +124,12 @@ class RejectSpill:
                 async with asyncio.timeout(self.cfg.retry_interval_s):
                     await self._wake.wait()
             self._wake.clear()
-            if not self._spill.pending:
-                continue
-            try:
-                await self._drain()
-            except Exception:  # a dead task would strand the spill
-                log.exception("resending rejected inputs failed; retrying")
+            if self._spill.pending:
+                try:
+                    await self._drain()
+                except Exception:  # a dead task would strand the spill
+                    log.exception("resending rejected inputs failed; retrying")
+            self._on_backlog(self._spill.pending)
 
     async def _drain(self) -> None:
         """Send the backlog oldest first; stop at the first record the validator does not take

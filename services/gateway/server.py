@@ -55,7 +55,8 @@ class GatewayStage:
             usage.served(served)
             if recorder is not None:
                 recorder.served(served)
-        self.rejects = RejectSpill(cfg.rejected_spill, sender(self.upstreams.validate_input))
+        backlog = m.gauge("keel_gateway_rejected_spill_backlog")
+        self.rejects = RejectSpill(cfg.rejected_spill, sender(self.upstreams.validate_input), backlog.set)
         self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits, on_served=on_served,
                                  spill_rejected=self.rejects.put)
 

@@ -90,7 +90,8 @@ def spill_cfg(tmp_path) -> RejectSpillConfig:
 @pytest.mark.asyncio
 async def test_a_rejection_the_slow_validator_misses_is_spilled_first_and_sent_later(spill_cfg):
     up = SlowValidator()
-    spill = RejectSpill(spill_cfg, sender(up.validate_input))
+    heard: list[int] = []  # what the gateway's backlog gauge is set to
+    spill = RejectSpill(spill_cfg, sender(up.validate_input), heard.append)
     spill.start()
     try:
         err = await refuse(gateway(up, spill), deadline_s=0.05)
@@ -101,9 +102,11 @@ async def test_a_rejection_the_slow_validator_misses_is_spilled_first_and_sent_l
         assert json.loads(line) | {"payload": None} == {"payload": None, "source": "default", "domain": "default",
                                                          "reason": "EMPTY_PROMPT", "message": err.message,
                                                          "trace_id": TRACE}
+        assert heard[-1] == 1
         up.ready.set()
         await until(lambda: spill.backlog() == 0)
         assert up.quarantined == [("EMPTY_PROMPT", json.loads(line)["payload"])]
+        await until(lambda: heard[-1] == 0)  # the gauge follows the backlog down
     finally:
         await spill.close()
 
