@@ -338,15 +338,7 @@ at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_typ
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   const Activations a(x, path);
-  std::vector<int32_t> sq;
-  if (ggml_type == Q4_0 || ggml_type == Q5_0) {
-    sq.resize(M * nb);
-    for (int64_t e = 0; e < M * nb; ++e) {
-      int32_t s = 0;
-      for (int j = 0; j < QK; ++j) s += a.qx[QK * e + j];
-      sq[e] = s;
-    }
-  }
+  const std::vector<int32_t> sq = ggml_type == Q4_0 || ggml_type == Q5_0 ? a.sums(QK) : std::vector<int32_t>();
   const Problem p{a.qx.data(), a.ux.data(), a.dx.data(), a.sx.data(), sq.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, nb, G};
   switch (ggml_type) {
     case Q4_0: run(p, tiling<Q4_0>(path), Q4_0); break;

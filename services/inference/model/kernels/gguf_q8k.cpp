@@ -311,15 +311,7 @@ at::Tensor gguf_q8k_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_ty
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   const Activations a(x, path);
-  std::vector<int32_t> s16;
-  if (ggml_type == Q6_K) {
-    s16.resize(M * K / 16);
-    for (int64_t e = 0; e < M * K / 16; ++e) {
-      int32_t s = 0;
-      for (int j = 0; j < 16; ++j) s += a.qx[16 * e + j];
-      s16[e] = s;
-    }
-  }
+  const std::vector<int32_t> s16 = ggml_type == Q6_K ? a.sums(16) : std::vector<int32_t>();
   const Problem p{a.qx.data(), a.dx.data(), a.sx.data(), s16.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(),
                   M, n, K, K / QK, ns, G};
   if (ggml_type == Q4_K)

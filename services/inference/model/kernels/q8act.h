@@ -142,6 +142,18 @@ struct Activations {
     for (int64_t m = 0; m < M; ++m)
       quantize(xp + m * K, nb, qx.data() + m * K, ux.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
   }
+
+  // The integer sums of qx over each run of `width` elements, in order (exact in int32): what a
+  // kernel subtracts for weights stored with an offset (Q4_0's 8, Q5_0's 16, Q6_K's 32).
+  std::vector<int32_t> sums(int width) const {
+    std::vector<int32_t> out(qx.size() / width);
+    for (size_t e = 0; e < out.size(); ++e) {
+      int32_t s = 0;
+      for (int j = 0; j < width; ++j) s += qx[width * e + j];
+      out[e] = s;
+    }
+    return out;
+  }
 };
 
 }  // namespace keel::q8
