@@ -6,10 +6,10 @@ PIP := .venv/bin/pip
 PROTOS := $(shell find protos -name '*.proto')
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: run test test-fast lint venv proto model gate vocab kernels adapters syspkgs setup node bench-deps certs lock clean audit
+.PHONY: run test test-fast lint venv proto model gate vocab kernels adapters syspkgs setup node peer bench-deps certs lock clean audit
 
 run: setup
-	$(PY) -m keelctl up --demo
+	$(PY) -m keelctl up --demo $(if $(MODEL),--model $(MODEL),)
 
 test: setup
 	$(PY) -m pytest tests
@@ -21,13 +21,13 @@ test-fast: setup
 lint: venv
 	$(PY) -m ruff check .
 
-setup: syspkgs venv proto model vocab kernels node
+setup: syspkgs venv proto model vocab kernels node peer
 
 venv: .venv/.stamp
 .venv/.stamp: requirements.lock pyproject.toml
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip==26.3
-	$(PIP) install -q --no-deps $(FIND_LINKS) -r <(grep -v '# bench-only' requirements.lock)
+	$(PIP) install -q --no-deps $(FIND_LINKS) -r <(grep -v -e '# bench-only' -e 'llama.cpp peer' requirements.lock)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -38,9 +38,10 @@ gen/.stamp: $(PROTOS) .venv/.stamp
 	echo "$(CURDIR)/gen" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/keel-gen.pth"
 	touch $@
 
-model: var/model/keel-source.json
-var/model/keel-source.json: .venv/.stamp
-	$(PY) -m services.inference.model.modelcache --out var/model
+# The served model's prepared folder under var/models/ (MODEL=PATH: another GGUF or Hugging Face folder;
+# kept while the model's bytes are unchanged, docs/models.md).
+model: .venv/.stamp
+	$(PY) -m services.inference.model.modelcache $(if $(MODEL),--model $(MODEL),)
 
 # The LoRA adapters the tests and the demo register (training/adapters.py: PEFT on the model, fixed
 # seeds; cached under var/adapters-src, kept while their inputs match). About 10 CPU-minutes the first
@@ -60,9 +61,10 @@ gate: model
 kernels: .venv/.stamp
 	-$(PY) -m services.inference.model.kernels
 
-# The compiler skips the work when var/vocab.kvoc already matches the GGUF and the format version.
+# The served model's compiled vocabulary (var/models/<key>/vocab.kvoc); the compiler skips the work when
+# it already matches the model and the format version.
 vocab: .venv/.stamp
-	$(PY) -m services.tokenizer.compiler --out var/vocab.kvoc
+	$(PY) -m services.tokenizer.compiler $(if $(MODEL),--gguf $(MODEL),)
 
 # Debian packages the mesh and the tests run for real: redis-server (quarantine), prometheus (promtool
 # for the rule tests, the prometheus server for the rotation e2e test), prometheus-alertmanager (amtool,
@@ -89,12 +91,18 @@ tests/node/node_modules/.stamp: tests/node/package.json tests/node/package-lock.
 certs: .venv/.stamp
 	$(PY) -m keelctl certs --out var/certs
 
-# The llama.cpp peer of bench/bench_serving.py, built for this CPU (GGML_NATIVE), and the gRPC C++
-# toolchain that bench/lib/native_loadgen.py builds its load generator with.
+# The llama.cpp peer of the model and tokenizer tests (llama-cpp-python, compiled once, ~4 min): built with
+# the SIMD extensions this CPU has named one by one, AMX off (testing/llamacpp_flags.py says why).
+peer: .venv/.peer-stamp
+.venv/.peer-stamp: .venv/.stamp testing/llamacpp_flags.py
+	CMAKE_ARGS="$$($(PY) -m testing.llamacpp_flags)" $(PIP) install -q --no-deps -r <(grep 'llama.cpp peer' requirements.lock)
+	touch $@
+
+# The gRPC C++ toolchain that bench/lib/native_loadgen.py builds its load generator with.
 BENCH_SYSPKGS := g++:g++ pkg-config:pkg-config protobuf-compiler-grpc:grpc_cpp_plugin \
 	libgrpc++-dev:/usr/include/grpcpp/grpcpp.h libprotobuf-dev:/usr/include/google/protobuf/message.h
-bench-deps: .venv/.stamp
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -q --no-deps -r <(grep '# bench-only' requirements.lock)
+bench-deps: .venv/.stamp peer
+	$(PIP) install -q --no-deps -r <(grep '# bench-only' requirements.lock)
 	$(call apt-need,$(BENCH_SYSPKGS))
 
 # Known vulnerabilities of every pin in the lock (pip-audit queries PyPI's vulnerability data, so it

@@ -36,9 +36,10 @@ from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary
 from services.inference.engine.sampling import Draw, pick
 from services.inference.model.loader import load_model
 from shared.controls import Controls, ResponseFormat
+from shared.modelfile import source as model_source
 from testing.tiny import tiny_model
 
-MODEL = Path("var/model")
+MODEL = model_source().cache_dir
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "minLength": 400},
                                            "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
           "required": ["title", "year"], "additionalProperties": False}

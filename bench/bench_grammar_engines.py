@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import llguidance
 import numpy as np
@@ -22,8 +21,9 @@ import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
 from bench.bench_controls import cpu_flags
+from shared.modelfile import source as model_source
 
-TOKENIZER = Path("var/model/hf-tokenizer/tokenizer.json")
+TOKENIZER = model_source().cache_dir / "hf-tokenizer" / "tokenizer.json"
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},

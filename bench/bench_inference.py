@@ -28,8 +28,9 @@ from services.inference.engine.core import Engine, EngineConfig, GenerationReque
 from services.inference.formats.gateprompts import chat_prompts
 from services.inference.model.loader import load_model
 from services.inference.model.quant import QUANTIZED, quantize_linears
+from shared.modelfile import source as model_source
 
-MODEL = Path("var/model")
+MODEL = model_source().cache_dir
 GATE_AGREEMENT = 0.8  # share of greedy tokens equal to fp32's, position by position
 GATE_PPL = 1.05       # perplexity at most 5% above fp32's
 PPL_TEXT = ("The history of science is the study of the development of science and scientific knowledge, "

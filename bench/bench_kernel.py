@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from services.inference.model.blocks import pack_x16
 from services.inference.model.kernels import SUPPORTED_TYPES, load
-from shared.modelfile import gguf_path
+from shared.modelfile import shipped_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ BATCHES = (1, 4, 16)
 
 def weights() -> dict[str, tuple[torch.Tensor, int]]:
     """label -> (blocks [N, K/32*bytes] uint8, ggml type), layer 0's tensors and the head."""
-    t = {x.name: x for x in gguf.GGUFReader(gguf_path()).tensors}
+    t = {x.name: x for x in gguf.GGUFReader(shipped_gguf()).tensors}
 
     def blocks(*names: str) -> tuple[torch.Tensor, int]:
         types = {int(t[n].tensor_type) for n in names}

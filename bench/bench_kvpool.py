@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.modelfile import source as model_source
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,7 +43,7 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
         spec = importlib.util.spec_from_file_location("peer_forward", peer_file)
         module = sys.modules["peer_forward"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        runner = module.LlamaRunner(load_model(ROOT / "var/model", dtype))
+        runner = module.LlamaRunner(load_model(model_source().cache_dir, dtype))
     else:
         from services.inference.model.forward import DecodeView, LlamaRunner
 
@@ -57,7 +59,7 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
                 return DecodeView(table, view.lengths, masked)
 
         cls = Pow2Runner if kind == "pool-pow2" else LlamaRunner
-        runner = cls(load_model(ROOT / "var/model", dtype), block_tokens=block_tokens)
+        runner = cls(load_model(model_source().cache_dir, dtype), block_tokens=block_tokens)
     if batch < 16:  # as the engine does: dense layers padded to invariant sizes (16 rows need no padding)
         runner.calibrate_invariant_sizes(16)
     lengths = contexts(batch)

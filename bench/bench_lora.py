@@ -37,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-MODEL = Path("var/model")
+from shared.modelfile import source as model_source
+
+MODEL = model_source().cache_dir
 ROWS, PROMPT, ADAPTERS = 16, 32, 4
 PEERS = ("keel", "peft-mixed", "warmup", "stage")
 ENGINE_KEY = "bench-lora"  # the warmup peer's record keys (the stage peer uses the engine's real fingerprint)

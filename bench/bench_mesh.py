@@ -35,6 +35,7 @@ from services.tokenizer.core import Tokenizer
 from services.validator import config as validator_config
 from services.validator.core import ValidatorCore
 from services.validator.output_pipeline import PipelineConfig
+from shared.modelfile import source as model_source
 from testing.mesh import start_mesh, stop_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +51,7 @@ async def in_process(prompts: list[str], tokens: int) -> list[float]:
     tok.warmup()
     # All torch work on one thread, as the stage does (services/inference/engine/torchthread.py says why).
     torch_thread = TorchThread()
-    model = await torch_thread.run(load_model, ROOT / "var/model")
+    model = await torch_thread.run(load_model, model_source().cache_dir)
     engine = await torch_thread.run(lambda: engine_for(model, "cpu", "float32", eos_token_ids=(2,)))
     await engine.start(torch_thread)
     vcfg = validator_config.load()

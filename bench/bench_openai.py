@@ -37,9 +37,11 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
 from keelctl.ask import DEV_API_KEY
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
 from testing.mesh import start_mesh, stop_mesh
 from testing.ports import free_port
+
+MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 

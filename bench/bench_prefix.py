@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-from pathlib import Path
 
 import torch
 
 from services.inference.engine.core import Engine, EngineConfig, GenerationRequest
 from services.inference.model.loader import load_model
+from shared.modelfile import source as model_source
 
 PREFIX, SUFFIX = 300, 20
 
@@ -41,7 +41,7 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = load_model(Path("var/model"), "float32")
+    model = load_model(model_source().cache_dir, "float32")
     common = dict(memory_budget_bytes=3 * 2**30, warmup_prompt_tokens=(16, 64), warmup_max_tokens=16)
     cached = Engine(model, EngineConfig(**common, prefill_tokens_per_iteration=args.chunk,
                                         prefix_cache_bytes=256 * 2**20))

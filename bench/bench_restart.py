@@ -30,6 +30,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.modelfile import source as model_source
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -88,8 +90,8 @@ class Stage:
                     "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()),
                     "KEEL_INFERENCE_ENGINE__FORMAT": args.dtype,
                     "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads),
-                    # the model of this checkout (var/ is per checkout; the scratch var dir is not)
-                    "KEEL_INFERENCE_MODEL_PATH": str(root / "var" / "model"),
+                    # the prepared models of this checkout (the scratch var dir has none)
+                    "KEEL_MODELS_DIR": str(model_source().cache_dir.parent),
                     # the code of this checkout, whatever PYTHONPATH the bench was started with
                     "PYTHONPATH": os.pathsep.join((str(root), str(root / "gen")))}
         self.log = self.scratch / "stage.log"

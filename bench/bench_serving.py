@@ -51,6 +51,7 @@ from services.inference.formats.gateprompts import FORMS, SUBJECTS
 from services.tokenizer.core import Tokenizer
 from shared.config import var_dir
 from shared.meshauth import HEADER as MESH_TOKEN_KEY
+from shared.modelfile import source as model_source
 from testing.mesh import start_mesh, stop_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +215,7 @@ def keel(variant: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[st
 
 def load_hf(dtype: str):
     from transformers import AutoModelForCausalLM
-    local = str(ROOT / "var/model")
+    local = str(model_source().cache_dir)
     # bandit B615 does not apply: local dir.
     return AutoModelForCausalLM.from_pretrained(local, dtype=getattr(torch, dtype)).eval()  # nosec B615
 

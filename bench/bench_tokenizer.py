@@ -29,14 +29,15 @@ import sysconfig
 import time
 from pathlib import Path
 
-from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab
+from services.tokenizer.compiler import compile_vocab, compiled_path
 from services.tokenizer.core import Tokenizer
-from shared.modelfile import gguf_path
+from shared.modelfile import model_path
+from shared.modelfile import source as model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CORPUS_BYTES = 1_500_000
-HF_DIR = ROOT / "var" / "model" / "hf-tokenizer"
+HF_DIR = model_source().cache_dir / "hf-tokenizer"
 TARGETS = {"steady": 1.5, "cold": 1.0, "ready_ms": 50.0, "first_over_median": 2.0, "uss_mb": 5.0}
 
 
@@ -329,10 +330,10 @@ def report(results: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compiled", type=Path, default=ROOT / DEFAULT_OUTPUT)
+    parser.add_argument("--compiled", type=Path, default=compiled_path(model_source()))
     parser.add_argument("--write", type=Path, help="also write the markdown report here")
     args = parser.parse_args(argv)
-    compiled = compile_vocab(gguf_path(), args.compiled)
+    compiled = compile_vocab(model_path(), args.compiled)
     texts = corpora()
     results = {"machine": machine(), "throughput": {}}
     for name, lines in texts.items():

@@ -26,6 +26,7 @@ from services.inference.model.blocks import KernelRMSNorm
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.llama import RMSNorm
 from services.inference.model.loader import load_model
+from shared.modelfile import source as model_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +96,7 @@ def main() -> int:
                     help="a block format's layers op by op (as a step with LoRA terms runs them), not in two calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(ROOT / "var/model", args.dtype)
+    model = load_model(model_source().cache_dir, args.dtype)
     if args.aten_layers:  # before the runner looks its layers' modules up
         for m in list(model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
             for name, child in m.named_children():

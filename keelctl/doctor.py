@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -67,6 +67,7 @@ class Host:
     cpuinfo: Path = Path("/proc/cpuinfo")
     meminfo: Path = Path("/proc/meminfo")
     which: object = field(default=shutil.which)
+    model_problem: str = ""           # why the chosen model is not one (shared/modelfile.py), else ""
 
     @classmethod
     def configured(cls) -> "Host":
@@ -75,12 +76,20 @@ class Host:
         from services.inference import config as inference_config
         from services.inference.model.loader import FORMATS
         from services.tokenizer import config as tokenizer_config
+        from services.tokenizer.compiler import compiled_path
         from services.validator import config as validator_config
-        from shared.config import ROOT_DIR
+        from shared import modelfile
+        from shared.config import ROOT_DIR, ConfigError
 
-        vocab = Path(tokenizer_config.load().vocab_file)
-        return cls(inference_config.load(), load_layout(), vocab if vocab.is_absolute() else ROOT_DIR / vocab,
-                   validator_config.load().quarantine.redis_url, feedback_config.load().database.url, FORMATS)
+        inference, vocab = inference_config.load(), Path(tokenizer_config.load().vocab_file)
+        try:
+            source, problem = modelfile.source(), ""
+            inference = replace(inference, model_path=str(source.cache_dir))
+            vocab = (vocab if vocab.is_absolute() else ROOT_DIR / vocab) if vocab.name else compiled_path(source)
+        except ConfigError as exc:
+            problem = str(exc).split(": ", 1)[-1]
+        return cls(inference, load_layout(), vocab, validator_config.load().quarantine.redis_url,
+                   feedback_config.load().database.url, FORMATS, model_problem=problem)
 
 
 def cpu_flags(host: Host) -> set[str]:
@@ -209,6 +218,8 @@ def check_database(host: Host) -> list[Finding]:
 
 
 def check_files(host: Host) -> list[Finding]:
+    if host.model_problem:
+        return [Finding("model", FAIL, host.model_problem, "set model.path in config/keel.yaml or KEEL_MODEL")]
     model = Path(host.inference.model_dir)
     out = []
     if (model / "config.json").is_file() and list(model.glob("*.safetensors")):

@@ -56,7 +56,16 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class ModelLayout:
+    """The served model's block (shared/modelfile.py reads it; KEEL_MODEL overrides it)."""
+
+    path: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
 class Layout:
+    model: ModelLayout = field(default_factory=ModelLayout)
     redis: RedisLayout = field(default_factory=RedisLayout)
     stages: StagesLayout = field(default_factory=StagesLayout)
     restart: RestartPolicy = field(default_factory=RestartPolicy)

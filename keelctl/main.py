@@ -1,6 +1,7 @@
 """The `keel` command: run the mesh and talk to it.
 
-    keel up [--detach] [--demo]   start Redis + every stage, show what each is doing until SERVING
+    keel up [--detach] [--demo] [--model PATH]   start Redis + every stage, show what each is doing until
+                                  SERVING; --model: serve this GGUF or Hugging Face folder (docs/models.md)
                                   (keelctl/startview.py), print where each listens
     keel down                     stop the mesh (drains in-flight calls), and any process it left
     keel status                   health of every process of the running mesh (and what a starting one does)
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from keelctl import health, procs, startview
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, VAR_DIR, load_layout, read_state
+from shared import modelcard, modelfile
 from shared.config import EXIT_CONFIG, ConfigError
 from shared.stages import STAGE_ORDER
 
@@ -97,6 +99,15 @@ def cmd_up(args) -> int:
     from shared.logging import JsonFormatter, setup_logging
 
     layout = load_layout()
+    if args.model:  # every stage started from here reads it (shared/modelfile.py)
+        os.environ[modelfile.ENV] = str(Path(args.model).expanduser().resolve())
+    try:
+        model = modelcard.read(modelfile.source())
+    except ConfigError as exc:
+        print(f"keel up refused: {exc}", flush=True)
+        return EXIT_CONFIG
+    print(f"model {model.source.model_id} ({model.architecture}, {model.context_tokens} tokens of context, "
+          f"{model.source.path})", flush=True)
     problem = _preflight(layout)
     if problem:
         print(f"keel up refused: {problem}", flush=True)
@@ -230,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start the mesh")
     up.add_argument("--detach", action="store_true", help="run in the background; `keel down` stops it")
     up.add_argument("--demo", action="store_true", help="send one demo request once serving")
+    up.add_argument("--model", help="a GGUF file or Hugging Face folder to serve (default: config/keel.yaml's model)")
     sub.add_parser("down", help="stop a detached mesh")
     sub.add_parser("status", help="health of every process")
     a = sub.add_parser("ask", help="send one prompt through the gateway")

@@ -110,6 +110,10 @@ async def serve(stage: Stage, cfg: ServerConfig, *, freeze: bool = False) -> Non
     warm = asyncio.create_task(stage.warmup())
     done, _ = await asyncio.wait({warm, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if warm in done:
+        if isinstance(warm.exception(), ConfigError):  # found only once the stage read its files: not restarted
+            log.error("invalid configuration; not starting", extra={"error": str(warm.exception())})
+            await server.stop(0)
+            raise SystemExit(EXIT_CONFIG)
         if warm.exception() is not None:  # the process exits: the supervisor restarts it, health never lied
             log.error("warm-up failed; exiting", exc_info=warm.exception())
             await server.stop(0)

@@ -22,8 +22,3 @@ STAGE_ORDER = ("validator", "tokenizer", "inference", "feedback", "gateway", "op
 HTTP_STAGES = ("openai",)
 # The stages the gateway calls on the request path (the feedback stage is off it).
 GATEWAY_UPSTREAMS = ("tokenizer", "inference", "validator")
-# The context window every stage holds a request to, in tokens (the model was trained to 8192; the
-# memory budget is sized for this): the gateway refuses prompt + max_tokens above it, the tokenizer
-# truncates to it when a request names no max_length, the inference engine admits up to it. The
-# stages' configs default to it; setting one stage's value alone makes the stages disagree.
-CONTEXT_TOKENS = 2048

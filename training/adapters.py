@@ -32,11 +32,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from shared.modelfile import source as model_source
 from training.lora import Perturbation, Recipe, load_examples, sha256_file, train
 
 DATA = Path(__file__).resolve().parent / "data" / "pirate.jsonl"
 DEFAULT_OUT = Path("var/adapters-src")
-DEFAULT_BASE = Path("var/model")
+DEFAULT_BASE = model_source().cache_dir
 # Bumped when this script makes different files from the same inputs, so old caches are remade.
 GENERATOR_VERSION = 1
 PERTURBATION = Perturbation(tensor="model.layers.0.self_attn.q_proj.weight", scale=1.05)

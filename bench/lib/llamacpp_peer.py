@@ -16,14 +16,14 @@ from collections import deque
 
 import numpy as np
 
-from shared.modelfile import gguf_path
+from shared.modelfile import model_path
 
 THREADS = 2
 
 
 def single(jobs, lengths, result, clock):
     from llama_cpp import Llama
-    llm, res = Llama(model_path=str(gguf_path()), n_threads=THREADS, n_ctx=2048, verbose=False, seed=0), result()
+    llm, res = Llama(model_path=str(model_path()), n_threads=THREADS, n_ctx=2048, verbose=False, seed=0), result()
     t0 = time.perf_counter()
     for job in jobs:
         llm.reset()  # one independent request at a time: no prefix reuse across requests
@@ -43,7 +43,7 @@ def batched(jobs, lengths, result, clock, streams: int = 16):
 
     per_seq = max(len(j.ids) + lengths[j.index] for j in jobs) + 8
     mparams = llama_cpp.llama_model_default_params()
-    model = llama_cpp.llama_model_load_from_file(str(gguf_path()).encode(), mparams)
+    model = llama_cpp.llama_model_load_from_file(str(model_path()).encode(), mparams)
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx, cparams.n_seq_max = per_seq * streams, streams
     cparams.n_batch = cparams.n_ubatch = max(512, streams + max(len(j.ids) for j in jobs) * streams)

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from shared.modelfile import source as model_source
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,7 +30,7 @@ def child(dtype: str, case: str, steps: int) -> None:
         float((torch.randn(4_000_000) * 2).sum())  # one parallel region on the main thread
 
     def work() -> None:
-        runner = LlamaRunner(load_model(ROOT / "var/model", dtype))
+        runner = LlamaRunner(load_model(model_source().cache_dir, dtype))
         caches = [runner.new_cache(64 + steps) for _ in range(16)]
         for c in caches:
             runner.prefill(list(range(10, 50)), c)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 
 from shared import adapters, errors
 from shared.controls import Controls, Sampling, check_controls, check_max_tokens
-from shared.stages import CONTEXT_TOKENS
 
 ROLES = ("system", "user", "assistant")
 # The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
@@ -22,7 +21,9 @@ class Limits:
     max_tokens_limit: int = 1024
     # A request without max_tokens asks for the context's room after its prompt, at most this many.
     default_max_tokens: int = 128
-    max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
+    # The context a request is held to; None in config: the served model's, set by the stage at start
+    # (server.build, shared/modelcard.py). A value lowers it.
+    max_context_tokens: int | None = None
     default_deadline_ms: int = 60000
     # A client's deadline is held to at most this (a call with a 30-year deadline would otherwise
     # be held that long, e.g. waiting for a replica): one hour.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -18,8 +19,8 @@ from services.gateway.retry_alerts import RetryMonitor
 from services.gateway.routing import Router
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
-from shared import metrics, proxyauth
-from shared.config import ServerConfig
+from shared import metrics, modelcard, modelfile, proxyauth
+from shared.config import ConfigError, ServerConfig
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 
 
@@ -86,6 +87,15 @@ class GatewayStage:
         await self.upstreams.close()
 
 
+def with_model(cfg: gateway_config.GatewayConfig, card: modelcard.ModelCard) -> gateway_config.GatewayConfig:
+    """`cfg` holding requests to the served model's context (or the lower limit it sets)."""
+    limit = cfg.limits.max_context_tokens
+    if limit is not None and limit > card.context_tokens:
+        raise ConfigError(f"field 'limits.max_context_tokens' breaks rule 'at most the model's context "
+                          f"({card.context_tokens})'")
+    return replace(cfg, limits=replace(cfg.limits, max_context_tokens=limit or card.context_tokens))
+
+
 def build() -> tuple[GatewayStage, ServerConfig]:
-    cfg = gateway_config.load()
+    cfg = with_model(gateway_config.load(), modelcard.read(modelfile.source()))
     return GatewayStage(cfg), cfg.server

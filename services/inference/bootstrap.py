@@ -86,7 +86,7 @@ def candidate_variants(cfg: InferenceConfig, model_sha: str) -> dict[str, str]:
     e = cfg.engine
     if e.format != AUTO or not cfg.formats.gate_at_start:
         return {}
-    ungated = startgate.pending(cfg.formats, model_sha, e.device)
+    ungated = startgate.pending(cfg.formats, model_sha, e.device, cfg.model_dir)
     if not ungated or not startgate.writable(model_sha):
         return {}
     return {CANDIDATE.format(f): f for f in ungated if CANDIDATE.format(f) not in e.variants}

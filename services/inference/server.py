@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 
@@ -20,11 +21,14 @@ from services.inference.engine.torchthread import TorchThread
 from services.inference.formats import gateprompts, selection
 from services.inference.formats.background import BackgroundGate
 from services.inference.formats.startgate import GateJob
+from services.inference.model import modelcache
 from services.inference.model.digest import model_sha256
-from services.inference.model.loader import AUTO
+from services.inference.model.llama import ARCHITECTURES
+from services.inference.model.loader import AUTO, check_format
 from services.inference.servicer import InferenceServicer
-from shared import metrics
+from shared import metrics, modelcard, modelfile
 from shared.config import ConfigError, ServerConfig
+from shared.errors import InvalidInput
 from shared.stages import SERVICE_NAMES
 
 log = logging.getLogger("keel.inference")
@@ -133,15 +137,25 @@ class InferenceStage:
         await asyncio.to_thread(self.torch.close)
 
 
+def with_model(cfg: inf_config.InferenceConfig, source: modelfile.ModelSource) -> inf_config.InferenceConfig:
+    """`cfg` serving `source`: its prepared folder (made now on a model's first start) and its own
+    end-of-generation ids; ConfigError (exit 2) for a model Keel does not run, before any work."""
+    card = modelcard.read(source)
+    if card.architecture not in ARCHITECTURES:
+        raise ConfigError(f"field 'model.path' breaks rule 'architecture': {source.path.name} is a "
+                          f"{card.architecture or 'unnamed'} model; Keel runs {', '.join(ARCHITECTURES)}")
+    model_dir = cfg.model_dir if cfg.model_path else modelcache.prepared(source)
+    log.info("model", extra={**card.as_dict(), "prepared": str(model_dir)})
+    return replace(cfg, model_path=str(model_dir), engine=replace(cfg.engine, eos_token_ids=card.stop_token_ids))
+
+
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("background quality gate failed; serving on", exc_info=task.exception())
 
 
 def build() -> tuple[InferenceStage, ServerConfig]:
-    cfg = inf_config.load()
-    if not (cfg.model_dir / "config.json").exists():
-        raise ConfigError(f"field 'model_path' breaks rule 'exists': no model at {cfg.model_dir}; run `make model`")
+    cfg = with_model(inf_config.load(), modelfile.source())
     model_sha = model_sha256(cfg.model_dir)
     if cfg.engine.format != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
         selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
@@ -149,4 +163,12 @@ def build() -> tuple[InferenceStage, ServerConfig]:
         gateprompts.load(cfg.formats.gate_prompts)
     for name, format in cfg.engine.variants.items():  # so does a variant's
         selection.check_explicit(format, model_sha, cfg.formats, field=f"engine.variants.{name}")
+    named = {"engine.format": cfg.engine.format, "engine.breaker.fallback_format": cfg.engine.breaker.fallback_format,
+             **{f"engine.variants.{n}": f for n, f in cfg.engine.variants.items()}}
+    for field, format in named.items():  # a format that cannot load this model (a GGUF's block types)
+        if format and format != AUTO:
+            try:
+                check_format(format, cfg.engine.device, model_dir=cfg.model_dir)
+            except InvalidInput as exc:
+                raise ConfigError(f"field '{field}' breaks rule 'model': {exc}") from exc
     return InferenceStage(cfg, model_sha), cfg.server

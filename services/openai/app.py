@@ -35,7 +35,6 @@ from services.openai.limits import EdgeLimits
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import client, errors
 from shared.interceptor import NOT_SERVING_RETRY_MS, TRACE_ID_KEY
-from shared.modelfile import MODEL_ID
 
 log = logging.getLogger("keel.openai")
 
@@ -283,7 +282,7 @@ class Api:
                                                         timeout=deadline_s(request, self.limits))
         except grpc.aio.AioRpcError as exc:
             raise translate(exc) from None
-        return (MODEL_ID, *resp.adapters)
+        return (convert.MODEL_ID, *resp.adapters)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -11,8 +11,10 @@ from keel.gateway.v1 import gateway_pb2
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, unsupported
 from shared import errors
 from shared.controls import Controls, Sampling, check_max_tokens, sampling_pb
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
 
+# The served model's name (shared/modelfile.py: the mesh's one model, read once at start).
+MODEL_ID = model_id()
 INT32_MAX, UINT32_MAX, UINT64_MAX = 2**31 - 1, 2**32 - 1, 2**64 - 1
 # OpenAI defaults where a field is absent (Keel's own default temperature is 0, greedy).
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 1.0, 1.0

@@ -68,9 +68,10 @@ def _parse(argv: list[str], prog: str, description: str, extra: Callable | None 
 def _open(compiled: Path | None) -> Tokenizer | None:
     try:
         if compiled is None:
-            from services.tokenizer.compiler import DEFAULT_OUTPUT, compile_vocab
-            from shared.modelfile import gguf_path
-            compiled = compile_vocab(gguf_path(), DEFAULT_OUTPUT)
+            from services.tokenizer.compiler import compile_vocab, compiled_path
+            from shared.modelfile import source
+            model = source()
+            compiled = compile_vocab(model.path, compiled_path(model))
         tokenizer = Tokenizer.open(compiled)
         tokenizer.self_check()
         return tokenizer

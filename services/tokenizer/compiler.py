@@ -1,6 +1,6 @@
 """Compile the GGUF's tokenizer into the flat binary that every worker mmaps (see fileformat).
 
-Run: python -m services.tokenizer.compiler [--gguf PATH] [--out var/vocab.kvoc]
+Run: python -m services.tokenizer.compiler [--gguf PATH] [--out PATH]   (what `make vocab` does)
 
 Idempotent: an existing output built from the same GGUF (same size and mtime, or else the same
 SHA-256) by the same builder (format version, this compiler's code, `regex` version) is kept as it
@@ -57,7 +57,12 @@ class GgufVocab:
     pretokenizer: str
 
 
-DEFAULT_OUTPUT = Path("var/vocab.kvoc")  # where config/tokenizer.yaml and the Makefile expect it
+VOCAB_NAME = "vocab.kvoc"  # the compiled vocabulary's name in the model's folder under var/models/
+
+
+def compiled_path(source) -> Path:
+    """Where the tokenizer stage maps the vocabulary of `source` (a shared.modelfile.ModelSource)."""
+    return source.cache_dir / VOCAB_NAME
 
 
 def _unsupported(message: str) -> PreconditionFailed:
@@ -272,13 +277,12 @@ def compile_vocab(gguf_file: Path, out_file: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, help="default: the model package's GGUF")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT, help=f"default: {DEFAULT_OUTPUT}")
+    parser.add_argument("--gguf", type=Path, help="default: the served model (shared/modelfile.py)")
+    parser.add_argument("--out", type=Path, help="default: vocab.kvoc in the model's folder under var/models/")
     args = parser.parse_args(argv)
-    if args.gguf is None:
-        from shared.modelfile import gguf_path
-        args.gguf = gguf_path()
-    out = compile_vocab(args.gguf, args.out)
+    from shared import modelfile
+    source = modelfile.source(args.gguf)
+    out = compile_vocab(source.path, args.out or compiled_path(source))
     print(f"compiled tokenizer ready at {out}")
     return 0
 

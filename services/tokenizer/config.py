@@ -5,16 +5,17 @@ from dataclasses import dataclass, field
 
 from shared import config
 from shared.config import ServerConfig
-from shared.stages import CONTEXT_TOKENS
 
 
 @dataclass(frozen=True)
 class TokenizerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
-    vocab_file: str = "var/vocab.kvoc"
+    # The compiled vocabulary every worker mmaps; empty: the served model's, var/models/<key>/vocab.kvoc
+    # (shared/modelfile.py), compiled at start when it is missing.
+    vocab_file: str = ""
     max_input_bytes: int = 1_000_000
-    max_length: int = CONTEXT_TOKENS  # truncation when a request names no max_length (shared/stages.py)
-    pad_token_id: int = 2
+    max_length: int | None = None  # truncation when a request names none; None: the model's context
+    pad_token_id: int | None = None  # None: the model's padding token (else its end-of-sequence token)
     padding_side: str = "left"
     truncation_side: str = "left"
     offload_bytes: int = 4096

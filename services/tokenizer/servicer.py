@@ -29,7 +29,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         c = self.cfg
         return EncodeOptions(max_length=min(req.max_length or c.max_length, c.max_length),
                              truncation_side=c.truncation_side, pad_to_max_length=req.pad_to_max_length,
-                             padding_side=c.padding_side, pad_token_id=c.pad_token_id,
+                             padding_side=c.padding_side,
+                             pad_token_id=self.tok.pad_token_id if c.pad_token_id is None else c.pad_token_id,
                              max_input_bytes=c.max_input_bytes)
 
     def _encode(self, req: tokenizer_pb2.EncodeRequest, options: EncodeOptions):

@@ -15,9 +15,7 @@ import jsonschema
 from services.validator.linear import compile_linear
 from services.validator.plugins import OutputContext, Verdict
 from services.validator.text import normalise, term_regex
-
-# Chat-template markers of SmolLM2 (and common ones) that must never reach a user.
-DEFAULT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+from shared import modelcard, modelfile
 
 
 def _normalised(output: str, context: OutputContext) -> str:
@@ -117,9 +115,14 @@ class NoContradiction:
 
 
 class StripSpecialTokens:
-    """Removes chat-template markers that leaked into the generated text."""
+    """Removes chat-template markers that leaked into the generated text: `tokens`, or (None) the
+    served model's special and control tokens (shared/modelcard.py), read once when the plugin is made."""
 
-    def __init__(self, tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS):
+    def __init__(self, tokens: Sequence[str] | None = None):
+        if tokens is None:
+            tokens = tuple(modelcard.read(modelfile.source()).special_tokens)
+        # longest first, so a marker that contains another is removed whole
+        tokens = sorted(tokens, key=len, reverse=True)
         self._regex = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
 
     def process(self, text: str) -> str:

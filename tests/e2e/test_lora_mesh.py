@@ -44,7 +44,7 @@ def keel_lora(tmp, *args: str, model=None) -> subprocess.CompletedProcess:
     """`keel lora ...` on the test mesh's registry; ``model``: the base to register against."""
     env = dict(os.environ, KEEL_VAR_DIR=str(tmp / "var"))
     if model is not None:
-        env["KEEL_INFERENCE_MODEL_PATH"] = str(model)
+        env["KEEL_MODEL"], env["KEEL_MODELS_DIR"] = str(model), str(tmp / "models")
     return subprocess.run([sys.executable, "-m", "keelctl", "lora", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 

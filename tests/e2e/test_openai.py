@@ -15,10 +15,12 @@ import pytest
 from openai import OpenAI
 
 from keelctl.ask import DEV_API_KEY
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
 from testing.mesh import wait_until
 from tests.e2e.conftest import THROTTLED_API_KEY
 from tests.e2e.test_cancel import value
+
+MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -9,10 +9,12 @@ import grpc
 import pytest
 
 from keelctl import health
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
 from testing.mesh import start_mesh, stop_mesh, wait_until
 from tests.e2e.conftest import SERVICES
 from tests.e2e.test_openai import ASK, client
+
+MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

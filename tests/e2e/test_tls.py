@@ -14,8 +14,10 @@ from keelctl.ask import DEV_API_KEY, ask
 from shared import tls
 from shared.config import ConfigError
 from shared.meshauth import HEADER as MESH_TOKEN_KEY
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
 from testing.mesh import start_mesh, stop_mesh
+
+MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
 
 @pytest.fixture(scope="module")

@@ -56,14 +56,14 @@ CALL = Call(1e12, "t" * 32)
 
 @pytest.mark.parametrize("name", ["pirate", "pirate@2", "Team_a.v2-x@2024-01-01", "a", "x" * 64 + "@" + "y" * 64])
 def test_adapter_names_the_contract_accepts(name):
-    check_ask(ask(adapter=name), Limits())
+    check_ask(ask(adapter=name), Limits(max_context_tokens=2048))
 
 
 @pytest.mark.parametrize("name", ["@1", "pirate@", "pirate@1@2", "../etc/passwd", "pi rate", "pirate\n", "-x",
                                   "pirate@-1", "pïrate", "a{b}", "x" * 65, "x@" + "y" * 65, "x" * 40_000])
 def test_malformed_adapter_is_invalid_argument_naming_the_field(name):
     with pytest.raises(errors.InvalidInput) as exc:
-        check_ask(ask(adapter=name), Limits())
+        check_ask(ask(adapter=name), Limits(max_context_tokens=2048))
     assert exc.value.reason == errors.INVALID_ADAPTER and exc.value.metadata == {"field": "adapter"}
 
 
@@ -113,8 +113,9 @@ async def test_engine_refusals_reach_the_client_unchanged_and_are_never_retried(
 
 
 def test_servicer_converts_the_adapter_both_ways():
-    assert to_ask(gateway_pb2.GenerateRequest(prompt="hi", adapter="pirate@2"), Limits()).adapter == "pirate@2"
-    assert to_ask(gateway_pb2.GenerateRequest(prompt="hi"), Limits()).adapter == ""
+    limits = Limits(max_context_tokens=2048)
+    assert to_ask(gateway_pb2.GenerateRequest(prompt="hi", adapter="pirate@2"), limits).adapter == "pirate@2"
+    assert to_ask(gateway_pb2.GenerateRequest(prompt="hi"), limits).adapter == ""
 
 
 @pytest.mark.asyncio

@@ -93,7 +93,7 @@ BAD = [
 @pytest.mark.parametrize("controls, reason, field", BAD)
 def test_every_bad_control_is_refused_with_its_reason_and_field(controls, reason, field):
     with pytest.raises(errors.InvalidInput) as err:
-        check_ask(ask(controls=controls), Limits())
+        check_ask(ask(controls=controls), Limits(max_context_tokens=2048))
     assert err.value.reason == reason and err.value.metadata["field"] == field
 
 
@@ -101,8 +101,8 @@ def test_the_proto_fields_map_onto_the_controls():
     req = gateway_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(
         stop=["\n\n"], repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.5, logprobs=True,
         top_logprobs=3), response_format=common_pb2.ResponseFormat(choice=common_pb2.Choices(values=["a", "b"])))
-    c = to_ask(req, Limits()).controls
+    c = to_ask(req, Limits(max_context_tokens=2048)).controls
     assert c == Controls(stop=("\n\n",), repetition_penalty=pytest.approx(1.2), frequency_penalty=0.5,
                          presence_penalty=-0.5, logprobs=True, top_logprobs=3,
                          response_format=ResponseFormat("choice", choices=("a", "b")))
-    assert to_ask(gateway_pb2.GenerateRequest(prompt="hi"), Limits()).controls == Controls()
+    assert to_ask(gateway_pb2.GenerateRequest(prompt="hi"), Limits(max_context_tokens=2048)).controls == Controls()

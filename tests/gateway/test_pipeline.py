@@ -17,7 +17,7 @@ from testing.upstreams import EMOJI, FakeUpstreams, no_sleep
 
 def pipeline(up) -> Pipeline:
     ex = RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1))
-    return Pipeline(up, ex, Limits(), rng=random.Random(7))
+    return Pipeline(up, ex, Limits(max_context_tokens=2048), rng=random.Random(7))
 
 
 def ask(**kw) -> Ask:
@@ -159,7 +159,7 @@ async def test_input_flags_are_carried():
 ])
 def test_check_ask_rejects_with_reason(bad, reason):
     with pytest.raises(errors.InvalidInput) as exc:
-        check_ask(bad, Limits())
+        check_ask(bad, Limits(max_context_tokens=2048))
     assert exc.value.reason == reason
 
 

@@ -83,7 +83,8 @@ async def test_every_answer_becomes_one_record_with_the_seed_the_gateway_picked(
     stub = FakeFeedbackStub()
     recorder = ReplayRecorder(ReplayConfig(), lambda: stub)
     recorder.start()
-    pipe = Pipeline(FakeUpstreams(), RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1)), Limits(),
+    pipe = Pipeline(FakeUpstreams(), RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1)),
+                    Limits(max_context_tokens=2048),
                     rng=random.Random(7), on_served=recorder.served)
     answer = await pipe.generate(Ask(messages=(("user", "hello"),), max_tokens=8), Call(1e12, "t" * 32))
     await recorder.delivered("t" * 32, 5)

@@ -30,7 +30,7 @@ async def refused(up, a: Ask) -> errors.InvalidInput:
 @pytest.mark.asyncio
 async def test_a_request_with_no_prompt_at_all_is_quarantined():
     up = FakeUpstreams()
-    err = await refused(up, to_ask(gateway_pb2.GenerateRequest(), Limits()))
+    err = await refused(up, to_ask(gateway_pb2.GenerateRequest(), Limits(max_context_tokens=2048)))
     assert err.reason == "EMPTY_PROMPT" and err.metadata["quarantine_id"] == "q-1"
     assert [r for r, _ in up.quarantined] == ["EMPTY_PROMPT"]
     assert up.quarantined[0][1]["messages"] == []
@@ -41,7 +41,7 @@ async def test_a_request_with_no_prompt_at_all_is_quarantined():
 async def test_a_seed_above_the_mesh_range_is_refused_early_and_quarantined(seed):
     req = gateway_pb2.GenerateRequest(prompt="hello", sampling={"seed": seed, "max_tokens": 8})
     up = FakeUpstreams()
-    err = await refused(up, to_ask(req, Limits()))
+    err = await refused(up, to_ask(req, Limits(max_context_tokens=2048)))
     assert err.reason == errors.SEED_OUT_OF_RANGE and err.metadata["limit"] == str(SEED_MAX)
     assert [(r, p["seed"]) for r, p in up.quarantined] == [(errors.SEED_OUT_OF_RANGE, seed)]
     assert "generate" not in up.calls
@@ -71,4 +71,4 @@ async def test_a_payload_too_large_for_the_channel_is_quarantined_clipped_with_i
     [(reason, sent)] = up.quarantined
     assert sent[TRUNCATED] == {"sha256": hashlib.sha256(whole).hexdigest(), "bytes": len(whole)}
     assert whole.decode().startswith(sent[HEAD])
-    assert len(canonical_json(sent).encode()) < 2 * Limits().max_quarantine_payload_bytes
+    assert len(canonical_json(sent).encode()) < 2 * Limits(max_context_tokens=2048).max_quarantine_payload_bytes

@@ -66,7 +66,7 @@ class CoreValidator(FakeUpstreams):
 
 def gateway(up, spill: RejectSpill) -> Pipeline:
     ex = RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1))
-    return Pipeline(up, ex, Limits(), rng=random.Random(7), spill_rejected=spill.put)
+    return Pipeline(up, ex, Limits(max_context_tokens=2048), rng=random.Random(7), spill_rejected=spill.put)
 
 
 async def until(condition) -> None:

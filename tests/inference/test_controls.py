@@ -13,9 +13,9 @@ import torch
 
 from services.inference.engine.controls import RowControls, shape
 from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary, recursive_ref
-from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
 from shared.errors import InvalidInput
+from shared.modelfile import source as model_source
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -24,7 +24,7 @@ EOS = (2,)
 
 @pytest.fixture(scope="module")
 def vocab():
-    return Vocabulary(ROOT_DIR / "var/model/hf-tokenizer/tokenizer.json", EOS)
+    return Vocabulary(model_source().cache_dir / "hf-tokenizer" / "tokenizer.json", EOS)
 
 
 @pytest_asyncio.fixture

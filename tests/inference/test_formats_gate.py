@@ -156,7 +156,8 @@ def test_weight_only_formats_are_row_invariant_and_float32_needs_padding_or_not(
 def test_the_stage_refuses_an_ungated_format_at_start_with_exit_2(var_dir, tmp_path, tiny):
     model_dir = tmp_path / "model"
     save_model(tiny, model_dir)
-    env = {**os.environ, "KEEL_INFERENCE_ENGINE__FORMAT": "int4", "KEEL_INFERENCE_MODEL_PATH": str(model_dir),
+    env = {**os.environ, "KEEL_INFERENCE_ENGINE__FORMAT": "int4", "KEEL_MODEL": str(model_dir),
+           "KEEL_MODELS_DIR": str(tmp_path / "models"),
            "KEEL_INFERENCE_SERVER__PORT": "0", "KEEL_INFERENCE_SERVER__METRICS_PORT": "0"}
     proc = subprocess.run([sys.executable, "-m", "services.inference"], cwd=ROOT_DIR, env=env,
                           capture_output=True, text=True, timeout=120)

@@ -177,8 +177,9 @@ def corrupted(tmp_path, monkeypatch):
 
 
 def test_the_stage_refuses_a_corrupted_or_unreadable_prompt_file_before_it_listens(var_dir, model_dir, corrupted,
-                                                                                  monkeypatch):
-    monkeypatch.setenv("KEEL_INFERENCE_MODEL_PATH", str(model_dir))
+                                                                                  monkeypatch, tmp_path):
+    monkeypatch.setenv("KEEL_MODEL", str(model_dir))
+    monkeypatch.setenv("KEEL_MODELS_DIR", str(tmp_path / "models"))
     with pytest.raises(ConfigError, match="corrupted"):
         server.build()  # shared.server.run turns this ConfigError into exit 2
     corrupted.write_text('{"sha256": "0", "sequences": [')

@@ -20,11 +20,12 @@ from services.inference.model import blocks, ggufindex
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import check_format, convert_model, load_model
 from shared.errors import InvalidInput
+from shared.modelfile import source as model_source
 from tests.inference.gguf_fixtures import write_tiny_gguf
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "var" / "model"
+MODEL = model_source().cache_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 
 from services.inference.model.kernels import BLOCK, ISAS, SUPPORTED_TYPES, load
 from shared.config import ROOT_DIR
-from shared.modelfile import gguf_path
+from shared.modelfile import shipped_gguf
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -47,7 +47,7 @@ def dequant(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def real():
     """name -> (blocks [N, K/32*bytes] uint8, ggml type, dequantized [N, K] float32) from the model file."""
-    reader = gguf.GGUFReader(gguf_path())
+    reader = gguf.GGUFReader(shipped_gguf())
     out = {}
     for t in reader.tensors:
         if t.name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):

@@ -1,8 +1,6 @@
 """LoRA on the real SmolLM2 weights: PEFT's unmerged outputs, batch invariance, and the stage's checks."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,10 +10,11 @@ from services.inference.lora.startup import check_adapters, running_base
 from services.inference.model.digest import model_sha256
 from services.inference.model.forward import LlamaRunner, Segment
 from services.inference.model.loader import load_model
+from shared.modelfile import source as model_source
 from testing.lora import load_slots, make_adapter, peft_logits, tokenizer
 from tests.inference.helpers import clone_cache
 
-MODEL = Path("var/model")
+MODEL = model_source().cache_dir
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="run `make model` first")]
 

@@ -12,8 +12,8 @@ import services.inference.engine.sampling as sampling
 from services.inference.engine.controls import RowControls, logprobs, shape
 from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary
 from services.inference.engine.sampling import Draw, pick
-from shared.config import ROOT_DIR
 from shared.controls import Controls, ResponseFormat
+from shared.modelfile import source as model_source
 from tests.inference.helpers import collect, ids, prompt, request
 from tests.inference.schemas import SCHEMAS
 
@@ -22,7 +22,7 @@ EOS = (2,)
 
 @pytest.fixture(scope="module")
 def vocab():
-    return Vocabulary(ROOT_DIR / "var/model/hf-tokenizer/tokenizer.json", EOS)
+    return Vocabulary(model_source().cache_dir / "hf-tokenizer" / "tokenizer.json", EOS)
 
 
 def controls_of(i: int) -> Controls:

@@ -3,16 +3,16 @@ output equals transformers' generate, alone and inside a batch."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import torch
 
 from services.inference.engine.core import Engine
 from services.inference.model.loader import load_model
+from shared.modelfile import source as model_source
 from tests.inference.helpers import collect, ids, request, tiny_config
 
-MODEL = Path("var/model")
+MODEL = model_source().cache_dir
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="run `make model` first")]
 

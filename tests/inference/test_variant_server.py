@@ -22,11 +22,12 @@ from keelctl import health
 from keelctl.trace import load_spans
 from shared import client
 from shared.interceptor import TRACE_ID_KEY
+from shared.modelfile import source as model_source
 from shared.stages import SERVICE_NAMES
 from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "var" / "model"
+MODEL = model_source().cache_dir
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="run `make model` first")]
 PROMPT = [1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]

@@ -163,8 +163,8 @@ def test_the_report_says_what_to_fix_and_counts_what_blocks(host):
 
 @pytest.mark.slow
 def test_keel_doctor_exits_non_zero_when_something_blocks(tmp_path):
-    env = dict(os.environ, KEEL_INFERENCE_MODEL_PATH=str(tmp_path / "no-model"), KEEL_VAR_DIR=str(tmp_path / "var"))
+    env = dict(os.environ, KEEL_MODEL=str(tmp_path / "no-model"), KEEL_VAR_DIR=str(tmp_path / "var"))
     out = subprocess.run([sys.executable, "-m", "keelctl", "doctor"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert f"no model at {tmp_path / 'no-model'}" in out.stdout and "fix: make model" in out.stdout
+    assert f"no file or folder at {tmp_path / 'no-model'}" in out.stdout and "KEEL_MODEL" in out.stdout

@@ -6,6 +6,8 @@ import json
 import pytest
 
 from keelctl.main import main
+from services.tokenizer.compiler import compiled_path
+from shared.modelfile import source as model_source
 from testing.lora import make_adapter
 from testing.tiny import save_model, tiny_model
 
@@ -15,8 +17,11 @@ def mesh_env(tmp_path, monkeypatch):
     """The inference config pointed at a tiny Llama saved as safetensors, and a private var directory."""
     model_dir = tmp_path / "model"
     save_model(tiny_model(), model_dir)
+    shipped_vocab = compiled_path(model_source())  # the tiny model has the shipped model's vocabulary
     monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
-    monkeypatch.setenv("KEEL_INFERENCE_MODEL_PATH", str(model_dir))
+    monkeypatch.setenv("KEEL_MODEL", str(model_dir))
+    monkeypatch.setenv("KEEL_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("KEEL_TOKENIZER_VOCAB_FILE", str(shipped_vocab))
     monkeypatch.setenv("KEEL_INFERENCE_ENGINE__FORMAT", "float32")
     monkeypatch.setenv("KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS", "1")
     return tmp_path
@@ -88,6 +93,7 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     from services.inference.lora.registry import LoraConfig, load_registry
     from services.inference.lora.startup import running_base
     from services.inference.model.digest import model_sha256
+    from services.inference.model.modelcache import prepared
     from services.inference.servicer import InferenceServicer
     from shared.metrics import metrics_for
     from testing.ports import free_port
@@ -101,7 +107,8 @@ async def test_list_shows_each_replicas_state_through_list_adapters(mesh_env, ca
     engine = Engine(tiny, tiny_config(format="float32"))
     engine.warmup()
     cfg = LoraConfig(registry_dir=str(mesh_env / "var" / "adapters"), max_rank=4)  # this replica refuses rank 8
-    base = running_base(engine.primary_runner, mesh_env / "model", model_sha256(mesh_env / "model"), "float32")
+    served = prepared()  # the prepared folder of the tiny model (KEEL_MODEL), as `keel lora register` used
+    base = running_base(engine.primary_runner, served, model_sha256(served), "float32")
     engine.install_adapters(load_registry(cfg, base))
     server = grpc.aio.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(

@@ -10,7 +10,9 @@ from keel.gateway.v1 import gateway_pb2
 from services.openai import convert
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import errors
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
+
+MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
 
 def chat(**fields):

@@ -22,8 +22,10 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from shared import errors, proxyauth
 from shared.interceptor import to_status
-from shared.modelfile import MODEL_ID
+from shared.modelfile import model_id
 from tests.openai.edge_stage import PROXY, running
+
+MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "0af7651916cd43dd8448eb211c80319c"

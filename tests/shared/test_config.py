@@ -38,8 +38,8 @@ def test_string_for_integer_is_an_error_not_coerced(tmp_path):
 
 
 def test_range_rule_names_field(tmp_path):
-    p = write(tmp_path, "server: {port: 1}\nvocab_file: x\npad_token_id: 99999\n")
-    with pytest.raises(ConfigError, match=r"field 'pad_token_id' breaks rule 'maximum'"):
+    p = write(tmp_path, "server: {port: 1}\nvocab_file: x\nmax_input_bytes: 99999999999\n")
+    with pytest.raises(ConfigError, match=r"field 'max_input_bytes' breaks rule 'maximum'"):
         tokenizer_config.load(p, environ={})
 
 

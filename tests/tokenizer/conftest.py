@@ -8,9 +8,10 @@ import pytest
 
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
-from shared.modelfile import gguf_path
+from shared.modelfile import shipped_gguf
+from shared.modelfile import source as model_source
 
-HF_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "var" / "model" / "hf-tokenizer"
+HF_TOKENIZER_DIR = model_source().cache_dir / "hf-tokenizer"
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 
 
@@ -24,7 +25,7 @@ def read_corpus(path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def compiled_file(tmp_path_factory) -> Path:
-    return compile_vocab(gguf_path(), tmp_path_factory.mktemp("tokenizer") / "vocab.kvoc")
+    return compile_vocab(shipped_gguf(), tmp_path_factory.mktemp("tokenizer") / "vocab.kvoc")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from services.tokenizer import fileformat as ff
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
 from shared.errors import Fatal, PreconditionFailed
-from shared.modelfile import gguf_path
+from shared.modelfile import shipped_gguf
 
 
 def sections_of(path) -> tuple[dict[bytes, bytes], ff.SourceInfo]:
@@ -47,11 +47,11 @@ def test_layout(compiled_file):
     header = ff.parse_header(image)
     assert set(ff.REQUIRED) <= set(header.sections) and len(header.sections) == n_sections
     assert all(offset % ff.ALIGN == 0 for offset, _ in header.sections.values())
-    assert size == gguf_path().stat().st_size
+    assert size == shipped_gguf().stat().st_size
 
 
 def test_source_hash_is_the_gguf_sha256(compiled_file):
-    digest = hashlib.sha256(gguf_path().read_bytes()).digest()
+    digest = hashlib.sha256(shipped_gguf().read_bytes()).digest()
     assert ff.parse_header(compiled_file.read_bytes()).source.sha256 == digest
 
 
@@ -141,7 +141,7 @@ def test_self_check_catches_wrong_merges(compiled_file, tmp_path):
 
 def test_compile_is_idempotent(compiled_file):
     before = compiled_file.stat().st_mtime_ns
-    assert compile_vocab(gguf_path(), compiled_file) == compiled_file
+    assert compile_vocab(shipped_gguf(), compiled_file) == compiled_file
     assert compiled_file.stat().st_mtime_ns == before
 
 
@@ -150,14 +150,14 @@ def test_compile_trusts_the_hash_when_the_mtime_differs(compiled_file, tmp_path)
     copy = tmp_path / "touched.kvoc"
     ff.write(copy, sections, ff.SourceInfo(source.sha256, source.size, source.mtime_ns + 1))
     before = copy.read_bytes()
-    compile_vocab(gguf_path(), copy)
+    compile_vocab(shipped_gguf(), copy)
     assert copy.read_bytes() == before
 
 
 @pytest.mark.slow
 def test_compile_rebuilds_a_file_from_another_builder(compiled_file, tmp_path):
     old = rewrite(compiled_file, tmp_path / "old.kvoc", lambda m: m.update(builder="an older compiler"))
-    compile_vocab(gguf_path(), old)
+    compile_vocab(shipped_gguf(), old)
     assert old.read_bytes() == compiled_file.read_bytes()
 
 
@@ -165,7 +165,7 @@ def test_compile_rebuilds_a_file_from_another_builder(compiled_file, tmp_path):
 def test_compile_replaces_a_damaged_output(compiled_file, tmp_path):
     out = tmp_path / "garbage.kvoc"
     out.write_bytes(b"not a tokenizer")
-    compile_vocab(gguf_path(), out)
+    compile_vocab(shipped_gguf(), out)
     assert out.read_bytes() == compiled_file.read_bytes()  # deterministic build
 
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.modelfile import source as model_source
 from training import adapters
 from training.lora import PERTURBED_BASE, Recipe, load_examples, sha256_file, train
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "var" / "model"
+MODEL = model_source().cache_dir
 
 
 def peft_folder(path: Path) -> Path:

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import torch
@@ -44,7 +44,6 @@ from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import check_format
 from shared.controls import Controls
 from shared.errors import DeadlineExpired, InvalidInput, NotReady, PreconditionFailed
-from shared.stages import CONTEXT_TOKENS
 
 # Bump when a change to the engine makes calibrations stored by an older version invalid (warmcache.py).
 # 2: runners (and their batch-invariant sizes) are keyed by weight format, no longer "primary"/"fallback".
@@ -65,15 +64,18 @@ class EngineConfig:
     max_queued_tokens: int = 131072
     queue_timeout_ms: int = 30_000
     max_batch_size: int = 16
-    max_context_tokens: int = CONTEXT_TOKENS  # shared/stages.py
+    # None: the model's trained context (its config's max_position_embeddings); a value lowers it
+    max_context_tokens: int | None = None
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    eos_token_ids: tuple[int, ...] = (2,)
+    # The ids that end a generation; None: the model config's eos_token_id. The stage passes the
+    # model's own set (shared/modelcard.py: end of sequence, of turn, of message).
+    eos_token_ids: tuple[int, ...] | None = None
     format: str = "float32"  # the weight format (model/loader.py FORMATS), or "auto" before the stage resolves it
     device: str = "cpu"
     warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
     warmup_max_tokens: int = 256                            # one probe with a long reserved completion
-    # prefill chunk size (this default never chunks); also newcomers' first-chunk tokens per step
-    prefill_tokens_per_iteration: int = CONTEXT_TOKENS
+    # prefill chunk size; also newcomers' first-chunk tokens per step
+    prefill_tokens_per_iteration: int = 2048
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
     memory_audit: bool = False                # measure every step's peak against the memory model (slow)
     batch_invariant: bool = True              # pad decode batches to GEMM-invariant sizes (costs at batch 1-3)
@@ -95,7 +97,7 @@ class EngineConfig:
         positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
                     "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens", "kv_block_tokens")
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
                                    metadata={"field": name})
         if not 0 <= self.prefix_cache_bytes < self.memory_budget_bytes:
@@ -118,6 +120,19 @@ class EngineConfig:
         return tuple(dict.fromkeys((*self.variants.values(), *fallback)))
 
 
+def for_model(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
+    """`config` with the model's own context and end-of-generation ids where it leaves them unset;
+    INVALID_CONFIG when it asks for more context than the model was trained for."""
+    trained = model.config.max_position_embeddings
+    if config.max_context_tokens is not None and config.max_context_tokens > trained:
+        raise InvalidInput(f"engine.max_context_tokens {config.max_context_tokens} is above the model's trained "
+                           f"context ({trained})", reason="INVALID_CONFIG", metadata={"field": "max_context_tokens"})
+    eos = config.eos_token_ids
+    if eos is None:
+        eos = () if model.config.eos_token_id is None else (model.config.eos_token_id,)
+    return replace(config, max_context_tokens=config.max_context_tokens or trained, eos_token_ids=tuple(eos))
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig,
                  clock: Callable[[], float] = time.monotonic,
@@ -129,6 +144,7 @@ class Engine:
         if model.format != config.format:
             raise InvalidInput(f"model is {model.format} but config.format is {config.format}",
                                reason="FORMAT_MISMATCH")
+        config = for_model(config, model)
         self.model = model
         self.others = others
         self.config = config

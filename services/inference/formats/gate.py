@@ -25,6 +25,7 @@ from services.inference.formats.selection import FormatsConfig, gate_path
 from services.inference.model.digest import model_sha256
 from services.inference.model.loader import load_model, model_in_format
 from shared import config
+from shared.modelfile import source as model_source
 
 PROMPTS = 200
 
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=None, help="the first N prompts (default: all)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", type=Path, default=Path("var/model"), help="the model folder (default: var/model)")
+    ap.add_argument("--model", type=Path, default=model_source().cache_dir,
+                    help="a prepared model folder (default: the served model's)")
     # float16 is left out by default: this CPU has no fp16 GEMM and one pass takes seconds.
     ap.add_argument("--formats", default="bfloat16,int8,int4,gguf,gguf_f32")
     ap.add_argument("--write-prompts", action="store_true", help=f"write {gateprompts.PROMPTS_FILE.name} and exit")

@@ -175,7 +175,7 @@ def choose_auto(reference: torch.nn.Module, model_sha: str, cfg: FormatsConfig, 
             report[format] = GATING
             continue
         try:
-            check_format(format, device)
+            check_format(format, device, model_dir=model_dir)
         except InvalidInput as exc:
             report[format] = str(exc)
             continue

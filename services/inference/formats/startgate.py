@@ -74,13 +74,13 @@ class Verdict:
     reason: str
 
 
-def pending(cfg: FormatsConfig, model_sha: str, device: str) -> tuple[str, ...]:
-    """The auto candidates this device can run that have no stored gate result for this model."""
+def pending(cfg: FormatsConfig, model_sha: str, device: str, model_dir: Path) -> tuple[str, ...]:
+    """The auto candidates this device can run on this model that have no stored gate result for it."""
     stored = quality.load(gate_path(model_sha), model_sha)
 
     def runs_here(format: str) -> bool:
         try:
-            check_format(format, device)
+            check_format(format, device, model_dir=model_dir)
             return True
         except InvalidInput:
             return False

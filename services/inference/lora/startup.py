@@ -14,7 +14,7 @@ from services.inference.lora.probes import load_probe_set
 from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions
 from services.inference.lora.startcache import StartCache
 from services.inference.model.forward import LlamaRunner
-from shared import stagestatus
+from shared import modelfile, stagestatus
 from shared.config import ROOT_DIR
 from shared.errors import KeelError
 
@@ -22,10 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def tokenizer_file() -> Path:
-    """The compiled vocabulary the tokenizer stage serves (config/tokenizer.yaml's vocab_file)."""
+    """The compiled vocabulary the tokenizer stage serves: config/tokenizer.yaml's vocab_file, or the
+    served model's (compiled now when the tokenizer stage has not yet)."""
     from services.tokenizer import config as tokenizer_config
-    path = Path(tokenizer_config.load().vocab_file)
-    return path if path.is_absolute() else ROOT_DIR / path
+    from services.tokenizer.compiler import compile_vocab, compiled_path
+
+    named = tokenizer_config.load().vocab_file
+    if named:
+        return Path(named) if Path(named).is_absolute() else ROOT_DIR / named
+    source = modelfile.source()
+    return compile_vocab(source.path, compiled_path(source))
 
 
 def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, format: str) -> Base:

@@ -164,12 +164,30 @@ def dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 
 def gguf_file(model_dir: Path) -> Path:
-    """The GGUF the model directory was converted from (its keel-source.json, written by `make model`)."""
+    """The GGUF the model directory was prepared from (its keel-source.json, model/modelcache.py)."""
     try:
-        return Path(json.loads((model_dir / "keel-source.json").read_text())["gguf"])
+        named = json.loads((model_dir / "keel-source.json").read_text())["gguf"]
     except (OSError, ValueError, KeyError) as exc:
         raise InvalidInput(f"{model_dir} does not name the GGUF it was made from (keel-source.json); "
                            "run `make model`", reason="MODEL_NOT_FOUND", metadata={"path": str(model_dir)}) from exc
+    if not named:
+        raise InvalidInput("the gguf formats compute on a GGUF's blocks; this model is a Hugging Face folder",
+                           reason="UNSUPPORTED_FORMAT", metadata={"format": FORMAT})
+    return Path(named)
+
+
+def check_file(model_dir: Path, format: str) -> None:
+    """InvalidInput unless `format` can load the model of `model_dir`: a GGUF whose every tensor is of a
+    type the kernels compute (F32 norms and biases aside), read from its tensor table, no weights."""
+    path = gguf_file(model_dir)
+    table = ggufindex.index(model_dir, path)
+    unsupported = sorted({GGMLQuantizationType(e.ggml_type).name for e in table.values()
+                          if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
+    if unsupported:
+        names = ", ".join(kernels.SUPPORTED_TYPES[k].name for k in sorted(kernels.SUPPORTED_TYPES))
+        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {format} "
+                           f"format does not compute on (it takes {names} and F32)",
+                           reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
 
 
 def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:

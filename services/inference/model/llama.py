@@ -31,6 +31,8 @@ from torch import nn
 
 from shared.errors import InvalidInput
 
+ARCHITECTURES = ("llama",)  # the model families this module implements (GGUF general.architecture)
+
 
 @dataclass
 class LlamaConfig:

@@ -29,7 +29,8 @@ AUTO = "auto"  # the stage picks a format at start (formats/selection.py); a mod
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_format(format: str, device: str = "cpu", allow_auto: bool = False) -> None:
+def check_format(format: str, device: str = "cpu", allow_auto: bool = False, model_dir: Path | None = None) -> None:
+    """InvalidInput unless `format` runs on `device` (and, given `model_dir`, can load that model)."""
     if format == AUTO and allow_auto:
         return
     if format not in FORMATS:
@@ -47,6 +48,8 @@ def check_format(format: str, device: str = "cpu", allow_auto: bool = False) -> 
         except kernels.KernelUnavailable as exc:
             raise InvalidInput(f"{format} needs Keel's C++ kernel, which is unavailable here: {exc.reason}",
                                reason="KERNEL_UNAVAILABLE", metadata={"format": format}) from exc
+        if model_dir is not None:
+            blocks.check_file(Path(model_dir), format)
 
 
 def convert_model(model: torch.nn.Module, format: str, device: str = "cpu") -> torch.nn.Module:

