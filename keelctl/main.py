@@ -215,11 +215,24 @@ def cmd_status(args) -> int:
     targets = _targets(layout)
     statuses = {name: health.status(t, s) for name, (t, s) in targets.items()}
     procs_state = state.get("processes", {})
+    if state.get("model"):
+        print(f"  model {_model_line(state['model'])}")
     for name, st in statuses.items():  # with what each process says it is doing, unless just serving
         print(f"  {name:<28} {startview.row(st, startview.stage_status(targets[name][0]))}")
     for name, p in procs_state.items():
         print(f"  {name:<28} pid {p.get('pid')}  restarts {p.get('restarts')}")
     return 0 if all(v == "SERVING" for v in statuses.values()) else 1
+
+
+def _model_line(pinned: dict) -> str:
+    """The served model as `keel status` shows it: name, family, context, template, weight types."""
+    try:
+        card = modelcard.read(modelfile.source(pinned.get(modelfile.ENV), environ=pinned))
+    except ConfigError as exc:
+        return f"{pinned.get(modelfile.NAME_ENV)}: unreadable now ({exc})"
+    facts = card.as_dict()
+    return (f"{facts['model_id']}  {facts['architecture']}, context {facts['context_tokens']}, "
+            f"chat template: {facts['chat_template']}, weights {', '.join(facts['weight_types'])}  {card.source.path}")
 
 
 def cmd_ask(args) -> int:

@@ -44,7 +44,7 @@ from pathlib import Path
 from keelctl.layout import LOG_DIR, ROOT, RUN_DIR, Layout, RestartPolicy, write_state
 from keelctl.procs import RUN_DIR_ENV
 from keelctl.readiness import ReadySocket
-from shared import meshauth, metrics, notify, proxyauth
+from shared import meshauth, metrics, modelfile, notify, proxyauth
 from shared.config import EXIT_CONFIG
 from shared.stages import GATEWAY_UPSTREAMS, STAGE_ORDER
 
@@ -165,8 +165,11 @@ class Supervisor:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         # The proxy credential (shared/proxyauth.py): the HTTP server names its callers to the gateway.
         proxy_token = proxyauth.token() or secrets.token_hex(16)
+        # The model, pinned for the mesh's lifetime: a stage restarted after config/keel.yaml changed
+        # still serves the model its peers serve.
+        self.model = {modelfile.ENV: str(modelfile.model_path()), modelfile.NAME_ENV: modelfile.model_id()}
         base_env = dict(os.environ, **{meshauth.ENV: self.mesh_token, proxyauth.ENV: proxy_token}, PYTHONUNBUFFERED="1",
-                        **{RUN_DIR_ENV: str(RUN_DIR.resolve()), notify.ENV: self._ready.name})
+                        **{RUN_DIR_ENV: str(RUN_DIR.resolve()), notify.ENV: self._ready.name}, **self.model)
         if redis:
             redis_dir = ROOT / layout.redis.dir  # an absolute dir replaces ROOT
             redis_dir.mkdir(parents=True, exist_ok=True)
@@ -216,6 +219,7 @@ class Supervisor:
     def _write_state(self) -> None:
         write_state({
             "pid": os.getpid(), "mesh_token": self.mesh_token, "redis_url": self.redis_url, "failed": self.failed,
+            "model": self.model,
             "processes": {c.name: {"pid": c.popen.pid if c.popen else None, "port": c.port, "stage": c.stage,
                                    "restarts": c.restarts, "log": str(c.log_path)} for c in self.children},
         })

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gguf import GGMLQuantizationType
+
 from shared import ggufmeta
 from shared.config import ConfigError
 from shared.modelfile import GGUF, ModelSource
@@ -38,11 +40,12 @@ class ModelCard:
     stop_token_ids: tuple[int, ...]
     chat_template: str | None
     special_tokens: dict[str, int] = field(default_factory=dict)  # text -> id of control/added tokens
+    weight_types: tuple[str, ...] = ()  # a GGUF's tensor types (ggml names); a folder's safetensors dtypes
 
     def as_dict(self) -> dict:
         return {**self.source.as_dict(), "name": self.name, "architecture": self.architecture,
                 "context_tokens": self.context_tokens, "stop_token_ids": list(self.stop_token_ids),
-                "chat_template": "model" if self.chat_template else "plain"}
+                "chat_template": "model" if self.chat_template else "plain", "weight_types": list(self.weight_types)}
 
 
 def read(source: ModelSource) -> ModelCard:
@@ -68,8 +71,16 @@ def _from_gguf(source: ModelSource) -> ModelCard:
     tokens, types = h.get("tokenizer.ggml.tokens") or [], h.get("tokenizer.ggml.token_type") or []
     special = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k in (GGUF_CONTROL, GGUF_USER_DEFINED)}
     named = [h.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    types = tuple(sorted({_type_name(t.ggml_type) for t in h.tensors.values()}))
     return ModelCard(source, str(h.get("general.name") or source.model_id), h.architecture, context,
-                     _eog(special, named), h.get("tokenizer.chat_template"), special)
+                     _eog(special, named), h.get("tokenizer.chat_template"), special, types)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:  # a type newer than the gguf package
+        return str(ggml_type)
 
 
 def _json(path: Path) -> dict:
@@ -98,5 +109,7 @@ def _from_folder(source: ModelSource) -> ModelCard:
     eos_text = tok_config.get("eos_token")
     eos_text = eos_text.get("content") if isinstance(eos_text, dict) else eos_text
     named.append(special.get(eos_text) if isinstance(eos_text, str) else None)
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "")
     return ModelCard(source, str(config.get("_name_or_path") or source.model_id), str(config.get("model_type", "")),
-                     context, _eog(special, named), tok_config.get("chat_template"), special)
+                     context, _eog(special, named), tok_config.get("chat_template"), special,
+                     (dtype,) if dtype else ())

@@ -145,7 +145,7 @@ def with_model(cfg: inf_config.InferenceConfig, source: modelfile.ModelSource) -
         raise ConfigError(f"field 'model.path' breaks rule 'architecture': {source.path.name} is a "
                           f"{card.architecture or 'unnamed'} model; Keel runs {', '.join(ARCHITECTURES)}")
     model_dir = cfg.model_dir if cfg.model_path else modelcache.prepared(source)
-    log.info("model", extra={**card.as_dict(), "prepared": str(model_dir)})
+    log.info("model", extra={"model": card.as_dict(), "prepared": str(model_dir)})
     return replace(cfg, model_path=str(model_dir), engine=replace(cfg.engine, eos_token_ids=card.stop_token_ids))
 
 
