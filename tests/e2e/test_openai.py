@@ -136,7 +136,8 @@ def test_the_sse_framing_byte_for_byte(mesh):
     ({"max_tokens": 5000}, 400, "MAX_TOKENS_TOO_LARGE", "max_tokens"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "UNKNOWN_ROLE", "messages"),
     ({"messages": [{"role": "user", "content": "x" * 40000}]}, 400, "PROMPT_TOO_LARGE", "messages"),
-    ({"messages": [{"role": "user", "content": "hello " * 3000}]}, 400, "context_length_exceeded", "messages"),
+    # one token per digit: 9000 tokens in 9000 bytes, past the model's 8192 and under max_prompt_bytes
+    ({"messages": [{"role": "user", "content": "0123456789" * 900}]}, 400, "context_length_exceeded", "messages"),
     ({"model": "no-such-adapter@1"}, 404, "ADAPTER_NOT_FOUND", "model"),
     ({"model": "not/an adapter"}, 400, "INVALID_ADAPTER", "model"),
 ])
@@ -151,10 +152,10 @@ def test_gateway_refusals_keep_their_reason(mesh, change, status, code, param):
 
 
 def test_a_long_prompt_is_cut_only_when_asked_and_then_flagged(mesh):
-    long = [{"role": "user", "content": "hello " * 3000}]
+    long = [{"role": "user", "content": "0123456789" * 900}]
     with pytest.raises(openai.BadRequestError) as exc:
         client(mesh).chat.completions.create(model=MODEL_ID, messages=long, max_tokens=2)
-    assert exc.value.code == "context_length_exceeded" and "2048 tokens" in exc.value.message
+    assert exc.value.code == "context_length_exceeded" and "8192 tokens" in exc.value.message
     r = client(mesh).chat.completions.create(model=MODEL_ID, messages=long, max_tokens=2,
                                              extra_body={"truncate_prompt_tokens": 100})
     assert r.usage.prompt_tokens == 100 and r.model_extra["prompt_truncated"] is True
@@ -163,7 +164,7 @@ def test_a_long_prompt_is_cut_only_when_asked_and_then_flagged(mesh):
 def test_tokenize_counts_what_a_chat_completion_bills_and_detokenize_reads_it_back(mesh):
     counted = json.loads(curl(mesh, "/tokenize", body={"model": MODEL_ID, "messages": ASK}))
     r = client(mesh).chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=2, temperature=0)
-    assert counted["count"] == r.usage.prompt_tokens and counted["max_model_len"] == 2048
+    assert counted["count"] == r.usage.prompt_tokens and counted["max_model_len"] == 8192
     ids = json.loads(curl(mesh, "/tokenize", body={"prompt": "Hello, world"}))["tokens"]
     assert json.loads(curl(mesh, "/detokenize", body={"tokens": ids})) == {"prompt": "Hello, world"}
     assert client(mesh).models.retrieve(MODEL_ID).id == MODEL_ID
