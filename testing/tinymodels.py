@@ -34,7 +34,7 @@ from services.inference.model import llama
 from services.inference.model.llama import ModelConfig
 from shared import ggufmeta
 from shared.config import ROOT_DIR
-from shared.modelfile import gguf_path
+from shared.modelfile import shipped_gguf
 
 Q = gguf.GGMLQuantizationType
 CACHE = Path(ROOT_DIR) / "var" / "tinymodels"
@@ -75,7 +75,7 @@ class TinyFiles:
 
 
 def _tokenizer_fields() -> dict[str, object]:
-    header = ggufmeta.read(gguf_path())
+    header = ggufmeta.read(shipped_gguf())
     return {k: v for k, v in header.metadata.items() if k.startswith("tokenizer.")}
 
 
