@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.inference.model import llama
-from services.inference.model.llama import LlamaConfig
+from services.inference.model.llama import ModelConfig
 
 
 def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:
@@ -22,7 +22,7 @@ def tiny_model(vocab_size: int = 49152, seed: int = 0) -> torch.nn.Module:
     on rounding-level near-ties, which makes exact-match tests meaningless.
     """
     std = 0.5
-    config = LlamaConfig(
+    config = ModelConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
         rope_theta=100000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,

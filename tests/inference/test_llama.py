@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.inference.model.forward import LlamaRunner
-from services.inference.model.llama import LlamaConfig, load
+from services.inference.model.llama import ModelConfig, load
 from services.inference.model.loader import load_model
 from shared.config import ROOT_DIR
 from shared.errors import InvalidInput
@@ -85,10 +85,11 @@ def test_tiny_model_keeps_the_padding_row_zero_and_the_config_values():
     assert m.lm_head.weight is m.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("change,field", [({"model_type": "mistral"}, "model_type"),
+@pytest.mark.parametrize("change,field", [({"model_type": "gpt2"}, "'gpt2' model; Keel implements llama, mistral"),
                                           ({"hidden_act": "gelu"}, "hidden_act"),
-                                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
-                                           "rope_parameters.rope_type")])
+                                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}},
+                                           "rope_parameters.rope_type"),
+                                          ({"attention_bias": True}, "attention_bias")])
 def test_a_config_this_module_does_not_implement_is_refused(tiny, tmp_path, change, field):
     save_model(tiny, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -110,7 +111,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tiny, tmp_path, change, 
 
 
 def test_config_reads_the_older_top_level_rope_theta():
-    c = LlamaConfig.from_json({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+    c = ModelConfig.from_json({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
                                "num_attention_heads": 2, "num_key_value_heads": 1,
                                "max_position_embeddings": 32, "rope_theta": 500.0})
     assert (c.rope_theta, c.head_dim, c.tie_word_embeddings) == (500.0, 4, False)

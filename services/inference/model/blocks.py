@@ -29,7 +29,14 @@ output element depends only on K (services/inference/model/kernels), so a fused 
 the separate ones (x16 parts are fused only when each is whole groups of 16 rows).
 
 llama.cpp stores the query and key rows of each head interleaved for its rotary layout
-(convert_hf_to_gguf.py's permute); the loader puts them back in the reference's order.
+(convert_hf_to_gguf.py's permute, llama and mistral only); the loader puts them back in the reference's
+order (ggufmodel.row_order). qwen2's q/k/v biases (F32) are added after the block product
+(`BlockLinear.bias`, the fused matrix holding them stacked), qwen3's per-head q/k norms are KernelRMSNorm
+modules (self_attn.q_norm, k_norm); a layer with either runs forward.py's op-by-op path (`LayerArgs.of`).
+
+Entry points: `load_gguf(path, format)` reads the config and the tensors from the GGUF itself
+(ggufmodel.py); `load(model_dir, format)` is `make model`'s folder: the config from its config.json,
+the GGUF named by its keel-source.json, the tensor table from its gguf-index.json.
 """
 from __future__ import annotations
 
@@ -42,8 +49,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from services.inference.model import ggufindex, kernels, llama
-from services.inference.model.llama import LlamaConfig, LlamaForCausalLM
+from services.inference.model import ggufindex, ggufmodel, kernels, llama
+from services.inference.model.ggufmodel import TensorFile
+from services.inference.model.llama import LlamaForCausalLM, ModelConfig
 from shared.errors import InvalidInput
 
 FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp)
@@ -67,8 +75,9 @@ class BlockLinear(nn.Module):
     `owner` False: the blocks are a row view of a fused matrix that owns them (counted once)."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, out_features: int, q8: bool,
-                 owner: bool = True):
+                 owner: bool = True, bias: torch.Tensor | None = None):
         super().__init__()
+        self.bias = bias  # float32 [out] added to each product (qwen2's q/k/v), or None
         self.in_features, self.out_features, self.ggml_type, self.q8 = in_features, out_features, ggml_type, q8
         if owner:
             self.register_buffer("blocks", blocks, persistent=False)
@@ -81,9 +90,11 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32."""
         if x.dim() == 2 and x.is_contiguous():  # the engine's steps: no reshapes to dispatch
-            return self._op(x, *self._args)
-        y = self._op(x.reshape(-1, self.in_features).contiguous(), *self._args)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = self._op(x, *self._args)
+        else:
+            y = self._op(x.reshape(-1, self.in_features).contiguous(), *self._args)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -190,19 +201,26 @@ def check_file(model_dir: Path, format: str) -> None:
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
 
 
-def _unpermute_rows(n_rows: int, heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's rotary interleave of a [heads * D, K] query or key weight."""
-    return torch.arange(n_rows).reshape(heads, n_rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-
-
 def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
     """The model of `model_dir`'s config.json with its weights as the blocks of its GGUF (CPU), for the
     kernel of `format` (one of FORMATS)."""
     kernels.load()  # KernelUnavailable here, before any work, when the kernel cannot be built
-    q8 = format == FORMAT
-    config = LlamaConfig.from_json(json.loads((model_dir / "config.json").read_text()))
+    config = ModelConfig.from_json(json.loads((model_dir / "config.json").read_text()))
     path = gguf_file(model_dir)
-    table = ggufindex.index(model_dir, path)
+    return _build(config, TensorFile(path, ggufindex.index(model_dir, path)), format)
+
+
+def load_gguf(path: str | Path, format: str = FORMAT) -> LlamaForCausalLM:
+    """The model of a GGUF file, its config from the file's metadata (ggufmodel.py), its weights as the
+    file's blocks (CPU), for the kernel of `format` (one of FORMATS)."""
+    kernels.load()
+    config, tensors = ggufmodel.read(path)
+    return _build(config, tensors, format)
+
+
+def _build(config: ModelConfig, source: TensorFile, format: str) -> LlamaForCausalLM:
+    q8 = format == FORMAT
+    path, table = source.path, source.entries
     unsupported = sorted({GGMLQuantizationType(e.ggml_type).name for e in table.values()
                           if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
     if unsupported:
@@ -211,13 +229,12 @@ def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
                            f"format does not compute on (it takes {names} and F32)",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
 
-    def tensor(name: str, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        entry = table.get(name)
-        if entry is None:
-            raise InvalidInput(f"{path.name} lacks tensor {name}", reason="UNSUPPORTED_MODEL",
-                               metadata={"fields": name})
-        data = torch.from_numpy(ggufindex.read(path, entry))
-        return (data if rows is None else data[rows].contiguous()), entry.ggml_type
+    def tensor(name: str) -> tuple[torch.Tensor, int]:
+        data, rows = torch.from_numpy(source.read(name)), ggufmodel.row_order(config, name)
+        return (data if rows is None else data[rows].contiguous()), source.type(name)
+
+    def bias(name: str) -> torch.Tensor | None:
+        return tensor(name)[0] if config.attention_bias else None
 
     def norm(name: str) -> KernelRMSNorm:
         return KernelRMSNorm(nn.Parameter(tensor(name)[0], requires_grad=False), config.rms_norm_eps)
@@ -227,7 +244,7 @@ def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
         return BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8)
 
     model = llama.uninitialised(config)  # its float matrices are never written, and replaced below
-    e, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    e, heads = config.hidden_size, config.num_attention_heads
     embed, embed_type = tensor("token_embd.weight")
     if embed_type == F32:
         raise InvalidInput(f"the embedding is F32; the {format} format needs it in blocks",
@@ -241,10 +258,11 @@ def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
     for i, layer in enumerate(model.model.layers):
         layer.input_layernorm = norm(f"blk.{i}.attn_norm.weight")
         layer.post_attention_layernorm = norm(f"blk.{i}.ffn_norm.weight")
-        q = tensor(f"blk.{i}.attn_q.weight", _unpermute_rows(heads * config.head_dim, heads))
-        k = tensor(f"blk.{i}.attn_k.weight", _unpermute_rows(kv * config.head_dim, kv))
         attn, mlp = layer.self_attn, layer.mlp
-        _fuse(attn, "qkv", ("q_proj", "k_proj", "v_proj"), (q, k, tensor(f"blk.{i}.attn_v.weight")), e, q8)
+        _fuse(attn, "qkv", ("q_proj", "k_proj", "v_proj"), tuple(tensor(f"blk.{i}.attn_{p}.weight") for p in "qkv"),
+              e, q8, tuple(bias(f"blk.{i}.attn_{p}.bias") for p in "qkv"))
+        if config.qk_norm:
+            attn.q_norm, attn.k_norm = norm(f"blk.{i}.attn_q_norm.weight"), norm(f"blk.{i}.attn_k_norm.weight")
         attn.o_proj = linear(tensor(f"blk.{i}.attn_output.weight"), heads * config.head_dim)
         _fuse(mlp, "gate_up", ("gate_proj", "up_proj"),
               (tensor(f"blk.{i}.ffn_gate.weight"), tensor(f"blk.{i}.ffn_up.weight")), e, q8)
@@ -255,25 +273,30 @@ def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
 
 
 def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...], parts: tuple[tuple[torch.Tensor, int], ...],
-          in_features: int, q8: bool) -> None:
+          in_features: int, q8: bool, biases: tuple[torch.Tensor | None, ...] | None = None) -> None:
     """parent.<fused>: one BlockLinear over the parts' rows stacked; parent.<name>: a row view of each.
     Parts of different block types, or x16 parts that are not whole groups of 16 rows, stay separate
-    modules (no fused matrix)."""
+    modules (no fused matrix). `biases`: each part's, or None (all or none)."""
+    biases = biases or (None,) * len(parts)
     types = {t for _, t in parts}
     if len(types) > 1 or (q8 and any(b.shape[0] % ROWS for b, _ in parts)):
-        for name, (b, t) in zip(names, parts):
-            setattr(parent, name, BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8))
+        for name, (b, t), bias in zip(names, parts, biases):
+            setattr(parent, name, BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8,
+                                              bias=bias))
         return
     t = types.pop()
     stacked = torch.cat([b for b, _ in parts])
-    whole = BlockLinear(pack_x16(stacked, t) if q8 else stacked, t, in_features, stacked.shape[0], q8)
+    stacked_bias = None if biases[0] is None else torch.cat(biases)
+    whole = BlockLinear(pack_x16(stacked, t) if q8 else stacked, t, in_features, stacked.shape[0], q8,
+                        bias=stacked_bias)
     setattr(parent, fused, whole)
-    start = 0
+    start, row = 0, 0
     for name, (b, _) in zip(names, parts):
         step = b.shape[0] // ROWS if q8 else b.shape[0]  # x16: a part is its groups' rows of the matrix
+        bias = None if stacked_bias is None else stacked_bias[row:row + b.shape[0]]
         setattr(parent, name, BlockLinear(whole.blocks[start:start + step], t, in_features, b.shape[0], q8,
-                                          owner=False))
-        start += step
+                                          owner=False, bias=bias))
+        start, row = start + step, row + b.shape[0]
 
 
 @dataclass(frozen=True)
@@ -287,9 +310,12 @@ class LayerArgs:
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerArgs | None:
-        """None unless every part is a block module and the projections are fused (see load)."""
+        """None unless every part is a block module and the projections are fused (see load), and the layer
+        has neither biases nor q/k norms (the composed ops compute neither)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = getattr(attn, "qkv", None), getattr(mlp, "gate_up", None)
+        if getattr(qkv, "bias", None) is not None or hasattr(attn, "q_norm"):
+            return None
         linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not (all(isinstance(m, BlockLinear) for m in linears) and all(isinstance(m, KernelRMSNorm) for m in norms)):

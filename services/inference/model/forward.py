@@ -13,6 +13,12 @@ along its own positions in a fixed order, no padding read); the other formats ru
 In a step without LoRA terms a block format's layer is two calls (kernels/layer.cpp: norm, QKV,
 rotary and decode attention; then o_proj, norm, MLP and both residual adds), the same ops in the
 same order as the op-by-op path that a step with adapters takes, so the bits are those of that path.
+The architectures' extras (llama.py) run on the op-by-op path: qwen2's q/k/v biases are the projections'
+own, qwen3's per-head q/k norms follow the projections, and mistral's sliding window masks the positions
+more than `sliding_window` behind each query (prompt chunks and decode rows alike, aten attention: the
+block formats' layer ops do not take a window, so a windowed model runs the aten ops for rotary and
+attention on any format). A block format's layer with biases or q/k norms takes the op-by-op path
+(`LayerArgs.of` is None); every such op is per row, so the guarantee above holds for them too.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
 (model/loraslots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 from services.inference.model.blocks import FORMATS as BLOCK_FORMATS
 from services.inference.model.blocks import LayerArgs
 from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
-from services.inference.model.llama import rotate_half
+from services.inference.model.llama import rotate_half, window_mask
 from services.inference.model.loader import residual_dtype
 from services.inference.model.loraslots import NO_LORA, LoraSlots
 
@@ -79,13 +85,15 @@ class Layer:
     gate_up: Projections
     down_proj: torch.nn.Module
     blocks: LayerArgs | None  # a block format's layer: its two composed calls (kernels/layer.cpp)
+    q_norm: torch.nn.Module | None  # qwen3: RMSNorm over each head's query, then key, before the rotation
+    k_norm: torch.nn.Module | None
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         return cls(layer.input_layernorm, Projections.of(attn, ("q_proj", "k_proj", "v_proj"), "qkv"), attn.o_proj,
                    layer.post_attention_layernorm, Projections.of(mlp, ("gate_proj", "up_proj"), "gate_up"),
-                   mlp.down_proj, LayerArgs.of(layer))
+                   mlp.down_proj, LayerArgs.of(layer), getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
 
 
 @dataclass
@@ -120,10 +128,12 @@ class LlamaRunner:
         self.groups = self.heads // self.kv_heads
         self.vocab_size = cfg.vocab_size
         self.scale = self.head_dim ** -0.5
+        self.window: int | None = getattr(cfg, "sliding_window", None)  # positions a query attends to (mistral)
         # int8 and gguf models keep a float32 residual stream (embeddings, norms, attention).
         self.dtype = residual_dtype(model)
         self.format: str = model.format  # the weight format it serves, as the model was loaded (loader.py)
-        self.layer_ops = self.format in BLOCK_FORMATS  # kernels/layer_ops.cpp serve rotary and attention
+        # kernels/layer_ops.cpp serve rotary and attention; they take no sliding window
+        self.layer_ops = self.format in BLOCK_FORMATS and self.window is None
         self.invariant_sizes: tuple[int, ...] = ()
         self.lora: LoraSlots | None = None  # the preloaded adapters (model/loraslots.py), set at warm-up
         self.layers = [Layer.of(layer) for layer in model.model.layers]
@@ -213,6 +223,9 @@ class LlamaRunner:
                                                    *decode_rows, self.block_tokens, self.scale)
             else:
                 q, k, v = layer.qkv(i, layer.input_norm(x), lora)
+                if layer.q_norm is not None:
+                    q = layer.q_norm(q.view(padded, self.heads, self.head_dim)).view(padded, -1)
+                    k = layer.k_norm(k.view(padded, self.kv_heads, self.head_dim)).view(padded, -1)
                 q = self._rope_store(i, q[:n_tok], k[:n_tok], v[:n_tok], cos, sin, slots)
                 if decoding:
                     self._decode_attention(i, q, dec_tokens, view, attn_out)
@@ -220,7 +233,9 @@ class LlamaRunner:
                 # A prompt chunk (one row) at positions st..st+n-1 attends causally to everything cached so far.
                 keys = pool.keys[i].index_select(1, chunk_blocks).flatten(1, 2)[None, :, :st + n]  # [1, KV, st+n, D]
                 values = pool.values[i].index_select(1, chunk_blocks).flatten(1, 2)[None, :, :st + n]
-                mask = None if st == 0 else _prefix_causal_mask(st, n, self.device)
+                mask = None if st == 0 and (self.window is None or n <= self.window) else \
+                    window_mask(torch.arange(st, st + n, device=self.device), torch.arange(st + n, device=self.device),
+                                self.window)
                 out = F.scaled_dot_product_attention(
                     q[o:o + n].view(n, self.heads, self.head_dim).transpose(0, 1)[None], keys, values,
                     attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, D]
@@ -255,7 +270,10 @@ class LlamaRunner:
         lengths = torch.tensor([c.length + 1 for c in caches], device=self.device)
         if self.layer_ops:
             return DecodeView(table, lengths, None)
-        masked = torch.arange(width * self.block_tokens, device=self.device)[None, :] >= lengths[:, None]
+        at = torch.arange(width * self.block_tokens, device=self.device)[None, :]
+        masked = at >= lengths[:, None]
+        if self.window is not None:  # the query at length - 1 sees keys > length - 1 - window
+            masked |= at < lengths[:, None] - self.window
         return DecodeView(table, lengths, masked[None, :, None, :])
 
     def _rope_store(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -337,11 +355,6 @@ class LlamaRunner:
 # keel::layer_attention's decode rows, table and lengths for a step without decode rows.
 _NO_DECODE_ROWS = (torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
                    torch.zeros(0, dtype=torch.long))
-
-
-def _prefix_causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
-    """[n, start + n] bool: query i (at position start + i) sees keys 0..start + i."""
-    return torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
 
 
 def _in_features(lin: torch.nn.Module) -> int:

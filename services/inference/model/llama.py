@@ -1,8 +1,18 @@
-"""Keel's own Llama module: the SmolLM2 architecture in plain torch, loaded straight from safetensors.
+"""Keel's own Llama-family module: SmolLM2, Llama 2/3, Mistral, Qwen2 and Qwen3 in plain torch.
+
+Architectures (`ModelConfig.model_type`, transformers' model_type and GGUF's general.architecture):
+  llama    SmolLM2, Llama 2, Llama 3.x (rope_type llama3 or linear scaling of the rotary frequencies)
+  mistral  llama-shaped; attention limited to the last `sliding_window` positions when the config sets one
+  qwen2    biases on the query, key and value projections
+  qwen3    an RMSNorm over each head's query and key (q_norm, k_norm) before the rotary embedding, and an
+           explicit head_dim
+Tied or untied output head, any head / KV-head / hidden sizes. Anything else is refused with
+UNSUPPORTED_MODEL. ggufmodel.py builds the same config from a GGUF's metadata.
 
 The serving process imports only torch and safetensors for the model (transformers alone costs more
 than two seconds of start-up, and a restart after a crash pays every second of it). The module tree
-and its parameter names are those of transformers' LlamaForCausalLM, so the weight file of
+and its parameter names are those of transformers' LlamaForCausalLM (Qwen2/Qwen3/Mistral use the same
+names, plus self_attn.q_norm / k_norm for qwen3 and the q/k/v `.bias` for qwen2), so the weight file of
 `make model` loads as it is and the engine (forward.py) and the weight formats (quant.py) see the same
 attributes: model.embed_tokens, model.layers[i].self_attn.{q,k,v,o}_proj, .mlp.{gate,up,down}_proj,
 .input_layernorm, .post_attention_layernorm, model.norm, model.rotary_emb, lm_head.
@@ -19,6 +29,7 @@ Shapes: B batch, T tokens, E hidden size, H query heads, KV key/value heads, D h
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,13 +42,25 @@ from torch import nn
 
 from shared.errors import InvalidInput
 
-ARCHITECTURES = ("llama",)  # the model families this module implements (GGUF general.architecture)
+# The model families this module implements (GGUF general.architecture, transformers' model_type).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3", "linear", "freq_factors")
+
+
+def unsupported_architecture(name: str, where: str) -> InvalidInput:
+    return InvalidInput(f"{where} is a {name!r} model; Keel implements {', '.join(ARCHITECTURES)}",
+                        reason="UNSUPPORTED_MODEL", metadata={"architecture": name})
 
 
 @dataclass
-class LlamaConfig:
-    """The fields of a transformers Llama config.json that this architecture reads (same names).
+class ModelConfig:
+    """The fields of a transformers config.json that these architectures read (same names).
 
+    `rope_scaling`: None, or the rotary frequencies' scaling: {"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} (transformers'
+    rope_parameters), {"rope_type": "linear", "factor"}, or {"rope_type": "freq_factors", "factors": [D/2]}
+    (llama.cpp's rope_freqs.weight: each frequency divided by its factor, what llama3 becomes in a GGUF).
+    `sliding_window`: None, or the number of positions a query attends to (itself and those before).
     Mutable on purpose: quantizing lm_head unties it from the embedding (quant.py)."""
 
     vocab_size: int
@@ -54,16 +77,29 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    model_type: str = "llama"
+    attention_bias: bool = False  # biases on q_proj, k_proj, v_proj (qwen2)
+    qk_norm: bool = False         # self_attn.q_norm / k_norm over each head (qwen3)
+    sliding_window: int | None = None
+    rope_scaling: dict | None = None
 
     @classmethod
-    def from_json(cls, data: dict) -> LlamaConfig:
+    def from_json(cls, data: dict) -> ModelConfig:
         """From a transformers config.json; InvalidInput when it describes something else."""
-        rope = data.get("rope_parameters") or {"rope_type": "default", "rope_theta": data.get("rope_theta")}
+        arch = data.get("model_type", "llama")
+        if arch not in ARCHITECTURES:
+            raise unsupported_architecture(arch, "the model's config.json")
+        rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", data.get("rope_theta"))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        window = data.get("sliding_window") if arch == "mistral" else None
         unsupported = {
-            "model_type": data.get("model_type", "llama") != "llama",
             "hidden_act": data.get("hidden_act", "silu") != "silu",
-            "rope_parameters.rope_type": rope.get("rope_type", "default") != "default",
-            "attention_bias": bool(data.get("attention_bias")), "mlp_bias": bool(data.get("mlp_bias")),
+            "rope_parameters.rope_type": rope_type not in ROPE_TYPES[:3],
+            # qwen2 has q/k/v biases by construction; elsewhere attention_bias also puts one on o_proj
+            "attention_bias": arch != "qwen2" and bool(data.get("attention_bias")),
+            "mlp_bias": bool(data.get("mlp_bias")),
+            "use_sliding_window": arch in ("qwen2", "qwen3") and bool(data.get("use_sliding_window")),
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad:
@@ -76,6 +112,14 @@ class LlamaConfig:
             values.setdefault("rms_norm_eps", 1e-6)
             values.setdefault("tie_word_embeddings", False)
             values["rope_theta"] = float(rope.get("rope_theta") or 10000.0)
+            values["model_type"] = arch
+            values["attention_bias"] = arch == "qwen2"
+            values["qk_norm"] = arch == "qwen3"
+            limit = values.get("max_position_embeddings")
+            values["sliding_window"] = int(window) if window and (limit is None or window < limit) else None
+            keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            values["rope_scaling"] = ({"rope_type": rope_type, **{k: rope[k] for k in keep if k in rope}}
+                                      if rope_type != "default" else None)
             return cls(**values)
         except (KeyError, TypeError) as exc:
             raise InvalidInput(f"the model's config.json lacks a field: {exc}", reason="UNSUPPORTED_MODEL",
@@ -124,11 +168,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2]
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)  # [D / 2]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> (cos, sin), each [B, T, D] in x's dtype (angles in float32)."""
@@ -137,8 +179,60 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotary embedding's [D / 2] inverse frequencies, scaled as `config.rope_scaling` says, computed as
+    transformers computes them (modeling_rope_utils: default, linear, _compute_llama3_parameters)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float) / d))
+    rope = config.rope_scaling or {"rope_type": "default"}
+    kind = rope["rope_type"]
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(rope["factors"], dtype=torch.float)
+    if kind != "llama3":
+        return inv_freq
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def llama3_freq_factors(config: ModelConfig) -> list[float]:
+    """What llama.cpp's converter writes as rope_freqs.weight for a llama3 rope_scaling (convert_hf_to_gguf.py)."""
+    rope, d = config.rope_scaling, config.head_dim
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(float(factor))
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Q, K] bool, True = attended: causal, and within the last `window` positions when one is set
+    (transformers' sliding_window_overlay: key > query - window)."""
+    allowed = keys[None, :] <= queries[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > queries[:, None] - window
+    return allowed
+
+
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -150,30 +244,42 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         e, d = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = Linear(e, self.heads * d, bias=False)
-        self.k_proj = Linear(e, self.kv_heads * d, bias=False)
-        self.v_proj = Linear(e, self.kv_heads * d, bias=False)
+        self.window = config.sliding_window
+        bias = config.attention_bias
+        self.q_proj = Linear(e, self.heads * d, bias=bias)
+        self.k_proj = Linear(e, self.kv_heads * d, bias=bias)
+        self.v_proj = Linear(e, self.kv_heads * d, bias=bias)
         self.o_proj = Linear(self.heads * d, e, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal self-attention over a whole sequence: h [B, T, E], cos/sin [B, T, D] -> [B, T, E]."""
         b, t, _ = h.shape
-        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)      # [B, H, T, D]
-        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)   # [B, KV, T, D]
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # qwen3: each head's query and key normalized before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                                    # [B, H|KV, T, D]
         v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)   # [B, KV, T, D]
         cos, sin = cos[:, None], sin[:, None]                                          # [B, 1, T, D]
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.head_dim ** -0.5,
-                                             enable_gqa=True)                         # [B, H, T, D]
+        mask = None
+        if self.window is not None and t > self.window:
+            pos = torch.arange(t, device=h.device)
+            mask = window_mask(pos, pos, self.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
+                                             scale=self.head_dim ** -0.5, enable_gqa=True)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
@@ -187,7 +293,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
@@ -196,7 +302,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         # The weight format it holds, set by whoever fills the weights (loader.py, blocks.py), so a
@@ -236,7 +342,7 @@ def unfilled():
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
-def uninitialised(config: LlamaConfig) -> LlamaForCausalLM:
+def uninitialised(config: ModelConfig) -> LlamaForCausalLM:
     """The module with its parameters' memory allocated but never written (the loader fills it)."""
     with unfilled():
         return LlamaForCausalLM(config)
@@ -247,7 +353,7 @@ def load(path: Path) -> LlamaForCausalLM:
 
     The module is built with uninitialised parameters and then takes the file's tensors as they are:
     safetensors maps the file, so the weights are neither initialised nor copied."""
-    config = LlamaConfig.from_json(json.loads((path / "config.json").read_text()))
+    config = ModelConfig.from_json(json.loads((path / "config.json").read_text()))
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:

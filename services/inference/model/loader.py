@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from services.inference.model import blocks, kernels, llama
+from services.inference.model import blocks, ggufmodel, kernels, llama
 from services.inference.model.quant import QUANTIZED, quantize_linears
 from shared.errors import InvalidInput
 
@@ -76,9 +76,15 @@ def residual_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def load_model(path: str | Path, format: str = "float32", device: str = "cpu") -> torch.nn.Module:
-    """Load a Llama-family causal LM from a safetensors directory, in eval mode, without grad."""
+    """Load a Llama-family causal LM (llama.ARCHITECTURES) in eval mode, without grad, from a safetensors
+    directory (`make model`'s) or a .gguf file (ggufmodel.py: the float formats dequantize its tensors,
+    the block formats compute on them)."""
     check_format(format, device)
     path = Path(path)
+    if path.suffix == ".gguf" and path.is_file():
+        if format in blocks.FORMATS:
+            return blocks.load_gguf(path, format)
+        return _to_format(ggufmodel.load(path), format, device)
     if not (path / "config.json").exists():
         raise InvalidInput(f"no model at {path} (config.json missing); run `make model`",
                            reason="MODEL_NOT_FOUND", metadata={"path": str(path)})
