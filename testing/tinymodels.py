@@ -212,31 +212,10 @@ def _add_tokenizer(writer: gguf.GGUFWriter, fields: dict) -> None:
             writer.add_string(key, value)
 
 
-def hf_config(config: ModelConfig) -> dict:
-    """transformers' config.json fields for `config`."""
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling:
-        rope = {**config.rope_scaling, "rope_theta": config.rope_theta}
-    out = {
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_word_embeddings,
-        "hidden_act": "silu", "rope_parameters": rope, "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id,
-    }
-    if config.model_type == "mistral":
-        out["sliding_window"] = config.sliding_window
-    if config.model_type in ("qwen2", "qwen3"):
-        out["use_sliding_window"] = False
-    return out
-
-
 def _save_hf(config: ModelConfig, state: dict[str, torch.Tensor], folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(config.model_type, **hf_config(config))
+    cfg = AutoConfig.for_model(config.model_type, **{k: v for k, v in config.to_json().items() if k != "model_type"})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:

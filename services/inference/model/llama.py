@@ -95,7 +95,7 @@ class ModelConfig:
         window = data.get("sliding_window") if arch == "mistral" else None
         unsupported = {
             "hidden_act": data.get("hidden_act", "silu") != "silu",
-            "rope_parameters.rope_type": rope_type not in ROPE_TYPES[:3],
+            "rope_parameters.rope_type": rope_type not in ROPE_TYPES,
             # qwen2 has q/k/v biases by construction; elsewhere attention_bias also puts one on o_proj
             "attention_bias": arch != "qwen2" and bool(data.get("attention_bias")),
             "mlp_bias": bool(data.get("mlp_bias")),
@@ -117,13 +117,35 @@ class ModelConfig:
             values["qk_norm"] = arch == "qwen3"
             limit = values.get("max_position_embeddings")
             values["sliding_window"] = int(window) if window and (limit is None or window < limit) else None
-            keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "factors")
             values["rope_scaling"] = ({"rope_type": rope_type, **{k: rope[k] for k in keep if k in rope}}
                                       if rope_type != "default" else None)
             return cls(**values)
         except (KeyError, TypeError) as exc:
             raise InvalidInput(f"the model's config.json lacks a field: {exc}", reason="UNSUPPORTED_MODEL",
                                metadata={"fields": str(exc)}) from exc
+
+
+    def to_json(self) -> dict:
+        """transformers' config.json fields for this config (from_json reads them back; a freq_factors
+        rope, which only a GGUF gives, is Keel's own rope_type there)."""
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        out = {
+            "model_type": self.model_type, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu", "rope_parameters": rope, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+        return out
 
 
 class CausalLMOutput(NamedTuple):

@@ -3,10 +3,11 @@
 Run: python -m services.inference.model.modelcache [--model PATH]   (what `make model` does)
 
 A model source (shared/modelfile.py) is prepared into var/models/<key>/:
-  GGUF    transformers dequantizes it (~17 s for SmolLM2) into config.json + model.safetensors, which
-          then load in ~0.1 s; keel-source.json names the GGUF and its digest (the gguf formats read
-          the blocks from it, ggufindex.py its tensor table); hf-tokenizer/ is the tokenizer.json that
-          the grammar engine reads (engine/grammar.py)
+  GGUF    dequantized (ggufmodel.py) into config.json + model.safetensors, which then load in ~0.1 s
+          where the dequantization takes seconds; keel-source.json names the GGUF and its digest (the
+          gguf formats read the blocks from it, ggufindex.py its tensor table); hf-tokenizer/ is the
+          tokenizer.json the grammar engine reads (engine/grammar.py), made by transformers' GGUF
+          tokenizer conversion (the one use of transformers here)
   folder  links to its config.json, safetensors and tokenizer files, nothing converted
 The inference stage prepares a model it finds unprepared at start; `make model` does it ahead for the
 configured one. A folder is written under a temporary name and renamed, so a start that is killed
@@ -22,11 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.inference.model import ggufindex
+from services.inference.model import ggufindex, ggufmodel
 from shared import modelfile
 from shared.modelfile import GGUF, ModelSource
 
 SOURCE_FILE = "keel-source.json"
+WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "hf-tokenizer"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -60,13 +62,17 @@ def prepared(source: ModelSource | None = None) -> Path:
 
 
 def _convert_gguf(source: ModelSource, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
 
     src = source.path
+    model = ggufmodel.load(src)  # Keel's own reading: every tensor dequantized exactly (gguf-py)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # the embedding matrix is lm_head's weight
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(model.config.to_json(), indent=1))
     # bandit B615 does not apply: a local GGUF.
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615
-    model.hf_quantizer = None  # the weights are already dequantized; save plain tensors
-    model.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)  # nosec B615
     tokenizer.save_pretrained(out / TOKENIZER_DIR)
 
