@@ -31,6 +31,7 @@ from services.inference.engine.core import GenerationRequest, TokenEvent
 from services.inference.engine.torchthread import TorchThread
 from services.inference.formats.gateprompts import FORMS, SUBJECTS
 from services.inference.model.loader import load_model
+from services.tokenizer.compiler import compiled_path
 from services.tokenizer.core import Tokenizer
 from services.validator import config as validator_config
 from services.validator.core import ValidatorCore
@@ -46,7 +47,7 @@ def texts(n: int) -> list[str]:
 
 
 async def in_process(prompts: list[str], tokens: int) -> list[float]:
-    tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
+    tok = Tokenizer.open(compiled_path(model_source()))
     tok.self_check()
     tok.warmup()
     # All torch work on one thread, as the stage does (services/inference/engine/torchthread.py says why).

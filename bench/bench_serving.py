@@ -48,6 +48,7 @@ from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from keelctl.ask import DEV_API_KEY
 from services.inference.formats.gateprompts import FORMS, SUBJECTS
+from services.tokenizer.compiler import compiled_path
 from services.tokenizer.core import Tokenizer
 from shared.config import var_dir
 from shared.meshauth import HEADER as MESH_TOKEN_KEY
@@ -94,7 +95,7 @@ class Result:
 
 
 def workload(n: int, max_tokens: list[int]) -> list[Job]:
-    tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
+    tok = Tokenizer.open(compiled_path(model_source()))
     tok.self_check()
     tok.warmup()
     texts = [f.format(s) for f in FORMS for s in SUBJECTS][:n]

@@ -30,7 +30,9 @@ import psutil
 from bench.bench_inference import machine
 from services.gateway.streamtext import StreamedText
 from services.gateway.upstreams import MeshUpstreams
+from services.tokenizer.compiler import compiled_path
 from services.tokenizer.core import Tokenizer
+from shared.modelfile import source as model_source
 from testing.mesh import start_mesh, stop_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +84,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    tok = Tokenizer.open(ROOT / "var/vocab.kvoc")
+    tok = Tokenizer.open(compiled_path(model_source()))
     ids = (tok.encode_ids(TEXT) * (args.tokens // 10 + 1))[:args.tokens]
     mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-bench-")))
     try:

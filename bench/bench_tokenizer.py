@@ -1,6 +1,6 @@
 """Benchmark Keel's tokenizer against Hugging Face `tokenizers` (Rust) in the same run.
 
-Run: .venv/bin/python -m bench.bench_tokenizer [--compiled var/vocab.kvoc] [--write docs/bench/tokenizer.md]
+Run: .venv/bin/python -m bench.bench_tokenizer [--compiled PATH] [--write docs/bench/tokenizer.md]
 
 Corpora (~1.2-1.5 MB each, assembled from files on the machine, not committed): Chinese prose
 (zh_CN message catalogues and the Chinese vim tutor), English (vim's help files), source code

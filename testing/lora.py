@@ -19,6 +19,8 @@ from peft import LoraConfig, get_peft_model
 from services.inference.lora.peftconfig import parse
 from services.inference.lora.weights import read_weights
 from services.inference.model.loraslots import LoraSlots
+from services.tokenizer.compiler import compiled_path
+from shared.modelfile import source as model_source
 
 
 def make_adapter(base: torch.nn.Module, out_dir: Path, *, seed: int, rank: int = 4, alpha: float = 8,
@@ -58,12 +60,11 @@ def peft_logits(base: torch.nn.Module, adapter_dir: Path, ids: list[int]) -> tor
 
 
 def tokenizer():
-    """Keel's real tokenizer (var/vocab.kvoc); the tiny model shares its vocabulary size."""
+    """Keel's real tokenizer (the shipped model's compiled vocabulary); the tiny model shares its vocabulary size."""
     global _TOKENIZER
     if _TOKENIZER is None:
         from services.inference.lora.fingerprint import open_tokenizer
-        from shared.config import ROOT_DIR
-        _TOKENIZER = open_tokenizer(ROOT_DIR / "var" / "vocab.kvoc")
+        _TOKENIZER = open_tokenizer(compiled_path(model_source()))
     return _TOKENIZER
 
 

@@ -12,9 +12,9 @@ import pytest
 from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY, build_request
 from services.feedback.store import open_store
-from services.tokenizer import config as tokenizer_config
+from services.tokenizer.compiler import compiled_path
 from services.tokenizer.core import Tokenizer
-from shared.config import ROOT_DIR
+from shared.modelfile import source as model_source
 from testing.mesh import wait_until
 from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
@@ -54,7 +54,7 @@ def test_every_answer_leaves_a_replay_record_with_the_seed_the_gateway_picked(me
     assert len(rec.prompt_sha256) == len(rec.output_sha256) == len(rec.raw_text_sha256) == 64
     assert "entropy_mean" in rec.validation["probes"]
     # the tokenizer stage's identity, as its Encode reported it: the hashes of the vocabulary in use
-    tok = Tokenizer.open(ROOT_DIR / tokenizer_config.load().vocab_file)
+    tok = Tokenizer.open(compiled_path(model_source()))
     tok.warmup()
     assert (rec.vocab_sha256, rec.chat_template_sha256) == (tok.vocab_sha256, tok.chat_template_sha256)
 

@@ -16,11 +16,13 @@ from keel.tokenizer.v1 import tokenizer_pb2_grpc
 from services.gateway.retry import RetryExecutor
 from services.gateway.streamtext import StreamedText
 from services.gateway.upstreams import MeshUpstreams
+from services.tokenizer.compiler import compiled_path
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import Tokenizer
 from services.tokenizer.servicer import TokenizerServicer
 from shared import metrics
 from shared.interceptor import ServerInterceptor
+from shared.modelfile import source as model_source
 from shared.stages import SERVICE_NAMES as SERVICES
 from testing.ports import free_port
 
@@ -30,7 +32,7 @@ TEXT = "Grüße aus 巴黎 \U0001F600 und \ufffd zum Schluss."
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.open(ROOT / "var" / "vocab.kvoc")
+    return Tokenizer.open(compiled_path(model_source()))
 
 
 async def replica(tok: Tokenizer, port: int) -> grpc.aio.Server:
