@@ -21,9 +21,9 @@ from shared.errors import KeelError
 log = logging.getLogger(__name__)
 
 
-def tokenizer_file() -> Path:
+def tokenizer_file(compile: bool = True) -> Path:
     """The compiled vocabulary the tokenizer stage serves: config/tokenizer.yaml's vocab_file, or the
-    served model's (compiled now when the tokenizer stage has not yet)."""
+    served model's (compiled now, unless `compile` is False, when the tokenizer stage has not yet)."""
     from services.tokenizer import config as tokenizer_config
     from services.tokenizer.compiler import compile_vocab, compiled_path
 
@@ -31,11 +31,11 @@ def tokenizer_file() -> Path:
     if named:
         return Path(named) if Path(named).is_absolute() else ROOT_DIR / named
     source = modelfile.source()
-    return compile_vocab(source.path, compiled_path(source))
+    return compile_vocab(source.path, compiled_path(source)) if compile else compiled_path(source)
 
 
-def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, format: str) -> Base:
-    tokenizer = fingerprint.open_tokenizer(tokenizer_file())
+def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, format: str, compile: bool = True) -> Base:
+    tokenizer = fingerprint.open_tokenizer(tokenizer_file(compile))
     fields = fingerprint.base_fields(model_sha, fingerprint.read_config(model_dir),
                                      fingerprint.tokenizer_hashes(tokenizer), format)
     return Base(runner, fields, load_probe_set(tokenizer))
@@ -50,8 +50,8 @@ def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_
     log line says what was reused. The base needs Keel's tokenizer file; without it an empty registry
     is no problem (nothing to check, logged), but registered adapters stop the start with the
     tokenizer's error."""
-    try:
-        base = running_base(runner, model_dir, model_sha, format)
+    try:  # an empty registry needs no vocabulary compiled for it (a first start on a new model)
+        base = running_base(runner, model_dir, model_sha, format, compile=bool(versions(cfg.root)))
     except (KeelError, OSError) as exc:
         if versions(cfg.root):
             raise
