@@ -1,85 +1,111 @@
-"""First start of the inference stage on a model it has never seen: process start to SERVING, with no
-prepared folder, no stored gate result and no warm record, beside llama.cpp's time to its first token
-on the same file in a fresh process.
+"""The first start of the whole mesh with `engine.format: auto` and no stored gate results: how soon it
+answers, and what one client loses while auto's candidates are gated in the background.
 
-Each round gives the stage an empty scratch KEEL_VAR_DIR and KEEL_MODELS_DIR, so it prepares the model
-(model/modelcache.py), chooses its format (auto: float32 at once, the candidates gated in the
-background, which is not waited for) and warms the engine up. The peer, llama-cpp-python on the same
-GGUF with 2 threads, is timed from its process start to the first token of a one-token prompt. The page
-cache is warm for both (the file was read before).
+1. fresh: `keel up` (testing/mesh.py: Redis and every stage, the real model, free ports) with an empty
+   var/ and formats.gate_at_start on, timed from launch to every stage SERVING and to the first
+   answer through the gateway. One client then sends requests back to back (greedy, --tokens each)
+   while the inference stage's status says its gate runs ("during"), pauses until the gate has
+   ended (the status back to "serving"), and sends the same requests again ("after", on whatever
+   format auto then chose). Figure: tokens/s during / after.
+2. stored: a second `keel up` on a fresh folder holding only the gate results start 1 stored, timed
+   the same way: the peer of start 1, a start that gates nothing.
 
-Run: .venv/bin/python -m bench.bench_first_start [--rounds 3] [--model PATH] [--threads 2]
+Run: .venv/bin/python -m bench.bench_first_start [--gate-prompts N] [--requests N] [--tokens N]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.bench_inference import machine
-from bench.bench_restart import free_port, last_warm_line, start, wait_serving
-from shared.modelfile import model_path
+from keelctl import ask, startview
+from testing.mesh import start_mesh, stop_mesh
 
-ROOT = Path(__file__).resolve().parent.parent
-PEER = """
-import sys, time
-t0 = float(sys.argv[2])
-from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_threads=2, n_ctx=512, verbose=False, seed=0)
-next(llm.generate([1], top_k=1, temp=0.0))
-print(time.time() - t0)
-"""
+GATING = "gating"
+PROMPT = "Write a short story about a lighthouse keeper."
 
 
-def stage_round(model: Path, threads: int) -> tuple[float, dict]:
-    scratch = Path(tempfile.mkdtemp(prefix="keel-first-start-"))
-    port = free_port()
-    env = {**os.environ, "KEEL_VAR_DIR": str(scratch / "var"), "KEEL_MODELS_DIR": str(scratch / "models"),
-           "KEEL_MODEL": str(model), "KEEL_INFERENCE_SERVER__PORT": str(port),
-           "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()),
-           "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(threads)}
-    log = scratch / "stage.log"
-    proc = start(ROOT, env, log)
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
+
+
+def phase(mesh) -> str:
+    status = startview.stage_status(f"127.0.0.1:{mesh.ports['inference'][0]}")
+    return status.phase if status else "?"
+
+
+def client_rate(mesh, requests: int, tokens: int) -> float:
+    """Tokens per second of one client sending `requests` requests back to back."""
+    done, t0 = 0, time.perf_counter()
+    for _ in range(requests):
+        answer = ask.ask(mesh.gateway, ask.build_request(PROMPT, max_tokens=tokens), timeout_s=300)
+        done += answer.usage.completion_tokens
+    return done / (time.perf_counter() - t0)
+
+
+def timed_start(tmp: Path, args) -> dict:
+    env = {"KEEL_INFERENCE_FORMATS__GATE_AT_START": "true"}
+    if args.gate_prompts:
+        env["KEEL_INFERENCE_FORMATS__GATE_PROMPTS"] = str(args.gate_prompts)
+    t0 = time.monotonic()
+    mesh = start_mesh(tmp, extra_env=env)
+    row = {"serving_s": time.monotonic() - t0}
     try:
-        took = wait_serving(port, proc)
-        phases = last_warm_line(log).get("phases_s", {})
+        ask.ask(mesh.gateway, ask.build_request("What is the capital of France?", max_tokens=16), timeout_s=300)
+        row["first_answer_s"] = time.monotonic() - t0
+        row["gating_at_first_answer"] = GATING in phase(mesh)
+        if row["gating_at_first_answer"]:
+            row["during"] = client_rate(mesh, args.requests, args.tokens)
+            row["still_gating_after_during"] = GATING in phase(mesh)
+            while GATING in phase(mesh):
+                if time.monotonic() - t0 > args.limit_s:
+                    raise SystemExit(f"the background gate did not end within {args.limit_s:.0f} s")
+                time.sleep(1)
+            row["gate_ended_s"] = time.monotonic() - t0
+            row["after"] = client_rate(mesh, args.requests, args.tokens)
+        log = (tmp / "var" / "log")
+        lines = [ln for p in log.glob("inference-*.log") for ln in p.read_text().splitlines()]
+        row["switch"] = next((ln for ln in lines if "background quality gate:" in ln), "")
     finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(scratch, ignore_errors=True)
-    return took, phases
+        stop_mesh(mesh)
+    return row
 
 
-def peer_round(model: Path) -> float:
-    out = subprocess.run([sys.executable, "-c", PEER, str(model), repr(time.time())], capture_output=True, text=True,
-                         check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--model", type=Path, default=None, help="default: the served model")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gate-prompts", type=int, default=None, help="formats.gate_prompts (default: all 200)")
+    ap.add_argument("--requests", type=int, default=6, help="requests per client window")
+    ap.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
+    ap.add_argument("--limit-s", type=float, default=1800)
     args = ap.parse_args(argv)
-    model = (args.model or model_path()).resolve()
-    keel, peer = [], []
-    for i in range(args.rounds):
-        took, phases = stage_round(model, args.threads)
-        keel.append(took)
-        peer.append(peer_round(model))
-        print(f"round {i + 1}: keel {took:.2f} s to SERVING (phases {phases}); llama.cpp {peer[-1]:.2f} s "
-              "to its first token", flush=True)
-    k, p = statistics.median(keel), statistics.median(peer)
-    print(json.dumps({"model": str(model), "machine": machine(), "keel_median_s": round(k, 2),
-                      "llamacpp_median_s": round(p, 2), "ratio": round(k / p, 2)}))
+    fresh, stored = (Path(tempfile.mkdtemp(prefix=f"keel-first-start-{k}-")) for k in ("fresh", "stored"))
+    try:
+        first = timed_start(fresh, args)
+        (stored / "var").mkdir()
+        shutil.copytree(fresh / "var" / "gate", stored / "var" / "gate")
+        second = timed_start(stored, args)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(stored, ignore_errors=True)
+    print(f"\nCommand: `.venv/bin/python -m bench.bench_first_start {' '.join(argv or sys.argv[1:])}`")
+    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; "
+          f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| start | s to SERVING | s to first answer | gating at first answer | gate ended (s) | "
+          "client tok/s during gate | after gate | during / after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in (("fresh var/ (gate in the background)", first), ("stored gate results", second)):
+        ratio = f"{r['during'] / r['after']:.2f}x" if "during" in r else "-"
+        print(f"| {label} | {r['serving_s']:.1f} | {r['first_answer_s']:.1f} | {r['gating_at_first_answer']} | "
+              f"{r.get('gate_ended_s', 0):.0f} | {r.get('during', 0):.1f} | {r.get('after', 0):.1f} | {ratio} |")
+    print(f"\nfirst answer, fresh / stored: {first['first_answer_s'] / second['first_answer_s']:.2f}x")
+    print(f"gate still running after the 'during' window: {first.get('still_gating_after_during')}")
+    print(f"the stage's verdict: {first['switch'][:400]}")
     return 0
 
 
