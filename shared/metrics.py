@@ -135,6 +135,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        owner="inference"),
     _g("keel_inference_breaker_level", "Circuit breaker level per error type: 0 closed, 1 parameters capped, "
        "2 smaller batch / fallback format, 3 open (rejecting).", ("error_type",), "inference"),
+    _g("keel_inference_model", "1 for the model the stage serves: its name, family and the first 16 hex digits "
+       "of the sha256 of its bytes (shared/modelfile.py, docs/models.md).", ("model", "architecture", "digest"),
+       "inference"),
     _g("keel_inference_weight_format", "1 for the weight format the stage serves (engine.format, auto resolved "
        "at start).", ("format",), "inference"),
     _g("keel_inference_active_variant", "1 for the model variant new requests start on, 0 for the other variants "

@@ -38,8 +38,9 @@ class InferenceStage:
     name = "inference"
     service_name = SERVICE_NAMES["inference"]
 
-    def __init__(self, cfg: inf_config.InferenceConfig, model_sha: str):
+    def __init__(self, cfg: inf_config.InferenceConfig, model_sha: str, card: modelcard.ModelCard):
         self.cfg = cfg
+        self.card = card  # the served model's facts (shared/modelcard.py)
         self.model_sha = model_sha  # sha256 of the weights: keys the gate results and the warm-start record
         self.m = metrics.metrics_for("inference")
         self.engine: Engine | None = None
@@ -75,6 +76,9 @@ class InferenceStage:
                                        "format_reason": started.record.reason, "warm_start": started.warm,
                                        "phases_s": started.phases_s})
         self.m.gauge("keel_inference_weight_format").labels(format=started.record.format).set(1)
+        card = self.card
+        self.m.gauge("keel_inference_model").labels(model=card.source.model_id, architecture=card.architecture,
+                                                    digest=card.source.digest[:16]).set(1)
         self._show_variant(engine)
         for s in engine.adapters.states:
             self.m.gauge("keel_inference_adapter_state").labels(adapter=s.id, version=s.version, state=s.state,
@@ -137,10 +141,10 @@ class InferenceStage:
         await asyncio.to_thread(self.torch.close)
 
 
-def with_model(cfg: inf_config.InferenceConfig, source: modelfile.ModelSource) -> inf_config.InferenceConfig:
-    """`cfg` serving `source`: its prepared folder (made now on a model's first start) and its own
-    end-of-generation ids; ConfigError (exit 2) for a model Keel does not run, before any work."""
-    card = modelcard.read(source)
+def with_model(cfg: inf_config.InferenceConfig, card: modelcard.ModelCard) -> inf_config.InferenceConfig:
+    """`cfg` serving the model of `card`: its prepared folder (made now on a model's first start) and its
+    own end-of-generation ids; ConfigError (exit 2) for a model Keel does not run, before any work."""
+    source = card.source
     if card.architecture not in ARCHITECTURES:
         raise ConfigError(f"field 'model.path' breaks rule 'architecture': {source.path.name} is a "
                           f"{card.architecture or 'unnamed'} model; Keel runs {', '.join(ARCHITECTURES)}")
@@ -155,7 +159,8 @@ def _log_failure(task: asyncio.Task) -> None:
 
 
 def build() -> tuple[InferenceStage, ServerConfig]:
-    cfg = with_model(inf_config.load(), modelfile.source())
+    card = modelcard.read(modelfile.source())
+    cfg = with_model(inf_config.load(), card)
     model_sha = model_sha256(cfg.model_dir)
     if cfg.engine.format != AUTO:  # a format refused by its quality gate stops the stage here (exit 2)
         selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
@@ -171,4 +176,4 @@ def build() -> tuple[InferenceStage, ServerConfig]:
                 check_format(format, cfg.engine.device, model_dir=cfg.model_dir)
             except InvalidInput as exc:
                 raise ConfigError(f"field '{field}' breaks rule 'model': {exc}") from exc
-    return InferenceStage(cfg, model_sha), cfg.server
+    return InferenceStage(cfg, model_sha, card), cfg.server

@@ -41,12 +41,12 @@ def test_the_tokenizer_maps_the_models_own_compiled_vocabulary(shipped):
 
 def test_the_inference_stage_takes_the_models_stop_ids_and_refuses_an_architecture_it_lacks(shipped, tmp_path,
                                                                                          monkeypatch):
-    cfg = inference_server.with_model(inference_config.load(), shipped)
+    cfg = inference_server.with_model(inference_config.load(), modelcard.read(shipped))
     assert cfg.engine.eos_token_ids == (0, 2) and cfg.model_dir == shipped.cache_dir
     monkeypatch.setenv("KEEL_MODELS_DIR", str(tmp_path / "models"))
     falcon = modelfile.source(write_gguf(tmp_path / "f.gguf", arch="falcon"), environ={})
     with pytest.raises(ConfigError, match=r"f.gguf is a falcon model; Keel runs llama"):
-        inference_server.with_model(inference_config.load(), falcon)
+        inference_server.with_model(inference_config.load(), modelcard.read(falcon))
     assert not falcon.cache_dir.exists()  # refused before any preparation
 
 
