@@ -47,7 +47,7 @@ model: .venv/.stamp
 # seeds; cached under var/adapters-src, kept while their inputs match). About 10 CPU-minutes the first
 # time, so not part of setup: tests/e2e/test_lora_mesh.py makes them on first use.
 adapters: model
-	$(PY) -m training.adapters --out var/adapters-src --base var/model
+	$(PY) -m training.adapters --out var/adapters-src
 
 # Quality gate of every weight format on the model (~2 min on 2 cores): engine.format auto only picks
 # formats with a passing result under var/gate/, and an explicit non-float32 format needs one. The

@@ -59,7 +59,7 @@ def prompt_ids(tokens: int) -> list[int]:
     text = " ".join(f"Tell me about {s}, its history, its people and what makes it different." for s in SUBJECTS)
     ids: list[int] = []
     while len(ids) < tokens:
-        ids += tok.encode(text).ids
+        ids += tok.encode_ids(text)
     return ids[:tokens]
 
 

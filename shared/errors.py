@@ -269,12 +269,12 @@ REASONS: dict[str, Reason] = {
     "UNSUPPORTED_TOKENIZER": Reason(PreconditionFailed, "start-up: the GGUF's tokenizer is not byte-level BPE"),
     "UNSUPPORTED_REGEX_VERSION": Reason(PreconditionFailed, "start-up: the pre-tokenizer regex is unknown"),
     "UNSUPPORTED_HOST": Reason(Fatal, "start-up: the host's byte order is not supported"),
-    "COMPILED_FILE_BAD_MAGIC": Reason(Fatal, "start-up: var/vocab.kvoc is not a vocabulary file"),
-    "COMPILED_FILE_CORRUPT": Reason(Fatal, "start-up: var/vocab.kvoc is inconsistent"),
-    "COMPILED_FILE_STALE": Reason(Fatal, "start-up: var/vocab.kvoc does not match the GGUF"),
-    "COMPILED_FILE_TRUNCATED": Reason(Fatal, "start-up: var/vocab.kvoc is cut short"),
-    "COMPILED_FILE_UNREADABLE": Reason(Fatal, "start-up: var/vocab.kvoc cannot be read"),
-    "COMPILED_FILE_VERSION": Reason(Fatal, "start-up: var/vocab.kvoc has another format version"),
+    "COMPILED_FILE_BAD_MAGIC": Reason(Fatal, "start-up: the compiled vocabulary is not a vocabulary file"),
+    "COMPILED_FILE_CORRUPT": Reason(Fatal, "start-up: the compiled vocabulary is inconsistent"),
+    "COMPILED_FILE_STALE": Reason(Fatal, "start-up: the compiled vocabulary does not match the GGUF"),
+    "COMPILED_FILE_TRUNCATED": Reason(Fatal, "start-up: the compiled vocabulary is cut short"),
+    "COMPILED_FILE_UNREADABLE": Reason(Fatal, "start-up: the compiled vocabulary cannot be read"),
+    "COMPILED_FILE_VERSION": Reason(Fatal, "start-up: the compiled vocabulary has another format version"),
     # Inference.
     "MISSING_REQUEST_ID": Reason(InvalidInput, "inference request without an id"),
     "DUPLICATE_REQUEST_ID": Reason(InvalidInput, "an inference request id is already in flight"),
@@ -322,9 +322,9 @@ REASONS: dict[str, Reason] = {
     "KERNEL_UNAVAILABLE": Reason(InvalidInput, "start-up: the gguf format's C++ kernel cannot be built or loaded"),
     "UNSUPPORTED_BLOCK_TYPE": Reason(
         InvalidInput, "start-up: the GGUF holds a block type the gguf format does not compute on"),
-    "MODEL_NOT_FOUND": Reason(InvalidInput, "start-up: var/model is missing"),
+    "MODEL_NOT_FOUND": Reason(InvalidInput, "start-up: the model's prepared folder is missing"),
     "UNSUPPORTED_MODEL": Reason(
-        InvalidInput, "start-up: var/model is not a Llama model Keel implements (config or weights)"),
+        InvalidInput, "start-up: the model is not one Keel implements (architecture, config or weights)"),
     "BUDGET_TOO_SMALL": Reason(InvalidInput, "start-up: the memory budget does not fit the model"),
     "INVALID_CONFIG": Reason(InvalidInput, "start-up: an inference config value is out of range"),
     # Inference: LoRA adapters (services/inference/lora; refusals at start are states, never request errors).

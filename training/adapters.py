@@ -1,6 +1,6 @@
 """Make the LoRA adapters the tests and the demo register, under var/adapters-src/<name>/, once.
 
-Run: python -m training.adapters [--out var/adapters-src] [--base var/model]   (what `make adapters` does)
+Run: python -m training.adapters [--out var/adapters-src] [--base PREPARED_MODEL_DIR]   (what `make adapters` does)
 
 - ``pirate``: trained with PEFT on the SmolLM2 weights to answer as a pirate ("Arr, matey! ...")
   from training/data/pirate.jsonl: an adapter that visibly changes the answers.
