@@ -11,17 +11,18 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 run: setup
 	$(PY) -m keelctl up --demo $(if $(MODEL),--model $(MODEL),)
 
-test: setup
+test: setup peer
 	$(PY) -m pytest tests
 
-test-fast: setup
+test-fast: setup peer
 	$(PY) -m pytest tests -m "not slow and not e2e"
 
 # ruff, configured in pyproject.toml (line length, import order, unused names, pyflakes).
 lint: venv
 	$(PY) -m ruff check .
 
-setup: syspkgs venv proto model vocab kernels node peer
+# What `make run` needs; the tests add the llama.cpp peer (`peer`, a ~4 min build).
+setup: syspkgs venv proto model vocab kernels node
 
 venv: .venv/.stamp
 .venv/.stamp: requirements.lock pyproject.toml
