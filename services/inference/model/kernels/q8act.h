@@ -1,10 +1,11 @@
 // What Keel's two integer kernels (gguf_q8.cpp: Q4_1 / Q8_0; gguf_q8k.cpp: the K-quants) share: their
-// isa codes, and the activations quantized per row and 32-element block, as ggml's Q8_1 but with
-// fp32 scales:
-//   a = max_j |x_j|,  dx = a / 127,  id = dx != 0 ? 1 / dx : 0,  qx_j = round-half-even(x_j * id),
-//   sx = dx * sum_j qx_j     (every operation one fp32 rounding; a block holding NaN or inf gets
-//                            dx = NaN and qx = 0, so the outputs it reaches are NaN); each path
-//                            quantizes with its own SIMD (the same bits as the portable loop)
+// isa codes, and the activations quantized per row and 32-element block, as ggml's Q8_0 / Q8_1:
+//   a = max_j |x_j|,  d = a / 127,  id = d != 0 ? 1 / d : 0,  qx_j = round-half-even(x_j * id),
+//   dx = h(d),  sx = h(d * sum_j qx_j),  h(v) = fp16(v) where fp16 holds it (|v| < 65520), else v
+// (every operation one fp32 rounding; the scales rounded to fp16 as ggml stores them, so a product
+// with them gives llama.cpp's bits, except that a scale fp16 cannot hold stays fp32 where ggml's
+// turns inf; a block holding NaN or inf gets dx = NaN and qx = 0, so the outputs it reaches are NaN);
+// each path quantizes with its own SIMD (the same bits as the portable loop)
 #pragma once
 
 #include <immintrin.h>
@@ -27,6 +28,13 @@ inline bool cpu_has(int isa) {
            __builtin_cpu_supports("avx512vnni");
   if (isa == AVX2) return cpu_avx2_fma_f16c();
   return isa == PORTABLE;
+}
+
+// v rounded to fp16 (nearest even, as ggml's GGML_FP32_TO_FP16) and back; v itself when fp16 would
+// overflow (or v is NaN).
+inline float fp16_round(float v) {
+  if (!(std::fabs(v) < 65520.f)) return v;
+  return c10::detail::fp16_ieee_to_fp32_value(c10::detail::fp16_ieee_from_fp32_value(v));
 }
 
 inline int32_t load_i32(const void* p) {
@@ -52,8 +60,8 @@ inline void quantize_row(const float* x, int64_t nb, int8_t* qx, uint8_t* ux, fl
       ux[j] = uint8_t(q + 128);
       s += q;
     }
-    dx[b] = d;
-    sx[b] = d * float(s);
+    dx[b] = fp16_round(d);
+    sx[b] = fp16_round(d * float(s));
   }
 }
 
@@ -94,8 +102,8 @@ KEEL_AVX2 inline void quantize_row_avx2(const float* x, int64_t nb, int8_t* qx, 
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    dx[b] = d;
-    sx[b] = d * float(_mm_cvtsi128_si32(s4));
+    dx[b] = fp16_round(d);
+    sx[b] = fp16_round(d * float(_mm_cvtsi128_si32(s4)));
   }
 }
 
@@ -120,8 +128,8 @@ KEEL_VNNI inline void quantize_row_avx512(const float* x, int64_t nb, int8_t* qx
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + 16), b1);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ux), _mm_xor_si128(b0, flip));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ux + 16), _mm_xor_si128(b1, flip));
-    dx[b] = d;
-    sx[b] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    dx[b] = fp16_round(d);
+    sx[b] = fp16_round(d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))));
   }
 }
 
