@@ -30,6 +30,10 @@ class GgufError(ValueError):
     """The file is not a GGUF this reader understands (its message says where it stopped)."""
 
 
+class CutShort(GgufError):
+    """The bytes read end inside the header."""
+
+
 @dataclass(frozen=True)
 class Tensor:
     name: str
@@ -69,7 +73,7 @@ class _Cursor:
         n = self.take("<Q")
         raw = self.data[self.pos:self.pos + n]
         if len(raw) != n:
-            raise GgufError("the file ends inside a string")
+            raise CutShort("the file ends inside a string")
         self.pos += n
         return raw.decode("utf-8", errors="surrogateescape")
 
@@ -84,7 +88,7 @@ class _Cursor:
                 dtype = np.dtype(_SCALARS[item][1])
                 end = self.pos + n * dtype.itemsize
                 if end > len(self.data):
-                    raise GgufError("the file ends inside an array")
+                    raise CutShort("the file ends inside an array")
                 values = np.frombuffer(self.data, dtype=dtype, count=n, offset=self.pos).tolist()
                 self.pos = end
                 return values
@@ -93,8 +97,25 @@ class _Cursor:
 
 
 def read(path: str | Path) -> Header:
-    """The header of the GGUF at `path`; GgufError when it is not one."""
-    c = _Cursor(_header_bytes(Path(path)))
+    """The header of the GGUF at `path`; GgufError when it is not one. The file's first bytes are read
+    in growing chunks until the header parses (a few MB even for a 150k-token vocabulary; the weights
+    behind it are never read), at most HEADER_MAX."""
+    path = Path(path)
+    size = path.stat().st_size
+    chunk = 4 << 20
+    while True:
+        with path.open("rb") as f:
+            data = f.read(min(chunk, size, HEADER_MAX))
+        try:
+            return _parse(path, data)
+        except CutShort:
+            if len(data) >= min(size, HEADER_MAX):
+                raise
+            chunk *= 4
+
+
+def _parse(path: Path, data: bytes) -> Header:
+    c = _Cursor(data)
     try:
         if c.data[:4] != MAGIC:
             raise GgufError(f"{Path(path).name} is not a GGUF file (no GGUF magic)")
@@ -113,15 +134,8 @@ def read(path: str | Path) -> Header:
             dims = [c.take("<Q") for _ in range(c.take("<I"))]
             infos.append((name, dims, c.take("<I"), c.take("<Q")))
     except struct.error as exc:
-        raise GgufError(f"{Path(path).name}: the header is cut short ({exc})") from exc
+        raise CutShort(f"{Path(path).name}: the header is cut short ({exc})") from exc
     align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     start = -(-c.pos // align) * align
     tensors = {name: Tensor(name, kind, tuple(reversed(dims)), start + offset) for name, dims, kind, offset in infos}
     return Header(version, metadata, tensors)
-
-
-def _header_bytes(path: Path) -> bytes:
-    """The file's first HEADER_MAX bytes (all of it when smaller): a header is a few MB even for a
-    150k-token vocabulary, and the weights behind it are never read here."""
-    with path.open("rb") as f:
-        return f.read(HEADER_MAX)
