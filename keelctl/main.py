@@ -217,11 +217,27 @@ def cmd_status(args) -> int:
     procs_state = state.get("processes", {})
     if state.get("model"):
         print(f"  model {_model_line(state['model'])}")
+        for target in layout.targets("inference"):
+            print(f"  inference@{target} serves it in {_served_format(target)}")
     for name, st in statuses.items():  # with what each process says it is doing, unless just serving
         print(f"  {name:<28} {startview.row(st, startview.stage_status(targets[name][0]))}")
     for name, p in procs_state.items():
         print(f"  {name:<28} pid {p.get('pid')}  restarts {p.get('restarts')}")
     return 0 if all(v == "SERVING" for v in statuses.values()) else 1
+
+
+def _served_format(target: str) -> str:
+    """The weight format the replica at `target` serves new requests in (its active variant's)."""
+    import grpc
+
+    from keel.inference.v1 import inference_pb2
+    from keelctl.variant import call
+
+    try:
+        r = call(target, "GetVariant", inference_pb2.GetVariantRequest())
+    except grpc.RpcError as exc:
+        return f"an unknown format ({exc.code().name})"
+    return f"{r.variants.get(r.active, '?')} (variant {r.active})"
 
 
 def _model_line(pinned: dict) -> str:

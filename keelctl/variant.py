@@ -26,7 +26,7 @@ def _metadata() -> list[tuple[str, str]]:
     return [(meshauth.HEADER, token)] if token else []
 
 
-def _call(target: str, method: str, request):
+def call(target: str, method: str, request):
     with tls.sync_channel(target) as ch:
         return getattr(inference_pb2_grpc.InferenceStub(ch), method)(request, metadata=_metadata(), timeout=TIMEOUT_S)
 
@@ -42,10 +42,10 @@ def main(argv: list[str]) -> int:
     for target in load_layout().targets("inference"):
         try:
             if args.action == "set":
-                r = _call(target, "SetVariant", inference_pb2.SetVariantRequest(variant=args.name, actor=args.actor))
+                r = call(target, "SetVariant", inference_pb2.SetVariantRequest(variant=args.name, actor=args.actor))
                 print(f"inference@{target}  {r.active} (was {r.previous})")
             else:
-                r = _call(target, "GetVariant", inference_pb2.GetVariantRequest())
+                r = call(target, "GetVariant", inference_pb2.GetVariantRequest())
                 others = " ".join(f"{k}={v}" + (" (locked: not gated yet)" if k in r.locked else "")
                                   for k, v in sorted(r.variants.items()))
                 print(f"inference@{target}  active {r.active}  variants {others}")

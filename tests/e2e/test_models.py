@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def test_keel_status_names_the_model_and_its_family(team_mesh):
     line = next(x for x in out.stdout.splitlines() if x.strip().startswith("model "))
     assert f"team-{team_mesh.arch}" in line and SPECS[team_mesh.arch].get("arch", "llama") in line
     assert "context 512" in line and "Q8_0" in line
+    assert re.search(r"inference@127\.0\.0\.1:\d+ serves it in float32 \(variant primary\)", out.stdout)
 
 
 def test_an_adapter_registered_against_smollm2_is_refused_with_its_reason(team_mesh):
