@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from keel.common.v1 import common_pb2
 from shared.errors import InvalidInput
 
+MAX_TEMPERATURE = 2.0
+# The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator.
+SEED_MAX = 2**63 - 1
 MAX_STOPS = 4
 MAX_STOP_BYTES = 64
 MAX_REPETITION_PENALTY = 2.0
@@ -70,6 +73,25 @@ def check_max_tokens(value, name: str = "max_tokens", **metadata) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidInput(f"{name} must be an integer >= 1, got {value!r}", reason="MAX_TOKENS_INVALID",
                            metadata={"actual": value, **metadata})
+
+
+def check_sampling(temperature, top_p, top_k, seed, **metadata) -> None:
+    """Raise InvalidInput with the rule's reason (metadata `field` and the caller's keys) unless each
+    sampling value is in range: temperature 0..2, top_p in (0, 1], top_k >= 0, seed 0..SEED_MAX or None.
+    The one check of these rules: the gateway holds clients to it, the engine its direct callers."""
+    def bad(message: str, reason: str, field: str, **more) -> InvalidInput:
+        return InvalidInput(message, reason=reason, metadata={"field": field, **more, **metadata})
+
+    if not _number(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise bad(f"temperature must be in 0..{MAX_TEMPERATURE:g}, got {temperature!r}", "TEMPERATURE_OUT_OF_RANGE",
+                  "sampling.temperature")
+    if not _number(top_p) or not 0.0 < top_p <= 1.0:
+        raise bad(f"top_p must be in (0, 1], got {top_p!r}", "TOP_P_OUT_OF_RANGE", "sampling.top_p")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise bad(f"top_k must be an integer >= 0, got {top_k!r}", "TOP_K_OUT_OF_RANGE", "sampling.top_k")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX):
+        raise bad(f"seed must be in 0..{SEED_MAX}", "SEED_OUT_OF_RANGE", "sampling.seed", limit=SEED_MAX,
+                  actual=seed if isinstance(seed, int) else str(seed))
 
 
 def check_controls(c: Controls) -> None:

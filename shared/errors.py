@@ -111,7 +111,7 @@ class NumericalInstability(KeelError):
 # Reasons (ErrorInfo.reason) of refused inputs and callers, named once for every stage.
 INPUT_CHECK_BUDGET_EXCEEDED = "INPUT_CHECK_BUDGET_EXCEEDED"  # the input check ran out of CPU time
 INVISIBLE_INPUT = "INVISIBLE_INPUT"            # the text has no visible character
-SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed above the mesh's range (services/gateway/contract.py SEED_MAX)
+SEED_OUT_OF_RANGE = "SEED_OUT_OF_RANGE"        # seed outside the mesh's range (shared/controls.py SEED_MAX)
 AMBIGUOUS_API_KEY = "AMBIGUOUS_API_KEY"        # several API keys presented in one request
 AUTH_FAILURES_LIMITED = "AUTH_FAILURES_LIMITED"  # too many failed authentications from a peer
 INVALID_ADAPTER = "INVALID_ADAPTER"            # the adapter field is not "id" or "id@version" (contract.py)
@@ -155,7 +155,7 @@ REASONS: dict[str, Reason] = {
         Unauthenticated, "more than one API key in a request (repeated header, or x-api-key and Bearer differ)"),
     "AUTH_FAILURES_LIMITED": Reason(
         Overloaded, "too many failed authentications from this address; retry after the hint"),
-    "SEED_OUT_OF_RANGE": Reason(InvalidInput, "seed above 2^63-1, the range every stage accepts"),
+    "SEED_OUT_OF_RANGE": Reason(InvalidInput, "seed outside 0..2^63-1, the range every stage accepts"),
     "EMPTY_PROMPT": Reason(InvalidInput, "neither prompt nor chat, or only blank text"),
     "TOO_MANY_MESSAGES": Reason(InvalidInput, "more chat turns than the gateway's max_messages"),
     "UNKNOWN_ROLE": Reason(InvalidInput, "a chat role other than system, user, assistant"),
@@ -167,7 +167,7 @@ REASONS: dict[str, Reason] = {
     "TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE": Reason(
         InvalidInput, "truncate_prompt_tokens outside 0..the context less one; `field` names it", ("field",)),
     "TEMPERATURE_OUT_OF_RANGE": Reason(InvalidInput, "temperature outside 0..2"),
-    "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside 0..1"),
+    "TOP_P_OUT_OF_RANGE": Reason(InvalidInput, "top_p outside (0, 1]"),
     "TOP_K_OUT_OF_RANGE": Reason(InvalidInput, "top_k negative"),
     "TOO_MANY_TOKEN_IDS": Reason(
         InvalidInput, "Detokenize: more token ids than the context; `field` names them", ("field",)),
@@ -283,10 +283,6 @@ REASONS: dict[str, Reason] = {
                       "encoded; inference for an in-process caller); the prompt is never cut unless "
                       "truncate_prompt_tokens asks (HTTP: 400, code context_length_exceeded)"),
     "TOKEN_OUT_OF_RANGE": Reason(InvalidInput, "a prompt id is outside the vocabulary"),
-    "INVALID_TEMPERATURE": Reason(InvalidInput, "inference temperature out of range"),
-    "INVALID_TOP_P": Reason(InvalidInput, "inference top_p out of range"),
-    "INVALID_TOP_K": Reason(InvalidInput, "inference top_k out of range"),
-    "INVALID_SEED": Reason(InvalidInput, "seed outside 0..2^63-1"),
     "INVALID_DEADLINE": Reason(InvalidInput, "inference deadline not positive"),
     "FAULT_INJECTION_DISABLED": Reason(
         PermissionDenied, "the inference request's deprecated `faults` field is set: no stage serves fault "

@@ -7,12 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shared import adapters, errors
-from shared.controls import Controls, Sampling, check_controls, check_max_tokens
+from shared.controls import Controls, Sampling, check_controls, check_max_tokens, check_sampling
 
 ROLES = ("system", "user", "assistant")
-# The mesh's one seed range: the API field is uint64, but inference seeds an int64 generator,
-# so larger seeds are refused here (and by the validator's contract) with SEED_OUT_OF_RANGE.
-SEED_MAX = 2**63 - 1
 
 @dataclass(frozen=True)
 class Limits:
@@ -75,15 +72,7 @@ def check_ask(ask: Ask, limits: Limits) -> None:
         raise errors.InvalidInput(f"truncate_prompt_tokens must be in 0..{limits.max_context_tokens - 1}",
                                   reason="TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE",
                                   metadata={"field": "sampling.truncate_prompt_tokens"})
-    if not 0.0 <= ask.temperature <= 2.0:
-        raise errors.InvalidInput("temperature must be in 0..2", reason="TEMPERATURE_OUT_OF_RANGE")
-    if not 0.0 <= ask.top_p <= 1.0:
-        raise errors.InvalidInput("top_p must be in 0..1", reason="TOP_P_OUT_OF_RANGE")
-    if ask.top_k < 0:
-        raise errors.InvalidInput("top_k must be >= 0", reason="TOP_K_OUT_OF_RANGE")
-    if ask.seed is not None and not 0 <= ask.seed <= SEED_MAX:
-        raise errors.InvalidInput(f"seed must be in 0..{SEED_MAX}", reason=errors.SEED_OUT_OF_RANGE,
-                                  metadata={"limit": SEED_MAX, "actual": ask.seed})
+    check_sampling(ask.temperature, ask.top_p, ask.top_k, ask.seed)
     check_adapter(ask.adapter)
     check_controls(ask.controls)
 

@@ -20,13 +20,14 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from keel.common.v1 import common_pb2
-from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask, fit
+from services.gateway.contract import Ask, Limits, check_ask, fit
 from services.gateway.rejects import Rejected
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
 from services.gateway.streamtext import DecodeStream, StreamedText
 from shared import errors, tracing
 from shared.clip import clip_payload
+from shared.controls import SEED_MAX
 from shared.failures import FailureKind
 
 log = logging.getLogger("keel.gateway")

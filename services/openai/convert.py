@@ -49,6 +49,9 @@ def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool,
     if body.service_tier not in SERVICE_TIERS:
         raise unsupported("service_tier", f"service_tier {body.service_tier!r} is not served; Keel has one tier "
                                           "(\"auto\" or \"default\")")
+    if body.top_p == 0:  # the proto's 0 means "unset" (1.0): refused here rather than served as 1
+        raise errors.InvalidInput("top_p must be in (0, 1], got 0", reason="TOP_P_OUT_OF_RANGE",
+                                  metadata={"field": "top_p"})
     if body.seed is not None and body.seed < 0:
         raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
     controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,

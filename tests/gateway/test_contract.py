@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.contract import SEED_MAX, Ask, Limits, check_ask
+from services.gateway.contract import Ask, Limits, check_ask
+from shared.controls import SEED_MAX
 from shared.errors import InvalidInput
 
 LIMITS = Limits(max_prompt_bytes=10, max_tokens_limit=100, max_context_tokens=200)

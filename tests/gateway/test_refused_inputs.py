@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from keel.gateway.v1 import gateway_pb2
-from services.gateway.contract import SEED_MAX, Ask, Limits
+from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Call, payload_of
 from services.gateway.servicer import to_ask
 from shared import errors
 from shared.clip import HEAD, TRUNCATED, canonical_json
+from shared.controls import SEED_MAX
 from testing.upstreams import FakeUpstreams
 from tests.gateway.test_pipeline import pipeline
 

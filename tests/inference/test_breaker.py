@@ -137,10 +137,10 @@ FAST_TRIP = BreakerConfig(output_limit=TripRule(60.0, 1), logit_clamp=1e9, fallb
 async def test_level_one_caps_temperature(make_engine):
     engine = await make_engine(breaker=FAST_TRIP)
     cool, _ = await collect(engine, request("a", prompt(1), max_tokens=12, temperature=0.3, seed=7))
-    hot, _ = await collect(engine, request("b", prompt(1), max_tokens=12, temperature=5.0, seed=7))
+    hot, _ = await collect(engine, request("b", prompt(1), max_tokens=12, temperature=2.0, seed=7))
     assert ids(hot) != ids(cool)
     trip(engine, 1)
-    capped, fin = await collect(engine, request("c", prompt(1), max_tokens=12, temperature=5.0, seed=7))
+    capped, fin = await collect(engine, request("c", prompt(1), max_tokens=12, temperature=2.0, seed=7))
     assert ids(capped) == ids(cool) and fin.breaker_level == 1
 
 

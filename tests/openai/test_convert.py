@@ -102,6 +102,7 @@ def test_completions_map_prompt_and_legacy_logprobs():
     (chat, {"max_tokens": 0}, "max_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"max_completion_tokens": -1}, "max_completion_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"seed": -1}, "seed", "SEED_OUT_OF_RANGE"),
+    (chat, {"top_p": 0}, "top_p", "TOP_P_OUT_OF_RANGE"),  # the proto's 0 is "unset": not served as 1
     (chat, {"store": True}, "store", "UNSUPPORTED_PARAMETER"),
     (completion, {"service_tier": "priority"}, "service_tier", "UNSUPPORTED_PARAMETER"),
     (chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [

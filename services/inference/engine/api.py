@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 from services.inference.engine.controls import TokenLogprobs
-from shared.controls import Controls, check_controls, check_max_tokens
+from shared.controls import Controls, check_controls, check_max_tokens, check_sampling
 from shared.errors import InvalidInput
 
 
@@ -64,9 +64,6 @@ class Finished:
                 "inference.variant": self.variant, "inference.adapter": self.adapter}
 
 
-MAX_SEED = 2 ** 63 - 1
-
-
 def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int) -> None:
     """Raise InvalidInput unless the request is well-formed."""
     def bad(message: str, reason: str, **meta) -> InvalidInput:
@@ -86,15 +83,7 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int) -
         raise bad(f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context window "
                   f"({max_context_tokens})", "CONTEXT_LENGTH_EXCEEDED",
                   prompt_tokens=len(ids), max_tokens=req.max_tokens, context_tokens=max_context_tokens)
-    if not _finite_number(req.temperature) or req.temperature < 0:
-        raise bad(f"temperature must be a finite number >= 0, got {req.temperature!r}", "INVALID_TEMPERATURE")
-    if not _finite_number(req.top_p) or not 0 < req.top_p <= 1:
-        raise bad(f"top_p must be in (0, 1], got {req.top_p!r}", "INVALID_TOP_P")
-    if isinstance(req.top_k, bool) or not isinstance(req.top_k, int) or req.top_k < 0:
-        raise bad(f"top_k must be an integer >= 0, got {req.top_k!r}", "INVALID_TOP_K")
-    if req.seed is not None and (isinstance(req.seed, bool) or not isinstance(req.seed, int)
-                                 or not 0 <= req.seed <= MAX_SEED):
-        raise bad(f"seed must be an integer in [0, 2**63), got {req.seed!r}", "INVALID_SEED")
+    check_sampling(req.temperature, req.top_p, req.top_k, req.seed, request_id=req.request_id)
     for t in req.stop_token_ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise bad(f"stop token {t!r} is not a token id", "TOKEN_OUT_OF_RANGE")
