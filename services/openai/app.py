@@ -194,19 +194,24 @@ class Api:
         if isinstance(parsed, Response):
             return parsed
         req, md, timeout, body = parsed
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= self.limits.max_choices:
+            return error_response(errors.InvalidInput(f"n must be in 1..{self.limits.max_choices}, got {n}",
+                                                      reason="N_OUT_OF_RANGE", metadata={"field": "n"}))
+        reqs = convert.choices_of(req, n)
         chat = cls is ChatBody
         logprobs = req.sampling.logprobs
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(req, md, timeout, chat, logprobs, include_usage)
+            return await self._stream(reqs, md, timeout, chat, logprobs, include_usage)
         try:
-            resp = await self._unary(request, self.gateway.generate(req, md, timeout))
+            resps = await self._unary(request, _all(self.gateway.generate(r, md, timeout) for r in reqs))
         except grpc.aio.AioRpcError as exc:
             return error_response(translate(exc))
         except errors.Cancelled as err:
             return error_response(err)
-        reply = convert.Reply.start(chat, resp.trace_id)
-        return JSONResponse(convert.answer(reply, resp, logprobs), headers={TRACE_ID_KEY: resp.trace_id})
+        reply = convert.Reply.start(chat, resps[0].trace_id)
+        return JSONResponse(convert.answer(reply, resps, logprobs), headers={TRACE_ID_KEY: resps[0].trace_id})
 
     @staticmethod
     async def _unary(request: Request, call):
@@ -222,34 +227,58 @@ class Api:
             raise errors.Cancelled("the client went away", reason="CANCELLED")
         return answer.result()
 
-    async def _stream(self, req: gateway_pb2.GenerateRequest, md, timeout: float | None, chat: bool,
+    async def _stream(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None, chat: bool,
                       logprobs: bool, include_usage: bool) -> Response:
+        """One stream of every choice's events, interleaved as they come (each chunk names its choice)."""
         try:
-            call, first = await self.gateway.open_stream(req, md, timeout)
-            trace_id = dict(await call.initial_metadata() or ()).get(TRACE_ID_KEY, "")
+            opened = await _all(self.gateway.open_stream(r, md, timeout) for r in reqs)
         except grpc.aio.AioRpcError as exc:
             return error_response(translate(exc))
-        if first is grpc.aio.EOF:  # the gateway always ends a stream with its summary or a status
+        trace_id = dict(await opened[0][0].initial_metadata() or ()).get(TRACE_ID_KEY, "")
+        if any(first is grpc.aio.EOF for _, first in opened):  # the gateway ends a stream with its summary or a status
+            for call, _ in opened:
+                call.cancel()
             return error_response(errors.NotReady("the gateway's stream ended without an answer",
                                                   reason="STREAM_TRUNCATED", retry_after_ms=NOT_SERVING_RETRY_MS))
-        shaper = convert.StreamShaper(convert.Reply.start(chat, trace_id), convert.model_of(req.adapter),
-                                      logprobs, include_usage)
-        return StreamingResponse(self._events(call, first, shaper), media_type="text/event-stream",
+        shaper = convert.StreamShaper(convert.Reply.start(chat, trace_id), convert.model_of(reqs[0].adapter),
+                                      logprobs, include_usage, len(reqs))
+        return StreamingResponse(self._events(opened, shaper), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, TRACE_ID_KEY: trace_id})
 
-    async def _events(self, call, first, shaper: convert.StreamShaper) -> AsyncIterator[bytes]:
-        """SSE frames of one stream. A failure after the first event is an ``error`` event (OpenAI's
-        error object) in place of ``[DONE]``. Cancelled (the client went away): the call is too."""
-        try:
-            ev = first
+    async def _events(self, opened, shaper: convert.StreamShaper) -> AsyncIterator[bytes]:
+        """SSE frames of the choices' streams. A failure after the first event is an ``error`` event
+        (OpenAI's error object) in place of ``[DONE]``. Cancelled (the client went away): so are the calls."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, call, ev) -> None:
             while ev is not grpc.aio.EOF:
-                yield b"".join(sse(chunk) for chunk in shaper.event(ev))
+                await queue.put((i, ev))
                 ev = await call.read()
+
+        pumps = [asyncio.ensure_future(pump(i, call, first)) for i, (call, first) in enumerate(opened)]
+        ended = asyncio.ensure_future(asyncio.gather(*pumps))
+        try:
+            while True:
+                got = asyncio.ensure_future(queue.get())
+                await asyncio.wait({got, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    break
+                i, ev = got.result()
+                yield b"".join(sse(chunk) for chunk in shaper.event(ev, i))
+            while not queue.empty():  # what the streams sent before the last one ended
+                i, ev = queue.get_nowait()
+                yield b"".join(sse(chunk) for chunk in shaper.event(ev, i))
+            ended.result()  # a stream's failure, if one failed
             yield sse("[DONE]")
         except grpc.aio.AioRpcError as exc:
             yield sse(httperrors.error_body(translate(exc)))
         finally:
-            call.cancel()
+            for task in pumps:
+                task.cancel()
+            ended.cancel()
+            for call, _ in opened:
+                call.cancel()
 
     async def tokenize(self, request: Request) -> Response:
         return await self._tokens(request, TokenizeBody, convert.tokenize_request, "Tokenize", convert.tokenized)
@@ -307,6 +336,16 @@ class Api:
     async def health(self, request: Request) -> Response:
         status = "SERVING" if self.serving else "NOT_SERVING"
         return JSONResponse({"status": status}, status_code=200 if self.serving else 503)
+
+
+async def _all(calls):
+    """Every call's result, in order; the first failure cancels the others (their generations stop)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def model_object(name: str) -> dict:

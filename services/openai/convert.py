@@ -10,7 +10,7 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, unsupported
 from shared import errors
-from shared.controls import Controls, Sampling, check_max_tokens, sampling_pb
+from shared.controls import SEED_MAX, Controls, Sampling, check_max_tokens, sampling_pb
 from shared.modelfile import model_id
 
 # The served model's name (shared/modelfile.py: the mesh's one model, read once at start).
@@ -42,8 +42,6 @@ def _max_tokens(value: int | None, param: str) -> int:
 
 def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool,
              top_logprobs: int) -> common_pb2.SamplingParams:
-    if body.n not in (None, 1):
-        raise unsupported("n", "only n=1 is served")
     if body.store:
         raise unsupported("store", "store: true is not served: Keel keeps no completions to retrieve")
     if body.service_tier not in SERVICE_TIERS:
@@ -163,11 +161,6 @@ class Reply:
         return out
 
 
-def usage(u: common_pb2.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
-
-
 def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
@@ -189,18 +182,41 @@ def completion_logprobs(items, start: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def answer(reply: Reply, r: gateway_pb2.GenerateResponse, logprobs: bool) -> dict:
-    """The whole (unary) answer: a chat.completion or a text_completion."""
-    if reply.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                  "logprobs": chat_logprobs(r.logprobs) if logprobs else None, "finish_reason": r.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": r.text, "logprobs": completion_logprobs(r.logprobs) if logprobs else None,
-                  "finish_reason": r.finish_reason}
-        obj = "text_completion"
-    return {**reply.head(obj, model_of(r.adapter), r.system_fingerprint), "choices": [choice], "usage": usage(r.usage),
-            **truncated(r)}
+def choices_of(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:
+    """The `n` generations of one request: the same request, each choice i with seed + i where the client
+    set a seed (else the gateway picks one per choice), so sampled choices differ and each replays."""
+    out = []
+    for i in range(n):
+        one = gateway_pb2.GenerateRequest()
+        one.CopyFrom(req)
+        if i and req.sampling.HasField("seed"):
+            one.sampling.seed = (req.sampling.seed + i) % (SEED_MAX + 1)
+        out.append(one)
+    return out
+
+
+def answer(reply: Reply, rs: list[gateway_pb2.GenerateResponse], logprobs: bool) -> dict:
+    """The whole (unary) answer of one generation per choice: a chat.completion or a text_completion.
+    Usage counts the prompt once and every choice's completion (OpenAI's n)."""
+    choices = []
+    for i, r in enumerate(rs):
+        if reply.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                            "logprobs": chat_logprobs(r.logprobs) if logprobs else None,
+                            "finish_reason": r.finish_reason})
+        else:
+            choices.append({"index": i, "text": r.text,
+                            "logprobs": completion_logprobs(r.logprobs) if logprobs else None,
+                            "finish_reason": r.finish_reason})
+    first = rs[0]
+    obj = "chat.completion" if reply.chat else "text_completion"
+    return {**reply.head(obj, model_of(first.adapter), first.system_fingerprint), "choices": choices,
+            "usage": total_usage([r.usage for r in rs]), **truncated(first)}
+
+
+def total_usage(us: list[common_pb2.Usage]) -> dict:
+    prompt, completion = us[0].prompt_tokens, sum(u.completion_tokens for u in us)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def truncated(r: gateway_pb2.GenerateResponse) -> dict:
@@ -210,46 +226,50 @@ def truncated(r: gateway_pb2.GenerateResponse) -> dict:
 
 
 class StreamShaper:
-    """Gateway stream messages -> OpenAI chunk objects, in order: a chat stream opens with the
-    assistant's role, each delta is one chunk, the summary closes with finish_reason (and the
-    system fingerprint, known only then), then a usage chunk when the client asked for it."""
+    """Gateway stream messages of the `n` choices -> OpenAI chunk objects, in the order they come: a
+    chat choice opens with the assistant's role, each delta is one chunk, its summary closes it with
+    finish_reason (and the system fingerprint, known only then); once every choice closed, a usage
+    chunk when the client asked for it (the prompt counted once, every choice's completion)."""
 
-    def __init__(self, reply: Reply, model: str, logprobs: bool, include_usage: bool):
+    def __init__(self, reply: Reply, model: str, logprobs: bool, include_usage: bool, n: int = 1):
         self.reply, self.model, self.logprobs, self.include_usage = reply, model, logprobs, include_usage
-        self._offset = 0
-        self._opened = False
+        self._offsets = [0] * n
+        self._opened = [False] * n
+        self._usage: dict[int, common_pb2.Usage] = {}
+        self._n = n
 
     def _chunk(self, choice: dict, fingerprint: str | None = None, model: str | None = None) -> dict:
         obj = "chat.completion.chunk" if self.reply.chat else "text_completion"
         return {**self.reply.head(obj, model or self.model, fingerprint), "choices": [choice]}
 
-    def _choice(self, text: str | None, items, finish: str | None, role: bool = False) -> dict:
+    def _choice(self, i: int, text: str | None, items, finish: str | None, role: bool = False) -> dict:
         if self.reply.chat:
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": "assistant", **delta}
             lp = chat_logprobs(items) if self.logprobs and items else None
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        lp = completion_logprobs(items, self._offset) if self.logprobs and items else None
-        return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        lp = completion_logprobs(items, self._offsets[i]) if self.logprobs and items else None
+        return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-    def opening(self) -> list[dict]:
-        if not self.reply.chat or self._opened:
+    def opening(self, i: int = 0) -> list[dict]:
+        if not self.reply.chat or self._opened[i]:
             return []
-        self._opened = True
-        return [self._chunk(self._choice("", (), None, role=True))]
+        self._opened[i] = True
+        return [self._chunk(self._choice(i, "", (), None, role=True))]
 
-    def event(self, ev: gateway_pb2.GenerateStreamResponse) -> list[dict]:
-        out = self.opening()
+    def event(self, ev: gateway_pb2.GenerateStreamResponse, i: int = 0) -> list[dict]:
+        out = self.opening(i)
         if ev.WhichOneof("event") == "delta":
-            out.append(self._chunk(self._choice(ev.delta, ev.logprobs, None)))
-            self._offset += len(ev.delta)
+            out.append(self._chunk(self._choice(i, ev.delta, ev.logprobs, None)))
+            self._offsets[i] += len(ev.delta)
             return out
         done = ev.done
         model = model_of(done.adapter)
-        out.append({**self._chunk(self._choice(None, (), done.finish_reason), done.system_fingerprint, model),
+        out.append({**self._chunk(self._choice(i, None, (), done.finish_reason), done.system_fingerprint, model),
                     **truncated(done)})
-        if self.include_usage:
+        self._usage[i] = done.usage
+        if self.include_usage and len(self._usage) == self._n:
             out.append({**self.reply.head(out[-1]["object"], model, done.system_fingerprint), "choices": [],
-                        "usage": usage(done.usage)})
+                        "usage": total_usage([self._usage[k] for k in range(self._n)])})
         return out

@@ -96,7 +96,6 @@ def test_completions_map_prompt_and_legacy_logprobs():
 
 
 @pytest.mark.parametrize("fn,fields,field,reason", [
-    (chat, {"n": 2}, "n", "UNSUPPORTED_PARAMETER"),
     (completion, {"prompt": ["a", "b"]}, "prompt", "UNSUPPORTED_PARAMETER"),
     (completion, {"echo": True}, "echo", "UNSUPPORTED_PARAMETER"),
     (chat, {"max_tokens": 0}, "max_tokens", "MAX_TOKENS_INVALID"),
@@ -132,8 +131,8 @@ def test_truncate_prompt_tokens_is_vllms_extension():
 
 def test_the_cut_prompt_is_flagged_on_the_answer_and_the_closing_chunk():
     r = gateway_pb2.GenerateResponse(text="x", trace_id="t", finish_reason="stop", prompt_truncated=True)
-    assert convert.answer(convert.Reply.start(True, "t"), r, False)["prompt_truncated"] is True
-    answer = convert.answer(convert.Reply.start(True, "t"), gateway_pb2.GenerateResponse(), False)
+    assert convert.answer(convert.Reply.start(True, "t"), [r], False)["prompt_truncated"] is True
+    answer = convert.answer(convert.Reply.start(True, "t"), [gateway_pb2.GenerateResponse()], False)
     assert "prompt_truncated" not in answer
     shaper = convert.StreamShaper(convert.Reply.start(False, "t"), MODEL_ID, False, False)
     assert shaper.event(gateway_pb2.GenerateStreamResponse(done=r))[-1]["prompt_truncated"] is True

@@ -117,6 +117,41 @@ def client(url: str) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=30)
 
 
+def test_n_choices_are_n_generations_with_their_own_seeds(stage):
+    url, gateway = stage
+    before = len(gateway.requests)
+    r = client(url).chat.completions.create(model="french@2", messages=[{"role": "user", "content": "hi"}], n=3,
+                                            seed=7, temperature=0.8)
+    sent = gateway.requests[before:]
+    assert sorted(q.sampling.seed for q in sent) == [7, 8, 9] and len(sent) == 3
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content == "Hello" for c in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 6, 11)
+
+
+def test_n_choices_stream_interleaved_each_chunk_naming_its_choice(stage):
+    url, _ = stage
+    chunks = list(client(url).chat.completions.create(
+        model="french@2", messages=[{"role": "user", "content": "hi"}], n=2, stream=True,
+        stream_options={"include_usage": True}))
+    text = {0: "", 1: ""}
+    finished = set()
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        text[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert text == {0: "Hello", 1: "Hello"} and finished == {0, 1}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("n", [0, 9])
+def test_n_outside_its_range_is_refused_with_its_reason(stage, n):
+    url, _ = stage
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(url).chat.completions.create(model="french@2", messages=[{"role": "user", "content": "hi"}], n=n)
+    assert exc.value.code == "N_OUT_OF_RANGE" and exc.value.param == "n"
+
+
 def test_controls_reach_the_gateway_and_logprobs_come_back(stage):
     url, gateway = stage
     raw = client(url).chat.completions.with_raw_response.create(
