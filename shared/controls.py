@@ -56,6 +56,8 @@ class Controls:
     logprobs: bool = False
     top_logprobs: int = 0
     response_format: ResponseFormat | None = None
+    min_tokens: int = 0       # the model's end ids and the stop ids are masked until this many tokens
+    ignore_eos: bool = False  # the model's end ids do not end the answer
 
     @property
     def penalised(self) -> bool:
@@ -94,11 +96,15 @@ def check_sampling(temperature, top_p, top_k, seed, **metadata) -> None:
                   actual=seed if isinstance(seed, int) else str(seed))
 
 
-def check_controls(c: Controls) -> None:
-    """Raise InvalidInput with the rule's reason (metadata `field`) unless every control is in range."""
+def check_controls(c: Controls, max_tokens: int) -> None:
+    """Raise InvalidInput with the rule's reason (metadata `field`) unless every control is in range
+    (`max_tokens`: the request's, which min_tokens may not pass)."""
     def bad(message: str, reason: str, field: str) -> InvalidInput:
         return InvalidInput(message, reason=reason, metadata={"field": field})
 
+    if isinstance(c.min_tokens, bool) or not isinstance(c.min_tokens, int) or not 0 <= c.min_tokens <= max_tokens:
+        raise bad(f"min_tokens must be in 0..max_tokens ({max_tokens}), got {c.min_tokens!r}",
+                  "MIN_TOKENS_OUT_OF_RANGE", "sampling.min_tokens")
     if len(c.stop) > MAX_STOPS:
         raise bad(f"at most {MAX_STOPS} stop strings, got {len(c.stop)}", "STOP_INVALID", "sampling.stop")
     for s in c.stop:
@@ -154,7 +160,8 @@ def controls_of(s: common_pb2.SamplingParams, fmt: common_pb2.ResponseFormat | N
     """The controls of a request's sampling parameters and response format (None: unset)."""
     return Controls(stop=tuple(s.stop), repetition_penalty=repetition_penalty_of(s.repetition_penalty),
                     frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                    logprobs=s.logprobs, top_logprobs=s.top_logprobs, response_format=format_of(fmt))
+                    logprobs=s.logprobs, top_logprobs=s.top_logprobs, response_format=format_of(fmt),
+                    min_tokens=s.min_tokens, ignore_eos=s.ignore_eos)
 
 
 def format_of(fmt: common_pb2.ResponseFormat | None) -> ResponseFormat | None:
@@ -185,7 +192,7 @@ def sampling_pb(s: Sampling) -> common_pb2.SamplingParams:
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=c.stop,
         repetition_penalty=0.0 if c.repetition_penalty == 1.0 else c.repetition_penalty,
         frequency_penalty=c.frequency_penalty, presence_penalty=c.presence_penalty, logprobs=c.logprobs,
-        top_logprobs=c.top_logprobs)
+        top_logprobs=c.top_logprobs, min_tokens=c.min_tokens, ignore_eos=c.ignore_eos)
     if s.seed is not None:
         pb.seed = s.seed
     return pb

@@ -74,7 +74,7 @@ def check_ask(ask: Ask, limits: Limits) -> None:
                                   metadata={"field": "sampling.truncate_prompt_tokens"})
     check_sampling(ask.temperature, ask.top_p, ask.top_k, ask.seed)
     check_adapter(ask.adapter)
-    check_controls(ask.controls)
+    check_controls(ask.controls, ask.max_tokens)
 
 
 def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits) -> None:

@@ -54,7 +54,10 @@ def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool,
         raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
     controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,
                         presence_penalty=body.presence_penalty or 0.0, logprobs=logprobs,
-                        top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)))
+                        top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)),
+                        # beyond int32 either way: the gateway says MIN_TOKENS_OUT_OF_RANGE
+                        min_tokens=max(-INT32_MAX, min(body.min_tokens or 0, INT32_MAX)),
+                        ignore_eos=bool(body.ignore_eos))
     pb = sampling_pb(Sampling(
         max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         DEFAULT_TOP_P if body.top_p is None else body.top_p,

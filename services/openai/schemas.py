@@ -102,8 +102,11 @@ class Sampling(Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
-    # vLLM's extension: keep only the prompt's last N tokens when it is longer (absent: never cut).
+    # vLLM's extensions: keep only the prompt's last N tokens when it is longer (absent: never cut);
+    # at least min_tokens tokens before the model may end; ignore_eos: run to max_tokens.
     truncate_prompt_tokens: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     # Accepted and not used (docs/openai.md): Keel identifies callers by API key, stores no
     # completions (store: true is refused in convert.py), has one service tier ("auto" and "default";
     # others refused there) and caches prompt prefixes by itself.

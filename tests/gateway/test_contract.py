@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.contract import Ask, Limits, check_ask
-from shared.controls import SEED_MAX
+from shared.controls import SEED_MAX, Controls
 from shared.errors import InvalidInput
 
 LIMITS = Limits(max_prompt_bytes=10, max_tokens_limit=100, max_context_tokens=200)
@@ -34,6 +34,8 @@ def test_within_the_contract_passes(a):
     (ask("hi", top_p=1.5), "TOP_P_OUT_OF_RANGE"),
     (ask("hi", top_k=-1), "TOP_K_OUT_OF_RANGE"),
     (ask("hi", seed=SEED_MAX + 1), "SEED_OUT_OF_RANGE"),
+    (ask("hi", max_tokens=5, controls=Controls(min_tokens=6)), "MIN_TOKENS_OUT_OF_RANGE"),
+    (ask("hi", controls=Controls(min_tokens=-1)), "MIN_TOKENS_OUT_OF_RANGE"),
     (ask("  "), "EMPTY_PROMPT"),
     (Ask(messages=(), max_tokens=1), "EMPTY_PROMPT"),
     (Ask(messages=(("robot", "hi"),), max_tokens=1), "UNKNOWN_ROLE"),

@@ -38,6 +38,8 @@ def test_sampling_fields_map_onto_the_grpc_controls():
     assert list(s.stop) == ["\n", "END"]
     assert (s.frequency_penalty, s.presence_penalty, s.logprobs, s.top_logprobs) == (0.25, -0.5, True, 3)
     assert req.adapter == ""  # the base model's name selects no adapter
+    s = chat(min_tokens=4, ignore_eos=True).sampling  # vLLM's extensions
+    assert (s.min_tokens, s.ignore_eos) == (4, True)
 
 
 def test_absent_fields_take_openai_defaults_and_the_gateway_default_length():

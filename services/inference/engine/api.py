@@ -91,7 +91,7 @@ def validate(req: GenerationRequest, vocab_size: int, max_context_tokens: int) -
         raise bad(f"adapter must be a string, got {type(req.adapter).__name__}", "INVALID_ADAPTER_NAME")
     if req.deadline is not None and not _finite_number(req.deadline):
         raise bad("deadline must be a finite time.monotonic() value", "INVALID_DEADLINE")
-    check_controls(req.controls)
+    check_controls(req.controls, req.max_tokens)
 
 
 def _finite_number(x) -> bool:

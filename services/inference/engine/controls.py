@@ -47,10 +47,14 @@ class TokenLogprobs:
 
 
 class RowControls:
-    def __init__(self, controls: Controls, prompt_ids: list[int], vocab: Vocabulary | None, matcher=None):
+    def __init__(self, controls: Controls, prompt_ids: list[int], vocab: Vocabulary | None, matcher=None,
+                 end_ids: tuple[int, ...] = ()):
         self.c = controls
         self.vocab = vocab
         self.matcher = matcher  # llguidance.LLMatcher at this row's position, or None
+        # The ids min_tokens masks while the answer is shorter (the model's end ids, the request's stop ids).
+        self.end_ids = tuple(sorted(set(end_ids)))
+        self.generated = 0  # tokens sampled so far
         self.counts: dict[int, int] = {}  # sampled token -> times (frequency and presence penalties)
         # Hugging Face's repetition penalty covers the prompt's tokens as well as the answer's.
         self._repeated: set[int] = set(prompt_ids) if controls.repetition_penalty != 1.0 else set()
@@ -61,6 +65,7 @@ class RowControls:
     def accept(self, token: int) -> bool:
         """Record the sampled token; True when the answer must end with it: a stop string is
         complete in the text, or the grammar can take nothing more."""
+        self.generated += 1
         if self.c.frequency_penalty or self.c.presence_penalty:
             self.counts[token] = self.counts.get(token, 0) + 1
         if self.c.repetition_penalty != 1.0:
@@ -119,10 +124,11 @@ def shape(rows: Sequence[RowControls | None], logits: torch.Tensor, masks: MaskE
 
     Per row, in this order: the repetition penalty (HF: positive logits divided by it, negative
     multiplied) over the prompt's and answer's tokens; then frequency * count + presence subtracted
-    for each sampled token; then the grammar's disallowed tokens set to -inf. A row whose grammar
-    fails is left unmasked and named in `errors` (that row fails, its batch-mates go on).
+    for each sampled token; then, while the answer is shorter than min_tokens, the end ids set to
+    -inf; then the grammar's disallowed tokens set to -inf. A row whose grammar fails is left
+    unmasked and named in `errors` (that row fails, its batch-mates go on).
     """
-    rep, cut = _Edits(), _Edits()  # repetition penalties; frequency/presence amounts
+    rep, cut, early = _Edits(), _Edits(), _Edits()  # repetition penalties; frequency/presence amounts; end ids
     grammar: list[int] = []
     for r, row in enumerate(rows):
         if row is None:
@@ -135,10 +141,12 @@ def shape(rows: Sequence[RowControls | None], logits: torch.Tensor, masks: MaskE
             ids = sorted(row.counts)
             amount = [row.counts[i] * c.frequency_penalty + c.presence_penalty for i in ids]
             cut.add(r, ids, amount)
+        if row.generated < c.min_tokens and row.end_ids:
+            early.add(r, list(row.end_ids), [0.0] * len(row.end_ids))
         if row.matcher is not None:
             grammar.append(r)
     out = Shaped(logits)
-    if not (rep.rows or cut.rows or grammar):
+    if not (rep.rows or cut.rows or early.rows or grammar):
         return out
     scores = out.scores = logits.clone()
     if rep.rows:
@@ -148,6 +156,8 @@ def shape(rows: Sequence[RowControls | None], logits: torch.Tensor, masks: MaskE
     if cut.rows:
         at = cut.index()
         scores[at] = scores[at] - cut.amounts(scores.dtype)
+    if early.rows:
+        scores[early.index()] = float("-inf")
     if grammar:
         ok = allowed(masks, [rows[r].matcher for r in grammar], scores.shape[-1])  # [G, V]
         usable = ok.any(dim=-1).tolist()

@@ -384,8 +384,9 @@ class Engine:
         self._admission.check_fits_ever(req)  # the memory model is fixed after warmup: safe on any thread
         if req.controls.stop:
             self._require_vocabulary()
-        controls = None if req.controls == Controls() else RowControls(req.controls, req.prompt_ids,
-                                                                         self.vocabulary, matcher)
+        controls = None if req.controls == Controls() else RowControls(
+            req.controls, req.prompt_ids, self.vocabulary, matcher,
+            end_ids=(() if req.controls.ignore_eos else self.config.eos_token_ids) + tuple(req.stop_token_ids))
         ticket = Ticket(req, seed, self._admission.cost(req), asyncio.get_running_loop(), asyncio.Queue(),
                         slot=slot, adapter=adapter, blocks=self._admission.blocks(req), controls=controls)
         self._refuse_if_queue_full(ticket)

@@ -116,7 +116,8 @@ class OutputProcessor:
             row.first_token_at = time.monotonic()
         row.generated += 1
         row.last_token = p.token_id
-        if p.token_id in self.eos or p.token_id in req.stop_token_ids:
+        ignore_eos = row.ticket.controls is not None and row.ticket.controls.c.ignore_eos
+        if (p.token_id in self.eos and not ignore_eos) or p.token_id in req.stop_token_ids:
             self._finish(row, "stop", out)
             return
         self.counters.tokens += 1
