@@ -109,6 +109,7 @@ class BpeEngine:
     def __init__(self, tables: MergeTables, pretokenizer: PreTokenizer, options: CacheOptions):
         self._t = tables
         self._findall = pretokenizer.fast_findall
+        self._ignore_merges = pretokenizer.ignore_merges
         self._exact_findall = pretokenizer.exact_findall
         self._rare = pretokenizer.rare_search
         self._options = options
@@ -179,11 +180,19 @@ class BpeEngine:
         which is what guarantees that every text containing one arrives here."""
         out: list[int] = []
         for piece in self._exact_findall(text):
-            out += self.bpe_bytes(piece.encode())
+            data = piece.encode()
+            token = self._t.token_id_of(data) if self._ignore_merges else -1
+            out += [token] if token >= 0 else self.bpe_bytes(data)
         return out
 
     def _piece_ids(self, piece: str) -> tuple[int, ...] | None:
         """BPE of one piece, or None when it needs the exact pattern."""
+        if self._ignore_merges:  # Llama 3: a piece that is a vocabulary token is that token
+            if self._rare is not None and not piece.isascii() and self._rare(piece):
+                return None
+            token = self._t.token_id_of(piece.encode())
+            if token >= 0:
+                return (token,)
         if piece.isascii():
             return tuple(self.bpe_bytes(piece.encode()))
         data = piece.encode()

@@ -4,6 +4,10 @@ Same sandboxed environment (trim_blocks, lstrip_blocks, loopcontrols), same ``to
 ``raise_exception``/``strftime_now`` globals, same variables (messages as role/content dicts,
 add_generation_prompt, the special token strings), so the rendered text is identical. jinja2 is
 slow to import, so this module is imported by ``Tokenizer.warmup``, not at open.
+
+A model without a chat template is rendered plainly (``PlainRenderer``): each message as
+``"<role>: <content>\n"``, then ``"assistant:"`` when add_generation_prompt is set; the stage
+reports its chat_template_sha256 as the SHA-256 of ``PLAIN_TEMPLATE_ID``.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from shared.errors import InvalidInput
 
 ROLES = ("system", "user", "assistant")
+PLAIN_TEMPLATE_ID = "keel.chat.plain.v1"  # names the plain rendering in chat_template_sha256
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -51,6 +56,15 @@ class ChatRenderer:
         except jinja2.TemplateError as exc:
             raise InvalidInput(f"chat template refused the messages: {exc}",
                                reason="CHAT_TEMPLATE_ERROR") from exc
+
+
+class PlainRenderer:
+    """For models without a chat template: "<role>: <content>\\n" per message, then "assistant:"."""
+
+    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+        chat = [_message(i, m) for i, m in enumerate(_message_list(messages))]
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in chat)
+        return text + "assistant:" if add_generation_prompt else text
 
 
 def _message_list(messages) -> list:

@@ -1,6 +1,12 @@
-"""Compile the GGUF's tokenizer into the flat binary that every worker mmaps (see fileformat).
+"""Compile a model's tokenizer into the flat binary that every worker mmaps (see fileformat).
 
 Run: python -m services.tokenizer.compiler [--gguf PATH] [--out PATH]   (what `make vocab` does)
+
+Sources: a GGUF (``tokenizer.ggml.model`` "gpt2", ``tokenizer.ggml.pre`` one of
+``pretokenize.PRETOKENIZERS``) or a Hugging Face folder (tokenizer.json with a byte-level BPE model
+and a pre-tokenizer that maps onto one of the same families, plus tokenizer_config.json). Anything
+else is refused with PreconditionFailed reason UNSUPPORTED_TOKENIZER naming what was found and what
+is supported. The family's pattern goes into the file, so workers need no family code.
 
 Idempotent: an existing output built from the same GGUF (same size and mtime, or else the same
 SHA-256) by the same builder (format version, this compiler's code, `regex` version) is kept as it
@@ -24,7 +30,7 @@ import regex
 
 from services.tokenizer import fileformat as ff
 from services.tokenizer import tables
-from services.tokenizer.pretokenize import PRETOKENIZERS
+from services.tokenizer.pretokenize import FAMILIES, GGUF_PRE_NAMES, PRETOKENIZERS, Family
 from services.tokenizer.unicode_pin import pinned_patterns
 from shared.errors import PreconditionFailed
 
@@ -54,7 +60,10 @@ class GgufVocab:
     pad_id: int
     unk_id: int
     chat_template: str | None
-    pretokenizer: str
+    pretokenizer: str  # the family's name (pretokenize.FAMILIES)
+    add_bos: bool = False
+    add_eos: bool = False
+    ignore_merges: bool = False
 
 
 VOCAB_NAME = "vocab.kvoc"  # the compiled vocabulary's name in the model's folder under var/models/
@@ -70,28 +79,107 @@ def _unsupported(message: str) -> PreconditionFailed:
 
 
 def read_gguf(gguf_file: Path) -> GgufVocab:
-    from gguf import GGUFReader  # heavy (numpy); only the compile step needs it
+    from shared import ggufmeta
 
-    fields = GGUFReader(gguf_file).fields
-
-    def get(key, default=None):
-        field = fields.get(key)
-        return default if field is None else field.contents()
-
-    if get("tokenizer.ggml.model") != "gpt2":
-        raise _unsupported(f"tokenizer model {get('tokenizer.ggml.model')!r}; only byte-level BPE (gpt2)")
+    try:
+        get = ggufmeta.read(gguf_file).metadata.get
+    except ggufmeta.GgufError as exc:
+        raise _unsupported(f"not a GGUF this reader understands: {exc}") from exc
+    model = get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise _unsupported(f"tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
     pre = get("tokenizer.ggml.pre")
-    if pre not in PRETOKENIZERS:
-        raise _unsupported(f"pre-tokenizer {pre!r}; supported: {PRETOKENIZERS}")
-    if get("tokenizer.ggml.add_bos_token", False) or get("tokenizer.ggml.add_space_prefix", False):
-        raise _unsupported("add_bos_token/add_space_prefix are not implemented")
-    eos = get("tokenizer.ggml.eos_token_id")
+    if pre not in GGUF_PRE_NAMES:
+        raise _unsupported(f"pre-tokenizer {pre!r}; supported: {', '.join(PRETOKENIZERS)}")
+    if get("tokenizer.ggml.add_space_prefix", False):
+        raise _unsupported("add_space_prefix is not implemented")
+    family = FAMILIES[GGUF_PRE_NAMES[pre]]
+    eos = get("tokenizer.ggml.eos_token_id", -1)
     return GgufVocab(
         tokens=list(get("tokenizer.ggml.tokens")), token_types=list(get("tokenizer.ggml.token_type")),
         merges=list(get("tokenizer.ggml.merges")), bos_id=get("tokenizer.ggml.bos_token_id", eos),
         eos_id=eos, pad_id=get("tokenizer.ggml.padding_token_id", eos),
         unk_id=get("tokenizer.ggml.unknown_token_id", -1), chat_template=get("tokenizer.chat_template"),
-        pretokenizer=pre)
+        pretokenizer=family.name,
+        # llama.cpp's defaults where the file is silent: Llama 3 adds BOS, the others add nothing.
+        add_bos=bool(get("tokenizer.ggml.add_bos_token", family.name == "llama-bpe")),
+        add_eos=bool(get("tokenizer.ggml.add_eos_token", False)), ignore_merges=family.ignore_merges)
+
+
+HF_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _describe(node) -> str:
+    return json.dumps(node, ensure_ascii=False)[:300]
+
+
+def hf_family(pre_tokenizer) -> Family:
+    """The family whose splitting a tokenizer.json's pre_tokenizer performs, or UNSUPPORTED_TOKENIZER."""
+    steps = pre_tokenizer.get("pretokenizers", []) if (pre_tokenizer or {}).get("type") == "Sequence" \
+        else [pre_tokenizer] if pre_tokenizer else []
+    kinds = [step.get("type") for step in steps]
+    last = steps[-1] if steps else {}
+    if kinds and kinds[-1] == "ByteLevel" and not last.get("add_prefix_space", False):
+        if kinds == ["ByteLevel"] and last.get("use_regex", True):
+            return FAMILIES["gpt2"]
+        first = steps[0]
+        if (kinds == ["Digits", "ByteLevel"] and first.get("individual_digits") and last.get("use_regex", True)):
+            return FAMILIES["smollm"]
+        if kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True) \
+                and str(first.get("behavior", "")).lower() == "isolated" and not first.get("invert", False):
+            pattern = (first.get("pattern") or {}).get("Regex")
+            for family in FAMILIES.values():
+                if family.name != "smollm" and pattern in (family.hf_split, family.pattern, family.fast_pattern):
+                    return family
+    supported = ", ".join(f"{name} ({f.hf_split or ('Digits+' if f.hf_digits else '') + 'ByteLevel'})"
+                          for name, f in FAMILIES.items())
+    raise _unsupported(f"pre-tokenizer {_describe(pre_tokenizer)}; supported: {supported}")
+
+
+def _token_content(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def read_hf_folder(folder: Path) -> GgufVocab:
+    """tokenizer.json (byte-level BPE) and tokenizer_config.json of a Hugging Face folder."""
+    try:
+        spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _unsupported(f"no readable tokenizer.json in {folder}: {exc}") from exc
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise _unsupported(f"tokenizer model {model.get('type')!r}; supported: 'BPE' (byte-level)")
+    if spec.get("normalizer") or model.get("byte_fallback") or model.get("dropout") \
+            or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise _unsupported("tokenizer.json has a normalizer, byte fallback, dropout or a decoder other than "
+                           "ByteLevel; supported: byte-level BPE only")
+    family = hf_family(spec.get("pre_tokenizer"))
+    vocab = dict(model.get("vocab") or {})
+    added = spec.get("added_tokens") or []
+    n = max([*vocab.values(), *(a["id"] for a in added)], default=-1) + 1
+    tokens: list = [None] * n
+    types = [1] * n
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    for a in added:  # added tokens (special or not) are matched whole in text, before pre-tokenization
+        tokens[a["id"]], types[a["id"]] = a["content"], GGUF_CONTROL
+    if None in tokens:
+        raise _unsupported(f"token id {tokens.index(None)} is unassigned in tokenizer.json")
+    ids = {tok: i for i, tok in enumerate(tokens)}
+
+    def token_id(key: str) -> int:
+        return ids.get(_token_content(config.get(key)), -1)
+
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    eos = token_id("eos_token")
+    pad = token_id("pad_token")
+    return GgufVocab(
+        tokens=tokens, token_types=types, merges=merges, bos_id=token_id("bos_token"), eos_id=eos,
+        pad_id=pad if pad >= 0 else eos, unk_id=token_id("unk_token"), chat_template=config.get("chat_template"),
+        pretokenizer=family.name, add_bos=bool(config.get("add_bos_token", False)),
+        add_eos=bool(config.get("add_eos_token", False)), ignore_merges=bool(model.get("ignore_merges", False)))
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -121,6 +209,7 @@ def reference_bpe(data: bytes, byte_ids: list[int], ranks: dict, rank_ids: list[
 
 
 def _reference_encode(text: str, specials: dict[str, int], findall, bpe) -> list[int]:
+    """``bpe`` takes a piece's bytes (and applies ignore_merges where the family does)."""
     out, pos = [], 0
     while pos < len(text):
         hits = [(text.find(s, pos), -len(s), s) for s in specials if text.find(s, pos) >= 0]
@@ -166,6 +255,13 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
     def bpe(data: bytes) -> list[int]:
         return reference_bpe(data, byte_ids, ranks, rank_ids)
 
+    by_bytes = {token_bytes[i]: i for i in normal.values()}
+
+    def piece_bpe(data: bytes) -> list[int]:  # ignore_merges: a piece that is a token is that token
+        if vocab.ignore_merges and data in by_bytes:
+            return [by_bytes[data]]
+        return bpe(data)
+
     flags, unsafe = bytearray(n), bytearray(65536)
     special_ids = set(special.values())
     for i in range(n):
@@ -179,9 +275,10 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
             if not 0x80 <= data[k] <= 0xBF:
                 unsafe[data[k - 1] << 8 | data[k]] = 1
 
-    pinned = pinned_patterns()
+    family = FAMILIES[vocab.pretokenizer]
+    pinned = pinned_patterns(family)
     exact = regex.compile(pinned.exact_pattern, regex.V1).findall
-    probes = [[text, _reference_encode(text, special, exact, bpe)] for text in PROBES]
+    probes = [[text, _reference_encode(text, special, exact, piece_bpe)] for text in PROBES]
     rare = regex.compile(pinned.rare_class, regex.V1).search if pinned.rare_class else None
     words = array("I")
     for token in dict.fromkeys(rank_ids):  # merge order: the most frequent pairs come first
@@ -199,7 +296,9 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
                              ("pad_token", vocab.pad_id), ("unk_token", vocab.unk_id)) if 0 <= i < n},
         "special_tokens": sorted([tok, i] for tok, i in special.items()),
         "chat_template": vocab.chat_template,
-        "pretokenizer": vocab.pretokenizer, "regex_version": regex.__version__, "builder": builder_id(),
+        "pretokenizer": vocab.pretokenizer, "fast_pattern": pinned.fast_pattern,
+        "ignore_merges": vocab.ignore_merges, "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos,
+        "regex_version": regex.__version__, "builder": builder_id(),
         "unicode": "letters as Unicode 16.0 (Oniguruma), numerics as Unicode 17.0 (Rust is_numeric)",
         "rare_class": pinned.rare_class, "exact_pattern": pinned.exact_pattern,
         "rare_leads3": pinned.rare_leads3,
@@ -255,23 +354,35 @@ def _sha256(path: Path) -> bytes:
     return digest.digest()
 
 
-def compile_vocab(gguf_file: Path, out_file: Path) -> Path:
-    """Build ``out_file`` from ``gguf_file`` unless it already holds the same source's tables."""
-    gguf_file, out_file = Path(gguf_file), Path(out_file)
+def _source_files(model: Path) -> list[Path]:
+    if model.is_dir():
+        if not (model / "tokenizer.json").exists():
+            raise _unsupported(f"{model} has no tokenizer.json; supported: a GGUF or a Hugging Face folder")
+        return [model / name for name in HF_FILES if (model / name).exists()]
+    return [model]
+
+
+def compile_vocab(model: Path, out_file: Path) -> Path:
+    """Build ``out_file`` from ``model`` (a GGUF file or a Hugging Face folder) unless it already
+    holds the same source's tables."""
+    model, out_file = Path(model), Path(out_file)
     try:
-        stat = gguf_file.stat()
+        files = _source_files(model)
+        stats = [f.stat() for f in files]
     except OSError as exc:
         raise PreconditionFailed(f"cannot read the GGUF: {exc}", reason="GGUF_NOT_FOUND") from exc
+    size, mtime = sum(st.st_size for st in stats), max(st.st_mtime_ns for st in stats)
     summary = ff.read_summary(out_file)
     current = summary is not None and summary[1].get("builder") == builder_id()
-    if current and (summary[0].source.size, summary[0].source.mtime_ns) == (stat.st_size, stat.st_mtime_ns):
+    if current and (summary[0].source.size, summary[0].source.mtime_ns) == (size, mtime):
         return out_file
-    sha = _sha256(gguf_file)
+    sha = _sha256(files[0]) if len(files) == 1 else hashlib.sha256(b"".join(map(_sha256, files))).digest()
     if current and summary[0].source.sha256 == sha:
         return out_file
     ff.require_little_endian()
-    sections = build_sections(read_gguf(gguf_file), gguf_file.name)
-    ff.write(out_file, sections, ff.SourceInfo(sha, stat.st_size, stat.st_mtime_ns))
+    vocab = read_hf_folder(model) if model.is_dir() else read_gguf(model)
+    sections = build_sections(vocab, model.name)
+    ff.write(out_file, sections, ff.SourceInfo(sha, size, mtime))
     return out_file
 
 

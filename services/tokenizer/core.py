@@ -24,7 +24,7 @@ from services.tokenizer.bpe import BpeEngine, CacheOptions, MergeTables
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from services.tokenizer.pretokenize import PinnedPatterns, PreTokenizer
 from services.tokenizer.tables import pair_rank_lookup, token_id_lookup
-from shared.errors import Fatal, InvalidInput, NotReady, PreconditionFailed
+from shared.errors import Fatal, InvalidInput, NotReady
 
 _SIDES = ("left", "right")
 _FINGERPRINT_TAG = b"keel.tokenizer.encoding.v1\x00"
@@ -102,12 +102,17 @@ class Tokenizer:
             flags=flags, unsafe_pairs=_sized(section, ff.UNSAFE_PAIRS, 65536),
             max_token_bytes=meta["max_token_bytes"],
             char3=_sized(section, ff.CHAR3, 6 * (ff.CHAR3_END - ff.CHAR3_FIRST)).cast("H"))
+        self.add_bos_token: bool = meta["add_bos_token"]
+        self.add_eos_token: bool = meta["add_eos_token"]
         self._pre = PreTokenizer(self.special_tokens, PinnedPatterns(
-            meta["rare_class"], meta["exact_pattern"], meta["rare_leads3"]))
+            meta["rare_class"], meta["exact_pattern"], meta["rare_leads3"], meta["fast_pattern"]),
+            ignore_merges=meta["ignore_merges"])
         self._bpe = BpeEngine(tables, self._pre, cache)
         self._decoder = Decoder(offsets, blob, frozenset(self.special_tokens.values()))
         self._words = _u32_array(section, ff.WORDS)
         self._chat = None
+        # "model" (the model's Jinja template) or "plain" (chat.PlainRenderer: the model has none).
+        self.chat_template_kind = "model" if meta.get("chat_template") else "plain"
         # Identity of the encoding, for replay records (EncodeResponse); computed by warmup().
         self.vocab_sha256 = self.chat_template_sha256 = ""
 
@@ -158,6 +163,9 @@ class Tokenizer:
         if self._meta.get("chat_template"):
             from services.tokenizer.chat import ChatRenderer
             self._chat = ChatRenderer(self._meta["chat_template"], self._meta["special_strings"])
+        else:
+            from services.tokenizer.chat import PlainRenderer
+            self._chat = PlainRenderer()
         self._bpe.prefill(self._stable_words())
         texts = [*_WARMUP_TEXTS, *(text for text, _ in self._meta["probes"])]
         if self._chat is not None:
@@ -177,8 +185,9 @@ class Tokenizer:
 
     def _identity(self) -> tuple[str, str]:
         """(vocabulary hash, chat-template hash): sha256 hex of what decides the ids a text gets
-        (the vocabulary, merge and byte tables, special tokens, pre-tokenizer pattern), and of the
-        chat template with the special strings it is rendered with ("" without a template).
+        (the vocabulary, merge and byte tables, special tokens, pre-tokenizer pattern and BPE
+        flags), and of the chat template with the special strings it is rendered with (without a
+        template: the hash of chat.PLAIN_TEMPLATE_ID, the plain rendering's name).
         Computed once per process."""
         vocab = hashlib.sha256(b"keel.tokenizer.vocab.v1\x00")
         for tag in _VOCAB_SECTIONS:
@@ -186,11 +195,17 @@ class Tokenizer:
             vocab.update(tag + length.to_bytes(8, "little"))
             vocab.update(self._image[off:off + length])
         meta = self._meta
-        vocab.update(json.dumps([meta["special_tokens"], meta["pretokenizer"], meta["exact_pattern"]],
-                                sort_keys=True, ensure_ascii=False).encode())
+        identity = [meta["special_tokens"], meta["pretokenizer"], meta["exact_pattern"]]
+        if meta["ignore_merges"] or meta["add_bos_token"] or meta["add_eos_token"]:  # SmolLM2's hash unchanged
+            identity += [meta["ignore_merges"], meta["add_bos_token"], meta["add_eos_token"]]
+        vocab.update(json.dumps(identity, sort_keys=True, ensure_ascii=False).encode())
         template = meta.get("chat_template") or ""
-        chat = hashlib.sha256(json.dumps([template, meta.get("special_strings", {})], sort_keys=True,
-                                         ensure_ascii=False).encode()).hexdigest() if template else ""
+        if template:
+            chat = hashlib.sha256(json.dumps([template, meta.get("special_strings", {})], sort_keys=True,
+                                             ensure_ascii=False).encode()).hexdigest()
+        else:
+            from services.tokenizer.chat import PLAIN_TEMPLATE_ID
+            chat = hashlib.sha256(PLAIN_TEMPLATE_ID.encode()).hexdigest()
         return vocab.hexdigest(), chat
 
     def _stable_words(self) -> Iterable[tuple[str, int]]:
@@ -210,6 +225,12 @@ class Tokenizer:
         if not text:
             raise InvalidInput("input text is empty", reason="EMPTY_INPUT")
         ids = self._ids(text)
+        # The file's add_bos_token/add_eos_token (a text that already starts with BOS, as rendered
+        # chat templates do, does not get a second one).
+        if self.add_bos_token and 0 <= self.bos_token_id and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        if self.add_eos_token and 0 <= self.eos_token_id:
+            ids.append(self.eos_token_id)
         original = len(ids)
         limit = options.max_length
         truncated = limit is not None and original > limit
@@ -250,8 +271,6 @@ class Tokenizer:
 
     def render_chat(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:
         if self._chat is None:
-            if not self._meta.get("chat_template"):
-                raise PreconditionFailed("the model has no chat template", reason="NO_CHAT_TEMPLATE")
             raise NotReady("render_chat before warmup()", reason="NOT_WARMED_UP")
         return self._chat.render(messages, add_generation_prompt)
 

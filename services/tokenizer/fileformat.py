@@ -24,14 +24,14 @@ from pathlib import Path
 from shared.errors import Fatal
 
 MAGIC = b"KEELTOK\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: META names the family's fast pattern, ignore_merges, add_bos/eos
 ALIGN = 64
 HEADER = struct.Struct("<8sIIII32sQQ")  # magic, version, header_size, n_sections, crc32, sha, size, mtime
 SECTION = struct.Struct("<4sIQQ")      # tag, reserved, offset, length
 CRC_OFFSET = 20                        # byte offset of the crc32 field inside HEADER
 
 # Section tags and what they hold (n = vocab size, m = merge count).
-META = b"META"  # UTF-8 JSON: ids, special tokens, chat template, patterns, self-check probes
+META = b"META"  # UTF-8 JSON: ids, special tokens, chat template, patterns, BPE flags, self-check probes
 TOKEN_OFFSETS = b"TOFF"  # u32[n+1]: token i's bytes are TOKEN_BYTES[off[i]:off[i+1]]
 TOKEN_BYTES = b"TBYT"  # what decoding each token yields
 TOKEN_FLAGS = b"TFLG"  # u8[n]: FLAG_SPECIAL | FLAG_STABLE

@@ -20,7 +20,7 @@ import sys
 
 import regex
 
-from services.tokenizer.pretokenize import FAST_PATTERN, PinnedPatterns
+from services.tokenizer.pretokenize import FAMILIES, FAST_PATTERN, Family, PinnedPatterns
 from shared.errors import PreconditionFailed
 
 # "start+length" in hex, ranges of code points whose general category is L (Unicode 16.0) / N (17.0).
@@ -153,13 +153,14 @@ def _classes_pinned(reference_spaces: bytearray) -> bytearray:
     return table
 
 
-def pinned_patterns() -> PinnedPatterns:
-    """The exceptions for the installed `regex` module; run once by the compiler (~1 s)."""
+def pinned_patterns(family: Family = FAMILIES["smollm"]) -> PinnedPatterns:
+    """The exceptions for the installed `regex` module and the family's pattern; run once by the
+    compiler (~1 s). The same tables pin every family (letters 16.0, numerics 17.0)."""
     seen = _classes_from_regex()
     pinned = _classes_pinned(seen)
     differ = [cp for cp in range(0x110000) if seen[cp] != pinned[cp] and not 0xD800 <= cp < 0xE000]
     if not differ:
-        return PinnedPatterns("", FAST_PATTERN, [])
+        return PinnedPatterns("", family.fast_pattern, [], family.fast_pattern)
     if any(seen[cp] == _SPACE or pinned[cp] == _SPACE or cp < 0x80 for cp in differ):
         raise PreconditionFailed(f"regex {regex.__version__} classifies whitespace or ASCII differently from "
                                  "the reference; the pinning here does not handle that",
@@ -173,10 +174,22 @@ def pinned_patterns() -> PinnedPatterns:
     letters = pinned_class(r"\p{L}", _LETTER)
     numbers = pinned_class(r"\p{N}", _NUMBER)
     others = pinned_class(r"[^\s\p{L}\p{N}]", _OTHER)
-    exact = (rf" ?{letters}+|'(?:[stmd]|re|ve|ll)|{numbers}| ?{others}+"
-             rf"|\s+(?!{letters}|{others})|\s+")
+    if family.fast_pattern == FAST_PATTERN:
+        exact = (rf" ?{letters}+|'(?:[stmd]|re|ve|ll)|{numbers}| ?{others}+"
+                 rf"|\s+(?!{letters}|{others})|\s+")
+    else:
+        exact = _rewrite_classes(family.fast_pattern, letters, numbers, others)
     leads3 = sorted({0xE0 | cp >> 12 for cp in differ if 0x800 <= cp < 0x10000})
-    return PinnedPatterns(f"[{rare}]", exact, leads3)
+    return PinnedPatterns(f"[{rare}]", exact, leads3, family.fast_pattern)
+
+
+def _rewrite_classes(pattern: str, letters: str, numbers: str, others: str) -> str:
+    """The family's pattern with ``\\p{L}``, ``\\p{N}`` and the classes built on them pinned (V1 sets)."""
+    out = pattern.replace(r"[^\s\p{L}\p{N}]", "\x00O").replace(r"[^\r\n\p{L}\p{N}]", "\x00R")
+    if "\\p" in out.replace(r"\p{L}", "").replace(r"\p{N}", ""):
+        raise ValueError(f"pattern has a Unicode class the pin does not rewrite: {pattern}")
+    out = out.replace(r"\p{L}", letters).replace(r"\p{N}", numbers)
+    return out.replace("\x00O", others).replace("\x00R", f"[^\\r\\n{letters}{numbers}]")
 
 
 def _ranges_of(category, major: str) -> list[tuple[int, int]]:

@@ -206,9 +206,11 @@ def test_compile_a_tiny_gguf_end_to_end(tmp_path):
     byte = 1  # byte b is token 1 + b
     assert tiny.encode_ids("abab ab<|end|>x1") == [258, byte + 32, 257, 0, byte + ord("x"), byte + ord("1")]
     assert tiny.decode([258, 0, 257]) == "abab<|end|>ab"
-    with pytest.raises(PreconditionFailed) as err:  # this GGUF has no chat template
-        tiny.render_chat([("user", "hi")])
-    assert err.value.reason == "NO_CHAT_TEMPLATE"
+    # This GGUF has no chat template: the documented plain rendering, reported as such.
+    assert tiny.render_chat([("system", "be brief"), ("user", "hi")]) == "system: be brief\nuser: hi\nassistant:"
+    assert tiny.render_chat([("user", "hi")], add_generation_prompt=False) == "user: hi\n"
+    assert tiny.chat_template_kind == "plain" and tiny.chat_template_sha256 == hashlib.sha256(
+        b"keel.chat.plain.v1").hexdigest()
 
 
 @pytest.mark.parametrize("changes", [
