@@ -173,10 +173,9 @@ def read_hf_folder(folder: Path) -> GgufVocab:
         return ids.get(_token_content(config.get(key)), -1)
 
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    eos = token_id("eos_token")
-    pad = token_id("pad_token")
-    return GgufVocab(
-        tokens=tokens, token_types=types, merges=merges, bos_id=token_id("bos_token"), eos_id=eos,
+    eos, bos, pad = token_id("eos_token"), token_id("bos_token"), token_id("pad_token")
+    return GgufVocab(  # bos and pad default to eos, as read_gguf's do
+        tokens=tokens, token_types=types, merges=merges, bos_id=bos if bos >= 0 else eos, eos_id=eos,
         pad_id=pad if pad >= 0 else eos, unk_id=token_id("unk_token"), chat_template=config.get("chat_template"),
         pretokenizer=family.name, add_bos=bool(config.get("add_bos_token", False)),
         add_eos=bool(config.get("add_eos_token", False)), ignore_merges=bool(model.get("ignore_merges", False)))
