@@ -1,6 +1,8 @@
 """Benchmark Keel's tokenizer against Hugging Face `tokenizers` (Rust) in the same run.
 
 Run: .venv/bin/python -m bench.bench_tokenizer [--compiled PATH] [--write docs/bench/tokenizer.md]
+     .venv/bin/python -m bench.bench_tokenizer --vocab qwen2   (throughput only, on testing/vocabs.py's
+     tiny vocabulary of that family, compiled from its GGUF, against `tokenizers` on its folder)
 
 Corpora (~1.2-1.5 MB each, assembled from files on the machine, not committed): Chinese prose
 (zh_CN message catalogues and the Chinese vim tutor), English (vim's help files), source code
@@ -87,10 +89,15 @@ def corpora() -> dict[str, list[str]]:
 
 # -- throughput ----------------------------------------------------------------------------------
 
+REFERENCE_JSON: Path | None = None  # --vocab: the family's tokenizer.json, used as it is
+
+
 def reference():
     from tokenizers import Tokenizer as HfTokenizer
     from tokenizers import pre_tokenizers
 
+    if REFERENCE_JSON is not None:
+        return HfTokenizer.from_file(str(REFERENCE_JSON))
     ref = HfTokenizer.from_file(str(HF_DIR / "tokenizer.json"))
     ref.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -332,9 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compiled", type=Path, default=compiled_path(model_source()))
     parser.add_argument("--write", type=Path, help="also write the markdown report here")
+    parser.add_argument("--vocab", help="a testing/vocabs.py family (gpt2, llama-bpe, qwen2): throughput only")
     args = parser.parse_args(argv)
-    compiled = compile_vocab(model_path(), args.compiled)
     texts = corpora()
+    if args.vocab:
+        global REFERENCE_JSON
+        from testing.vocabs import vocab_files
+        files = vocab_files(args.vocab)
+        REFERENCE_JSON = files.folder / "tokenizer.json"
+        compiled = compile_vocab(files.gguf, files.folder / "vocab.kvoc")
+        for name, lines in texts.items():
+            print(args.vocab, name, json.dumps(throughput(compiled, lines)), flush=True)
+        return 0
+    compiled = compile_vocab(model_path(), args.compiled)
     results = {"machine": machine(), "throughput": {}}
     for name, lines in texts.items():
         results["throughput"][name] = throughput(compiled, lines)
