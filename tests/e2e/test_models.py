@@ -1,7 +1,7 @@
 """`keel up --model` on a model a team brings: a tiny random-weight model of each architecture
-(testing/tinymodels.py, Q8_0 GGUF with SmolLM2's tokenizer) answers through the gateway and the OpenAI
-front under its own name, `keel replay` reproduces an answer bit for bit, `keel status` names it, and
-a LoRA adapter registered against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH."""
+(testing/tinymodels.py, Q8_0 GGUF with SmolLM2's tokenizer; and one Hugging Face folder, the qwen2 one
+with SmolLM2's tokenizer files) answers through the gateway and the OpenAI front under its own name,
+`keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA adapter registered against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH."""
 from __future__ import annotations
 
 import json
@@ -43,14 +43,26 @@ def smollm2_registry(tmp_path_factory):
     return tmp / "var" / "adapters"
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
+FOLDER = "qwen2-folder"  # the one Hugging Face folder among the models
+
+
+def folder_model(tmp) -> str:
+    """The tiny qwen2's transformers folder with the shipped model's tokenizer files beside its weights."""
+    folder = tmp / "qwen2-hf"
+    shutil.copytree(tiny_model_files("qwen2", "Q8_0").hf, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(prepared() / "hf-tokenizer" / name, folder / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="module", params=[*sorted(SPECS), FOLDER])
 def team_mesh(request, tmp_path_factory, smollm2_registry):
-    arch = request.param
-    tmp = tmp_path_factory.mktemp(f"model-{arch}")
+    name = request.param
+    tmp = tmp_path_factory.mktemp(f"model-{name}")
     shutil.copytree(smollm2_registry, tmp / "var" / "adapters")
-    files = tiny_model_files(arch, "Q8_0")
-    mesh = start_mesh(tmp, extra_env={"KEEL_MODEL": str(files.gguf), "KEEL_MODEL_NAME": f"team-{arch}"})
-    mesh.arch = arch
+    path = folder_model(tmp) if name == FOLDER else str(tiny_model_files(name, "Q8_0").gguf)
+    mesh = start_mesh(tmp, extra_env={"KEEL_MODEL": path, "KEEL_MODEL_NAME": f"team-{name}"})
+    mesh.arch, mesh.folder = name.removesuffix("-folder"), name == FOLDER
     yield mesh
     stop_mesh(mesh)
 
@@ -78,7 +90,7 @@ def test_the_model_answers_through_the_gateway_and_replays_identically(team_mesh
 
 
 def test_the_openai_front_serves_it_under_its_own_name(team_mesh):
-    name = f"team-{team_mesh.arch}"
+    name = f"team-{team_mesh.arch}" + ("-folder" if team_mesh.folder else "")
     assert [m["id"] for m in http(team_mesh, "/v1/models")["data"]][0] == name
     r = http(team_mesh, "/v1/chat/completions", {"model": name, "max_tokens": 6, "temperature": 0,
                                                  "messages": [{"role": "user", "content": "Hi"}]})
@@ -90,7 +102,7 @@ def test_keel_status_names_the_model_and_its_family(team_mesh):
     out = keel(team_mesh, "status")
     line = next(x for x in out.stdout.splitlines() if x.strip().startswith("model "))
     assert f"team-{team_mesh.arch}" in line and SPECS[team_mesh.arch].get("arch", "llama") in line
-    assert "context 512" in line and "Q8_0" in line
+    assert "context 512" in line and ("float32" if team_mesh.folder else "Q8_0") in line
     assert re.search(r"inference@127\.0\.0\.1:\d+ serves it in float32 \(variant primary\)", out.stdout)
 
 
