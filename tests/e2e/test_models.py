@@ -1,7 +1,8 @@
 """`keel up --model` on a model a team brings: a tiny random-weight model of each architecture
 (testing/tinymodels.py, Q8_0 GGUF with SmolLM2's tokenizer; and one Hugging Face folder, the qwen2 one
 with SmolLM2's tokenizer files) answers through the gateway and the OpenAI front under its own name,
-`keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA adapter registered against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH."""
+`keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA adapter registered
+against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH."""
 from __future__ import annotations
 
 import json
