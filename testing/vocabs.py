@@ -123,6 +123,26 @@ def vocab_files(family: str) -> VocabFiles:
     return VocabFiles(family, out, out / "vocab.gguf")
 
 
+def write_gguf_user_defined(family: str, path: Path) -> Path:
+    """The family's vocabulary as a GGUF whose added tokens are USER_DEFINED (4), as llama.cpp's converter
+    writes a Hugging Face added token that is not special (Qwen2.5's tool-call markers, say)."""
+    data = json.loads((vocab_files(family).folder / "tokenizer.json").read_text(encoding="utf-8"))
+    _write_gguf(path, data, FAMILY_SPECS[family], special_type=4)
+    return path
+
+
+def write_gguf_with_ids_from(family: str, path: Path, first_id: int) -> Path:
+    """The family's vocabulary as a GGUF whose real tokens start at id `first_id`: ids 0..first_id-1
+    are filler tokens no merge or piece produces, so a text's ids are the family's plus `first_id`
+    (large vocabularies, Llama 3's 128k and Qwen2's 152k, without shipping one)."""
+    data = json.loads((vocab_files(family).folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    fillers = {f"<filler-{i}>": i for i in range(first_id)}
+    data["model"]["vocab"] = {**fillers, **{t: i + first_id for t, i in vocab.items()}}
+    _write_gguf(path, data, FAMILY_SPECS[family])
+    return path
+
+
 def _build(family: str, out: Path) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -147,7 +167,7 @@ def _build(family: str, out: Path) -> None:
     _write_gguf(out / "vocab.gguf", data, spec)
 
 
-def _write_gguf(path: Path, data: dict, spec: FamilySpec) -> None:
+def _write_gguf(path: Path, data: dict, spec: FamilySpec, special_type: int = 3) -> None:
     import gguf
 
     vocab = data["model"]["vocab"]
@@ -168,8 +188,7 @@ def _write_gguf(path: Path, data: dict, spec: FamilySpec) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(spec.gguf_pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([int(gguf.TokenType.CONTROL) if t in special else int(gguf.TokenType.NORMAL)
-                            for t in tokens])
+    writer.add_token_types([special_type if t in special else int(gguf.TokenType.NORMAL) for t in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
     if spec.bos is not None:
         writer.add_bos_token_id(vocab[spec.bos])

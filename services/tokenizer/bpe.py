@@ -31,7 +31,7 @@ from itertools import chain, islice
 
 from services.tokenizer.fileformat import CHAR3_END, CHAR3_FIRST, FLAG_STABLE, NO_ID
 from services.tokenizer.pretokenize import PreTokenizer
-from services.tokenizer.tables import NO_RANK
+from services.tokenizer.tables import ID_BITS, NO_RANK
 
 HEAP_MIN_SYMBOLS = 96  # below this the list scan (C-level min/index) beats heap bookkeeping
 CHUNK_MIN_CHARS = 6  # shorter non-ASCII pieces are cheaper to merge whole than to cut
@@ -68,7 +68,7 @@ class MergeTables:
     flags: memoryview  # u8 per token
     unsafe_pairs: memoryview  # u8[65536]
     max_token_bytes: int
-    char3: memoryview  # u16: BPE of each character U+0800..U+FFFF, three slots, NO_ID padded
+    char3: memoryview  # u32: BPE of each character U+0800..U+FFFF, three slots, NO_ID padded
 
 
 class TwoGenerationCache:
@@ -288,7 +288,7 @@ class BpeEngine:
         return rank
 
     def _ranks(self, ids: list[int]) -> list[int]:
-        keys = [a << 16 | b for a, b in zip(ids, ids[1:])]
+        keys = [a << ID_BITS | b for a, b in zip(ids, ids[1:])]
         ranks = list(map(self._pairs.get, keys))
         if None in ranks:
             rank = self._rank
@@ -309,9 +309,9 @@ class BpeEngine:
             del ids[i + 1]
             del ranks[i]
             if i:
-                ranks[i - 1] = rank(ids[i - 1] << 16 | new)
+                ranks[i - 1] = rank(ids[i - 1] << ID_BITS | new)
             if i < len(ranks):
-                ranks[i] = rank(new << 16 | ids[i + 1])
+                ranks[i] = rank(new << ID_BITS | ids[i + 1])
         return ids
 
     def _merge_heap(self, ids: list[int]) -> list[int]:
@@ -328,7 +328,7 @@ class BpeEngine:
         while heap:
             best, i = heappop(heap)
             j = nxt[i]
-            if j < 0 or ids[i] < 0 or rank(ids[i] << 16 | ids[j]) != best:
+            if j < 0 or ids[i] < 0 or rank(ids[i] << ID_BITS | ids[j]) != best:
                 continue  # the pair this entry described has changed
             new = rank_ids[best]
             ids[i] = new
@@ -337,12 +337,12 @@ class BpeEngine:
             nxt[i] = k
             if k >= 0:
                 prv[k] = i
-                r = rank(new << 16 | ids[k])
+                r = rank(new << ID_BITS | ids[k])
                 if r != NO_RANK:
                     heappush(heap, (r, i))
             p = prv[i]
             if p >= 0:
-                r = rank(ids[p] << 16 | new)
+                r = rank(ids[p] << ID_BITS | new)
                 if r != NO_RANK:
                     heappush(heap, (r, p))
         return [t for t in ids if t >= 0]

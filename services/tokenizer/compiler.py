@@ -34,7 +34,9 @@ from services.tokenizer.pretokenize import FAMILIES, GGUF_PRE_NAMES, PRETOKENIZE
 from services.tokenizer.unicode_pin import pinned_patterns
 from shared.errors import PreconditionFailed
 
-GGUF_CONTROL = 3  # tokenizer.ggml.token_type of added special tokens; 1 is a normal token
+GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED = 1, 3, 4, 5  # tokenizer.ggml.token_type values
+# Matched whole wherever they occur in a text, never built by merges (llama.cpp matches both kinds).
+WHOLE_TYPES = (GGUF_CONTROL, GGUF_USER_DEFINED)
 MAX_WORDS = 16384  # length of the cache-prefill list (section WORDS)
 PROBES = (  # each exercises a different runtime path; ids come from the naive reference below
     "Hello, world! It's 2024-11-29, isn't it?",
@@ -228,11 +230,11 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
         raise _unsupported(f"vocabulary of {n} tokens; pair keys hold ids below {tables.MAX_VOCAB}")
     if len(vocab.token_types) != n or len(set(vocab.tokens)) != n:
         raise _unsupported("token list and types disagree, or tokens repeat")
-    if any(t not in (1, GGUF_CONTROL) for t in vocab.token_types):
-        raise _unsupported("only normal and control token types are implemented")
+    if any(t not in (GGUF_NORMAL, GGUF_UNUSED, *WHOLE_TYPES) for t in vocab.token_types):
+        raise _unsupported("only normal, control, user-defined and unused token types are implemented")
     to_byte = {c: b for b, c in byte_to_unicode().items()}
-    special = {vocab.tokens[i]: i for i in range(n) if vocab.token_types[i] == GGUF_CONTROL}
-    normal = {tok: i for i, tok in enumerate(vocab.tokens) if vocab.token_types[i] != GGUF_CONTROL}
+    special = {vocab.tokens[i]: i for i in range(n) if vocab.token_types[i] in WHOLE_TYPES}
+    normal = {tok: i for i, tok in enumerate(vocab.tokens) if vocab.token_types[i] not in WHOLE_TYPES}
 
     def decoded(tok: str) -> bytes:  # the ByteLevel decoder's rule, including its raw-text fallback
         return bytes(to_byte[c] for c in tok) if all(c in to_byte for c in tok) else tok.encode()
@@ -326,12 +328,12 @@ def build_sections(vocab: GgufVocab, source_name: str) -> dict[bytes, bytes]:
 
 def _three_byte_table(bpe) -> array:
     """BPE of every 3-byte character (surrogates left empty: they never reach BPE)."""
-    table = array("H", [ff.NO_ID]) * (3 * (ff.CHAR3_END - ff.CHAR3_FIRST))
+    table = array("I", [ff.NO_ID]) * (3 * (ff.CHAR3_END - ff.CHAR3_FIRST))
     for cp in range(ff.CHAR3_FIRST, ff.CHAR3_END):
         if not 0xD800 <= cp < 0xE000:
             ids = bpe(chr(cp).encode())
             base = 3 * (cp - ff.CHAR3_FIRST)
-            table[base:base + len(ids)] = array("H", ids)
+            table[base:base + len(ids)] = array("I", ids)
     return table
 
 

@@ -96,12 +96,12 @@ class Tokenizer:
         flags = _sized(section, ff.TOKEN_FLAGS, self.vocab_size)
         tables = MergeTables(
             byte_ids=list(_sized(section, ff.BYTE_IDS, 1024).cast("i")),
-            rank_of=pair_rank_lookup(_u32_table(section, ff.PAIR_KEYS), _u32_table(section, ff.PAIR_RANKS)),
+            rank_of=pair_rank_lookup(_table(section, ff.PAIR_KEYS, "Q"), _table(section, ff.PAIR_RANKS)),
             rank_ids=_u32(section, ff.RANK_IDS, meta["n_merges"]),
-            token_id_of=token_id_lookup(_u32_table(section, ff.TOKEN_HASH), offsets, blob),
+            token_id_of=token_id_lookup(_table(section, ff.TOKEN_HASH), offsets, blob),
             flags=flags, unsafe_pairs=_sized(section, ff.UNSAFE_PAIRS, 65536),
             max_token_bytes=meta["max_token_bytes"],
-            char3=_sized(section, ff.CHAR3, 6 * (ff.CHAR3_END - ff.CHAR3_FIRST)).cast("H"))
+            char3=_sized(section, ff.CHAR3, 12 * (ff.CHAR3_END - ff.CHAR3_FIRST)).cast("I"))
         self.add_bos_token: bool = meta["add_bos_token"]
         self.add_eos_token: bool = meta["add_eos_token"]
         self._pre = PreTokenizer(self.special_tokens, PinnedPatterns(
@@ -334,10 +334,12 @@ def _u32_array(section: dict, tag: bytes) -> memoryview:
     return view.cast("I")
 
 
-def _u32_table(section: dict, tag: bytes) -> memoryview:
+def _table(section: dict, tag: bytes, fmt: str = "I") -> memoryview:
+    """A power-of-two table of u32 (``fmt`` "I") or u64 ("Q") slots."""
     view = section[tag]
-    slots = len(view) // 4
-    if len(view) % 4 or slots < 2 or slots & (slots - 1):
+    size = 8 if fmt == "Q" else 4
+    slots = len(view) // size
+    if len(view) % size or slots < 2 or slots & (slots - 1):
         raise ff.CompiledFileError(f"section {tag.decode()} is not a power-of-two table",
                                    reason="COMPILED_FILE_CORRUPT")
-    return view.cast("I")
+    return view.cast(fmt)

@@ -24,7 +24,7 @@ from pathlib import Path
 from shared.errors import Fatal
 
 MAGIC = b"KEELTOK\x00"
-FORMAT_VERSION = 2  # 2: META names the family's fast pattern, ignore_merges, add_bos/eos
+FORMAT_VERSION = 3  # 2: META names the family's fast pattern, ignore_merges, add_bos/eos; 3: 18-bit ids
 ALIGN = 64
 HEADER = struct.Struct("<8sIIII32sQQ")  # magic, version, header_size, n_sections, crc32, sha, size, mtime
 SECTION = struct.Struct("<4sIQQ")      # tag, reserved, offset, length
@@ -36,17 +36,17 @@ TOKEN_OFFSETS = b"TOFF"  # u32[n+1]: token i's bytes are TOKEN_BYTES[off[i]:off[
 TOKEN_BYTES = b"TBYT"  # what decoding each token yields
 TOKEN_FLAGS = b"TFLG"  # u8[n]: FLAG_SPECIAL | FLAG_STABLE
 TOKEN_HASH = b"THSH"  # u32[2^k] open addressing on crc32(bytes): id+1, 0 = empty
-PAIR_KEYS = b"PKEY"  # u32[2^k] open addressing on (left << 16 | right), 0xFFFFFFFF = empty
+PAIR_KEYS = b"PKEY"  # u64[2^k] open addressing on (left << 18 | right), 2^64 - 1 = empty (tables.py)
 PAIR_RANKS = b"PRNK"  # u32[2^k] merge rank of the pair in the same slot
 RANK_IDS = b"RKID"  # u32[m]: id of the token a merge of that rank produces
 BYTE_IDS = b"BYID"  # i32[256]: id of each single byte, -1 when the vocabulary lacks it
 UNSAFE_PAIRS = b"XBIG"  # u8[65536]: 1 when bytes (a, b) occur adjacent inside a token, b starting a char
 WORDS = b"WORD"  # u32[]: stable tokens that are one whole piece, in merge order (cache prefill)
-CHAR3 = b"CHR3"  # u16[3 * 63488]: BPE of each character U+0800..U+FFFF, padded with NO_ID
+CHAR3 = b"CHR3"  # u32[3 * 63488]: BPE of each character U+0800..U+FFFF, padded with NO_ID
 REQUIRED = (META, TOKEN_OFFSETS, TOKEN_BYTES, TOKEN_FLAGS, TOKEN_HASH, PAIR_KEYS, PAIR_RANKS,
             RANK_IDS, BYTE_IDS, UNSAFE_PAIRS, WORDS, CHAR3)
 CHAR3_FIRST, CHAR3_END = 0x800, 0x10000
-NO_ID = 0xFFFF  # padding in CHAR3; no id reaches it (ids are below 0xFFFF)
+NO_ID = 0xFFFFFFFF  # padding in CHAR3; no id reaches it (ids are below 2^18, tables.MAX_VOCAB)
 
 FLAG_SPECIAL = 1  # an added special token: matched before pre-tokenization, never produced by merges
 FLAG_STABLE = 2  # BPE of the token's own bytes yields exactly this token (a cache-miss shortcut)

@@ -4,8 +4,9 @@ Both tables use linear probing at a load factor of at most 1/2, so a lookup read
 Builders run once in the compiler; lookups are closures over ``memoryview``s of the mapped file, so
 no per-process dictionary of the vocabulary or the merges is ever built.
 
-* pair table: key ``left << 16 | right`` (ids < 65536), slot ``(key * 0x9E3779B1 mod 2^32) >> (32-k)``,
-  value = merge rank. Empty slots hold 0xFFFFFFFF, which no pair of ids below 0xFFFF can produce.
+* pair table: key ``left << 18 | right`` (ids < 2^18: vocabularies up to 262143 tokens, Llama 3's and
+  Qwen2's included), slot ``(key * GOLDEN64 mod 2^64) >> (64-k)``, value = merge rank. Keys are u64;
+  empty slots hold 2^64 - 1, which no pair of ids below 2^18 can produce.
 * token table: key = token bytes, slot ``crc32(bytes) & (2^k - 1)``, value = token id + 1 (0 = empty).
 """
 from __future__ import annotations
@@ -14,10 +15,12 @@ import zlib
 from array import array
 from collections.abc import Callable, Sequence
 
-EMPTY_PAIR = 0xFFFFFFFF
+ID_BITS = 18  # bits of each id in a pair key
+MAX_VOCAB = (1 << ID_BITS) - 1  # ids below it (the largest id is the padding's, NO_ID)
+EMPTY_PAIR = (1 << 64) - 1
 NO_RANK = 1 << 31  # "these two symbols never merge"; compares above every real rank
-MAX_VOCAB = 0xFFFF  # ids must fit 16 bits in a pair key
-_GOLDEN = 0x9E3779B1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
 def table_bits(n_items: int) -> int:
@@ -28,18 +31,18 @@ def table_bits(n_items: int) -> int:
 
 
 def pair_key(left: int, right: int) -> int:
-    return left << 16 | right
+    return left << ID_BITS | right
 
 
 def build_pair_table(pairs: Sequence[tuple[int, int]]) -> tuple[array, array]:
-    """Pairs in rank order -> (keys, ranks), both u32 arrays of the same power-of-two length."""
+    """Pairs in rank order -> (keys u64, ranks u32), arrays of the same power-of-two length."""
     bits = table_bits(len(pairs))
-    mask, shift = (1 << bits) - 1, 32 - bits
-    keys = array("I", [EMPTY_PAIR]) * (1 << bits)
+    mask, shift = (1 << bits) - 1, 64 - bits
+    keys = array("Q", [EMPTY_PAIR]) * (1 << bits)
     ranks = array("I", [0]) * (1 << bits)
     for rank, (left, right) in enumerate(pairs):
         key = pair_key(left, right)
-        slot = ((key * _GOLDEN) & 0xFFFFFFFF) >> shift
+        slot = ((key * _GOLDEN) & _MASK64) >> shift
         while keys[slot] != EMPTY_PAIR:
             if keys[slot] == key:
                 raise ValueError(f"duplicate merge pair ({left}, {right})")
@@ -66,12 +69,12 @@ def build_token_table(token_bytes: Sequence[bytes | None]) -> array:
 
 
 def pair_rank_lookup(keys: memoryview, ranks: memoryview) -> Callable[[int], int]:
-    """key -> rank, or NO_RANK. ``keys``/``ranks`` are u32 views of the mapped file."""
+    """key -> rank, or NO_RANK. ``keys`` is a u64 view and ``ranks`` a u32 view of the mapped file."""
     mask = len(keys) - 1
-    shift = 32 - mask.bit_length()
+    shift = 64 - mask.bit_length()
 
     def rank_of(key: int) -> int:
-        slot = ((key * _GOLDEN) & 0xFFFFFFFF) >> shift
+        slot = ((key * _GOLDEN) & _MASK64) >> shift
         while True:
             found = keys[slot]
             if found == key:

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 
+import llama_cpp
 import pytest
 
 from services.tokenizer.compiler import compile_vocab
 from services.tokenizer.core import Tokenizer
 from shared.errors import PreconditionFailed
 from shared.modelfile import shipped_gguf
-from testing.vocabs import FAMILY_SPECS, vocab_files
+from testing.vocabs import FAMILY_SPECS, vocab_files, write_gguf_user_defined, write_gguf_with_ids_from
 from tests.tokenizer.conftest import corpus_files, read_corpus
-
-llama_cpp = pytest.importorskip("llama_cpp")
 
 EXTRA = [
     "It's John's, isn't it? We'll see: THEY'LL, she'S, I'M, you'RE, we'VE, he'D, 'll 's ''s",
@@ -80,6 +79,31 @@ def test_keel_matches_llama_cpp_and_tokenizers(family):
         from_folder.encode_ids)
     assert not wrong, f"{name}: {len(wrong)} of {len(texts)} texts differ (keel | llama.cpp | hf | keel-folder):\n" \
         + "\n".join(wrong[:10])
+
+
+def test_a_vocabulary_past_65536_tokens_keeps_every_id(family, tmp_path):
+    """Ids above 16 bits (Llama 3's 128k and Qwen2's 152k vocabularies): the family's tokens moved to
+    70000 and up give the family's ids plus 70000, as llama.cpp gives on the same file."""
+    name, from_gguf, _, _, _ = family
+    big = write_gguf_with_ids_from(name, tmp_path / "big.gguf", 70000)
+    keel = _open(compile_vocab(big, tmp_path / "big.kvoc"))
+    llama = llama_cpp.Llama(model_path=str(big), vocab_only=True, verbose=False)
+    texts = EXTRA + _specials_texts(name)
+    shifted = [[i + 70000 for i in from_gguf.encode_ids(t)] for t in texts]
+    assert [keel.encode_ids(t) for t in texts] == shifted
+    assert [llama.tokenize(t.encode(), add_bos=False, special=True) for t in texts] == shifted
+    assert keel.decode(shifted[0]) == from_gguf.decode([i - 70000 for i in shifted[0]])
+
+
+def test_user_defined_tokens_are_matched_whole_as_llama_cpp_does(family, tmp_path):
+    name, from_gguf, _, _, _ = family
+    path = write_gguf_user_defined(name, tmp_path / "user.gguf")
+    keel = _open(compile_vocab(path, tmp_path / "user.kvoc"))
+    llama = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    texts = _specials_texts(name) + EXTRA[:3]
+    assert [keel.encode_ids(t) for t in texts] == [from_gguf.encode_ids(t) for t in texts]
+    assert [keel.encode_ids(t) for t in texts] == [llama.tokenize(t.encode(), add_bos=False, special=True)
+                                                   for t in texts]
 
 
 def test_folder_and_gguf_compile_to_the_same_tokenizer(family):
