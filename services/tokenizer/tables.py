@@ -31,13 +31,15 @@ def pair_key(left: int, right: int) -> int:
     return left << 16 | right
 
 
-def build_pair_table(pairs: Sequence[tuple[int, int]]) -> tuple[array, array]:
-    """Pairs in rank order -> (keys, ranks), both u32 arrays of the same power-of-two length."""
+def build_pair_table(pairs: Sequence[tuple[int, int]],
+                     pair_ranks: Sequence[int] | None = None) -> tuple[array, array]:
+    """Pairs in rank order (or with ``pair_ranks``, SentencePiece: several pairs may share a rank)
+    -> (keys, ranks), both u32 arrays of the same power-of-two length."""
     bits = table_bits(len(pairs))
     mask, shift = (1 << bits) - 1, 32 - bits
     keys = array("I", [EMPTY_PAIR]) * (1 << bits)
     ranks = array("I", [0]) * (1 << bits)
-    for rank, (left, right) in enumerate(pairs):
+    for rank, (left, right) in zip(range(len(pairs)) if pair_ranks is None else pair_ranks, pairs):
         key = pair_key(left, right)
         slot = ((key * _GOLDEN) & 0xFFFFFFFF) >> shift
         while keys[slot] != EMPTY_PAIR:
