@@ -67,7 +67,6 @@ FAMILIES = {
     "qwen2": Family("qwen2", QWEN2_PATTERN, QWEN2_PATTERN, HF_QWEN2, False, False),
     "spm": Family("spm", SPM_WORDS, SPM_WORDS, None, False, False),
 }
-BYTE_LEVEL = ("smollm", "gpt2", "llama-bpe", "qwen2")  # the families with a regex and a ByteLevel step
 GGUF_PRE_NAMES = {"smollm": "smollm", "gpt2": "gpt2", "gpt-2": "gpt2", "llama-bpe": "llama-bpe", "qwen2": "qwen2"}
 PRETOKENIZERS = tuple(GGUF_PRE_NAMES)  # GGUF ``tokenizer.ggml.pre`` values this module implements
 
