@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compiled", type=Path, default=compiled_path(model_source()))
     parser.add_argument("--write", type=Path, help="also write the markdown report here")
-    parser.add_argument("--vocab", help="a testing/vocabs.py family (gpt2, llama-bpe, qwen2): throughput only")
+    parser.add_argument("--vocab", help="a testing/vocabs.py family (gpt2, llama-bpe, qwen2, spm): throughput only")
     args = parser.parse_args(argv)
     texts = corpora()
     if args.vocab:

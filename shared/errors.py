@@ -268,7 +268,7 @@ REASONS: dict[str, Reason] = {
     "NOT_WARMED_UP": Reason(NotReady, "the tokenizer's vocabulary is not loaded yet"),
     "SELF_CHECK_FAILED": Reason(Fatal, "start-up: the tokenizer disagrees with its reference encodings"),
     "GGUF_NOT_FOUND": Reason(PreconditionFailed, "start-up: the model's GGUF file is missing"),
-    "UNSUPPORTED_TOKENIZER": Reason(PreconditionFailed, "start-up: the GGUF's tokenizer is not byte-level BPE"),
+    "UNSUPPORTED_TOKENIZER": Reason(PreconditionFailed, "start-up: the tokenizer is not one Keel implements"),
     "UNSUPPORTED_REGEX_VERSION": Reason(PreconditionFailed, "start-up: the pre-tokenizer regex is unknown"),
     "UNSUPPORTED_HOST": Reason(Fatal, "start-up: the host's byte order is not supported"),
     "COMPILED_FILE_BAD_MAGIC": Reason(Fatal, "start-up: the compiled vocabulary is not a vocabulary file"),

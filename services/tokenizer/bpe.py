@@ -20,6 +20,11 @@ Speed comes from not doing that work twice:
 * prefill: ``warmup()`` caches the most frequent whole-word tokens, which the compiler listed;
 * merge loop: ``min()`` over a rank list for short inputs; a heap (O(n log n)) above
   ``HEAP_MIN_SYMBOLS``, so a 20,000-character run without spaces stays linear-ish.
+
+SentencePiece vocabularies (family ``spm``) run through the same engine: the compiler builds each
+character from its byte tokens with "synthetic" merges ranked before every real one, so merging
+starts from characters as SentencePiece does, and a synthetic id left at the end (a character, or
+part of one, that no token completes) is turned back into its ``<0xXX>`` tokens: the byte fallback.
 """
 from __future__ import annotations
 
@@ -69,6 +74,10 @@ class MergeTables:
     unsafe_pairs: memoryview  # u8[65536]
     max_token_bytes: int
     char3: memoryview  # u32: BPE of each character U+0800..U+FFFF, three slots, NO_ID padded
+    # SentencePiece: synthetic id vocab_size + k (a character, or part of one, that no token completes)
+    # -> its <0xXX> byte tokens (the byte fallback); empty for byte-level vocabularies.
+    vocab_size: int = 0
+    expansions: tuple[tuple[int, ...], ...] = ()
 
 
 class TwoGenerationCache:
@@ -127,6 +136,7 @@ class BpeEngine:
         self._pieces = TwoGenerationCache(options.piece_entries)
         self._chunk_cache = TwoGenerationCache(options.chunk_entries)
         self._pairs: dict[int, int] = {}
+        self._synthetic = tables.vocab_size if tables.expansions else 0  # 0: nothing to expand
 
     def cache_sizes(self) -> dict[str, int]:
         return {"pieces": len(self._pieces), "chunks": len(self._chunk_cache), "pairs": len(self._pairs)}
@@ -274,9 +284,11 @@ class BpeEngine:
             if token >= 0 and self._t.flags[token] & FLAG_STABLE:
                 return [token]
         ids = list(map(self._byte_id, data.translate(None, self._drop)))
-        if len(ids) > HEAP_MIN_SYMBOLS:
-            return self._merge_heap(ids)
-        return self._merge_list(ids)
+        ids = self._merge_heap(ids) if len(ids) > HEAP_MIN_SYMBOLS else self._merge_list(ids)
+        if self._synthetic and max(ids, default=0) >= self._synthetic:  # SentencePiece's byte fallback
+            base, expansions = self._synthetic, self._t.expansions
+            ids = [j for i in ids for j in (expansions[i - base] if i >= base else (i,))]
+        return ids
 
     def _rank(self, key: int) -> int:
         rank = self._pairs.get(key)

@@ -101,14 +101,20 @@ class Tokenizer:
             token_id_of=token_id_lookup(_table(section, ff.TOKEN_HASH), offsets, blob),
             flags=flags, unsafe_pairs=_sized(section, ff.UNSAFE_PAIRS, 65536),
             max_token_bytes=meta["max_token_bytes"],
-            char3=_sized(section, ff.CHAR3, 12 * (ff.CHAR3_END - ff.CHAR3_FIRST)).cast("I"))
+            char3=_sized(section, ff.CHAR3, 12 * (ff.CHAR3_END - ff.CHAR3_FIRST)).cast("I"),
+            vocab_size=self.vocab_size, expansions=tuple(map(tuple, meta["synthetic"])))
         self.add_bos_token: bool = meta["add_bos_token"]
         self.add_eos_token: bool = meta["add_eos_token"]
         self._pre = PreTokenizer(self.special_tokens, PinnedPatterns(
             meta["rare_class"], meta["exact_pattern"], meta["rare_leads3"], meta["fast_pattern"]),
             ignore_merges=meta["ignore_merges"])
         self._bpe = BpeEngine(tables, self._pre, cache)
-        self._decoder = Decoder(offsets, blob, frozenset(self.special_tokens.values()))
+        # SentencePiece (family spm): ▁ in the text is a space, and each text segment gets the space prefix.
+        self.add_space_prefix: bool = meta["add_space_prefix"]
+        self._prefix_unless_space: bool = meta["prefix_unless_space"]  # HF's Metaspace: not before a space
+        if meta["pretokenizer"] == "spm":
+            self._ids = self._ids_spm
+        self._decoder = Decoder(offsets, blob, frozenset(self.special_tokens.values()), self.add_space_prefix)
         self._words = _u32_array(section, ff.WORDS)
         self._chat = None
         # "model" (the model's Jinja template) or "plain" (chat.PlainRenderer: the model has none).
@@ -198,6 +204,8 @@ class Tokenizer:
         identity = [meta["special_tokens"], meta["pretokenizer"], meta["exact_pattern"]]
         if meta["ignore_merges"] or meta["add_bos_token"] or meta["add_eos_token"]:  # SmolLM2's hash unchanged
             identity += [meta["ignore_merges"], meta["add_bos_token"], meta["add_eos_token"]]
+        if meta["add_space_prefix"] or meta["synthetic"]:
+            identity += [meta["add_space_prefix"], meta["synthetic"], meta["prefix_unless_space"]]
         vocab.update(json.dumps(identity, sort_keys=True, ensure_ascii=False).encode())
         template = meta.get("chat_template") or ""
         if template:
@@ -265,6 +273,20 @@ class Tokenizer:
                 out.append(part)
             else:
                 out += self._bpe.encode_segment(part)
+        return out
+
+    def _ids_spm(self, text: str) -> list[int]:
+        """SentencePiece: a space before each text segment (at the start and after a special token)
+        when the model says so, and ▁ in the text is the same symbol as a space."""
+        out: list[int] = []
+        prefix = " " if self.add_space_prefix else ""
+        unless_space = self._prefix_unless_space
+        for part in self._pre.split_special(text):
+            if type(part) is int:
+                out.append(part)
+            else:
+                part = part.replace("\u2581", " ")
+                out += self._bpe.encode_segment(part if unless_space and part[0] == " " else prefix + part)
         return out
 
     # -- chat and decode ---------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""Ids -> text, whole or streamed, as the reference's ByteLevel decoder does it.
+"""Ids -> text, whole or streamed, as the reference's ByteLevel (or SentencePiece) decoder does it.
 
 Each token maps to bytes (special tokens to their text); the concatenation is decoded as UTF-8 with
 U+FFFD for each maximal invalid subsequence (Rust's ``from_utf8_lossy`` and Python's ``"replace"``
 follow the same Unicode recommendation). The stream decoder holds back a trailing, still-valid
 incomplete UTF-8 sequence, so it never emits half a character, and the concatenation of its outputs
-equals ``decode`` of all the ids pushed.
+equals ``decode`` of all the ids pushed. SentencePiece vocabularies (``▁`` is already a space and
+``<0xXX>`` its byte in the compiled token bytes) drop one leading space of the whole output when the
+model adds a space prefix, as Hugging Face's Strip decoder and llama.cpp do.
 """
 from __future__ import annotations
 
@@ -52,11 +54,13 @@ def complete_prefix(data: bytes) -> int:
 
 
 class Decoder:
-    def __init__(self, offsets: memoryview, blob: memoryview, special_ids: frozenset[int]):
+    def __init__(self, offsets: memoryview, blob: memoryview, special_ids: frozenset[int],
+                 strip_leading_space: bool = False):
         self._offsets = offsets
         self._blob = blob
         self.vocab_size = len(offsets) - 1
         self.special_ids = special_ids
+        self.strip_leading_space = strip_leading_space  # SentencePiece's space prefix (HF's Strip decoder)
 
     def check_ids(self, ids: Iterable[int]) -> list[int]:
         """Validate ids: integers in [0, vocab_size). Raises InvalidInput."""
@@ -93,7 +97,8 @@ class Decoder:
         if skip_special_tokens:
             special = self.special_ids
             ids = [i for i in ids if i not in special]
-        return self.token_bytes(ids).decode("utf-8", "replace")
+        text = self.token_bytes(ids).decode("utf-8", "replace")
+        return text[1:] if self.strip_leading_space and text[:1] == " " else text
 
 
 class StreamDecoder:
@@ -104,6 +109,7 @@ class StreamDecoder:
         self._decoder = decoder
         self._skip = decoder.special_ids if skip_special_tokens else frozenset()
         self._pending = b""
+        self._at_start = decoder.strip_leading_space  # the output's first space is still to drop
 
     def push(self, token_id: int) -> str:
         return self.extend((token_id,))
@@ -117,9 +123,17 @@ class StreamDecoder:
         data = self._pending + self._decoder.token_bytes(ids)
         cut = complete_prefix(data)
         self._pending = data[cut:]
-        return data[:cut].decode("utf-8", "replace") if cut else ""
+        return self._strip(data[:cut].decode("utf-8", "replace")) if cut else ""
+
+    def _strip(self, text: str) -> str:
+        if self._at_start and text:
+            self._at_start = False
+            return text[1:] if text[0] == " " else text
+        return text
 
     def finish(self) -> str:
         """Flush what is held back (an incomplete sequence decodes to U+FFFD) and reset."""
         data, self._pending = self._pending, b""
-        return data.decode("utf-8", "replace")
+        text = self._strip(data.decode("utf-8", "replace"))
+        self._at_start = self._decoder.strip_leading_space
+        return text

@@ -24,7 +24,8 @@ from pathlib import Path
 from shared.errors import Fatal
 
 MAGIC = b"KEELTOK\x00"
-FORMAT_VERSION = 3  # 2: META names the family's fast pattern, ignore_merges, add_bos/eos; 3: 18-bit ids
+FORMAT_VERSION = 4  # 2: META names the family's fast pattern, ignore_merges, add_bos/eos;
+# 3: add_space_prefix and synthetic (SentencePiece); 4: 18-bit token ids (u64 pair keys, u32 CHAR3)
 ALIGN = 64
 HEADER = struct.Struct("<8sIIII32sQQ")  # magic, version, header_size, n_sections, crc32, sha, size, mtime
 SECTION = struct.Struct("<4sIQQ")      # tag, reserved, offset, length

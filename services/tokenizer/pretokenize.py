@@ -14,6 +14,11 @@ Families (``FAMILIES``), each with exactly llama.cpp's pattern (src/llama-vocab.
   with the contractions spelled ``'[sS]`` as llama.cpp adapts them; BPE ignores merges (a piece that
   is a vocabulary token is that token), as llama.cpp and the Hugging Face file say.
 * ``qwen2``: the Llama 3 pattern with ``\\p{N}`` instead of ``\\p{N}{1,3}``, merges not ignored.
+* ``spm``: SentencePiece-style BPE (GGUF ``tokenizer.ggml.model`` "llama": Llama 2, Mistral v0.x), which
+  has no regex: the text's spaces stand for ``▁``, and a segment is cut before each run of spaces
+  (``SPM_WORDS``) when no token of the vocabulary has a space after another character, so no merge can
+  cross such a cut; otherwise the whole segment is one piece (``SPM_WHOLE``). No Unicode classes, so
+  nothing to pin.
 
 The compiler stores the family's fast pattern and its Unicode-pinned exact variant in the compiled
 file, so workers need no family code. ``\\p{L}``/``\\p{N}`` in the `regex` module follow a newer
@@ -41,6 +46,8 @@ QWEN2_PATTERN = _CONTRACTIONS + r"""|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}""" + _LLAMA3
 _HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 HF_LLAMA3 = _HF_CONTRACTIONS + r"""|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}""" + _LLAMA3_TAIL
 HF_QWEN2 = _HF_CONTRACTIONS + r"""|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}""" + _LLAMA3_TAIL
+SPM_WORDS = r" *[^ ]+| +"  # SentencePiece: a cut before each run of spaces (see the module's doc)
+SPM_WHOLE = r"(?s).+"  # ... or none, when a token has a space after another character
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ FAMILIES = {
     "gpt2": Family("gpt2", GPT2_PATTERN, GPT2_PATTERN, None, False, False),
     "llama-bpe": Family("llama-bpe", LLAMA3_PATTERN, LLAMA3_PATTERN, HF_LLAMA3, False, True),
     "qwen2": Family("qwen2", QWEN2_PATTERN, QWEN2_PATTERN, HF_QWEN2, False, False),
+    "spm": Family("spm", SPM_WORDS, SPM_WORDS, None, False, False),
 }
 GGUF_PRE_NAMES = {"smollm": "smollm", "gpt2": "gpt2", "gpt-2": "gpt2", "llama-bpe": "llama-bpe", "qwen2": "qwen2"}
 PRETOKENIZERS = tuple(GGUF_PRE_NAMES)  # GGUF ``tokenizer.ggml.pre`` values this module implements

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 ID_BITS = 18  # bits of each id in a pair key
-MAX_VOCAB = (1 << ID_BITS) - 1  # ids below it (the largest id is the padding's, NO_ID)
+MAX_VOCAB = (1 << ID_BITS) - 1  # ids below it
 EMPTY_PAIR = (1 << 64) - 1
 NO_RANK = 1 << 31  # "these two symbols never merge"; compares above every real rank
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -34,13 +34,15 @@ def pair_key(left: int, right: int) -> int:
     return left << ID_BITS | right
 
 
-def build_pair_table(pairs: Sequence[tuple[int, int]]) -> tuple[array, array]:
-    """Pairs in rank order -> (keys u64, ranks u32), arrays of the same power-of-two length."""
+def build_pair_table(pairs: Sequence[tuple[int, int]],
+                     pair_ranks: Sequence[int] | None = None) -> tuple[array, array]:
+    """Pairs in rank order (or with ``pair_ranks``, SentencePiece: several pairs may share a rank)
+    -> (keys u64, ranks u32), arrays of the same power-of-two length."""
     bits = table_bits(len(pairs))
     mask, shift = (1 << bits) - 1, 64 - bits
     keys = array("Q", [EMPTY_PAIR]) * (1 << bits)
     ranks = array("I", [0]) * (1 << bits)
-    for rank, (left, right) in enumerate(pairs):
+    for rank, (left, right) in zip(range(len(pairs)) if pair_ranks is None else pair_ranks, pairs):
         key = pair_key(left, right)
         slot = ((key * _GOLDEN) & _MASK64) >> shift
         while keys[slot] != EMPTY_PAIR:

@@ -1,6 +1,7 @@
 """Parity of every pre-tokenizer family: Keel on the GGUF == llama.cpp on the GGUF == `tokenizers` on the
 Hugging Face folder == Keel on the folder, over a multilingual corpus (testing/vocabs.py's tiny
-vocabularies), and the shipped SmolLM2 GGUF against llama.cpp."""
+vocabularies), and the shipped SmolLM2 GGUF against llama.cpp. SentencePiece-style BPE (family spm)
+also with BOS as its files say, and decoding (whole, streamed, round trip) against `tokenizers`."""
 from __future__ import annotations
 
 import json
@@ -81,10 +82,14 @@ def test_keel_matches_llama_cpp_and_tokenizers(family):
         + "\n".join(wrong[:10])
 
 
-def test_a_vocabulary_past_65536_tokens_keeps_every_id(family, tmp_path):
+BYTE_LEVEL = sorted(f for f in FAMILY_SPECS if f != "spm")
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_a_vocabulary_past_65536_tokens_keeps_every_id(name, tmp_path):
     """Ids above 16 bits (Llama 3's 128k and Qwen2's 152k vocabularies): the family's tokens moved to
     70000 and up give the family's ids plus 70000, as llama.cpp gives on the same file."""
-    name, from_gguf, _, _, _ = family
+    from_gguf = _open(compile_vocab(vocab_files(name).gguf, tmp_path / "small.kvoc"))
     big = write_gguf_with_ids_from(name, tmp_path / "big.gguf", 70000)
     keel = _open(compile_vocab(big, tmp_path / "big.kvoc"))
     llama = llama_cpp.Llama(model_path=str(big), vocab_only=True, verbose=False)
@@ -95,8 +100,9 @@ def test_a_vocabulary_past_65536_tokens_keeps_every_id(family, tmp_path):
     assert keel.decode(shifted[0]) == from_gguf.decode([i - 70000 for i in shifted[0]])
 
 
-def test_user_defined_tokens_are_matched_whole_as_llama_cpp_does(family, tmp_path):
-    name, from_gguf, _, _, _ = family
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_user_defined_tokens_are_matched_whole_as_llama_cpp_does(name, tmp_path):
+    from_gguf = _open(compile_vocab(vocab_files(name).gguf, tmp_path / "small.kvoc"))
     path = write_gguf_user_defined(name, tmp_path / "user.gguf")
     keel = _open(compile_vocab(path, tmp_path / "user.kvoc"))
     llama = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
@@ -108,7 +114,8 @@ def test_user_defined_tokens_are_matched_whole_as_llama_cpp_does(family, tmp_pat
 
 def test_folder_and_gguf_compile_to_the_same_tokenizer(family):
     name, from_gguf, from_folder, _, _ = family
-    assert from_gguf.vocab_sha256 == from_folder.vocab_sha256
+    if name != "spm":  # spm: the GGUF ranks merges by score, the folder by its list: same ids, other tables
+        assert from_gguf.vocab_sha256 == from_folder.vocab_sha256
     assert from_gguf.chat_template_sha256 == from_folder.chat_template_sha256
     assert (from_gguf.bos_token_id, from_gguf.eos_token_id) == (from_folder.bos_token_id, from_folder.eos_token_id)
     assert from_gguf.add_bos_token == from_folder.add_bos_token == FAMILY_SPECS[name].add_bos
@@ -121,6 +128,54 @@ def test_folder_and_gguf_compile_to_the_same_tokenizer(family):
         ids = from_gguf.encode("hi").input_ids
         assert ids[0] == from_gguf.bos_token_id and ids[1:] == from_gguf.encode_ids("hi")
         assert from_gguf.encode(from_gguf.render_chat(messages)).input_ids.count(from_gguf.bos_token_id) == 1
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    from tokenizers import Tokenizer as HfTokenizer
+
+    files = vocab_files("spm")
+    out = tmp_path_factory.mktemp("family-spm-bos")
+    from_gguf = _open(compile_vocab(files.gguf, out / "gguf.kvoc"))
+    from_folder = _open(compile_vocab(files.folder, out / "folder.kvoc"))
+    llama = llama_cpp.Llama(model_path=str(files.gguf), vocab_only=True, verbose=False)
+    return from_gguf, from_folder, llama, HfTokenizer.from_file(str(files.folder / "tokenizer.json"))
+
+
+def test_spm_with_bos_as_the_files_say_matches_llama_cpp_and_tokenizers(spm):
+    from_gguf, from_folder, llama, hf = spm
+    # The GGUF leaves add_bos_token and add_space_prefix unsaid: llama.cpp's defaults (both on) apply.
+    assert from_gguf.add_bos_token and from_folder.add_bos_token and from_gguf.add_space_prefix
+    texts = TEXTS + _specials_texts("spm") + ["▁x ▁▁y", "\u2581", "<s> after bos", "a</s>b<unk>c", "𝔘𝔫𝔦 ꙮ 𓀀"]
+    texts = [text for text in texts if not text.startswith("<s>")]  # Keel does not add a second BOS
+    wrong = _mismatches(
+        texts, lambda text: from_gguf.encode(text).input_ids,
+        lambda text: llama.tokenize(text.encode(), add_bos=True, special=True),
+        lambda text: hf.encode(text).ids,
+        lambda text: from_folder.encode(text).input_ids)
+    assert not wrong, f"spm: {len(wrong)} of {len(texts)} texts differ (keel | llama.cpp | hf | keel-folder):\n" \
+        + "\n".join(wrong[:10])
+
+
+def test_spm_byte_fallback_and_space_prefix(spm):
+    from_gguf, _, llama, _ = spm
+    ids = from_gguf.encode_ids("ꙮ")  # a character no token has: its three <0xXX> tokens after "▁"
+    assert [from_gguf.decode([i]) for i in ids[-3:]] == ["\ufffd"] * 3 and from_gguf.decode(ids) == "ꙮ"
+    assert llama.tokenize("hi".encode(), add_bos=False, special=True) == from_gguf.encode_ids("hi")
+    assert from_gguf.encode_ids("<s>hi")[1:] == from_gguf.encode_ids("hi")  # a prefix after a special token
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_spm_decodes_like_tokenizers_and_round_trips(spm, skip):
+    from_gguf, from_folder, _, hf = spm
+    for text in TEXTS + _specials_texts("spm"):
+        for keel in (from_gguf, from_folder):
+            ids = keel.encode(text).input_ids
+            assert keel.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), repr(text)
+            stream = keel.stream_decoder(skip_special_tokens=skip)
+            assert "".join(map(stream.push, ids)) + stream.finish() == keel.decode(ids, skip_special_tokens=skip)
+            if skip and not any(special in text for special in FAMILY_SPECS["spm"].specials):
+                assert keel.decode(ids, skip_special_tokens=True) == text, repr(text)
 
 
 def test_shipped_smollm2_matches_llama_cpp(tok):
@@ -157,6 +212,39 @@ def test_unknown_folder_tokenizers_are_refused_by_name(tmp_path, pre_tokenizer, 
         compile_vocab(_folder(tmp_path, pre_tokenizer, model_type), tmp_path / "x.kvoc")
     assert err.value.reason == "UNSUPPORTED_TOKENIZER"
     assert named in str(err.value) and "supported" in str(err.value)
+
+
+def test_spm_folder_with_the_metaspace_pre_tokenizer(tmp_path):
+    """Metaspace(prepend_scheme="always") adds no ▁ before a segment that starts with one (unlike
+    Prepend, and llama.cpp): Keel follows the folder."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    spec = json.loads((vocab_files("spm").folder / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["normalizer"] = None
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": False}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    keel = _open(compile_vocab(tmp_path, tmp_path / "x.kvoc"))
+    hf = HfTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = TEXTS + _specials_texts("spm")
+    texts += ["▁x", " ▁y", "<s> z", "<s>▁z"]
+    wrong = _mismatches(texts, keel.encode_ids, lambda text: hf.encode(text, add_special_tokens=False).ids)
+    assert not wrong, f"{len(wrong)} of {len(texts)} texts differ (keel | hf):\n" + "\n".join(wrong[:10])
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda spec: spec.update(normalizer={"type": "NFKC"}), "NFKC"),
+    (lambda spec: spec.update(decoder={"type": "ByteLevel"}), "ByteLevel"),
+    (lambda spec: spec.update(normalizer=None, pre_tokenizer={"type": "Metaspace", "replacement": "▁",
+                                                              "prepend_scheme": "first", "split": True}), "first"),
+])
+def test_unknown_spm_folders_are_refused_by_name(tmp_path, change, named):
+    spec = json.loads((vocab_files("spm").folder / "tokenizer.json").read_text(encoding="utf-8"))
+    change(spec)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(PreconditionFailed) as err:
+        compile_vocab(tmp_path, tmp_path / "x.kvoc")
+    assert err.value.reason == "UNSUPPORTED_TOKENIZER"
+    assert named in str(err.value) and "spm" in str(err.value)
 
 
 def test_unknown_gguf_pre_tokenizer_is_refused_by_name(tmp_path):
