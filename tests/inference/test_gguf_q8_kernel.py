@@ -32,21 +32,30 @@ def k():
     return load()
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's activation blocks: q [M, K/32, 32] int64, dx and sx [M, K/32] float32 holding fp16
-    values (ggml's Q8_0/Q8_1 blocks: quantized with the fp32 scale, the scales stored in fp16), or the
-    fp32 value where fp16 cannot hold it."""
+def quantize(x: torch.Tensor, fp16_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation blocks: q [M, K/32, 32] int64, dx and sx [M, K/32] float32.
+    fp16_scale (gguf_q8_mm, q8act.h's Scale::ggml): ggml's block_q8_0 / q8_1, d = max|x| / 127,
+    q = round(x * (127 / max|x|)), dx = h(d), sx = h(d * sum q), and q = 0 where dx is 0; h(v) is
+    fp16(v), or v where fp16 cannot hold it. Otherwise (gguf_q8k_mm, Scale::fp32): dx = d,
+    q = round(x * (1 / dx)), sx = dx * sum q."""
     xb = x.view(x.shape[0], -1, BLOCK)
     finite = torch.isfinite(xb).all(-1)
-    d = torch.where(finite, xb.abs().amax(-1) / 127.0, torch.nan)
-    inv = torch.where(finite & (d != 0), 1.0 / d, torch.zeros(()))
-    q = torch.where(finite[..., None], torch.round(xb * inv[..., None]).clamp(-127, 127), 0).to(torch.int64)
+    amax = xb.abs().amax(-1)
+    d = torch.where(finite, amax / 127.0, torch.nan)
     def h(v: torch.Tensor) -> torch.Tensor:
         return torch.where(v.abs() < 65520, v.half().float(), v)
-    return q, h(d), h(d * q.sum(-1).float())
+    if fp16_scale:
+        dx = h(d)
+        inv = torch.where(finite & (dx != 0), 127.0 / amax, torch.zeros(()))
+    else:
+        dx = d
+        inv = torch.where(finite & (dx != 0), 1.0 / dx, torch.zeros(()))
+    q = torch.where(finite[..., None], torch.round(xb * inv[..., None]).clamp(-127, 127), 0).to(torch.int64)
+    sx = d * q.sum(-1).float()
+    return q, dx, h(sx) if fp16_scale else sx
 
 
-def emulate(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
+def emulate(x: torch.Tensor, w: torch.Tensor, ggml_type: int, fp16_scale: bool = True) -> torch.Tensor:
     """The kernel's order in torch on file-order blocks w [N, K/32 * B]: per block an exact integer dot
     product, then acc = fma(dw * dx, isum, acc) and (Q4_1) acc = fma(mw, sx, acc), block after block."""
     n, nb = w.shape[0], x.shape[1] // BLOCK
@@ -58,7 +67,7 @@ def emulate(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
         qw = torch.cat((qs & 15, qs >> 4), -1)
     else:
         qw = b[..., 2:].contiguous().view(torch.int8).to(torch.int64)
-    q, dx, sx = quantize(x)
+    q, dx, sx = quantize(x, fp16_scale)
     isum = torch.einsum("mbj,nbj->mnb", q, qw).float()  # exact: |isum| < 2^24
     acc = torch.zeros(x.shape[0], n)
     for i in range(nb):
@@ -103,15 +112,20 @@ def test_every_isa_path_gives_the_emulations_bits(k, real):
 
 def test_every_path_quantizes_ties_zero_blocks_and_extremes_as_the_emulation(k):
     """Activation blocks that the random ones rarely hold: halves (rounding ties go to even), an
-    all-zero block (dx = 0), a block whose max is one tiny value, and one of huge values."""
-    K = 4 * BLOCK
+    all-zero block (dx = 0), a block whose max is one tiny value (fp16(d) = 0), one whose fp16 dx is
+    subnormal, and one of huge values (d past fp16's range)."""
+    K = 5 * BLOCK
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(9))
     x[:, :BLOCK] = torch.tensor([127.0] + [h + 0.5 for h in range(-15, 16)])  # dx = 1: every x * id a tie
     x[0, BLOCK:2 * BLOCK] = 0.0
     x[1, BLOCK:2 * BLOCK] = 0.0
     x[1, BLOCK + 7] = 1e-30
-    x[2, 2 * BLOCK:3 * BLOCK] *= 3e37
+    x[2, 2 * BLOCK:3 * BLOCK] *= 3e37  # d far past fp16's range: kept fp32 (ggml's would be inf)
+    x[:, 3 * BLOCK:4 * BLOCK] *= 1e-4  # d ~ 2e-6: a subnormal fp16
     w = random_blocks(Q4_1, 32, K, seed=9)
+    q, dx, _ = quantize(x)
+    assert (dx[1, 1] == 0 and (q[1, 1] == 0).all() and dx[2, 2] > 1e35 and (dx[:, 3] < 6.1e-5).all()
+            and torch.isfinite(dx).all())
     want = emulate(x, w, Q4_1)
     for isa in k.q8_isas:
         assert torch.equal(k.matmul_q8(x, blocks.pack_x16(w, Q4_1), Q4_1, 32, isa), want), isa
@@ -123,7 +137,8 @@ def test_the_emulation_tells_orders_apart(k):
     y = k.matmul_q8(x, blocks.pack_x16(w, Q4_1), Q4_1, 48)
     assert torch.equal(y, emulate(x, w, Q4_1))
     assert not torch.equal(y, x @ dequant(w, Q4_1).T)
-    assert not torch.equal(y, emulate(x * (1 + 2 ** -9), w, Q4_1))  # the scales one fp16 step or two apart
+    assert not torch.equal(y, emulate(x * (1 + 2 ** -10), w, Q4_1))  # an fp16 scale rounding apart
+    assert not torch.equal(y, emulate(x, w, Q4_1, fp16_scale=False))  # fp32 scales (gguf_q8k_mm's)
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def emulate(x: torch.Tensor, w: torch.Tensor, t: int) -> torch.Tensor:
     """The kernel's order in torch: per 32-block b (Q6_K: per 16 elements) an exact integer dot product,
     then acc = fma(dw * dx, isum, acc) and (Q4_K, Q5_K) acc = fma(-mw, sx, acc), in order."""
     q, dw, mw = decode(w, t)
-    qx, dx, sx = quantize(x)                      # [M, K/32, 32], [M, K/32]
+    qx, dx, sx = quantize(x, fp16_scale=False)    # [M, K/32, 32], [M, K/32]
     n, nb = q.shape[0], qx.shape[1]
     acc = torch.zeros(x.shape[0], n)
     if t == Q6_K:

@@ -12,7 +12,8 @@
 //       Q8_0 (type 8, B = 34): chunks c = 0..7 of row r's int8 qs[4c..4c+3] (elements 4c..4c+3)
 //   y [M, n] float32
 //
-// Activations: qx, dx, sx per row and 32-element block (q8act.h).
+// Activations: qx, dx, sx per row and 32-element block, as ggml's block_q8_0 / block_q8_1 (q8act.h,
+// Scale::ggml: dx and sx are fp16 values).
 // Summation order per output element (m, n), fixed by K alone: acc = +0, then for b = 0..K/32-1
 //   isum = sum_j (qw_j - o) * qx_j         (exact in int32; o = 8 for Q4_0, 16 for Q5_0, else 0)
 //   acc  = fma(dw * dx, float(isum), acc)  (dw * dx rounded once; float(isum) is exact, |isum| < 2^24)
@@ -55,7 +56,7 @@ struct Problem {
   const int8_t* qx;   // [M, K] quantized activations
   const uint8_t* ux;  // [M, K] qx + 128 (as unsigned bytes)
   const float* dx;    // [M, nb] scales
-  const float* sx;    // [M, nb] dx * sum qx
+  const float* sx;    // [M, nb] fp16(d * sum qx)
   const int32_t* sq;  // [M, nb] sum qx (Q4_0, Q5_0)
   const uint8_t* w;   // [G, nb * unit]
   float* y;           // [M, n]
@@ -337,7 +338,7 @@ at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_typ
 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  const Activations a(x, path);
+  const Activations a(x, path, Scale::ggml);
   const std::vector<int32_t> sq = ggml_type == Q4_0 || ggml_type == Q5_0 ? a.sums(QK) : std::vector<int32_t>();
   const Problem p{a.qx.data(), a.ux.data(), a.dx.data(), a.sx.data(), sq.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, nb, G};
   switch (ggml_type) {

@@ -15,7 +15,7 @@
 //            (bits 2r..2r+1: the top two bits of sub-block 4h + r); q - 32 is the signed quant
 //   y [M, n] float32
 //
-// Activations: qx, dx, sx per row and 32-element block (q8act.h); block b = 8B + s is sub-block s of
+// Activations: qx, dx, sx per row and 32-element block (q8act.h, Scale::fp32); block b = 8B + s is sub-block s of
 // super-block B. Summation order per output element (m, n), fixed by K alone: acc = +0, then for
 // b = 0..K/32-1 in order:
 //   Q4_K, Q5_K: isum = sum_j q_j qx_j (exact in int32);  acc = fma((d * sc_s) * dx, float(isum), acc)
@@ -310,7 +310,7 @@ at::Tensor gguf_q8k_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_ty
 
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  const Activations a(x, path);
+  const Activations a(x, path, Scale::fp32);
   const std::vector<int32_t> s16 = ggml_type == Q6_K ? a.sums(16) : std::vector<int32_t>();
   const Problem p{a.qx.data(), a.dx.data(), a.sx.data(), s16.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(),
                   M, n, K, K / QK, ns, G};
