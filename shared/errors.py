@@ -264,7 +264,6 @@ REASONS: dict[str, Reason] = {
     "MAX_LENGTH_OUT_OF_RANGE": Reason(InvalidInput, "max_length outside the stage's limit"),
     "MAX_LENGTH_REQUIRED": Reason(InvalidInput, "padding asked without a max_length"),
     "CHAT_TEMPLATE_ERROR": Reason(InvalidInput, "the chat template could not render the messages"),
-    "NO_CHAT_TEMPLATE": Reason(PreconditionFailed, "the model ships no chat template"),
     "NOT_WARMED_UP": Reason(NotReady, "the tokenizer's vocabulary is not loaded yet"),
     "SELF_CHECK_FAILED": Reason(Fatal, "start-up: the tokenizer disagrees with its reference encodings"),
     "GGUF_NOT_FOUND": Reason(PreconditionFailed, "start-up: the model's GGUF file is missing"),
