@@ -21,6 +21,8 @@ import grpc
 import pytest
 
 from keelctl.ask import DEV_API_KEY, build_request
+from services.tokenizer.compiler import compiled_path
+from shared.modelfile import source as model_source
 from testing.mesh import ROOT, start_mesh, stop_mesh, wait_until
 from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
@@ -43,8 +45,9 @@ PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def keel_lora(tmp, *args: str, model=None) -> subprocess.CompletedProcess:
     """`keel lora ...` on the test mesh's registry; ``model``: the base to register against."""
     env = dict(os.environ, KEEL_VAR_DIR=str(tmp / "var"))
-    if model is not None:
-        env["KEEL_MODEL"], env["KEEL_MODELS_DIR"] = str(model), str(tmp / "models")
+    if model is not None:  # a perturbed copy of the shipped model's weights: its vocabulary is the shipped one
+        env.update(KEEL_MODEL=str(model), KEEL_MODELS_DIR=str(tmp / "models"),
+                   KEEL_TOKENIZER_VOCAB_FILE=str(compiled_path(model_source())))
     return subprocess.run([sys.executable, "-m", "keelctl", "lora", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 
