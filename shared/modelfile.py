@@ -122,7 +122,7 @@ def source(path: Path | str | None = None, environ: Mapping[str, str] | None = N
         kind, files = FOLDER, [p / f for f in FOLDER_FILES if (p / f).exists()] + weights
     else:
         raise ConfigError(f"field 'model.path' breaks rule 'exists': no file or folder at {p}")
-    return ModelSource(p, kind, model_id(p, environ), _digest(files))
+    return ModelSource(p, kind, model_id(p, environ), digest_files(files))
 
 
 def model_id(path: Path | None = None, environ: Mapping[str, str] | None = None) -> str:
@@ -137,8 +137,9 @@ def model_id(path: Path | None = None, environ: Mapping[str, str] | None = None)
     return p.name if p.is_dir() else _QUANT_SUFFIX.sub("", p.name.removesuffix(".gguf"))
 
 
-def _digest(files: list[Path]) -> str:
-    """sha256 over each file's name and sha256; those cached by (path, size, mtime) in var/models/."""
+def digest_files(files: list[Path]) -> str:
+    """sha256 over each file's name and sha256, in the order given; each file's hash is cached by
+    (path, size, mtime) in var/models/file-hashes.json, so an unchanged file is read once."""
     cache_path = models_dir() / "file-hashes.json"
     try:
         cache = json.loads(cache_path.read_text())

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +32,7 @@ from services.inference.model.llama import ModelConfig
 from shared import ggufmeta
 from shared.config import ROOT_DIR
 from shared.modelfile import shipped_gguf
+from testing.cache import built_once
 
 Q = gguf.GGMLQuantizationType
 CACHE = Path(ROOT_DIR) / "var" / "tinymodels"
@@ -105,20 +103,8 @@ def tiny_model_files(name: str, qtype: str = "F32") -> TinyFiles:
         raise ValueError(f"unknown tiny model {name}/{qtype}")
     tokenizer = _tokenizer_fields()
     config = config_of(name, tokenizer)
-    out = CACHE / f"{name}-{qtype}-{_key(name, qtype)}"
-    if not (out / "done").exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=".tmp-"))
-        try:
-            _generate(config, Q[qtype], tokenizer, tmp)
-            (tmp / "done").write_text("")
-            try:
-                os.rename(tmp, out)
-            except OSError:  # another process made it meanwhile
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    out = built_once(CACHE / f"{name}-{qtype}-{_key(name, qtype)}",
+                     lambda folder: _generate(config, Q[qtype], tokenizer, folder))
     return TinyFiles(name, qtype, out / "model.gguf", out / "hf", config)
 
 

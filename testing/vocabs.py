@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.tokenizer.pretokenize import FAMILIES
 from shared.config import ROOT_DIR
+from testing.cache import built_once
 
 CACHE = Path(ROOT_DIR) / "var" / "vocabs"
 MERGES = 3000
@@ -116,19 +114,7 @@ def _key(family: str) -> str:
 
 def vocab_files(family: str) -> VocabFiles:
     """The family's tiny vocabulary, trained and written once, then read from the cache."""
-    out = CACHE / _key(family)
-    if not (out / "vocab.gguf").exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=CACHE))
-        try:
-            _build(family, tmp)
-            try:
-                os.replace(tmp, out)
-            except OSError:  # another process built it first
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    out = built_once(CACHE / _key(family), lambda folder: _build(family, folder))
     return VocabFiles(family, out, out / "vocab.gguf")
 
 

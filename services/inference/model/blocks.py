@@ -191,7 +191,12 @@ def check_file(model_dir: Path, format: str) -> None:
     """InvalidInput unless `format` can load the model of `model_dir`: a GGUF whose every tensor is of a
     type the kernels compute (F32 norms and biases aside), read from its tensor table, no weights."""
     path = gguf_file(model_dir)
-    table = ggufindex.index(model_dir, path)
+    _check_types(path, ggufindex.index(model_dir, path), format)
+
+
+def _check_types(path: Path, table: dict, format: str) -> None:
+    """InvalidInput UNSUPPORTED_BLOCK_TYPE when a tensor of `table` (the GGUF at `path`) is of a type
+    `format`'s kernels do not compute (F32 aside)."""
     unsupported = sorted({GGMLQuantizationType(e.ggml_type).name for e in table.values()
                           if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
     if unsupported:
@@ -220,14 +225,7 @@ def load_gguf(path: str | Path, format: str = FORMAT) -> LlamaForCausalLM:
 
 def _build(config: ModelConfig, source: TensorFile, format: str) -> LlamaForCausalLM:
     q8 = format == FORMAT
-    path, table = source.path, source.entries
-    unsupported = sorted({GGMLQuantizationType(e.ggml_type).name for e in table.values()
-                          if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
-    if unsupported:
-        names = ", ".join(kernels.SUPPORTED_TYPES[k].name for k in sorted(kernels.SUPPORTED_TYPES))
-        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {format} "
-                           f"format does not compute on (it takes {names} and F32)",
-                           reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
+    _check_types(source.path, source.entries, format)
 
     def tensor(name: str) -> tuple[torch.Tensor, int]:
         data, rows = torch.from_numpy(source.read(name)), ggufmodel.row_order(config, name)
@@ -250,7 +248,7 @@ def _build(config: ModelConfig, source: TensorFile, format: str) -> LlamaForCaus
         raise InvalidInput(f"the embedding is F32; the {format} format needs it in blocks",
                            reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": "F32"})
     # A GGUF without output.weight ties lm_head to the embedding: the same blocks, counted once.
-    head = tensor("output.weight") if "output.weight" in table else None
+    head = tensor("output.weight") if "output.weight" in source.entries else None
     model.lm_head = linear(head or (embed, embed_type), e)
     rows = model.lm_head.blocks if head is None else linear((embed, embed_type), e).blocks
     model.model.embed_tokens = BlockEmbedding(rows, embed_type, e, q8)
