@@ -6,6 +6,7 @@ NaN penalty into a batch either.
 
 Reasons: STOP_INVALID, REPETITION_PENALTY_OUT_OF_RANGE, FREQUENCY_PENALTY_OUT_OF_RANGE,
 PRESENCE_PENALTY_OUT_OF_RANGE, TOP_LOGPROBS_OUT_OF_RANGE, TOP_LOGPROBS_WITHOUT_LOGPROBS,
+PROMPT_LOGPROBS_OUT_OF_RANGE,
 CHOICE_INVALID, RESPONSE_FORMAT_TOO_LARGE (each with metadata `field`). Whether a JSON Schema or
 a regex compiles is the inference stage's to say (services/inference/engine/grammar.py).
 """
@@ -58,6 +59,10 @@ class Controls:
     response_format: ResponseFormat | None = None
     min_tokens: int = 0       # the model's end ids and the stop ids are masked until this many tokens
     ignore_eos: bool = False  # the model's end ids do not end the answer
+    # Score the prompt's tokens with this many alternatives each (None: not scored); the engine
+    # computes them in the prefill, which then reuses no prefix-cache blocks.
+    prompt_logprobs: int | None = None
+    echo: bool = False  # the answer's text begins with the prompt's (the gateway's to serve)
 
     @property
     def penalised(self) -> bool:
@@ -125,6 +130,10 @@ def check_controls(c: Controls, max_tokens: int) -> None:
                   "sampling.top_logprobs")
     if c.top_logprobs and not c.logprobs:
         raise bad("top_logprobs needs logprobs set", "TOP_LOGPROBS_WITHOUT_LOGPROBS", "sampling.top_logprobs")
+    if c.prompt_logprobs is not None and (isinstance(c.prompt_logprobs, bool) or not isinstance(c.prompt_logprobs, int)
+                                          or not 0 <= c.prompt_logprobs <= MAX_TOP_LOGPROBS):
+        raise bad(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}", "PROMPT_LOGPROBS_OUT_OF_RANGE",
+                  "sampling.prompt_logprobs")
     if c.response_format is not None:
         _check_format(c.response_format, bad)
 
@@ -161,7 +170,8 @@ def controls_of(s: common_pb2.SamplingParams, fmt: common_pb2.ResponseFormat | N
     return Controls(stop=tuple(s.stop), repetition_penalty=repetition_penalty_of(s.repetition_penalty),
                     frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                     logprobs=s.logprobs, top_logprobs=s.top_logprobs, response_format=format_of(fmt),
-                    min_tokens=s.min_tokens, ignore_eos=s.ignore_eos)
+                    min_tokens=s.min_tokens, ignore_eos=s.ignore_eos, echo=s.echo,
+                    prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
 
 
 def format_of(fmt: common_pb2.ResponseFormat | None) -> ResponseFormat | None:
@@ -192,9 +202,11 @@ def sampling_pb(s: Sampling) -> common_pb2.SamplingParams:
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=c.stop,
         repetition_penalty=0.0 if c.repetition_penalty == 1.0 else c.repetition_penalty,
         frequency_penalty=c.frequency_penalty, presence_penalty=c.presence_penalty, logprobs=c.logprobs,
-        top_logprobs=c.top_logprobs, min_tokens=c.min_tokens, ignore_eos=c.ignore_eos)
+        top_logprobs=c.top_logprobs, min_tokens=c.min_tokens, ignore_eos=c.ignore_eos, echo=c.echo)
     if s.seed is not None:
         pb.seed = s.seed
+    if c.prompt_logprobs is not None:
+        pb.prompt_logprobs = c.prompt_logprobs
     return pb
 
 

@@ -185,6 +185,9 @@ REASONS: dict[str, Reason] = {
         InvalidInput, "frequency_penalty outside -2..2; `field` names it", ("field",)),
     "PRESENCE_PENALTY_OUT_OF_RANGE": Reason(
         InvalidInput, "presence_penalty outside -2..2; `field` names it", ("field",)),
+    "PROMPT_LOGPROBS_OUT_OF_RANGE": Reason(InvalidInput, "prompt_logprobs outside 0..5; `field` names it", ("field",)),
+    "ECHO_UNSUPPORTED": Reason(InvalidInput, "echo with a chat input or a stream; `field` names it", ("field",)),
+    "INPUT_AMBIGUOUS": Reason(InvalidInput, "token_ids beside another input (prompt, text or chat)"),
     "TOP_LOGPROBS_OUT_OF_RANGE": Reason(InvalidInput, "top_logprobs outside 0..5; `field` names it", ("field",)),
     "TOP_LOGPROBS_WITHOUT_LOGPROBS": Reason(
         InvalidInput, "top_logprobs set without logprobs; `field` names it", ("field",)),
