@@ -50,6 +50,8 @@ class FakeUpstreams:
         self.seeds: list[int] = []
         self.quarantined: list[tuple[str, dict]] = []
         self.reports: list[tuple[str, str, str]] = []
+        self.encoded: list[Encoded] = []  # what each generation was handed
+        self.payloads: list[dict] = []    # what the input contract saw
 
     async def validate_input(self, payload, source, domain, timeout, md, rejected=None):
         self.calls.append("validate_input")
@@ -57,15 +59,23 @@ class FakeUpstreams:
             self.quarantined.append((rejected.reason, payload))
             raise errors.InvalidInput(rejected.message, reason=rejected.reason,
                                       metadata={"rule": "gateway_limits", "quarantine_id": "q-1"})
+        self.payloads.append(payload)
         return ["low_quality"] if "meh" in str(payload) else []
 
     async def encode_chat(self, messages, max_length, timeout, md):
         self.calls.append("encode")
         return Encoded([1, 2, 3], False, 3, "fp")
 
+    async def encode_text(self, text, max_length, timeout, md):
+        """One id per character (VOCAB's letters), the last ``max_length`` kept."""
+        self.calls.append("encode_text")
+        ids = [ord(c) - 96 for c in text]
+        return Encoded(ids[-max_length:], len(ids) > max_length, len(ids), "fp-text")
+
     async def generate(self, enc, ask, seed, timeout, md):
         self.calls.append("generate")
         self.seeds.append(seed)
+        self.encoded.append(enc)
         if self.fail_generate:
             self.fail_generate -= 1
             raise errors.NotReady("replica died", reason="NOT_SERVING")
@@ -74,10 +84,15 @@ class FakeUpstreams:
                 await self.decode_called.wait()
                 self.decode_called.clear()
             yield Step(t, 0.5)
-        yield Done("stop", 3, len(self.tokens), seed, {"format": "float32"}, "inference-a")
+        scored = () if ask.controls.prompt_logprobs is None else tuple(
+            common_pb2.TokenLogprob(token=chr(96 + t), token_id=t, logprob=-float(i)) for i, t in enumerate(enc.ids))
+        yield Done("stop", len(enc.ids), len(self.tokens), seed, {"format": "float32"}, "inference-a",
+                   prompt_logprobs=scored)
 
-    async def decode(self, ids, timeout, md):
+    async def decode(self, ids, timeout, md, skip_special_tokens=True):
         self.calls.append("decode")
+        if any(not 0 <= i < len(_TOKENS) for i in ids):  # as the tokenizer: ids outside the vocabulary
+            raise errors.InvalidInput("a token id is outside the vocabulary", reason="TOKEN_ID_OUT_OF_RANGE")
         self.decoded.append(tuple(ids))
         self.decode_called.set()
         return self.texts.get(tuple(ids), "".join(chr(96 + i) for i in ids))

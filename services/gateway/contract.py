@@ -43,7 +43,9 @@ class Ask:
     seed: int | None = None
     domain: str = ""
     source: str = ""
-    raw_prompt: str | None = None  # set when the client sent a bare prompt
+    raw_prompt: str | None = None  # set when the client sent a bare prompt (one templated user turn)
+    text: str | None = None        # raw text, continued as it is (no chat template)
+    token_ids: tuple[int, ...] = ()  # an input the client tokenized, continued as it is
     adapter: str = ""  # "" = the base model
     controls: Controls = Controls()  # stop strings, penalties, logprobs, response format (shared/controls.py)
     # False: the client sent no max_tokens, and max_tokens is the gateway's default_max_tokens,
@@ -58,7 +60,7 @@ class Ask:
 
 def check_ask(ask: Ask, limits: Limits) -> None:
     """Request-size and shape rules the gateway enforces before spending anything downstream."""
-    check_messages(ask.messages, limits)
+    check_input(ask, limits)
     check_max_tokens(ask.max_tokens)
     if ask.max_tokens > limits.max_tokens_limit:
         raise errors.InvalidInput(f"max_tokens is {ask.max_tokens}, the limit is {limits.max_tokens_limit}",
@@ -75,6 +77,27 @@ def check_ask(ask: Ask, limits: Limits) -> None:
     check_sampling(ask.temperature, ask.top_p, ask.top_k, ask.seed)
     check_adapter(ask.adapter)
     check_controls(ask.controls, ask.max_tokens)
+
+
+def check_input(ask: Ask, limits: Limits) -> None:
+    """One input, of its kind's shape and size: a conversation (or a bare prompt, one turn of it),
+    raw text, or token ids (their range is the tokenizer's to check: it knows the vocabulary). Echo
+    repeats a prompt as it was sent, which a templated conversation is not."""
+    if ask.token_ids and (ask.messages or ask.text is not None):
+        raise errors.InvalidInput("send token_ids or another input (prompt, text, chat), not both",
+                                  reason="INPUT_AMBIGUOUS", metadata={"field": "token_ids"})
+    if ask.controls.echo and ask.text is None and not ask.token_ids:
+        raise errors.InvalidInput("echo needs a text or token_ids input: a chat is rendered by the template",
+                                  reason="ECHO_UNSUPPORTED", metadata={"field": "sampling.echo"})
+    if ask.token_ids:
+        if len(ask.token_ids) >= limits.max_context_tokens and not ask.truncate_prompt_tokens:
+            fit(ask, len(ask.token_ids), limits)  # CONTEXT_LENGTH_EXCEEDED, before they are decoded
+    elif ask.text is not None:
+        if not ask.text.strip():
+            raise errors.InvalidInput("the text is empty", reason="EMPTY_PROMPT")
+        check_prompt_bytes(len(ask.text.encode("utf-8", "surrogatepass")), limits)
+    else:
+        check_messages(ask.messages, limits)
 
 
 def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits) -> None:

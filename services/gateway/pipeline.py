@@ -28,6 +28,7 @@ from services.gateway.streamtext import DecodeStream, StreamedText
 from shared import errors, tracing
 from shared.clip import clip_payload
 from shared.controls import SEED_MAX
+from shared.encoding import ids_fingerprint
 from shared.failures import FailureKind
 
 log = logging.getLogger("keel.gateway")
@@ -65,6 +66,7 @@ class Done:
     engine: dict[str, str] = field(default_factory=dict)  # facts of the serving engine (e.g. format)
     replica: str = ""  # the inference replica that generated it (failures seen later are reported there)
     adapter: str = ""  # the LoRA adapter that served it as "id@version" ("" = the base model)
+    prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()  # with controls.prompt_logprobs
 
     @property
     def system_fingerprint(self) -> str:
@@ -100,6 +102,7 @@ class Answer:
     system_fingerprint: str = ""
     adapter: str = ""  # as the engine answered: "id@version", "" = the base model
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # with controls.logprobs
+    prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()  # with controls.prompt_logprobs
 
 
 class Upstreams(Protocol):
@@ -119,14 +122,18 @@ class Upstreams(Protocol):
     async def list_adapters(self, timeout: float, md: dict) -> list[str]: ...
 
 
-def payload_of(ask: Ask) -> dict:
-    """The request as the validator's input contract sees it."""
+def payload_of(ask: Ask, text: str | None = None) -> dict:
+    """The request as the validator's input contract sees it: a raw text as its prompt, token ids as
+    their decoded ``text`` (before they are decoded, e.g. refused by the gateway's limits: the ids)."""
     body: dict = {"max_tokens": ask.max_tokens, "temperature": ask.temperature, "top_p": ask.top_p,
                   "top_k": ask.top_k, "domain": ask.domain or "default", "source": ask.source or "default"}
     if ask.seed is not None:
         body["seed"] = ask.seed
-    if ask.raw_prompt is not None:
-        body["prompt"] = ask.raw_prompt
+    prompt = ask.raw_prompt if ask.raw_prompt is not None else ask.text if ask.text is not None else text
+    if prompt is not None:
+        body["prompt"] = prompt
+    elif ask.token_ids:
+        body["token_ids"] = list(ask.token_ids)
     else:
         body["messages"] = [{"role": r, "content": c} for r, c in ask.messages]
     return body
@@ -145,11 +152,13 @@ class Call:
 @dataclass(frozen=True)
 class Prepared:
     """What ``prepare`` made of an accepted Ask: the Ask as it is served (its max_tokens fitted to
-    the context), the encoded prompt, the input flags, the seed."""
+    the context), the encoded prompt, the input flags, the seed, and with echo the prompt's text
+    as the answer repeats it (the text as sent, or the kept part's decoded text when it was cut)."""
     ask: Ask
     enc: Encoded
     flags: list[str]
     seed: int
+    echo: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,15 +224,19 @@ class Pipeline:
         """The adapters a request may name ("id@version"), through the retry policy like any call."""
         return await self.hop("inference", "ListAdapters", self.up.list_adapters, call)
 
-    async def prepare(self, ask: Ask, call: Call) -> Prepared:
+    async def prepare(self, ask: Ask, call: Call, streamed: bool = False) -> Prepared:
         try:
             check_ask(ask, self.limits)
+            if streamed and ask.controls.echo:  # the prompt's text would be a first delta no client expects
+                raise errors.InvalidInput("echo is not served with a stream", reason="ECHO_UNSUPPORTED",
+                                          metadata={"field": "sampling.echo"})
         except errors.InvalidInput as rejected:
             await self._quarantine(ask, rejected, call)
             raise
         # On the gateway's server span, so that `keel trace` shows what was asked for beside what served.
         trace.get_current_span().set_attribute("adapter.requested", ask.adapter)
         seed = ask.seed if ask.seed is not None else self._rng.getrandbits(SEED_MAX.bit_length())
+        text = ask.text if not ask.token_ids else await self._decoded_input(ask, call)
         # The tokenizer cuts the prompt only where the client asked (truncate_prompt_tokens); else
         # it is encoded up to the context, and one longer is counted whole (original_length).
         max_length = ask.truncate_prompt_tokens or self.limits.max_context_tokens
@@ -232,9 +245,8 @@ class Pipeline:
         try:
             async with asyncio.TaskGroup() as tg:
                 checked = tg.create_task(self.hop("validator", "ValidateInput", lambda t, md: self.up.validate_input(
-                    payload_of(ask), ask.source or "default", ask.domain or "default", t, md), call))
-                encoded = tg.create_task(self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
-                    ask.messages, max_length, t, md), call))
+                    payload_of(ask, text), ask.source or "default", ask.domain or "default", t, md), call))
+                encoded = tg.create_task(self._encode(ask, max_length, call))
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as a plain KeelError
         flags, enc = checked.result(), encoded.result()
@@ -243,7 +255,34 @@ class Pipeline:
                                                  "prompt.original_tokens": enc.original_length})
         log.info("encoded", extra={"prompt_tokens": prompt_tokens, "truncated": enc.truncated,
                                    "original_length": enc.original_length, "fingerprint": enc.fingerprint})
-        return Prepared(fit(ask, prompt_tokens, self.limits), enc, flags, seed)
+        echo = ""
+        if ask.controls.echo:
+            echo = text if not enc.truncated else await self.hop(
+                "tokenizer", "Decode", lambda t, md: self.up.decode(enc.ids, t, md, skip_special_tokens=False), call)
+        return Prepared(fit(ask, prompt_tokens, self.limits), enc, flags, seed, echo)
+
+    async def _decoded_input(self, ask: Ask, call: Call) -> str:
+        """The text of a token-id input (what the validator's input contract and echo see); ids
+        outside the vocabulary are the tokenizer's refusal (TOKEN_ID_OUT_OF_RANGE), quarantined as
+        any refused input."""
+        try:
+            return await self.hop("tokenizer", "Decode", lambda t, md: self.up.decode(
+                list(ask.token_ids), t, md, skip_special_tokens=False), call)
+        except errors.InvalidInput as rejected:
+            await self._quarantine(ask, rejected, call)
+            raise
+
+    async def _encode(self, ask: Ask, max_length: int, call: Call) -> Encoded:
+        """The prompt's ids: a conversation through the chat template, a raw text as it is, token
+        ids as sent (their last ``max_length`` when truncate_prompt_tokens cuts them)."""
+        if ask.token_ids:
+            ids = list(ask.token_ids[-max_length:])
+            return Encoded(ids, len(ids) < len(ask.token_ids), len(ask.token_ids), ids_fingerprint(ids))
+        if ask.text is not None:
+            return await self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_text(
+                ask.text, max_length, t, md), call)
+        return await self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
+            ask.messages, max_length, t, md), call)
 
     async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, call: Call) -> None:
         """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
@@ -304,7 +343,7 @@ class Pipeline:
         client a failure ends the call with its status, since a retry would repeat text.
         Deltas are the raw model text; output validation runs on the whole answer at the end.
         """
-        prep = await self.prepare(ask, call)
+        prep = await self.prepare(ask, call, streamed=True)
         ask = prep.ask
 
         async def open_stream(timeout: float, md: dict):
@@ -376,11 +415,12 @@ class Pipeline:
         trace.get_current_span().set_attribute("adapter.served", done.adapter)
         if self._on_served is not None:
             self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
-        return Answer(text=text, finish_reason="stop" if out.stopped else done.finish_reason,
+        return Answer(text=prep.echo + text, finish_reason="stop" if out.stopped else done.finish_reason,
                       prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=prep.enc.truncated,
                       input_flags=prep.flags, validation=result, trace_id=call.trace_id,
-                      system_fingerprint=done.system_fingerprint, adapter=done.adapter, logprobs=out.logprobs)
+                      system_fingerprint=done.system_fingerprint, adapter=done.adapter, logprobs=out.logprobs,
+                      prompt_logprobs=done.prompt_logprobs)
 
 
 def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:

@@ -15,16 +15,18 @@ from shared.controls import controls_of
 
 def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
     which = req.WhichOneof("input")
+    messages, raw, text = (), None, None  # none: check_ask refuses it (EMPTY_PROMPT), the quarantine keeps it
     if which == "prompt":
         messages, raw = (("user", req.prompt),), req.prompt
     elif which == "chat":
-        messages, raw = tuple((m.role, m.content) for m in req.chat.messages), None
-    else:  # neither: check_ask refuses it (EMPTY_PROMPT) and the quarantine keeps it
-        messages, raw = (), None
+        messages = tuple((m.role, m.content) for m in req.chat.messages)
+    elif which == "text":
+        text = req.text
     s = req.sampling
     return Ask(messages=messages, max_tokens=s.max_tokens or limits.default_max_tokens,
                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw,
+               text=text, token_ids=tuple(req.token_ids),
                adapter=req.adapter, max_tokens_set=s.max_tokens != 0, truncate_prompt_tokens=s.truncate_prompt_tokens,
                controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
 
@@ -34,7 +36,8 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
         text=a.text, trace_id=a.trace_id, finish_reason=a.finish_reason, seed=a.seed,
         usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
         validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags,
-        system_fingerprint=a.system_fingerprint, adapter=a.adapter, logprobs=a.logprobs)
+        system_fingerprint=a.system_fingerprint, adapter=a.adapter, logprobs=a.logprobs,
+        prompt_logprobs=a.prompt_logprobs)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -256,7 +256,7 @@ class MeshUpstreams:
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
-                               dict(f.engine), target, f.adapter)
+                               dict(f.engine), target, f.adapter, tuple(f.prompt_logprobs))
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:

@@ -166,10 +166,10 @@ class Api:
             raise translate(exc) from None
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, ChatBody, convert.chat_request)
+        return await self._generate(request, ChatBody, lambda body: [convert.chat_request(body)])
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionBody, convert.completion_request)
+        return await self._generate(request, CompletionBody, convert.completion_requests)
 
     async def _parsed(self, request: Request, cls, build):
         """(the gateway request ``build`` makes of the body, the call's metadata, its deadline, the
@@ -190,28 +190,49 @@ class Api:
             return Response(status_code=499)
 
     async def _generate(self, request: Request, cls, build) -> Response:
+        """``build(body)`` makes one gateway request per prompt; each prompt gets `n` choices, run side
+        by side, numbered prompt-major (prompt k's choices are k*n .. k*n+n-1, as OpenAI numbers them)."""
         parsed = await self._parsed(request, cls, build)
         if isinstance(parsed, Response):
             return parsed
-        req, md, timeout, body = parsed
+        prompts, md, timeout, body = parsed
         n = 1 if body.n is None else body.n
         if not 1 <= n <= self.limits.max_choices:
             return error_response(errors.InvalidInput(f"n must be in 1..{self.limits.max_choices}, got {n}",
                                                       reason="N_OUT_OF_RANGE", metadata={"field": "n"}))
-        reqs = convert.choices_of(req, n)
+        if len(prompts) > self.limits.max_prompts:
+            return error_response(errors.InvalidInput(
+                f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
+                reason="TOO_MANY_PROMPTS", metadata={"field": "prompt"}))
+        reqs = [choice for r in prompts for choice in convert.choices_of(r, n)]
         chat = cls is ChatBody
-        logprobs = req.sampling.logprobs
+        logprobs = reqs[0].sampling.logprobs
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(reqs, md, timeout, chat, logprobs, include_usage)
+            return await self._stream(reqs, md, timeout, chat, logprobs, include_usage, n)
+        scoring = not chat and convert.scoring_only(body)
         try:
             resps = await self._unary(request, _all(self.gateway.generate(r, md, timeout) for r in reqs))
+            scored = await self._prompt_texts(request, body.prompt, md, timeout) if scoring else None
         except grpc.aio.AioRpcError as exc:
             return error_response(translate(exc))
         except errors.Cancelled as err:
             return error_response(err)
         reply = convert.Reply.start(chat, resps[0].trace_id)
-        return JSONResponse(convert.answer(reply, resps, logprobs), headers={TRACE_ID_KEY: resps[0].trace_id})
+        return JSONResponse(convert.answer(reply, resps, logprobs, n, scored),
+                            headers={TRACE_ID_KEY: resps[0].trace_id})
+
+    async def _prompt_texts(self, request: Request, prompts: list, md, timeout: float | None) -> list[str]:
+        """Each prompt's text: a text as sent, token ids as the gateway decodes them."""
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(p)
+                continue
+            call = self.gateway.stub().Detokenize(gateway_pb2.DetokenizeRequest(token_ids=p), metadata=md,
+                                                  timeout=timeout)
+            out.append((await self._unary(request, call)).text)
+        return out
 
     @staticmethod
     async def _unary(request: Request, call):
@@ -228,7 +249,7 @@ class Api:
         return answer.result()
 
     async def _stream(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None, chat: bool,
-                      logprobs: bool, include_usage: bool) -> Response:
+                      logprobs: bool, include_usage: bool, per_prompt: int) -> Response:
         """One stream of every choice's events, interleaved as they come (each chunk names its choice)."""
         try:
             opened = await _all(self.gateway.open_stream(r, md, timeout) for r in reqs)
@@ -241,7 +262,7 @@ class Api:
             return error_response(errors.NotReady("the gateway's stream ended without an answer",
                                                   reason="STREAM_TRUNCATED", retry_after_ms=NOT_SERVING_RETRY_MS))
         shaper = convert.StreamShaper(convert.Reply.start(chat, trace_id), convert.model_of(reqs[0].adapter),
-                                      logprobs, include_usage, len(reqs))
+                                      logprobs, include_usage, len(reqs), per_prompt)
         return StreamingResponse(self._events(opened, shaper), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, TRACE_ID_KEY: trace_id})
 

@@ -40,8 +40,8 @@ def _max_tokens(value: int | None, param: str) -> int:
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
 
-def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool,
-             top_logprobs: int) -> common_pb2.SamplingParams:
+def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, top_logprobs: int,
+             prompt_logprobs: int | None = None, echo: bool = False) -> common_pb2.SamplingParams:
     if body.store:
         raise unsupported("store", "store: true is not served: Keel keeps no completions to retrieve")
     if body.service_tier not in SERVICE_TIERS:
@@ -57,7 +57,10 @@ def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool,
                         top_logprobs=max(-INT32_MAX, min(top_logprobs, INT32_MAX)),
                         # beyond int32 either way: the gateway says MIN_TOKENS_OUT_OF_RANGE
                         min_tokens=max(-INT32_MAX, min(body.min_tokens or 0, INT32_MAX)),
-                        ignore_eos=bool(body.ignore_eos))
+                        ignore_eos=bool(body.ignore_eos), echo=echo,
+                        # beyond int32 either way: the gateway says PROMPT_LOGPROBS_OUT_OF_RANGE
+                        prompt_logprobs=None if prompt_logprobs is None
+                        else max(-INT32_MAX, min(prompt_logprobs, INT32_MAX)))
     pb = sampling_pb(Sampling(
         max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         DEFAULT_TOP_P if body.top_p is None else body.top_p,
@@ -94,22 +97,43 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     limit = _max_tokens(asked, param)
     req = gateway_pb2.GenerateRequest(
         chat=chat_messages(body.messages),
-        sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0), adapter=adapter_of(body.model))
+        sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, body.prompt_logprobs),
+        adapter=adapter_of(body.model))
     rf = response_format(body)
     if rf is not None:
         req.response_format.CopyFrom(rf)
     return req
 
 
-def completion_request(body: CompletionBody) -> gateway_pb2.GenerateRequest:
-    if len(body.prompt) != 1:
-        raise unsupported("prompt", "exactly one prompt per request is served")
-    if body.echo:
-        raise unsupported("echo", "echo is not served")
+def completion_requests(body: CompletionBody) -> list[gateway_pb2.GenerateRequest]:
+    """One gateway request per prompt, each continued as it is (``text``, or ``token_ids``). With
+    echo, `max_tokens: 0` scores the prompt without an answer: the gateway generates one token,
+    which ``answer`` leaves out (scoring_only)."""
+    echo = bool(body.echo)
+    limit = 1 if scoring_only(body) else _max_tokens(body.max_tokens, "max_tokens")
     logprobs = body.logprobs is not None
-    return gateway_pb2.GenerateRequest(
-        prompt=body.prompt[0], adapter=adapter_of(body.model),
-        sampling=sampling(body, _max_tokens(body.max_tokens, "max_tokens"), logprobs, body.logprobs or 0))
+    # echo with logprobs shows the prompt's tokens scored, with as many alternatives as the answer's
+    prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None \
+        else body.logprobs if echo and logprobs else None
+    params = sampling(body, limit, logprobs, body.logprobs or 0, prompt_logprobs, echo)
+    reqs = []
+    for i, prompt in enumerate(body.prompt):
+        req = gateway_pb2.GenerateRequest(adapter=adapter_of(body.model), sampling=params)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            for j, t in enumerate(prompt):
+                if not 0 <= t <= UINT32_MAX:
+                    raise errors.InvalidInput(f"prompt.{i}.{j}: {t} is not a token id", reason="TOKEN_ID_OUT_OF_RANGE",
+                                              metadata={"field": f"prompt.{i}.{j}"})
+            req.token_ids.extend(prompt)
+        reqs.append(req)
+    return reqs
+
+
+def scoring_only(body: CompletionBody) -> bool:
+    """`max_tokens: 0` with echo: the prompt alone, scored (0 without echo is refused as ever)."""
+    return bool(body.echo) and body.max_tokens == 0
 
 
 def tokenize_request(body: TokenizeBody) -> gateway_pb2.TokenizeRequest:
@@ -175,14 +199,35 @@ def chat_logprobs(items) -> dict:
                          for a in t.top_logprobs]} for t in items]}
 
 
-def completion_logprobs(items, start: int = 0) -> dict:
+def completion_logprobs(items, start: int = 0, prompt=()) -> dict:
+    """OpenAI's completions logprobs of ``prompt`` (echo's scored prompt tokens: the first has no
+    score, shown null) and then the answer's ``items``; text offsets count from ``start``."""
     offsets, at = [], start
-    for t in items:
+    for t in (*prompt, *items):
         offsets.append(at)
         at += len(t.token)
-    return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in items],
+    first = [0] if prompt else []
+    return {"tokens": [t.token for t in (*prompt, *items)],
+            "token_logprobs": [None if i in first else t.logprob for i, t in enumerate((*prompt, *items))],
+            "top_logprobs": [None if i in first else {a.token: a.logprob for a in t.top_logprobs}
+                             for i, t in enumerate((*prompt, *items))],
             "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(items) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a map of token id to
+    {logprob, rank, decoded_token} holding the token itself and its alternatives (rank: 1-based among
+    the alternatives; null for the token itself when it is not one of them)."""
+    out: list[dict | None] = []
+    for i, t in enumerate(items):
+        if i == 0:
+            out.append(None)
+            continue
+        entry = {str(a.token_id): {"logprob": a.logprob, "rank": r, "decoded_token": a.token}
+                 for r, a in enumerate(t.top_logprobs, 1)}
+        entry.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": None, "decoded_token": t.token})
+        out.append(entry)
+    return out
 
 
 def choices_of(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:
@@ -198,27 +243,37 @@ def choices_of(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.Gen
     return out
 
 
-def answer(reply: Reply, rs: list[gateway_pb2.GenerateResponse], logprobs: bool) -> dict:
-    """The whole (unary) answer of one generation per choice: a chat.completion or a text_completion.
-    Usage counts the prompt once and every choice's completion (OpenAI's n)."""
+def answer(reply: Reply, rs: list[gateway_pb2.GenerateResponse], logprobs: bool, n: int = 1,
+           scored: list[str] | None = None) -> dict:
+    """The whole (unary) answer of one generation per choice (prompt-major: prompt k's choices are
+    rs[k*n:(k+1)*n]): a chat.completion or a text_completion. Usage counts each prompt once and every
+    choice's completion (OpenAI's n). ``scored``: the prompts' texts of a scoring-only request
+    (completions' echo with max_tokens 0), whose one generated token is left out."""
     choices = []
     for i, r in enumerate(rs):
         if reply.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                            "logprobs": chat_logprobs(r.logprobs) if logprobs else None,
-                            "finish_reason": r.finish_reason})
+            choice = {"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                      "logprobs": chat_logprobs(r.logprobs) if logprobs else None, "finish_reason": r.finish_reason}
         else:
-            choices.append({"index": i, "text": r.text,
-                            "logprobs": completion_logprobs(r.logprobs) if logprobs else None,
-                            "finish_reason": r.finish_reason})
+            items = () if scored is not None else r.logprobs
+            choice = {"index": i, "text": r.text if scored is None else scored[i // n],
+                      "logprobs": completion_logprobs(items, 0, r.prompt_logprobs) if logprobs else None,
+                      "finish_reason": r.finish_reason}
+        if r.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs)
+        choices.append(choice)
     first = rs[0]
     obj = "chat.completion" if reply.chat else "text_completion"
+    usage = total_usage([r.usage for r in rs], n)
+    if scored is not None:
+        usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
     return {**reply.head(obj, model_of(first.adapter), first.system_fingerprint), "choices": choices,
-            "usage": total_usage([r.usage for r in rs]), **truncated(first)}
+            "usage": usage, **truncated(first)}
 
 
-def total_usage(us: list[common_pb2.Usage]) -> dict:
-    prompt, completion = us[0].prompt_tokens, sum(u.completion_tokens for u in us)
+def total_usage(us: list[common_pb2.Usage], n: int = 1) -> dict:
+    """Each prompt counted once (the generations of prompt k are us[k*n:(k+1)*n]), every completion."""
+    prompt, completion = sum(u.prompt_tokens for u in us[::n]), sum(u.completion_tokens for u in us)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -234,8 +289,10 @@ class StreamShaper:
     finish_reason (and the system fingerprint, known only then); once every choice closed, a usage
     chunk when the client asked for it (the prompt counted once, every choice's completion)."""
 
-    def __init__(self, reply: Reply, model: str, logprobs: bool, include_usage: bool, n: int = 1):
+    def __init__(self, reply: Reply, model: str, logprobs: bool, include_usage: bool, n: int = 1,
+                 per_prompt: int = 1):
         self.reply, self.model, self.logprobs, self.include_usage = reply, model, logprobs, include_usage
+        self._per_prompt = per_prompt  # choices per prompt: usage counts each prompt once
         self._offsets = [0] * n
         self._opened = [False] * n
         self._usage: dict[int, common_pb2.Usage] = {}
@@ -274,5 +331,5 @@ class StreamShaper:
         self._usage[i] = done.usage
         if self.include_usage and len(self._usage) == self._n:
             out.append({**self.reply.head(out[-1]["object"], model, done.system_fingerprint), "choices": [],
-                        "usage": total_usage([self._usage[k] for k in range(self._n)])})
+                        "usage": total_usage([self._usage[k] for k in range(self._n)], self._per_prompt)})
         return out

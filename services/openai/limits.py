@@ -29,9 +29,11 @@ class EdgeLimits:
     # A body that may be larger than this (by Content-Length, or chunked) is read only after the
     # gateway has accepted the caller's key; a smaller one goes with the call as it is.
     preauth_body_bytes: int = 65536
-    # OpenAI's `n`: at most this many choices per request (more: 400 N_OUT_OF_RANGE); each is one
+    # OpenAI's `n`: at most this many choices per prompt (more: 400 N_OUT_OF_RANGE); each is one
     # generation through the gateway, run side by side.
-    max_choices: int = 8
+    max_choices: int = 16
+    # /v1/completions' list of prompts: at most this many in one request (more: 400 TOO_MANY_PROMPTS).
+    max_prompts: int = 32
 
     def __post_init__(self) -> None:
         rules = {"header_timeout_s > 0": self.header_timeout_s > 0, "body_timeout_s > 0": self.body_timeout_s > 0,
@@ -40,7 +42,8 @@ class EdgeLimits:
                      0 < self.max_forwarded_header_bytes <= self.max_header_bytes,
                  "1 <= max_json_depth <= 256": 1 <= self.max_json_depth <= 256,
                  "max_deadline_ms >= 1": self.max_deadline_ms >= 1,
-                 "preauth_body_bytes >= 0": self.preauth_body_bytes >= 0, "max_choices >= 1": self.max_choices >= 1}
+                 "preauth_body_bytes >= 0": self.preauth_body_bytes >= 0, "max_choices >= 1": self.max_choices >= 1,
+                 "max_prompts >= 1": self.max_prompts >= 1}
         broken = [rule for rule, ok in rules.items() if not ok]
         if broken:
             raise ValueError(f"edge limits need {', '.join(broken)}")

@@ -107,6 +107,9 @@ class Sampling(Strict):
     truncate_prompt_tokens: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # vLLM's extension: score the prompt's tokens with this many alternatives each (answered in
+    # vLLM's `prompt_logprobs` shape; /v1/completions' echo with logprobs scores them too).
+    prompt_logprobs: int | None = None
     # Accepted and not used (docs/openai.md): Keel identifies callers by API key, stores no
     # completions (store: true is refused in convert.py), has one service tier ("auto" and "default";
     # others refused there) and caches prompt prefixes by itself.
@@ -137,15 +140,26 @@ class ChatBody(Sampling):
 
 class CompletionBody(Sampling):
     UNSERVED = Sampling.UNSERVED | {"suffix", "best_of"}
-    prompt: list[str]
+    # A text, a list of texts, a list of token ids, or a list of token-id lists (OpenAI's four
+    # forms); each is continued as it is, and each gets `n` choices.
+    prompt: list[str] | list[list[int]]
     # OpenAI's legacy form: the number of alternatives per position (0 = the tokens' own only).
     logprobs: int | None = None
     echo: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_as_list(cls, v: Any) -> Any:
+    def _prompt_as_lists(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return [v]  # one prompt of token ids
         return _as_list(v)
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v: list) -> list:
+        if not v:
+            raise ValueError("must hold at least one prompt")
+        return v
 
 
 class TokenizeBody(Strict):

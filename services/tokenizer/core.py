@@ -12,8 +12,7 @@ import hashlib
 import json
 import mmap
 import os
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from services.tokenizer.bpe import BpeEngine, CacheOptions, MergeTables
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from services.tokenizer.pretokenize import PinnedPatterns, PreTokenizer
 from services.tokenizer.tables import pair_rank_lookup, token_id_lookup
+from shared.encoding import fingerprint
 from shared.errors import Fatal, InvalidInput, NotReady
 
 _SIDES = ("left", "right")
-_FINGERPRINT_TAG = b"keel.tokenizer.encoding.v1\x00"
 # The sections that decide which ids a text gets (the rest are caches and checks derived from them).
 _VOCAB_SECTIONS = (ff.TOKEN_OFFSETS, ff.TOKEN_BYTES, ff.BYTE_IDS, ff.PAIR_KEYS, ff.PAIR_RANKS, ff.RANK_IDS)
 _WARMUP_TEXTS = ("The quick brown fox, 1984 -- isn't it?", "日本語と中文的句子没有空格所以很长。",
@@ -69,15 +68,6 @@ class Encoding:
     truncated: bool
     original_length: int  # token count before truncation and padding
     fingerprint: str  # sha256 hex of the three lists, see fingerprint()
-
-
-def fingerprint(input_ids: Sequence[int], attention_mask: Sequence[int], position_ids: Sequence[int]) -> str:
-    """SHA-256 over a tag, the length (u32) and the three lists as u32, all little-endian."""
-    digest = hashlib.sha256(_FINGERPRINT_TAG)
-    digest.update(len(input_ids).to_bytes(4, "little"))
-    for values in (input_ids, attention_mask, position_ids):
-        digest.update(array("I", values).tobytes())  # the host is little-endian (checked at open)
-    return digest.hexdigest()
 
 
 class Tokenizer:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.openai import convert
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
@@ -20,8 +21,13 @@ def chat(**fields):
     return convert.chat_request(parse(ChatBody, body))
 
 
+def completions(**fields):
+    return convert.completion_requests(parse(CompletionBody, {"model": MODEL_ID, "prompt": "hi", **fields}))
+
+
 def completion(**fields):
-    return convert.completion_request(parse(CompletionBody, {"model": MODEL_ID, "prompt": "hi", **fields}))
+    (req,) = completions(**fields)
+    return req
 
 
 def refused(fn, **fields) -> errors.InvalidInput:
@@ -91,15 +97,17 @@ def test_model_selects_the_adapter():
 
 def test_completions_map_prompt_and_legacy_logprobs():
     req = completion(max_tokens=5, logprobs=2, seed=1)
-    assert req.WhichOneof("input") == "prompt" and req.prompt == "hi"
+    assert req.WhichOneof("input") == "text" and req.text == "hi"  # continued as it is: no chat template
     assert (req.sampling.max_tokens, req.sampling.logprobs, req.sampling.top_logprobs) == (5, True, 2)
+    assert not req.sampling.echo and not req.sampling.HasField("prompt_logprobs")
     assert not completion().sampling.logprobs
-    assert completion(prompt=["only one"]).prompt == "only one"
+    assert completion(prompt=["only one"]).text == "only one"
 
 
 @pytest.mark.parametrize("fn,fields,field,reason", [
-    (completion, {"prompt": ["a", "b"]}, "prompt", "UNSUPPORTED_PARAMETER"),
-    (completion, {"echo": True}, "echo", "UNSUPPORTED_PARAMETER"),
+    (completion, {"max_tokens": 0}, "max_tokens", "MAX_TOKENS_INVALID"),  # 0 scores only with echo
+    (completion, {"prompt": [[1, -1]]}, "prompt.0.1", "TOKEN_ID_OUT_OF_RANGE"),
+    (completion, {"prompt": [[1, 2**32]]}, "prompt.0.1", "TOKEN_ID_OUT_OF_RANGE"),
     (chat, {"max_tokens": 0}, "max_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"max_completion_tokens": -1}, "max_completion_tokens", "MAX_TOKENS_INVALID"),
     (chat, {"seed": -1}, "seed", "SEED_OUT_OF_RANGE"),
@@ -184,3 +192,61 @@ def test_detokenize_sends_the_ids_and_refuses_what_is_no_id():
         with pytest.raises(errors.InvalidInput) as exc:
             convert.detokenize_request(parse(DetokenizeBody, {"tokens": tokens}))
         assert (exc.value.reason, exc.value.metadata["field"]) == (reason, field)
+
+
+def test_each_of_openais_four_prompt_forms_is_one_request_per_prompt_in_order():
+    assert [r.text for r in completions(prompt="a")] == ["a"]
+    assert [r.text for r in completions(prompt=["a", "b"])] == ["a", "b"]
+    assert [list(r.token_ids) for r in completions(prompt=[1, 2, 3])] == [[1, 2, 3]]
+    reqs = completions(prompt=[[1, 2], [3]])
+    assert [list(r.token_ids) for r in reqs] == [[1, 2], [3]] and all(r.WhichOneof("input") is None for r in reqs)
+
+
+@pytest.mark.parametrize("prompt", [[], [1, "a"], [["a"]], 5, [[1.5]], [True]])
+def test_a_prompt_of_no_form_is_invalid_body(prompt):
+    assert refused(completion, prompt=prompt).reason == "INVALID_BODY"
+
+
+def test_echo_with_logprobs_scores_the_prompt_with_as_many_alternatives():
+    s = completion(echo=True, logprobs=3, max_tokens=1).sampling
+    assert s.echo and s.prompt_logprobs == 3 and s.top_logprobs == 3
+    assert not completion(echo=True, max_tokens=1).sampling.HasField("prompt_logprobs")  # echo alone: text only
+    assert completion(prompt_logprobs=0, max_tokens=1).sampling.prompt_logprobs == 0  # vLLM's field, as asked
+    assert chat(prompt_logprobs=2).sampling.prompt_logprobs == 2
+
+
+def test_echo_with_max_tokens_0_generates_one_token_that_the_answer_leaves_out():
+    body = parse(CompletionBody, {"model": MODEL_ID, "prompt": ["ab", "c"], "echo": True, "max_tokens": 0,
+                                  "logprobs": 1})
+    (a, b) = convert.completion_requests(body)
+    assert convert.scoring_only(body) and a.sampling.max_tokens == 1 == b.sampling.max_tokens
+    lp = common_pb2.TokenLogprob
+    r = gateway_pb2.GenerateResponse(
+        text="abX", finish_reason="length", usage=common_pb2.Usage(prompt_tokens=2, completion_tokens=1),
+        prompt_logprobs=[lp(token="a", token_id=1), lp(token="b", token_id=2, logprob=-0.5, top_logprobs=[
+            common_pb2.TopLogprob(token="b", token_id=2, logprob=-0.5)])],
+        logprobs=[lp(token="X", token_id=9, logprob=-1.0)])
+    r2 = gateway_pb2.GenerateResponse(text="cY", usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=1))
+    out = convert.answer(convert.Reply.start(False, "t"), [r, r2], True, 1, ["ab", "c"])
+    first = out["choices"][0]
+    assert first["text"] == "ab" and out["choices"][1]["text"] == "c"
+    assert first["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5],
+                                 "top_logprobs": [None, {"b": -0.5}], "text_offset": [0, 1]}
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+
+def test_echo_logprobs_run_on_from_the_prompt_into_the_answer():
+    lp = common_pb2.TokenLogprob
+    r = gateway_pb2.GenerateResponse(text="hi there", prompt_logprobs=[lp(token="hi", token_id=1),
+                                                                       lp(token=" there", token_id=2, logprob=-2.0)],
+                                     logprobs=[lp(token="!", token_id=3, logprob=-0.25)])
+    got = convert.answer(convert.Reply.start(False, "t"), [r], True)["choices"][0]
+    assert got["logprobs"]["tokens"] == ["hi", " there", "!"]
+    assert got["logprobs"]["token_logprobs"] == [None, -2.0, -0.25]
+    assert got["logprobs"]["text_offset"] == [0, 2, 8]
+    assert got["prompt_logprobs"] == [None, {"2": {"logprob": -2.0, "rank": None, "decoded_token": " there"}}]
+
+
+def test_usage_counts_each_prompt_once_and_every_choice():
+    us = [common_pb2.Usage(prompt_tokens=p, completion_tokens=c) for p, c in ((4, 1), (4, 2), (7, 3), (7, 4))]
+    assert convert.total_usage(us, 2) == {"prompt_tokens": 11, "completion_tokens": 10, "total_tokens": 21}

@@ -6,7 +6,8 @@ from array import array
 
 import pytest
 
-from services.tokenizer.core import EncodeOptions, fingerprint
+from services.tokenizer.core import EncodeOptions
+from shared.encoding import fingerprint
 from shared.errors import InvalidInput
 
 TEXT = "The quick brown fox jumps over the lazy dog"
