@@ -1,4 +1,5 @@
-"""Execution: runs one batch of a StepPlan on the model and returns its logits (no bookkeeping, no sampling)."""
+"""Execution: runs one batch of a StepPlan on the model and returns its logits and prompt scores (no bookkeeping,
+no sampling)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
