@@ -15,8 +15,12 @@ position is the last of a prefill, whatever the chunk and the batch around it. E
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # forward.py imports this module
+    from services.inference.model.forward import LlamaRunner
 
 GROUP_ROWS = 16  # rows per lm_head call when the runner calibrated no invariant sizes
 
@@ -32,7 +36,7 @@ class PromptScores:
     top_ids: torch.Tensor
 
 
-def score_rows(runner, h: torch.Tensor, targets: list[int], top: int) -> PromptScores:
+def score_rows(runner: LlamaRunner, h: torch.Tensor, targets: list[int], top: int) -> PromptScores:
     """Score the hidden states h [n, hidden] of n consecutive prompt positions against `targets` [n]."""
     n, width = h.shape
     head, norm = runner.model.lm_head, runner.model.model.norm
