@@ -108,6 +108,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     finish_reason=ev.finish_reason, seed=ev.seed, queue_ms=ev.queue_ms,
                     breaker_level=ev.breaker_level, engine=self.facts.get(ev.format, {"format": ev.format}),
                     variant=ev.variant, adapter=ev.adapter,
+                    prompt_logprobs=[logprobs_pb(lp) for lp in ev.prompt_logprobs],
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
 
     async def ListAdapters(self, request, context):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.inference.engine.executor import StepOutput
+
 
 @dataclass(frozen=True)
 class FaultSpec:
@@ -70,7 +72,7 @@ class FaultInjectingExecutor:
     def new_cache(self, runner: str, positions: int):
         return self.inner.new_cache(runner, positions)
 
-    def execute(self, batch) -> torch.Tensor:
+    def execute(self, batch) -> StepOutput:
         rows = batch.rows
         delay = max(self._of(r).slow_s for r in rows)
         if delay:

@@ -9,6 +9,7 @@ import torch
 
 from services.inference.engine.core import Engine
 from services.inference.model.loader import load_model
+from shared.controls import Controls
 from shared.modelfile import source as model_source
 from tests.inference.helpers import collect, ids, request, tiny_config
 
@@ -61,3 +62,28 @@ async def test_real_model_greedy_matches_generate_alone_and_batched(reference):
             assert ids(alone) == ref
     finally:
         await engine.stop(grace_s=0)
+
+
+@pytest.mark.asyncio
+async def test_real_model_prompt_logprobs_are_transformers_next_token_logprobs(reference):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(MODEL / "hf-tokenizer"))
+    prompt_ids = tok(" ".join(PROMPTS))["input_ids"]
+    engine = Engine(load_model(MODEL), tiny_config(memory_budget_bytes=4 * 2 ** 30, max_context_tokens=2048,
+                                                   warmup_prompt_tokens=(16, 64, 128), warmup_max_tokens=64,
+                                                   prefill_tokens_per_iteration=16))
+    engine.warmup()
+    await engine.start()
+    try:
+        _, fin = await collect(engine, request("scored", prompt_ids, max_tokens=1,
+                                               controls=Controls(prompt_logprobs=2)))
+    finally:
+        await engine.stop(grace_s=0)
+    with torch.inference_mode():
+        dist = torch.log_softmax(reference(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    got = fin.prompt_logprobs
+    assert [e.token_id for e in got] == prompt_ids and got[0].logprob == 0.0
+    want = [dist[p - 1, prompt_ids[p]].item() for p in range(1, len(prompt_ids))]
+    assert [e.logprob for e in got[1:]] == pytest.approx(want, abs=1e-4)
+    assert [[a.token_id for a in e.top] for e in got[1:]] == [torch.topk(dist[p - 1], 2).indices.tolist()
+                                                              for p in range(1, len(prompt_ids))]

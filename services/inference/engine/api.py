@@ -55,6 +55,8 @@ class Finished:
     breaker_level: int  # breaker level in force when the request was prefilled
     variant: str = "primary"  # the model variant the request started on (variants.py)
     adapter: str = ""   # the adapter that served it, "id@version" ("" = the base model)
+    # with controls.prompt_logprobs: every prompt token in order (RowControls.score_prompt), else ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     def span_attributes(self) -> dict[str, str | int | float]:
         return {"inference.finish_reason": self.finish_reason, "inference.prompt_tokens": self.prompt_tokens,

@@ -12,6 +12,9 @@ logits, which the runner already makes batch invariant.
 The scores a token is drawn from: the model's logits (after the breaker's clamp), penalised, then
 the grammar's disallowed tokens set to -inf; temperature then scales them. A logprob is
 log_softmax(scores / temperature) at the token (temperature 0, greedy: log_softmax(scores)).
+A prompt token's logprob (controls.prompt_logprobs) is of the model's raw distribution, log_softmax
+of its logits, which the runner computes in the prefill (model/scoring.py); `score_prompt` only
+gives the values their tokens and text.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.inference.engine.grammar import MaskExecutor, Vocabulary, allowed
+from services.inference.model.scoring import PromptScores
 from shared.controls import MAX_TOP_LOGPROBS, Controls
 from shared.errors import InvalidInput, KeelError
 
@@ -61,6 +65,25 @@ class RowControls:
         self._stops = tuple(s.encode("utf-8") for s in controls.stop)
         self._keep = max((len(s) for s in self._stops), default=1) - 1
         self._tail = b""  # the answer's last bytes, as long as a stop string could still need
+        self.prompt_ids = prompt_ids
+        self.scored_prompt: list[TokenLogprobs] = []  # with prompt_logprobs: the prompt's tokens so far
+
+    def score_prompt(self, start: int, scores: PromptScores | None) -> None:
+        """Record a prefill chunk's prompt logprobs: the chunk starts at position `start`; `scores`
+        are those of the prompt tokens after its positions (None: none, a last chunk of one token).
+        Position 0, which nothing precedes, gets logprob 0 and no alternatives."""
+        if start == 0:
+            first = self.prompt_ids[0]
+            self.scored_prompt.append(TokenLogprobs(first, self._text(first), 0.0))
+        if scores is None:
+            return
+        k = self.c.prompt_logprobs
+        values, order = (scores.top_logprobs.tolist(), scores.top_ids.tolist()) if k else ((), ())
+        for j, logprob in enumerate(scores.logprobs.tolist()):
+            token = self.prompt_ids[start + 1 + j]
+            best = sorted(zip(values[j], order[j]), key=lambda a: (-a[0], a[1]))[:k] if k else ()
+            top = tuple(Alternative(i, self._text(i), v) for v, i in best)
+            self.scored_prompt.append(TokenLogprobs(token, self._text(token), logprob, top))
 
     def accept(self, token: int) -> bool:
         """Record the sampled token; True when the answer must end with it: a stop string is

@@ -2,8 +2,9 @@
 
 `KvManager` gives an admitted row its cache (blocks for prompt + max_tokens positions from its
 runner's pool), lends it the cached blocks its prompt starts with (its own blocks there go back to
-the pool and its prefill resumes after them), and after a step lets the prefix cache keep each full
-prompt block the step computed. The loop decides when; this decides which blocks.
+the pool and its prefill resumes after them; not to a row that scores its prompt), and after a
+step lets the prefix cache keep each full prompt block the step computed. The loop decides when;
+this decides which blocks.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class KvManager:
 
     def adopt_prefix(self, row: Row) -> None:
         """Hold the cached blocks the row's prompt starts with in its block table; its prefill
-        resumes after them."""
-        if self.prefix is None:
+        resumes after them. A row that scores its prompt computes all of it: it looks nothing up."""
+        if self.prefix is None or row.scores_prompt:
             return
         b = self.prefix.block_tokens
         per = b // row.cache.pool.block_tokens

@@ -3,7 +3,7 @@
 Each iteration: drain the inbox (submit, cancel, variant switch, a refusal to count, stop sent by other
 threads), end cancelled and expired requests, `Scheduler.schedule()` a `StepPlan`, give newcomers a
 cache (the `KvManager`: their blocks and the prefix cache's), then for each batch of the plan
-`executor.execute(batch)` -> logits and `OutputProcessor.update(batch, logits)` -> events. It then
+`executor.execute(batch)` -> its logits (and prompt scores) and `OutputProcessor.update(batch, step)` -> events. It then
 publishes an `EngineStats` snapshot and only after that delivers the iteration's events to the
 consumers' asyncio loops. Nothing here is shared with the asyncio side but the inbox (a thread-safe
 queue), the tickets' `cancelled` flags and the published snapshot.
@@ -248,7 +248,7 @@ class StepLoop:
     def _execute(self, batch: Batch, policy: Policy) -> None:
         """Run one batch; on OOM retry it in halves (nothing was committed), a single row fails alone."""
         try:
-            logits = self.executor.execute(batch)
+            step = self.executor.execute(batch)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -263,7 +263,7 @@ class StepLoop:
             self._execute(Batch(batch.runner, batch.work[half:]), policy)
             return
         chunks = [(w.row, w.start, len(w.tokens)) for w in batch.work if w.prefill]
-        update = self.output.update(batch, logits, policy)
+        update = self.output.update(batch, step, policy)
         if chunks:
             self.kv.keep_prefix_blocks(chunks)
         for row in update.ended:

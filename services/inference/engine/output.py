@@ -1,8 +1,8 @@
 """Output processing: from one batch's logits to each row's next token and the events it emits.
 
-`OutputProcessor.update(batch, logits, policy)` runs the numerical guard, samples, checks stop and
-length, and advances each row. It returns the events to deliver and the rows that ended (finished or
-failed) for the loop to remove; it never touches the queue or the model.
+`OutputProcessor.update(batch, step, policy)` runs the numerical guard, records prompt logprobs,
+samples, checks stop and length, and advances each row. It returns the events to deliver and the
+rows that ended (finished or failed) for the loop to remove; it never touches the queue or the model.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from services.inference.engine.admission import Ticket
 from services.inference.engine.api import Finished, TokenEvent
 from services.inference.engine.breaker import BreakerBoard, Policy
 from services.inference.engine.controls import Shaped, TokenLogprobs, logprobs, shape
+from services.inference.engine.executor import StepOutput
 from services.inference.engine.grammar import MaskExecutor
 from services.inference.engine.sampling import Draw, Pick, clamp_logits, clamp_temperature, pick, row_is_finite
 from services.inference.engine.schedule import Batch, Row
@@ -41,8 +42,9 @@ class OutputProcessor:
         self.board = board
         self.formats = formats  # runner name -> weight format served
 
-    def update(self, batch: Batch, logits: torch.Tensor, policy: Policy) -> Update:
+    def update(self, batch: Batch, step: StepOutput, policy: Policy) -> Update:
         out = Update()
+        logits = step.logits
         finite = row_is_finite(logits).tolist()
         ready: list[int] = []  # the batch's rows that sample a token this step
         for i, (work, ok) in enumerate(zip(batch.work, finite)):
@@ -51,6 +53,8 @@ class OutputProcessor:
                 self._non_finite(row, len(batch.work), out)
                 continue
             if work.prefill:
+                if step.prompt_scores and row.scores_prompt:
+                    row.ticket.controls.score_prompt(work.start, step.prompt_scores[i])
                 row.prefilled += len(work.tokens)  # this step's chunk is in the cache now
                 if row.prefilling:
                     continue                      # more chunks to go: nothing to sample yet
@@ -136,7 +140,7 @@ class OutputProcessor:
             reason, len(t.req.prompt_ids), row.generated - (1 if reason == "stop" and not streamed else 0), t.seed,
             queue_ms=(row.started - t.submitted) * 1000, ttft_ms=(row.first_token_at - t.submitted) * 1000,
             format=self.formats[row.runner], breaker_level=row.breaker_level, variant=row.variant,
-            adapter=t.adapter)))
+            adapter=t.adapter, prompt_logprobs=tuple(t.controls.scored_prompt) if t.controls is not None else ())))
 
     def _fail(self, row: Row, err: Exception, out: Update) -> None:
         out.ended.append(row)

@@ -46,6 +46,11 @@ class Row:
         return self.runner if not self.ticket.slot else f"{self.runner}#{self.ticket.slot}"
 
     @property
+    def scores_prompt(self) -> bool:
+        """The request asked for its prompt's logprobs: its prefill scores every prompt token."""
+        return self.ticket.req.controls.prompt_logprobs is not None
+
+    @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.ticket.req.prompt_ids)
 

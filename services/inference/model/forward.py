@@ -3,7 +3,8 @@
 Why not `model(...)` with a padded cache: each row keeps a block table sized for its whole request
 (so its blocks are reserved once, at admission). The row-wise dense layers (projections, MLP, norms,
 lm_head) run batched, their batch dimension padded to a size that the BLAS kernels treat identically
-(see `calibrate_invariant_sizes`). Decode attention runs for all one-token rows at once over their
+(see `calibrate_invariant_sizes`); lm_head sees each segment's last row, and a scored prompt chunk's
+rows in groups of those sizes (scoring.py). Decode attention runs for all one-token rows at once over their
 gathered blocks, padded to the longest row's number of blocks and masked (`_decode_attention`); every
 reduction in it runs along one row's own keys, in an order that depends neither on the batch nor on
 the padded capacity. So a row's logits are bitwise the same alone or inside any batch.
@@ -38,6 +39,7 @@ from services.inference.model.kvpool import PAD_BLOCK, KvPool, RowCache
 from services.inference.model.llama import rotate_half, window_mask
 from services.inference.model.loader import residual_dtype
 from services.inference.model.loraslots import NO_LORA, LoraSlots
+from services.inference.model.scoring import PromptScores, score_rows
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,15 @@ class Layer:
 
 @dataclass
 class Segment:
-    """One row's share of a forward step: its cache, the tokens to append and its adapter slot (0 = base)."""
+    """One row's share of a forward step: its cache, the tokens to append and its adapter slot (0 = base).
+
+    `targets`: to score a prompt chunk (scoring.py), the prompt token after each of its tokens, one
+    fewer when the chunk ends the prompt; None: not scored."""
 
     cache: RowCache
     tokens: list[int]
     slot: int = 0
+    targets: list[int] | None = None
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -175,16 +181,25 @@ class LlamaRunner:
         """One token per row at position cache.length; float32 logits [B, V]."""
         return self.forward([Segment(c, [t]) for t, c in zip(token_ids, caches)])
 
-    @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """One step over a ragged batch (`_step`): float32 logits of each segment's last token [R, V]."""
+        return self._step(segments, 0)[0]
+
+    def forward_scoring(self, segments: list[Segment], top: int) -> tuple[torch.Tensor, list[PromptScores | None]]:
+        """`forward`, and each segment with targets scored with its `top` most likely tokens (scoring.py)."""
+        return self._step(segments, top)
+
+    @torch.inference_mode()
+    def _step(self, segments: list[Segment], top: int) -> tuple[torch.Tensor, list[PromptScores | None] | None]:
         """One step over a ragged batch: every segment appends its tokens to its row's cache.
 
         A segment is a prompt chunk (prefill, from the row's cache length on) or one token (decode).
         Their tokens are stacked into one [N, hidden] matrix for the dense layers; their keys and values
         go to their blocks in one index_copy per layer; attention runs for all decode rows at once and
-        per row for prompt chunks. Returns float32 logits of each segment's last token [R, V]. Cache
-        lengths advance only after the whole step succeeded, so a step that fails midway (out of
-        memory) can be retried as is.
+        per row for prompt chunks. Returns float32 logits of each segment's last token [R, V], and with
+        `top` > 0 the scores of the segments with targets (None for the others; the whole list is None
+        without `top`). Cache lengths advance only after the whole step succeeded, so a step that fails
+        midway (out of memory) can be retried as is.
         """
         core = self.model.model
         lens = [len(s.tokens) for s in segments]
@@ -246,13 +261,17 @@ class LlamaRunner:
             x = x + lora.linear(i, "o_proj", layer.o_proj, attn_out)
             gate, up = layer.gate_up(i, layer.post_norm(x), lora)  # llama.MLP.forward, with the LoRA term
             x = x + lora.linear(i, "down_proj", layer.down_proj, F.silu(gate) * up)
+        scores = None
+        if top:
+            scores = [None if s.targets is None else score_rows(self, x[o:o + len(s.targets)], s.targets, top)
+                      for s, o in zip(segments, offsets)]
         for seg, n in zip(segments, lens):
             seg.cache.length += n
         rows = len(segments)
         last = torch.tensor([o + n - 1 for o, n in zip(offsets, lens)], device=self.device)
         h_last = torch.zeros(self.padded_size(rows), x.shape[1], dtype=x.dtype, device=self.device)
         h_last[:rows] = x[last]
-        return self.model.lm_head(core.norm(h_last)).float()[:rows]
+        return self.model.lm_head(core.norm(h_last)).float()[:rows], scores
 
     def _blocks(self, cache: RowCache, positions: int) -> torch.Tensor:
         """Ids of the blocks holding the cache's first `positions` positions."""
@@ -322,7 +341,8 @@ class LlamaRunner:
         CPU GEMM kernels pick different micro-kernels for small or ragged M, which changes the float
         summation order of a row. A size qualifies when every row of a random batch of that size equals
         the same row computed inside a large reference batch, at a shuffled position. Sizes up to
-        max(max_batch, 16) are listed (lm_head included, it only sees one row per segment); larger token
+        max(max_batch, 16) are listed (lm_head included: it sees one row per segment, or a scored prompt
+        chunk's rows in groups of at most the largest listed size); larger token
         counts are only sampled, and one failing sample disables invariance altogether.
         Sets the sizes used by forward() and returns them (empty: no invariance). int8 is never
         invariant: its activation scale is computed per batch.
