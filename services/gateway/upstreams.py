@@ -296,10 +296,11 @@ class MeshUpstreams:
 
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]:
-        prompt = next((c for r, c in reversed(ask.messages) if r == "user"), "")
+        continuation = ask.text is not None or bool(ask.token_ids)
+        prompt = (ask.text or "") if continuation else next((c for r, c in reversed(ask.messages) if r == "user"), "")
         fmt = ask.controls.response_format
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",
-                                                  token_entropies=entropies, prompt=prompt,
+                                                  token_entropies=entropies, prompt=prompt, continuation=continuation,
                                                   json_schema=fmt.document if fmt and fmt.kind == "json_schema" else "")
         resp = await self.pools["validator"].call(
             timeout, lambda stub, t: stub.ValidateOutput(req, timeout=t, metadata=_md(md)))

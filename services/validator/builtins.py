@@ -24,10 +24,11 @@ def _normalised(output: str, context: OutputContext) -> str:
 
 
 class EmptyOutput:
-    """Fails when the output is empty or whitespace only."""
+    """Fails when the answer to a conversation is empty or whitespace only. A raw text's
+    continuation may end at once (the model judged the text complete): that passes."""
 
     def validate(self, output: str, context: OutputContext) -> Verdict | None:
-        return None if output.strip() else Verdict("output is empty")
+        return None if output.strip() or context.continuation else Verdict("output is empty")
 
 
 class LengthLimit:

@@ -96,7 +96,8 @@ class ValidatorCore:
         raise InvalidInput(message, reason=reason, metadata=meta)
 
     def validate_output(self, text: str, *, domain: str, token_entropies: Sequence[float],
-                        prompt: str = "", trace_id: str = "", source: str = "", json_schema: str = "") -> OutputResult:
+                        prompt: str = "", trace_id: str = "", source: str = "", json_schema: str = "",
+                        continuation: bool = False) -> OutputResult:
         return self.pipeline.run(text, OutputContext(domain=domain, trace_id=trace_id,
-                                                     token_entropies=token_entropies,
-                                                     prompt=prompt, source=source, json_schema=json_schema))
+                                                     token_entropies=token_entropies, prompt=prompt, source=source,
+                                                     json_schema=json_schema, continuation=continuation))

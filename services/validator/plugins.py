@@ -41,6 +41,7 @@ class OutputContext:
     prompt: str = ""
     source: str = ""
     json_schema: str = ""  # the JSON Schema the request constrained its answer to ("" = none)
+    continuation: bool = False  # the answer continues a raw text, not a conversation's turn
     probes: Any = None
 
 

@@ -48,7 +48,7 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServicer):
         result = await asyncio.to_thread(
             self.core.validate_output, request.text, domain=request.domain or "default",
             token_entropies=entropies, prompt=request.prompt, trace_id=tracing.current_trace_id(),
-            json_schema=request.json_schema)
+            json_schema=request.json_schema, continuation=request.continuation)
         self.observer(result, len(entropies))
         span = trace.get_current_span()
         span.set_attributes({f"probe.{k}": float(v) for k, v in result.probes.items()})

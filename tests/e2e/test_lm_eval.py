@@ -41,10 +41,10 @@ def tasks(tmp_path_factory) -> Path:
     return out
 
 
-def evaluate(model: str, model_args: dict, tasks: Path) -> dict:
+def evaluate(model: str, model_args: dict, tasks: Path, batch_size: int = 1) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], batch_size=1,
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], batch_size=batch_size,
                                    task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
                                    random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
 
@@ -64,7 +64,7 @@ def test_local_completions_scores_as_transformers_does_on_the_same_weights(float
         "base_url": f"http://{float_mesh.http}/v1/completions", "model": model_id(), "tokenizer_backend": "huggingface",
         "tokenizer": tokenizer, "tokenized_requests": True, "num_concurrent": 1, "max_retries": 1}, tasks)
     hf = evaluate("hf", {"pretrained": str(weights), "tokenizer": tokenizer, "dtype": "float32", "device": "cpu"},
-                  tasks)
+                  tasks, batch_size=8)
     ours, theirs = loglikelihoods(keel), loglikelihoods(hf)
     assert ours.keys() == theirs.keys() and len(ours) == 48
     worst = max(abs(ours[k] - theirs[k]) for k in ours)

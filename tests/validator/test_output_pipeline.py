@@ -149,3 +149,9 @@ def test_without_review_sink_results_still_carry_flags():
     pipe = OutputPipeline.from_config(CFG)
     result = run(pipe, "   ")
     assert result.blocked and result.review_id is None and result.flags == ["blocked"]
+
+
+def test_an_empty_continuation_of_a_raw_text_passes_not_empty(pipe):
+    ctx = OutputContext(domain="default", trace_id="t1", token_entropies=VARIED, prompt="def f():", continuation=True)
+    assert "not_empty" not in by_plugin(pipe.run("  ", ctx)) and not pipe.run("", ctx).blocked
+    assert pipe.run("", OutputContext(domain="default", trace_id="t1", token_entropies=VARIED)).blocked
