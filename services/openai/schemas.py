@@ -190,7 +190,8 @@ class DetokenizeBody(Strict):
 
 
 def _param(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc) or "(body)"
+    """The field's path; pydantic's names of a union's members (``list[str]``) are left out."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and "[" in p)) or "(body)"
 
 
 def body_error(exc: ValidationError) -> errors.InvalidInput:

@@ -94,6 +94,58 @@ def test_completions(mesh):
     assert 0 < r.usage.completion_tokens <= 6
 
 
+def tokens(mesh, text: str) -> list[int]:
+    return json.loads(curl(mesh, "/tokenize", body={"prompt": text}))["tokens"]
+
+
+def test_completions_continue_raw_text_without_the_chat_template(mesh):
+    prompt = "def fibonacci(n):"
+    r = client(mesh).completions.create(model=MODEL_ID, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == len(tokens(mesh, prompt))  # the text alone, no template around it
+    ids = client(mesh).completions.create(model=MODEL_ID, prompt=tokens(mesh, prompt), max_tokens=8, temperature=0)
+    assert ids.choices[0].text == r.choices[0].text  # the same prompt sent as token ids
+
+
+def test_several_prompts_are_answered_in_order_each_with_n_choices(mesh):
+    r = client(mesh).completions.create(model=MODEL_ID, prompt=["One, two,", "Red, green,"], n=2, max_tokens=3,
+                                        temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text  # greedy
+    alone = client(mesh).completions.create(model=MODEL_ID, prompt="One, two,", max_tokens=3, temperature=0)
+    assert r.choices[0].text == alone.choices[0].text
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens + len(tokens(mesh, "Red, green,"))
+    with pytest.raises(openai.BadRequestError) as exc:  # a text beside token ids is none of OpenAI's four forms
+        client(mesh).completions.create(model=MODEL_ID, prompt=["One, two,", [504]], max_tokens=3)
+    assert exc.value.code == "INVALID_BODY" and exc.value.param == "prompt.1"
+
+
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(mesh):
+    """lm-evaluation-harness's request: echo, logprobs 1, max_tokens 1; the prompt's tokens come back
+    scored (the first null), then the answer's; max_tokens 0 scores alone; text or ids alike."""
+    prompt = "The capital of France is Paris"
+    ids = tokens(mesh, prompt)
+    c = client(mesh)
+    one = c.completions.create(model=MODEL_ID, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = one.choices[0].logprobs
+    assert one.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    assert "".join(lp.tokens[:len(ids)]) == prompt and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    only = c.completions.create(model=MODEL_ID, prompt=[ids], echo=True, logprobs=1, max_tokens=0, temperature=0)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]  # ids as the text, bit for bit
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model=MODEL_ID, prompt=prompt, echo=True, max_tokens=1, stream=True)
+    assert exc.value.code == "ECHO_UNSUPPORTED"
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=0)
+    assert exc.value.code == "MAX_TOKENS_INVALID"
+    chat = c.chat.completions.create(model=MODEL_ID, messages=ASK, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    scored = chat.choices[0].model_extra["prompt_logprobs"]  # vLLM's shape: null, then {id: {logprob, ...}}
+    assert scored[0] is None and len(scored) == chat.usage.prompt_tokens
+    assert all(1 <= len(entry) <= 3 and all(v["logprob"] <= 0 for v in entry.values()) for entry in scored[1:])
+
+
 def test_models_list_the_base_model(mesh):
     models = client(mesh).models.list()
     ids = [m.id for m in models.data]
