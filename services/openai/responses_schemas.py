@@ -116,7 +116,7 @@ class ResponsesBody(Strict):
                           "background_options", "context_management", "image", "moderation",
                           "prompt_cache_options"})
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # each item an object: read by ``items``
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -143,6 +143,13 @@ class ResponsesBody(Strict):
     prompt_cache_retention: str | None = None
     max_tool_calls: int | None = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_or_items(cls, v: Any) -> Any:
+        if not isinstance(v, (str, list)):
+            raise ValueError("must be a string or a list of items")
+        return v
+
 
 def _read(cls: type[BaseModel], data: Any, where: str):
     """``data`` as ``cls``; INVALID_BODY naming the field under ``where`` (the item's path)."""
@@ -162,11 +169,13 @@ def _kind(data: dict[str, Any], where: str) -> str:
     return kind
 
 
-def items(raw: list[dict[str, Any]]) -> list[Item]:
+def items(raw: list[Any]) -> list[Item]:
     """The input items, each by its kind (a message may leave out ``type``)."""
     out = []
     for i, data in enumerate(raw):
         where = f"input.{i}"
+        if not isinstance(data, dict):
+            raise invalid_body(where, f"{where}: an input item must be an object")
         kind = _kind(data, where) if "type" in data else "message"
         if kind not in ITEM_KINDS:
             raise unsupported(f"{where}.type", f"input items of type {kind!r} are not served: only message, "
