@@ -90,6 +90,9 @@ def request(body: ResponsesBody) -> gateway_pb2.GenerateRequest:
             getattr(req, field).CopyFrom(value)
     if body.parallel_tool_calls is not None:
         req.parallel_tool_calls = body.parallel_tool_calls
+    # The Response echoes fields the gateway never sees (metadata, user, the format's name): a string
+    # in them with no UTF-8 form (a lone surrogate escape) is refused now, as protobuf refuses one.
+    json.dumps(Reply(body, "", 0).response("", "in_progress", []), ensure_ascii=False).encode()
     return req
 
 

@@ -9,6 +9,8 @@ import json
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import OpenAI
 from openai.types.responses import Response
 from openai.types.responses.response_stream_event import ResponseStreamEvent
@@ -16,6 +18,7 @@ from pydantic import TypeAdapter
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.openai import body as bodies
 from services.openai import responses
 from services.openai.responses_schemas import ResponsesBody
 from services.openai.schemas import parse
@@ -184,6 +187,40 @@ def test_what_harms_nothing_is_accepted():
                   prompt_cache_retention="24h", previous_response_id=None, text={"verbosity": "medium"},
                   stream_options={"include_obfuscation": False}, max_tool_calls=3)
     assert turns(req) == [("user", "hi", [], "")]
+
+
+def test_a_lone_surrogate_in_an_echoed_field_is_invalid_body():
+    data = json.loads('{"model": "m", "input": "hi", "metadata": {"a": "\\ud800"}}')
+    with pytest.raises(errors.InvalidInput) as exc:
+        bodies.converted(responses.request, parse(ResponsesBody, data))
+    assert exc.value.reason == "INVALID_BODY"
+
+
+FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+          "parallel_tool_calls", "text", "stream", "store", "previous_response_id", "metadata", "truncation", "include",
+          "type", "role", "content", "call_id", "name", "arguments", "output", "format", "schema", "parameters")
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                    st.text(max_size=12), st.sampled_from(["function", "message", "function_call", "user",
+                                                           "function_call_output", "json_schema", "input_text"]))
+json_values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(FIELDS), inner, max_size=5)), max_leaves=25)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS[2:16]), json_values, max_size=6), json_values)
+def test_any_body_converts_or_is_refused_with_a_reason(fields, value):
+    """Property: whatever the JSON, the conversion gives a request whose Response serialises, or an
+    InvalidInput with a reason (never another exception: the stage would answer 500)."""
+    for data in ({"model": "m", "input": value, **fields}, {"model": "m", **fields, "input": [value]}):
+        try:
+            b = parse(ResponsesBody, data)
+            bodies.converted(responses.request, b)
+        except errors.InvalidInput as exc:
+            assert exc.reason in ("INVALID_BODY", "UNSUPPORTED_PARAMETER", "MAX_TOKENS_INVALID",
+                                  "TOP_P_OUT_OF_RANGE"), exc
+            continue
+        r = answer(calls=[CALL])
+        json.dumps(responses.Reply.start(b, TRACE).finished(r, True), ensure_ascii=False).encode()
 
 
 # --- the Response object ---
