@@ -29,9 +29,10 @@ from starlette.routing import Route
 
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.openai import body as bodies
-from services.openai import convert, httperrors
+from services.openai import convert, httperrors, responses
 from services.openai.headers import deadline_s, has_key, metadata
 from services.openai.limits import EdgeLimits
+from services.openai.responses_schemas import ResponsesBody
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 from shared import client, errors
 from shared.interceptor import NOT_SERVING_RETRY_MS, TRACE_ID_KEY
@@ -83,6 +84,24 @@ def error_response(err: errors.KeelError, trace_id: str = "", extra: dict | None
     trace_id = trace_id or err.metadata.get("trace_id", "")
     return JSONResponse(httperrors.error_body(err), status_code=httperrors.http_status(err),
                         headers={**httperrors.headers(err, trace_id), **(extra or {})})
+
+
+class Chunks:
+    """Chat and completion chunks as SSE: each chunk one ``data:`` frame, ``data: [DONE]`` at the end,
+    OpenAI's error object in its place after a failure. (services/openai/responses.py's ``Events``
+    frames /v1/responses' typed events the same way.)"""
+
+    def __init__(self, shaper: convert.StreamShaper):
+        self.shaper = shaper
+
+    def event(self, ev: gateway_pb2.GenerateStreamResponse, i: int) -> bytes:
+        return b"".join(sse(chunk) for chunk in self.shaper.event(ev, i))
+
+    def end(self) -> bytes:
+        return sse("[DONE]")
+
+    def failed(self, err: errors.KeelError) -> bytes:
+        return sse(httperrors.error_body(err))
 
 
 class Gateway:
@@ -171,6 +190,24 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionBody, convert.completion_requests)
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: one generation of the conversation in ``input`` (services/openai/responses.py)."""
+        parsed = await self._parsed(request, ResponsesBody, responses.request)
+        if isinstance(parsed, Response):
+            return parsed
+        req, md, timeout, body = parsed
+        if body.stream:
+            return await self._streamed([req], md, timeout, lambda trace_id: responses.Events(
+                responses.Reply.start(body, trace_id), convert.model_of(req.adapter)))
+        try:
+            resp = await self._unary(request, self.gateway.generate(req, md, timeout))
+        except grpc.aio.AioRpcError as exc:
+            return error_response(translate(exc))
+        except errors.Cancelled as err:
+            return error_response(err)
+        reply = responses.Reply.start(body, resp.trace_id)
+        return JSONResponse(reply.finished(resp, responses.has_message(resp)), headers={TRACE_ID_KEY: resp.trace_id})
+
     async def _parsed(self, request: Request, cls, build):
         """(the gateway request ``build`` makes of the body, the call's metadata, its deadline, the
         body), read within the limits; or the refusal's Response."""
@@ -251,6 +288,14 @@ class Api:
     async def _stream(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None, chat: bool,
                       logprobs: bool, include_usage: bool, per_prompt: int) -> Response:
         """One stream of every choice's events, interleaved as they come (each chunk names its choice)."""
+        def chunks(trace_id: str) -> Chunks:
+            return Chunks(convert.StreamShaper(convert.Reply.start(chat, trace_id), convert.model_of(reqs[0].adapter),
+                                               logprobs, include_usage, len(reqs), per_prompt))
+        return await self._streamed(reqs, md, timeout, chunks)
+
+    async def _streamed(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None,
+                        framing) -> Response:
+        """The SSE response of the streams of ``reqs``, framed by ``framing(trace id)`` (``Chunks``)."""
         try:
             opened = await _all(self.gateway.open_stream(r, md, timeout) for r in reqs)
         except grpc.aio.AioRpcError as exc:
@@ -261,14 +306,13 @@ class Api:
                 call.cancel()
             return error_response(errors.NotReady("the gateway's stream ended without an answer",
                                                   reason="STREAM_TRUNCATED", retry_after_ms=NOT_SERVING_RETRY_MS))
-        shaper = convert.StreamShaper(convert.Reply.start(chat, trace_id), convert.model_of(reqs[0].adapter),
-                                      logprobs, include_usage, len(reqs), per_prompt)
-        return StreamingResponse(self._events(opened, shaper), media_type="text/event-stream",
+        return StreamingResponse(self._events(opened, framing(trace_id)), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, TRACE_ID_KEY: trace_id})
 
-    async def _events(self, opened, shaper: convert.StreamShaper) -> AsyncIterator[bytes]:
-        """SSE frames of the choices' streams. A failure after the first event is an ``error`` event
-        (OpenAI's error object) in place of ``[DONE]``. Cancelled (the client went away): so are the calls."""
+    async def _events(self, opened, frames) -> AsyncIterator[bytes]:
+        """SSE frames of the choices' streams, as ``frames`` (``Chunks``, or responses.Events) makes
+        them. A failure after the first event is an ``error`` event in place of the stream's end.
+        Cancelled (the client went away): so are the calls."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, call, ev) -> None:
@@ -286,14 +330,14 @@ class Api:
                     got.cancel()
                     break
                 i, ev = got.result()
-                yield b"".join(sse(chunk) for chunk in shaper.event(ev, i))
+                yield frames.event(ev, i)
             while not queue.empty():  # what the streams sent before the last one ended
                 i, ev = queue.get_nowait()
-                yield b"".join(sse(chunk) for chunk in shaper.event(ev, i))
+                yield frames.event(ev, i)
             ended.result()  # a stream's failure, if one failed
-            yield sse("[DONE]")
+            yield frames.end()
         except grpc.aio.AioRpcError as exc:
-            yield sse(httperrors.error_body(translate(exc)))
+            yield frames.failed(translate(exc))
         finally:
             for task in pumps:
                 task.cancel()
@@ -388,6 +432,7 @@ def build_app(api: Api, lifespan=None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model}", api.model, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),  # vLLM's paths: no /v1

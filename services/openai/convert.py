@@ -40,16 +40,25 @@ def _max_tokens(value: int | None, param: str) -> int:
     return min(value, INT32_MAX)  # above the gateway's limit either way: it says MAX_TOKENS_TOO_LARGE
 
 
+def check_service_tier(tier: str | None) -> None:
+    if tier not in SERVICE_TIERS:
+        raise unsupported("service_tier", f"service_tier {tier!r} is not served; Keel has one tier "
+                                          "(\"auto\" or \"default\")")
+
+
+def top_p_of(top_p: float | None) -> float:
+    """The request's top_p, OpenAI's default when absent."""
+    if top_p == 0:  # the proto's 0 means "unset" (1.0): refused here rather than served as 1
+        raise errors.InvalidInput("top_p must be in (0, 1], got 0", reason="TOP_P_OUT_OF_RANGE",
+                                  metadata={"field": "top_p"})
+    return DEFAULT_TOP_P if top_p is None else top_p
+
+
 def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, top_logprobs: int,
              prompt_logprobs: int | None = None, echo: bool = False) -> common_pb2.SamplingParams:
     if body.store:
         raise unsupported("store", "store: true is not served: Keel keeps no completions to retrieve")
-    if body.service_tier not in SERVICE_TIERS:
-        raise unsupported("service_tier", f"service_tier {body.service_tier!r} is not served; Keel has one tier "
-                                          "(\"auto\" or \"default\")")
-    if body.top_p == 0:  # the proto's 0 means "unset" (1.0): refused here rather than served as 1
-        raise errors.InvalidInput("top_p must be in (0, 1], got 0", reason="TOP_P_OUT_OF_RANGE",
-                                  metadata={"field": "top_p"})
+    check_service_tier(body.service_tier)
     if body.seed is not None and body.seed < 0:
         raise errors.InvalidInput("seed must be 0..2^63-1", reason="SEED_OUT_OF_RANGE", metadata={"field": "seed"})
     controls = Controls(stop=tuple(body.stop or ()), frequency_penalty=body.frequency_penalty or 0.0,
@@ -63,7 +72,7 @@ def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, t
                         else max(-INT32_MAX, min(prompt_logprobs, INT32_MAX)))
     pb = sampling_pb(Sampling(
         max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        DEFAULT_TOP_P if body.top_p is None else body.top_p,
+        top_p_of(body.top_p),
         # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
         seed=min(body.seed, UINT64_MAX) if body.seed is not None else None, controls=controls))
     # beyond int32 either way: the gateway says TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE
