@@ -56,7 +56,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def Generate(self, request, context):
         self._seen(request, context)
-        if request.prompt == "long":
+        if request.text == "long":
             code, message, trailers = to_status(errors.InvalidInput(
                 "this model's maximum context length is 2048 tokens, but the request needs 2100: 2000 in the prompt "
                 "and 100 to generate", reason="CONTEXT_LENGTH_EXCEEDED",
