@@ -18,7 +18,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 
 from services.openai import config as openai_config
-from services.openai.app import Api, Gateway, build_app
+from services.openai.app import Api, build_app
+from services.openai.channels import Gateway
 from services.openai.connection import connection_class
 from shared import metrics, notify, tls
 from shared.config import ConfigError

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from keel.gateway.v1 import gateway_pb2
-from services.openai.app import Gateway
+from services.openai.channels import Gateway
 from shared.client import Reconnect
 from testing.dying_gateway import ANSWER, Keeper
 from testing.ports import free_port
