@@ -41,6 +41,9 @@ INSTRUCTION_FORCED = "Respond in JSON format with `{key}` (a request to call too
 # minja's polyfill of a template without a tools section (the text llama.cpp shows such a model).
 TOOLS_INTRO = "You can call any of the following tools to satisfy the user's requests: "
 CALL_ID_CHARS = string.ascii_letters + string.digits
+# Calls in one turn, at most: a small model that repeats itself ("call, call, call, ...") then ends
+# its turn with calls that parse, instead of running into max_tokens mid-call.
+MAX_PARALLEL_CALLS = 4
 FINISH_REASON = "tool_calls"
 
 
@@ -193,7 +196,8 @@ def grammar(box: Toolbox) -> str:
         call = _call(callable_[0][1], callable_[0][0], at)
     else:
         call = {"anyOf": [_call(t, i, f"{at}/anyOf/{n}") for n, (i, t) in enumerate(callable_)]}
-    body = {"type": "array", "items": call, "minItems": 1} if key == "tool_calls" else call
+    body = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS} if key == "tool_calls" \
+        else call
     calls = {"type": "object", "properties": {key: body}, "required": [key], "additionalProperties": False}
     if not box.forced:
         response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],

@@ -45,7 +45,8 @@ def valid(box: Toolbox, answer: dict) -> bool:
 
 @pytest.mark.parametrize("box, good, bad", [
     (Toolbox(TOOLS, "required"), [{"tool_calls": [GOOD_POINT, GOOD_WEATHER]}],
-     [{"response": "hi"}, {"tool_calls": []}, {"tool_calls": [{"name": "point", "arguments": {"p": {"x": "1"}}}]},
+     [{"response": "hi"}, {"tool_calls": []}, {"tool_calls": [GOOD_WEATHER] * (tools.MAX_PARALLEL_CALLS + 1)},
+      {"tool_calls": [{"name": "point", "arguments": {"p": {"x": "1"}}}]},
       {"tool_calls": [{"name": "nope", "arguments": {}}]}, {"tool_call": GOOD_POINT}]),
     (Toolbox(TOOLS), [{"tool_calls": [GOOD_WEATHER]}, {"response": "hi"}],
      [{"response": 1}, {"response": "hi", "tool_calls": [GOOD_WEATHER]}, {"tool_calls": [{"name": "weather",
