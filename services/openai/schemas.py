@@ -46,6 +46,9 @@ class Message(Strict):
     # refuses them, services/openai/convert.py); a "tool" turn names the call it answers.
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # An answer's own refusal field, as the SDK sends an answer's message back in the history: accepted,
+    # not shown to the model (Keel's answers never refuse; their refusal is null).
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod

@@ -184,14 +184,12 @@ def test_a_streamed_call_accumulates_to_the_unary_call_and_a_history_answers_it(
     assert [(c.function.name, c.function.arguments) for c in unary.message.tool_calls] == [
         (calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)]
     assert all(v["id"].startswith("call_") for v in calls.values())
-    # the call and its result, sent back as history, are answered with text under tool_choice none
-    first = unary.message.tool_calls[0]
+    # the answer's message (as the SDK sends it back) and the call's result, as history, are answered
+    # with text under tool_choice none
     after = c.chat.completions.create(
         model=MODEL_ID, max_tokens=24, temperature=0, tools=args["tools"], tool_choice="none",
-        messages=[*args["messages"], {"role": "assistant", "content": None, "tool_calls": [
-            {"id": first.id, "type": "function", "function": {"name": first.function.name,
-                                                               "arguments": first.function.arguments}}]},
-                  {"role": "tool", "tool_call_id": first.id, "content": "Booked: flight KL1234."}])
+        messages=[*args["messages"], unary.message,
+                  {"role": "tool", "tool_call_id": unary.message.tool_calls[0].id, "content": "Booked: KL1234."}])
     assert after.choices[0].message.content and after.choices[0].message.tool_calls is None
 
 

@@ -43,7 +43,7 @@ def test_tools_and_tool_choice_land_on_the_gateways_fields():
 
 
 def test_a_history_with_calls_and_tool_turns_reaches_the_gateway():
-    req = chat(messages=HISTORY)
+    req = chat(messages=[HISTORY[0], {**HISTORY[1], "refusal": None}, HISTORY[2]])  # as the SDK sends an answer back
     m = req.chat.messages
     assert [(x.role, x.content, x.tool_call_id) for x in m] == [
         ("user", "weather in Oslo?", ""), ("assistant", "", ""), ("tool", "sunny", "call_1")]
