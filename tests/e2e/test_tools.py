@@ -1,7 +1,8 @@
 """Tool calls through the real mesh with the default model (its chat template has no tools section:
 the gateway's generic rendering, services/gateway/tools.py): forced calls over many schemas all parse
-and validate, `auto` answers text or a valid call, the openai SDK's parsed arguments, a streamed call
-equal to the unary one, and the refusals of what cannot be served, each naming its field."""
+and validate, a call replays identically, `auto` answers text or a valid call, the openai SDK's parsed
+arguments, a streamed call equal to the unary one, and the refusals of what cannot be served, each
+naming its field."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from keelctl.ask import DEV_API_KEY
 from shared.modelfile import model_id
+from tests.e2e.test_controls import assert_replays_identically
 
 # a generation per schema: minutes on a loaded 2-core machine (a minute when it is not)
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -125,6 +127,16 @@ def test_forced_calls_parse_and_validate_over_every_schema(mesh, api_md):
         # side by side: the inference stage batches them (a row's tokens are its tokens alone)
         failures = [f for fs in pool.map(lambda k: forced(mesh.stub(ch), api_md, k), range(len(TOOLS))) for f in fs]
     assert not failures, failures
+
+
+def test_a_tool_call_replays_identically(mesh, api_md):
+    name, description, params, question = TOOLS[2]
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        r = ask(mesh.stub(ch), api_md, [tool_pb(name, description, params)], question,
+                tool_choice=common_pb2.ToolChoice(mode="required"))
+    assert r.finish_reason == "tool_calls"
+    # the record holds the conversation as the model saw it and the calls' grammar (docs/generation.md)
+    assert_replays_identically(mesh, r.trace_id)
 
 
 def test_auto_answers_with_text_or_a_valid_call(mesh, api_md):
