@@ -158,7 +158,7 @@ REASONS: dict[str, Reason] = {
     "SEED_OUT_OF_RANGE": Reason(InvalidInput, "seed outside 0..2^63-1, the range every stage accepts"),
     "EMPTY_PROMPT": Reason(InvalidInput, "neither prompt nor chat, or only blank text"),
     "TOO_MANY_MESSAGES": Reason(InvalidInput, "more chat turns than the gateway's max_messages"),
-    "UNKNOWN_ROLE": Reason(InvalidInput, "a chat role other than system, user, assistant"),
+    "UNKNOWN_ROLE": Reason(InvalidInput, "a chat role other than system, user, assistant (and tool, in Generate)"),
     "PROMPT_TOO_LARGE": Reason(
         InvalidInput, "the prompt is larger than max_prompt_bytes", _VERDICT_KEYS[:1] + ("quarantine_id",)),
     "MAX_TOKENS_INVALID": Reason(InvalidInput, "max_tokens is not a positive integer", ("field", "request_id")),
@@ -204,6 +204,20 @@ REASONS: dict[str, Reason] = {
     "RESPONSE_FORMAT_TOO_COMPLEX": Reason(
         InvalidInput, "the response format did not compile within the time limit, or ran out of the grammar engine's "
                       "per-token budget while decoding; `field` names it", ("field",)),
+    # Tool calls (services/gateway/tools.py).
+    "TOOL_INVALID": Reason(
+        InvalidInput, "a tool's name is not 1..64 of [A-Za-z0-9_-] or repeats, or its parameters are not a JSON "
+                      "Schema of an object or do not compile under the grammar engine; `field` names it", ("field",)),
+    "TOOL_CHOICE_INVALID": Reason(
+        InvalidInput, "tool_choice names no tool of the request, or its mode is not auto, none or required; "
+                      "`field` names it", ("field",)),
+    "TOO_MANY_TOOLS": Reason(InvalidInput, "more tools than the gateway's max_tools; `field` names them", ("field",)),
+    "TOOLS_CONFLICT": Reason(
+        InvalidInput, "tools sent with response_format, or with a raw text or token-id input; `field` names it",
+        ("field",)),
+    "TOOLS_TOO_LARGE": Reason(
+        InvalidInput, "the tools' schemas together make a grammar over 16384 UTF-8 bytes; `field` names them",
+        ("field",)),
     "VOCABULARY_NOT_LOADED": Reason(
         PreconditionFailed, "an in-process engine without a vocabulary was asked for stop strings or a response "
                             "format"),

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from services.gateway.tools import Toolbox, TurnTools
 from shared import adapters, errors
 from shared.controls import Controls, Sampling, check_controls, check_max_tokens, check_sampling
 
 ROLES = ("system", "user", "assistant")
+# Generate's conversations may also answer tool calls (services/gateway/tools.py renders those turns).
+CHAT_ROLES = (*ROLES, "tool")
 
 @dataclass(frozen=True)
 class Limits:
@@ -31,6 +34,7 @@ class Limits:
     # reason, e.g. NO_HEALTHY_UPSTREAM after holding for a replica) reaches the client before the
     # client's own library ends the call with a bare DEADLINE_EXCEEDED.
     answer_margin_ms: int = 250
+    max_tools: int = 64  # functions one request may offer the model (TOO_MANY_TOOLS past it)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class Ask:
     # lowered to the context's room once the prompt is encoded (fit).
     max_tokens_set: bool = True
     truncate_prompt_tokens: int = 0  # keep the prompt's last N tokens; 0 = never cut it
+    tools: Toolbox | None = None  # the functions the model may call, and how (None: the client sent none)
+    # Per message of a conversation that holds tool calls: an assistant turn's calls, a tool turn's
+    # call id (() when none does). services/gateway/tools.py renders them into plain turns.
+    turn_tools: tuple[TurnTools, ...] = ()
 
     def sampling(self, seed: int) -> Sampling:
         """What the engine samples with, under the seed the gateway settled on."""
@@ -97,18 +105,18 @@ def check_input(ask: Ask, limits: Limits) -> None:
             raise errors.InvalidInput("the text is empty", reason="EMPTY_PROMPT")
         check_prompt_bytes(len(ask.text.encode("utf-8", "surrogatepass")), limits)
     else:
-        check_messages(ask.messages, limits)
+        check_messages(ask.messages, limits, CHAT_ROLES)
 
 
-def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits) -> None:
-    """A conversation's shape and size (Generate's and Tokenize's)."""
+def check_messages(messages: tuple[tuple[str, str], ...], limits: Limits, roles: tuple[str, ...] = ROLES) -> None:
+    """A conversation's shape and size (Generate's and Tokenize's), its turns in ``roles``."""
     if not messages:
         raise errors.InvalidInput("prompt or messages is required", reason="EMPTY_PROMPT")
     if len(messages) > limits.max_messages:
         raise errors.InvalidInput(f"at most {limits.max_messages} messages", reason="TOO_MANY_MESSAGES")
     for role, _ in messages:
-        if role not in ROLES:
-            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(ROLES)}",
+        if role not in roles:
+            raise errors.InvalidInput(f"unknown chat role {role!r}; use one of {', '.join(roles)}",
                                       reason="UNKNOWN_ROLE", metadata={"role": role[:64]})
     if not any(content.strip() for _, content in messages):
         raise errors.InvalidInput("the prompt is empty", reason="EMPTY_PROMPT")

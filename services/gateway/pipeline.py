@@ -20,7 +20,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from keel.common.v1 import common_pb2
-from services.gateway.contract import Ask, Limits, check_ask, fit
+from services.gateway import tools
+from services.gateway.contract import Ask, Limits, check_ask, check_prompt_bytes, fit
 from services.gateway.rejects import Rejected
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
@@ -103,6 +104,7 @@ class Answer:
     adapter: str = ""  # as the engine answered: "id@version", "" = the base model
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # with controls.logprobs
     prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()  # with controls.prompt_logprobs
+    tool_calls: tuple[tools.ToolCall, ...] = ()  # the model's calls (finish_reason "tool_calls")
 
 
 class Upstreams(Protocol):
@@ -230,6 +232,11 @@ class Pipeline:
             if streamed and ask.controls.echo:  # the prompt's text would be a first delta no client expects
                 raise errors.InvalidInput("echo is not served with a stream", reason="ECHO_UNSUPPORTED",
                                           metadata={"field": "sampling.echo"})
+            tools.check(ask, self.limits)
+            # From here on the conversation is the one the model sees (services/gateway/tools.py);
+            # the tools' description counts against max_prompt_bytes like any prompt text.
+            ask = tools.render(ask)
+            check_prompt_bytes(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages), self.limits)
         except errors.InvalidInput as rejected:
             await self._quarantine(ask, rejected, call)
             raise
@@ -327,7 +334,10 @@ class Pipeline:
                 raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
             return steps, done
 
-        steps, done = await self.hop("inference", "Generate", run_generation, call)
+        try:
+            steps, done = await self.hop("inference", "Generate", run_generation, call)
+        except errors.InvalidInput as err:
+            raise tools.engine_refusal(ask, err) from None
         ids = [s.token_id for s in steps]
         raw = await self.hop("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
         stops = StopText(ask.controls.stop)
@@ -342,7 +352,12 @@ class Pipeline:
         Retries cover opening the stream (until the first event); after tokens reached the
         client a failure ends the call with its status, since a retry would repeat text.
         Deltas are the raw model text; output validation runs on the whole answer at the end.
+        A request with tools sends no deltas: its generated JSON is read whole, and the answer's text
+        or calls come with the Answer.
         """
+        if tools.active(ask):
+            yield await self.generate(ask, call)
+            return
         prep = await self.prepare(ask, call, streamed=True)
         ask = prep.ask
 
@@ -401,8 +416,10 @@ class Pipeline:
                                 call)
 
     async def finish(self, ask: Ask, prep: Prepared, done: Done, out: Generated, call: Call) -> Answer:
+        reply = tools.parse(out.raw) if tools.active(ask) else None
+        seen, seen_as = tools.for_validation(ask, out.raw, reply)
         text, result = await self.hop("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
-            out.raw, ask, out.entropies, t, md), call)
+            seen, seen_as, out.entropies, t, md), call)
         if not result.passed:
             first = next((v for v in result.verdicts if not v.passed and v.blocking), None)
             plugin, message = (first.plugin, first.message) if first else ("unknown", "")
@@ -415,12 +432,16 @@ class Pipeline:
         trace.get_current_span().set_attribute("adapter.served", done.adapter)
         if self._on_served is not None:
             self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
-        return Answer(text=prep.echo + text, finish_reason="stop" if out.stopped else done.finish_reason,
+        finish_reason = "stop" if out.stopped else done.finish_reason
+        if reply is not None and reply.calls:
+            text, finish_reason = "", tools.FINISH_REASON
+        return Answer(text=prep.echo + text, finish_reason=finish_reason,
                       prompt_tokens=done.prompt_tokens,
                       completion_tokens=done.completion_tokens, seed=done.seed, prompt_truncated=prep.enc.truncated,
                       input_flags=prep.flags, validation=result, trace_id=call.trace_id,
                       system_fingerprint=done.system_fingerprint, adapter=done.adapter, logprobs=out.logprobs,
-                      prompt_logprobs=done.prompt_logprobs)
+                      prompt_logprobs=done.prompt_logprobs,
+                      tool_calls=reply.calls if reply is not None else ())
 
 
 def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> errors.DeadlineExpired:

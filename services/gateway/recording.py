@@ -48,6 +48,10 @@ class ReplayConfig:
 
 
 def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
+    """The record of an answer. A request with tools is recorded as the model saw it, which is what a
+    replay sends again (services/gateway/tools.py): its messages with the tools described in the system
+    turn and earlier calls rendered as JSON turns, the tool_choice as the grammar in response_format,
+    and the answer's calls as the output_ids of the JSON they were read from (a replay's calls get new ids)."""
     a = s.ask
     return feedback_pb2.ReplayRecord(
         trace_id=s.trace_id, created_unix_ms=created_ms, prompt_ids=s.encoded.ids,

@@ -9,17 +9,36 @@ from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Answer, Call, Delta, Pipeline, deadline_from
 from services.gateway.tokens import Tokens
+from services.gateway.tools import Tool, Toolbox, ToolCall, TurnTools
 from shared import tracing
 from shared.controls import controls_of
+
+
+def to_toolbox(req: gateway_pb2.GenerateRequest) -> Toolbox | None:
+    if not req.tools and not req.HasField("tool_choice"):
+        return None
+    return Toolbox(tools=tuple(Tool(t.name, t.description, t.parameters, t.strict) for t in req.tools),
+                   mode=req.tool_choice.mode, function=req.tool_choice.function,
+                   parallel=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True)
+
+
+def to_turn_tools(messages) -> tuple[TurnTools, ...]:
+    """Each turn's calls and call id, when any turn has some (else ())."""
+    if not any(m.tool_calls or m.tool_call_id for m in messages):
+        return ()
+    return tuple(TurnTools(tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls), m.tool_call_id)
+                 for m in messages)
 
 
 def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
     which = req.WhichOneof("input")
     messages, raw, text = (), None, None  # none: check_ask refuses it (EMPTY_PROMPT), the quarantine keeps it
+    turn_tools: tuple[TurnTools, ...] = ()
     if which == "prompt":
         messages, raw = (("user", req.prompt),), req.prompt
     elif which == "chat":
         messages = tuple((m.role, m.content) for m in req.chat.messages)
+        turn_tools = to_turn_tools(req.chat.messages)
     elif which == "text":
         text = req.text
     s = req.sampling
@@ -28,7 +47,8 @@ def to_ask(req: gateway_pb2.GenerateRequest, limits: Limits) -> Ask:
                seed=s.seed if s.HasField("seed") else None, domain=req.domain, source=req.source, raw_prompt=raw,
                text=text, token_ids=tuple(req.token_ids),
                adapter=req.adapter, max_tokens_set=s.max_tokens != 0, truncate_prompt_tokens=s.truncate_prompt_tokens,
-               controls=controls_of(s, req.response_format if req.HasField("response_format") else None))
+               controls=controls_of(s, req.response_format if req.HasField("response_format") else None),
+               tools=to_toolbox(req), turn_tools=turn_tools)
 
 
 def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
@@ -37,7 +57,8 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
         usage=common_pb2.Usage(prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens),
         validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags,
         system_fingerprint=a.system_fingerprint, adapter=a.adapter, logprobs=a.logprobs,
-        prompt_logprobs=a.prompt_logprobs)
+        prompt_logprobs=a.prompt_logprobs,
+        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in a.tool_calls])
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
+from services.openai import tools
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, unsupported
 from shared import errors
 from shared.controls import SEED_MAX, Controls, Sampling, check_max_tokens, sampling_pb
@@ -88,13 +89,16 @@ def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
     return common_pb2.ResponseFormat(json_schema=json.dumps(schema, ensure_ascii=False))
 
 
-def chat_messages(messages: list[Message]) -> gateway_pb2.ChatMessages:
+def chat_messages(messages: list[Message], calls: bool = False) -> gateway_pb2.ChatMessages:
+    """The conversation for the gateway; ``calls``: with the assistant's tool calls and the tool turns'
+    call ids (a chat completion), else a turn with calls is refused (/tokenize counts no calls)."""
     for i, m in enumerate(messages):
-        if m.tool_calls:
-            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served: a history holding them "
-                                                          "cannot be shown to the model as it was")
-    return gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role),
-                                                                     content=m.text) for m in messages])
+        if m.tool_calls and not calls:
+            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served here: a history holding them "
+                                                          "cannot be counted as the model sees it")
+    return gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
+        role=ROLE_ALIASES.get(m.role, m.role), content=m.text, tool_calls=tools.calls_of(m),
+        tool_call_id=m.tool_call_id or "") for m in messages])
 
 
 def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
@@ -105,12 +109,13 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     limit = _max_tokens(asked, param)
     req = gateway_pb2.GenerateRequest(
-        chat=chat_messages(body.messages),
+        chat=chat_messages(body.messages, calls=True),
         sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, body.prompt_logprobs),
         adapter=adapter_of(body.model))
     rf = response_format(body)
     if rf is not None:
         req.response_format.CopyFrom(rf)
+    tools.set_tools(body, req)
     return req
 
 
@@ -261,7 +266,7 @@ def answer(reply: Reply, rs: list[gateway_pb2.GenerateResponse], logprobs: bool,
     choices = []
     for i, r in enumerate(rs):
         if reply.chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+            choice = {"index": i, "message": tools.assistant_message(r),
                       "logprobs": chat_logprobs(r.logprobs) if logprobs else None, "finish_reason": r.finish_reason}
         else:
             items = () if scored is not None else r.logprobs
@@ -304,6 +309,7 @@ class StreamShaper:
         self._per_prompt = per_prompt  # choices per prompt: usage counts each prompt once
         self._offsets = [0] * n
         self._opened = [False] * n
+        self._streamed = [False] * n  # a text delta came (a request with tools gets its answer whole)
         self._usage: dict[int, common_pb2.Usage] = {}
         self._n = n
 
@@ -332,8 +338,13 @@ class StreamShaper:
         if ev.WhichOneof("event") == "delta":
             out.append(self._chunk(self._choice(i, ev.delta, ev.logprobs, None)))
             self._offsets[i] += len(ev.delta)
+            self._streamed[i] = True
             return out
         done = ev.done
+        whole = tools.whole_delta(done, self._streamed[i]) if self.reply.chat else None
+        if whole is not None:
+            lp = chat_logprobs(done.logprobs) if self.logprobs and done.logprobs else None
+            out.append(self._chunk({"index": i, "delta": whole, "logprobs": lp, "finish_reason": None}))
         model = model_of(done.adapter)
         out.append({**self._chunk(self._choice(i, None, (), done.finish_reason), done.system_fingerprint, model),
                     **truncated(done)})

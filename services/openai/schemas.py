@@ -24,6 +24,17 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(Strict):
     role: str
     # A string, or a list of text parts (joined); other part types are refused. null only in an
@@ -31,9 +42,13 @@ class Message(Strict):
     content: list[TextPart] | None
     # The participant's name: accepted and ignored (the model's chat template has no place for it).
     name: str | None = None
-    # Calls the assistant made: the shape is accepted, a non-empty list is refused as not served
-    # (services/openai/convert.py): dropping the calls would show the model a history without them.
-    tool_calls: list[dict[str, Any]] | None = None
+    # Calls the assistant made (shown to the model as services/gateway/tools.py renders them; /tokenize
+    # refuses them, services/openai/convert.py); a "tool" turn names the call it answers.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    # An answer's own refusal field, as the SDK sends an answer's message back in the history: accepted,
+    # not shown to the model (Keel's answers never refuse; their refusal is null).
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -48,6 +63,10 @@ class Message(Strict):
     def _null_content_for_the_assistant_only(self) -> "Message":
         if self.content is None and self.role != "assistant":
             raise ValueError("content may be null only in an assistant message")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are allowed only in an assistant message")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message may have it")
         return self
 
     @property
@@ -71,6 +90,27 @@ class ResponseFormat(Strict):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type json_schema, and allowed only with it")
         return self
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # absent: an object with any members
+    strict: bool | None = None  # Keel always decodes a call under its schema
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Strict):
@@ -128,14 +168,17 @@ class Sampling(Strict):
 
 
 class ChatBody(Sampling):
-    UNSERVED = Sampling.UNSERVED | {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                                    "audio", "modalities", "prediction", "reasoning_effort", "verbosity",
-                                    "web_search_options"}
+    UNSERVED = Sampling.UNSERVED | {"functions", "function_call", "audio", "modalities", "prediction",
+                                    "reasoning_effort", "verbosity", "web_search_options"}
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    # "none", "auto", "required" (the gateway checks the mode), or one function by name
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionBody(Sampling):

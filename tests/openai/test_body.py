@@ -62,9 +62,8 @@ def test_a_missing_required_field_is_named():
 
 
 @pytest.mark.parametrize("cls,change,field", [
-    (ChatBody, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (ChatBody, {"tool_choice": "auto"}, "tool_choice"),
-    (ChatBody, {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    (ChatBody, {"functions": [{"name": "f"}]}, "functions"),
+    (ChatBody, {"function_call": "auto"}, "function_call"),
     (ChatBody, {"logit_bias": {"50256": -100}}, "logit_bias"),
     (ChatBody, {"reasoning_effort": "low"}, "reasoning_effort"),
     (CompletionBody, {"suffix": "end"}, "suffix"),

@@ -114,9 +114,6 @@ def test_completions_map_prompt_and_legacy_logprobs():
     (chat, {"top_p": 0}, "top_p", "TOP_P_OUT_OF_RANGE"),  # the proto's 0 is "unset": not served as 1
     (chat, {"store": True}, "store", "UNSUPPORTED_PARAMETER"),
     (completion, {"service_tier": "priority"}, "service_tier", "UNSUPPORTED_PARAMETER"),
-    (chat, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages.1.tool_calls", "UNSUPPORTED_PARAMETER"),
 ])
 def test_what_the_grpc_api_cannot_express_is_refused_naming_the_field(fn, fields, field, reason):
     err = refused(fn, **fields)
