@@ -165,6 +165,7 @@ REASONS: dict[str, Reason] = {
     "MAX_TOKENS_TOO_LARGE": Reason(InvalidInput, "max_tokens above the gateway's max_tokens_limit"),
     "MIN_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "min_tokens outside 0..max_tokens"),
     "N_OUT_OF_RANGE": Reason(InvalidInput, "OpenAI's n (choices per prompt) outside 1..edge.max_choices"),
+    "N_WITH_GREEDY": Reason(InvalidInput, "OpenAI's n above 1 with temperature 0: every choice would be the same"),
     "TOO_MANY_PROMPTS": Reason(InvalidInput, "/v1/completions: more prompts in one request than edge.max_prompts"),
     "MAX_TOKENS_OUT_OF_RANGE": Reason(InvalidInput, "max_tokens leaves no room for the prompt in the context"),
     "TRUNCATE_PROMPT_TOKENS_OUT_OF_RANGE": Reason(

@@ -189,6 +189,10 @@ class Api:
         if not 1 <= n <= self.limits.max_choices:
             return error_response(errors.InvalidInput(f"n must be in 1..{self.limits.max_choices}, got {n}",
                                                       reason="N_OUT_OF_RANGE", metadata={"field": "n"}))
+        if n > 1 and body.temperature == 0:  # greedy: every choice would be the same tokens
+            return error_response(errors.InvalidInput(
+                f"n={n} with temperature 0 asks for {n} copies of one greedy answer; sample (temperature > 0) "
+                "or send n=1", reason="N_WITH_GREEDY", metadata={"field": "n"}))
         if len(prompts) > self.limits.max_prompts:
             return error_response(errors.InvalidInput(
                 f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",

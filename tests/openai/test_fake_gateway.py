@@ -302,3 +302,11 @@ def test_a_client_that_goes_away_cancels_the_unary_gateway_call(stage):
             assert time.monotonic() < deadline, "the call never reached the gateway"
             time.sleep(0.05)
     assert gateway.cancelled.wait(20)
+
+
+def test_n_choices_of_a_greedy_answer_are_refused_naming_n(stage):
+    url, _ = stage
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(url).chat.completions.create(model="french@2", messages=[{"role": "user", "content": "hi"}], n=2,
+                                            temperature=0)
+    assert exc.value.code == "N_WITH_GREEDY" and exc.value.param == "n"
