@@ -54,9 +54,10 @@ from keelctl import health
 from keelctl.ask import DEV_API_KEY, build_request
 from keelctl.trace import iter_spans
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Call, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.recording import LazyStub, ReplayConfig, ReplayRecorder
 from services.gateway.retry import RetryConfig, RetryExecutor
+from services.gateway.values import Call
 from testing.mesh import start_mesh, stop_mesh
 from testing.ports import free_port
 from testing.postgres import PgServer

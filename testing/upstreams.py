@@ -6,7 +6,7 @@ import asyncio
 from array import array
 
 from keel.common.v1 import common_pb2
-from services.gateway.pipeline import Done, Encoded, Step
+from services.gateway.values import Done, Encoded, Step
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from shared import errors
 

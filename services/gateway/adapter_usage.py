@@ -7,7 +7,7 @@ adapter: every served adapter name carries an '@'.)
 """
 from __future__ import annotations
 
-from services.gateway.pipeline import Served
+from services.gateway.values import Served
 from shared import metrics
 
 BASE_LABEL = "base"

@@ -25,9 +25,9 @@ import grpc
 
 from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
-from services.gateway.pipeline import Served
 from services.gateway.submits import SubmitCoalescer
 from services.gateway.submitstream import SubmitStream
+from services.gateway.values import Served
 from shared import client, errors, metrics
 from shared.controls import format_pb, sampling_pb
 

@@ -11,7 +11,7 @@ from services.gateway import config as gateway_config
 from services.gateway import recording
 from services.gateway.adapter_usage import AdapterUsage
 from services.gateway.auth import ApiKeyAuthenticator, Metadata, client_peer
-from services.gateway.pipeline import Pipeline, Served
+from services.gateway.pipeline import Pipeline
 from services.gateway.ratelimit import AuthFailureLimiter, RateLimiter
 from services.gateway.rejects import RejectSpill, sender
 from services.gateway.retry import RetryExecutor
@@ -19,6 +19,7 @@ from services.gateway.retry_alerts import RetryMonitor
 from services.gateway.routing import Router
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
+from services.gateway.values import Served
 from shared import metrics, modelcard, modelfile, proxyauth
 from shared.config import ConfigError, ServerConfig
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES

@@ -7,9 +7,10 @@ from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Answer, Call, Delta, Pipeline, deadline_from
+from services.gateway.pipeline import Pipeline, deadline_from
 from services.gateway.tokens import Tokens
 from services.gateway.tools import Tool, Toolbox, ToolCall, TurnTools
+from services.gateway.values import Answer, Call, Delta
 from shared import tracing
 from shared.controls import controls_of
 

@@ -4,7 +4,8 @@ generation's (Pipeline.hop), held to the gateway's prompt limits. No validator, 
 from __future__ import annotations
 
 from services.gateway.contract import Limits, check_messages, check_prompt_bytes
-from services.gateway.pipeline import Call, Pipeline
+from services.gateway.pipeline import Pipeline
+from services.gateway.values import Call
 from shared import errors
 
 INT32_MAX = 2**31 - 1  # the tokenizer's ids are int32; any vocabulary is far smaller

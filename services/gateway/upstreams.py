@@ -22,8 +22,8 @@ from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from keel.validator.v1 import validator_pb2, validator_pb2_grpc
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
-from services.gateway.pipeline import Done, Encoded, Step
 from services.gateway.routing import Decision, Router
+from services.gateway.values import Done, Encoded, Step
 from shared import client, errors
 from shared.controls import format_pb, sampling_pb
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES

@@ -16,9 +16,9 @@ from services.feedback.replay import compare
 from services.feedback.servicer import record_from_proto
 from services.gateway.adapter_usage import AdapterUsage
 from services.gateway.contract import Limits, check_ask
-from services.gateway.pipeline import Call, Done, Step
 from services.gateway.recording import to_record
 from services.gateway.servicer import to_ask, to_response
+from services.gateway.values import Call, Done, Step
 from shared import errors, metrics
 from testing.records import record
 from testing.upstreams import FakeUpstreams

@@ -9,8 +9,8 @@ import pytest_asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.gateway.pipeline import Done, Encoded, Step
 from services.gateway.upstreams import MeshUpstreams
+from services.gateway.values import Done, Encoded, Step
 from shared import errors
 from shared.interceptor import ServerInterceptor
 from shared.stages import SERVICE_NAMES

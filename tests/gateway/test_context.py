@@ -13,9 +13,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Ask, Limits, check_ask
-from services.gateway.pipeline import Call, Encoded, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.servicer import to_ask
+from services.gateway.values import Call, Encoded
 from shared import errors
 from testing.upstreams import FakeUpstreams, no_sleep
 

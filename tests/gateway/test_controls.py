@@ -7,9 +7,9 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Limits, check_ask
-from services.gateway.pipeline import Call, Delta, Step
 from services.gateway.servicer import to_ask, to_response
 from services.gateway.stops import StopText
+from services.gateway.values import Call, Delta, Step
 from shared import errors
 from shared.controls import MAX_FORMAT_BYTES, Controls, ResponseFormat
 from testing.upstreams import FakeUpstreams

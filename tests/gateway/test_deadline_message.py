@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.pipeline import Call
+from services.gateway.values import Call
 from shared import errors
 from testing.upstreams import FakeUpstreams
 from tests.gateway.test_pipeline import ask, pipeline

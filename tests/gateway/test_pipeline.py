@@ -9,8 +9,9 @@ import time
 import pytest
 
 from services.gateway.contract import Ask, Limits, check_ask
-from services.gateway.pipeline import Call, Delta, Done, Pipeline, Step, deadline_from
+from services.gateway.pipeline import Pipeline, deadline_from
 from services.gateway.retry import RetryConfig, RetryExecutor
+from services.gateway.values import Call, Delta, Done, Step
 from shared import errors
 from testing.upstreams import EMOJI, FakeUpstreams, no_sleep
 

@@ -8,9 +8,10 @@ import pytest
 
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Call, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.servicer import to_ask, to_response
+from services.gateway.values import Call
 from shared import errors
 from shared.controls import Controls
 from shared.encoding import ids_fingerprint

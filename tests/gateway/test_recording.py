@@ -11,9 +11,10 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Call, Done, Encoded, Pipeline, Served
+from services.gateway.pipeline import Pipeline
 from services.gateway.recording import FeedbackForwarder, ReplayConfig, ReplayRecorder, to_record
 from services.gateway.retry import RetryConfig, RetryExecutor
+from services.gateway.values import Call, Done, Encoded, Served
 from shared import errors, metrics
 from testing.upstreams import FakeUpstreams, no_sleep
 

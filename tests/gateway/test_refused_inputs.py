@@ -10,8 +10,9 @@ import pytest
 
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Call, payload_of
+from services.gateway.pipeline import payload_of
 from services.gateway.servicer import to_ask
+from services.gateway.values import Call
 from shared import errors
 from shared.clip import HEAD, TRUNCATED, canonical_json
 from shared.controls import SEED_MAX

@@ -14,9 +14,10 @@ import pytest
 import redis
 
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Call, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.rejects import RejectSpill, RejectSpillConfig, sender
 from services.gateway.retry import RetryConfig, RetryExecutor
+from services.gateway.values import Call
 from services.validator.core import ValidatorCore
 from services.validator.output_pipeline import PipelineConfig
 from services.validator.quarantine import QuarantineConfig

@@ -12,7 +12,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
-from services.gateway.pipeline import Done, Encoded
 from services.gateway.routing import (
     POLICIES,
     Decision,
@@ -24,6 +23,7 @@ from services.gateway.routing import (
     imbalanced,
 )
 from services.gateway.upstreams import MeshUpstreams
+from services.gateway.values import Done, Encoded
 from shared.stages import SERVICE_NAMES
 from testing.ports import free_port
 

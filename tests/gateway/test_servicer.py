@@ -6,9 +6,9 @@ import pytest
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Limits, check_ask
-from services.gateway.pipeline import Answer, Delta
 from services.gateway.recording import FeedbackDisabled
 from services.gateway.servicer import GatewayServicer, to_ask, to_response
+from services.gateway.values import Answer, Delta
 from shared import errors
 
 LIMITS = Limits(default_max_tokens=77)

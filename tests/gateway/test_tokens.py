@@ -12,9 +12,10 @@ from grpc_status import rpc_status
 
 from keel.gateway.v1 import gateway_pb2
 from services.gateway.contract import Limits
-from services.gateway.pipeline import Call, Encoded, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.tokens import Tokens
+from services.gateway.values import Call, Encoded
 from shared import errors
 from testing.upstreams import FakeUpstreams, no_sleep
 from tests.gateway.served import served_gateway

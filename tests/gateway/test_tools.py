@@ -15,11 +15,12 @@ from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
 from services.gateway import tools
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Answer, Call, Delta, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.recording import to_record
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.servicer import to_ask, to_response
 from services.gateway.tools import Tool, Toolbox, ToolCall, TurnTools
+from services.gateway.values import Answer, Call, Delta
 from shared import errors
 from shared.controls import Controls, ResponseFormat
 from testing.upstreams import FakeUpstreams, no_sleep
