@@ -1,6 +1,7 @@
 """The client libraries teams point at Keel, used as their documentation shows, against the session
 mesh: the openai SDK's structured outputs and `n`, instructor in JSON_SCHEMA mode, LangChain's
-completions model on raw text. (lm-evaluation-harness: tests/e2e/test_lm_eval.py.)"""
+completions model on raw text, instructor in TOOLS mode and LangChain's bind_tools (the calls made under
+the functions' schemas). (lm-evaluation-harness: tests/e2e/test_lm_eval.py.)"""
 from __future__ import annotations
 
 import json
@@ -63,3 +64,25 @@ def test_langchain_completions_model_continues_raw_text(mesh):
     text = llm.invoke(prompt)
     raw = client(mesh).completions.create(model=MODEL_ID, prompt=prompt, max_tokens=12, temperature=0)
     assert text == raw.choices[0].text and text.strip()
+
+
+def test_instructor_tools_mode_returns_a_validated_object(mesh):
+    import instructor
+    patched = instructor.from_openai(client(mesh), mode=instructor.Mode.TOOLS)  # instructor's default mode
+    city = patched.chat.completions.create(model=MODEL_ID, messages=ask("Madrid"), response_model=City,
+                                           max_tokens=80, temperature=0, max_retries=0)
+    assert isinstance(city, City) and city.name
+
+
+def test_langchain_bind_tools_returns_tool_calls(mesh):
+    from langchain_openai import ChatOpenAI
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(base_url=f"http://{mesh.http}/v1", api_key=DEV_API_KEY, model=MODEL_ID, max_tokens=60,
+                     temperature=0, max_retries=0)
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Lisbon?")
+    assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
+    assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
