@@ -1,8 +1,10 @@
-"""`keel up --model` on a model a team brings: a tiny random-weight model of each architecture
-(testing/tinymodels.py, Q8_0 GGUF with SmolLM2's tokenizer; and one Hugging Face folder, the qwen2 one
-with SmolLM2's tokenizer files) answers through the gateway and the OpenAI front under its own name,
-`keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA adapter registered
-against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH."""
+"""`keel up --model` on a model a team brings: a tiny random-weight model (testing/tinymodels.py, Q8_0
+GGUF with SmolLM2's tokenizer: llama, and qwen3, the layer furthest from it; and one Hugging Face
+folder, the qwen2 one with SmolLM2's tokenizer files) answers through the gateway and the OpenAI front
+under its own name, `keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA adapter registered
+against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH. The mesh path is the same
+for every architecture; llama3, the qwen2 GGUF and mistral are checked where they differ, at the model
+(tests/inference/test_architectures.py: their logits against transformers and llama.cpp)."""
 from __future__ import annotations
 
 import json
@@ -45,6 +47,7 @@ def smollm2_registry(tmp_path_factory):
 
 
 FOLDER = "qwen2-folder"  # the one Hugging Face folder among the models
+MESHES = ("llama", "qwen3", FOLDER)  # one mesh each (a mesh costs ~40 s of the suite)
 
 
 def folder_model(tmp) -> str:
@@ -56,7 +59,7 @@ def folder_model(tmp) -> str:
     return str(folder)
 
 
-@pytest.fixture(scope="module", params=[*sorted(SPECS), FOLDER])
+@pytest.fixture(scope="module", params=MESHES)
 def team_mesh(request, tmp_path_factory, smollm2_registry):
     name = request.param
     tmp = tmp_path_factory.mktemp(f"model-{name}")
