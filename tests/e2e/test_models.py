@@ -1,10 +1,11 @@
 """`keel up --model` on a model a team brings: a tiny random-weight model (testing/tinymodels.py, Q8_0
 GGUF with SmolLM2's tokenizer: llama, and qwen3, the layer furthest from it; and one Hugging Face
 folder, the qwen2 one with SmolLM2's tokenizer files) answers through the gateway and the OpenAI front
-under its own name, `keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA adapter registered
-against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH. The mesh path is the same
-for every architecture; llama3, the qwen2 GGUF and mistral are checked where they differ, at the model
-(tests/inference/test_architectures.py: their logits against transformers and llama.cpp)."""
+under its own name, `keel replay` reproduces an answer bit for bit, `keel status` names it, and a LoRA
+adapter registered against the shipped SmolLM2 is refused on it with BASE_FINGERPRINT_MISMATCH. The
+mesh path is the same for every architecture; llama3, the qwen2 GGUF and mistral are checked where
+they differ, at the model (tests/inference/test_architectures.py: logits against transformers and
+llama.cpp)."""
 from __future__ import annotations
 
 import json
