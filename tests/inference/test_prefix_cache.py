@@ -1,6 +1,8 @@
 """Prefix cache: full prompt blocks computed once are reused, bitwise, within their share of the budget."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -107,3 +109,19 @@ async def test_a_hit_reads_the_cached_blocks_in_place_and_leaves_them_unchanged(
     assert engine.stats().prefix_cache.hit_tokens == 2 * BLOCK
     assert torch.equal(pool.keys[:, :, held], before[0]) and torch.equal(pool.values[:, :, held], before[1])
     assert pool.free_blocks == pool.blocks - len(held)                 # every row's blocks came back
+
+
+@pytest.mark.asyncio
+async def test_choices_of_one_prompt_sent_at_once_compute_its_blocks_once(make_engine, tiny):
+    """OpenAI's `n`: the choices arrive together; the later ones wait for the blocks the first computes
+    (schedule.py, held) and find them cached, and each answer is the one it gives alone."""
+    block_bytes = LlamaRunner(tiny).kv_bytes_per_token * BLOCK
+    cached = await make_engine(prefill_tokens_per_iteration=BLOCK, prefix_cache_bytes=8 * block_bytes)
+    plain = await make_engine(prefill_tokens_per_iteration=BLOCK)
+    shared = prompt(5, 3 * BLOCK + 7)
+    choices = [request(f"choice{i}", shared, max_tokens=6, temperature=0.9, seed=i) for i in range(3)]
+    together = await asyncio.gather(*(collect(cached, r) for r in choices))
+    for r, (tokens, _) in zip(choices, together):
+        alone, _ = await collect(plain, r)
+        assert [(t.token_id, t.logprob) for t in tokens] == [(t.token_id, t.logprob) for t in alone]
+    assert cached.stats().prefix_cache.hit_tokens == 2 * 3 * BLOCK  # choices 1 and 2 found all three blocks

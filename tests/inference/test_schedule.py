@@ -1,6 +1,7 @@
 """The scheduler's plans: pure bookkeeping over queued, pending and running requests (no model)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from services.inference.engine.admission import Admission, QueueLimits, Ticket
@@ -67,3 +68,41 @@ def test_batch_cap_is_the_lowest_of_config_breaker_and_oom():
     assert batch_cap(16, POLICY, 4) == 4
     degraded = Policy(2, None, None, 2, False, False, 0)
     assert batch_cap(16, degraded, 8) == 2
+
+
+def shared_ticket(rid: str, ids: list[int], slot: int = 0) -> Ticket:
+    return Ticket(request(rid, ids, max_tokens=4), 0, len(ids) + 4, loop=None, events=None, slot=slot)
+
+
+def test_a_newcomer_waits_for_the_prompt_blocks_a_running_row_computes_then_goes():
+    s = scheduler(prefill_tokens=8)
+    s.share_prefixes = True
+    same = prompt(3, 20)  # two whole blocks of 8 can be found cached, the last 4 tokens are computed
+    leader, follower = shared_ticket("leader", same), shared_ticket("follower", same)
+    other = shared_ticket("other", prompt(9, 20))
+    for t in (leader, follower, other):
+        s.submit(t, cap=16, retry_after_ms=50, pace=Pace(), now=0.0)
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["leader"]  # the budget: one chunk
+    row = Row(leader, "primary", SimpleNamespace(length=0), 0.0, 0, chunk_tokens=8)
+    s.add(row)
+    row.prefilled = 8
+    assert s.schedule(POLICY, 16).admitted == ()  # held, and FIFO holds "other" behind it
+    row.prefilled = 16
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["follower"]
+    assert [t.req.request_id for t in s.schedule(POLICY, 16).admitted] == ["other"]
+
+
+def test_no_hold_without_a_shared_block_a_prefix_cache_or_for_a_scoring_request():
+    s = scheduler(prefill_tokens=8)
+    row = Row(shared_ticket("leader", prompt(3, 20)), "primary", SimpleNamespace(length=0), 0.0, 0, chunk_tokens=8)
+    s.add(row)
+    s.submit(shared_ticket("same", prompt(3, 20)), cap=16, retry_after_ms=50, pace=Pace(), now=0.0)
+    assert len(s.schedule(POLICY, 16).admitted) == 1  # no prefix cache: nothing to wait for
+    s.share_prefixes = True
+    for t in (shared_ticket("short", prompt(3, 8)), shared_ticket("adapter", prompt(3, 20), slot=1)):
+        s.submit(t, cap=16, retry_after_ms=50, pace=Pace(), now=0.0)
+        assert len(s.schedule(POLICY, 16).admitted) == 1  # < one whole block before its last token; another slot
+    scoring = shared_ticket("scores", prompt(3, 20))
+    scoring.req = replace(scoring.req, controls=replace(scoring.req.controls, prompt_logprobs=0))
+    s.submit(scoring, cap=16, retry_after_ms=50, pace=Pace(), now=0.0)
+    assert len(s.schedule(POLICY, 16).admitted) == 1

@@ -203,7 +203,8 @@ class Engine:
         output = OutputProcessor(cfg.eos_token_ids, counters, self.board,
                                  {name: r.format for name, r in runners.items()},
                                  MaskExecutor(torch.get_num_threads()))
-        self._loop = StepLoop(executor, Scheduler(self._admission, cfg.prefill_tokens_per_iteration), output,
+        scheduler = Scheduler(self._admission, cfg.prefill_tokens_per_iteration, share_prefixes=prefix is not None)
+        self._loop = StepLoop(executor, scheduler, output,
                               self.board, OomPolicy(cfg.max_batch_size, cfg.oom_backoff_steps), counters,
                               self.memory, LoopSettings(cfg.max_batch_size, cfg.memory_audit, cfg.device,
                                                         self.variants, cfg.breaker.fallback_format),

@@ -112,9 +112,11 @@ def batch_cap(max_batch_size: int, policy: Policy, oom_cap: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, admission: Admission, prefill_tokens_per_iteration: int):
+    def __init__(self, admission: Admission, prefill_tokens_per_iteration: int, share_prefixes: bool = False):
         self.admission = admission
         self.prefill_tokens = prefill_tokens_per_iteration
+        # With a prefix cache: a newcomer waits for the prompt blocks another request is computing (held)
+        self.share_prefixes = share_prefixes
         self.rows: list[Row] = []
         self.pending: list[Ticket] = []  # admitted (memory reserved), waiting for their prefill
 
@@ -184,10 +186,36 @@ class Scheduler:
         self.pending += self.admission.pop_ready(max(0, free))
         taken, tokens = [], 0
         while self.pending and (not taken or tokens + self._first_chunk(self.pending[0]) <= self.prefill_tokens):
+            if self._held(self.pending[0], taken):
+                break
             ticket = self.pending.pop(0)
             tokens += self._first_chunk(ticket)
             taken.append(ticket)
         return StepPlan(tuple(taken), policy, cap)
+
+    def _held(self, ticket: Ticket, taken: list[Ticket]) -> bool:
+        """Whether ``ticket`` waits (FIFO: so do those behind it) for prompt blocks a running row, or a
+        newcomer taken this step, has yet to compute: taken once they are in the prefix cache, its
+        prefill starts after them instead of computing them again beside it (the `n` choices of one
+        prompt, one system prompt sent by many at once). A hit is bitwise the computation it replaces
+        (prefix.py), so holding changes no answer. A request that scores its prompt takes no hits and
+        is never held."""
+        if not self.share_prefixes or ticket.req.controls.prompt_logprobs is not None:
+            return False
+        leaders = [(r.ticket, r.prefilled) for r in self.rows if r.prefilling] + [(t, 0) for t in taken]
+        for other, prefilled in leaders:
+            if other.slot == ticket.slot and prefilled < self._shared_blocks(ticket, other) * self.prefill_tokens:
+                return True
+        return False
+
+    def _shared_blocks(self, ticket: Ticket, other: Ticket) -> int:
+        """Prompt blocks (prefill chunks) ``ticket`` could find cached once ``other`` computed them: the
+        leading whole blocks both prompts hold, the last token of ``ticket`` always left to compute."""
+        b, ids, theirs = self.prefill_tokens, ticket.req.prompt_ids, other.req.prompt_ids
+        n = 0
+        while n < (len(ids) - 1) // b and ids[n * b:(n + 1) * b] == theirs[n * b:(n + 1) * b]:
+            n += 1
+        return n
 
     def _first_chunk(self, ticket: Ticket) -> int:
         return min(len(ticket.req.prompt_ids), self.prefill_tokens)
