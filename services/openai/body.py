@@ -15,9 +15,10 @@ from shared.controls import MAX_FORMAT_BYTES, format_too_large
 # A JSON string (and a following colon: then it is an object's key), or a bracket. Strings are
 # matched whole so that brackets inside them are not counted.
 _TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"(\s*:)?|[\[\]{}]')
-# Where a request's JSON Schema sits in a chat body (its gRPC field: response_format.json_schema).
-SCHEMA_PATH = ("response_format", "json_schema", "schema")
-SCHEMA_FIELD = "response_format.json_schema"
+# Where a request's JSON Schema for its answer sits in a body (chat's; the Responses API's), and the
+# field the refusal names (chat: its gRPC field, response_format.json_schema).
+SCHEMA_FIELDS = {("response_format", "json_schema", "schema"): "response_format.json_schema",
+                 ("text", "format", "schema"): "text.format.schema"}
 
 
 def too_large(limit: int) -> errors.Overloaded:
@@ -61,11 +62,12 @@ def check_depth(body: bytes, max_depth: int) -> None:
 
 def _too_deep(body: bytes, stack: list[tuple[str | None, int]], at: int, max_depth: int) -> errors.InvalidInput:
     path = tuple(k for k, _ in stack if k is not None)
-    if path[:len(SCHEMA_PATH)] == SCHEMA_PATH:
-        index = next(i for i, (k, _) in enumerate(stack) if k == SCHEMA_PATH[-1])
+    schema = SCHEMA_FIELDS.get(path[:3])
+    if schema is not None:
+        index = next(i for i, (k, _) in enumerate(stack) if k == "schema")
         size = _span(body, stack[index][1], at, len(stack), index)
         if size > MAX_FORMAT_BYTES:
-            return format_too_large(SCHEMA_FIELD, size)
+            return format_too_large(schema, size)
     field = ".".join(path[:8]) or "(body)"
     return invalid_body(field, f"{field}: JSON nested deeper than {max_depth} levels (the limit)")
 

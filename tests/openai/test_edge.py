@@ -76,6 +76,11 @@ def test_a_json_schema_nested_5000_deep_is_too_large_as_over_grpc(stage):
     status, headers, out = post(url, body, {"x-api-key": KEY})
     assert_openai_error(status, headers, out, 400, "RESPONSE_FORMAT_TOO_LARGE")
     assert out["error"]["param"] == "response_format.json_schema"
+    responses = (b'{"model":"m","input":"hi","text":{"format":{"type":"json_schema","name":"n","schema":' + schema
+                 + b"}}}")
+    status, headers, out = post(url, responses, {"x-api-key": KEY}, path="/v1/responses")
+    assert_openai_error(status, headers, out, 400, "RESPONSE_FORMAT_TOO_LARGE")
+    assert out["error"]["param"] == "text.format.schema"
 
 
 @pytest.mark.parametrize("value", ["9" * 400, "9" * 20, "9" * 309, "3600001", "0", "-5", "1.5", "²", " "])
