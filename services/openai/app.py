@@ -150,11 +150,11 @@ class Api:
         req, md, timeout, body = parsed
         if body.stream:
             return await self._streamed([req], md, timeout, lambda trace_id: responses.Events(
-                responses.Reply.start(body, trace_id), convert.model_of(req.adapter)))
+                responses.Reply.start(body, trace_id), convert.model_of(req.adapter)), responses.in_its_terms)
         try:
             resp = await self._unary(request, self.gateway.generate(req, md, timeout))
         except grpc.aio.AioRpcError as exc:
-            return error_response(translate(exc))
+            return error_response(responses.in_its_terms(translate(exc)))
         except errors.Cancelled as err:
             return error_response(err)
         reply = responses.Reply.start(body, resp.trace_id)
@@ -250,12 +250,13 @@ class Api:
         return await self._streamed(reqs, md, timeout, chunks)
 
     async def _streamed(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None,
-                        framing) -> Response:
-        """The SSE response of the streams of ``reqs``, framed by ``framing(trace id)`` (``Chunks``)."""
+                        framing, terms=lambda err: err) -> Response:
+        """The SSE response of the streams of ``reqs``, framed by ``framing(trace id)`` (``Chunks``); a
+        refusal before the first message is an error response, its field named by ``terms``."""
         try:
             opened = await _all(self.gateway.open_stream(r, md, timeout) for r in reqs)
         except grpc.aio.AioRpcError as exc:
-            return error_response(translate(exc))
+            return error_response(terms(translate(exc)))
         trace_id = dict(await opened[0][0].initial_metadata() or ()).get(TRACE_ID_KEY, "")
         if any(first is grpc.aio.EOF for _, first in opened):  # the gateway ends a stream with its summary or a status
             for call, _ in opened:

@@ -24,6 +24,18 @@ from shared.controls import Sampling, sampling_pb
 
 # finish_reason "length": the answer was cut at max_output_tokens (OpenAI's "incomplete").
 INCOMPLETE = {"length": {"reason": "max_output_tokens"}}
+# The gateway's (and chat's) field names where the Responses API has its own: a refusal names the
+# field as the client sent it.
+FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format.json_schema": "text.format.schema",
+          "tool_choice.function": "tool_choice.name"}
+
+
+def in_its_terms(err: errors.KeelError) -> errors.KeelError:
+    """``err`` naming the Responses API's field where the gateway named its own."""
+    param = httperrors.param_of(err)
+    if param in FIELDS:
+        err.metadata["field"] = FIELDS[param]
+    return err
 
 
 def _refuse_stored(body: ResponsesBody) -> None:

@@ -21,6 +21,13 @@ pytestmark = pytest.mark.slow
 
 
 
+REFUSALS = {
+    "long": errors.InvalidInput("the request needs 3000 tokens, the context is 2048", reason="CONTEXT_LENGTH_EXCEEDED",
+                                metadata={"prompt_tokens": 2990, "max_tokens": 10, "context_tokens": 2048}),
+    "many": errors.InvalidInput("max_tokens is 5000, the limit is 1024", reason="MAX_TOKENS_TOO_LARGE"),
+}
+
+
 class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Answers "Hello", or calls the first tool when the request has tools and no tool turn yet."""
 
@@ -30,6 +37,10 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _answer(self, request, context) -> gateway_pb2.GenerateResponse:
         self.requests.append(request)
         context.send_initial_metadata((("x-keel-trace-id", TRACE),))
+        if request.chat.messages[-1].content in REFUSALS:  # as the gateway refuses: its own field names
+            code, message, trailers = to_status(REFUSALS[request.chat.messages[-1].content], TRACE)
+            context.set_trailing_metadata(trailers)
+            context.abort(code, message)
         if request.tools and request.chat.messages[-1].role != "tool":
             return answer(text="", finish="tool_calls", calls=[
                 common_pb2.ToolCall(id="call_abc", name=request.tools[0].name, arguments='{"city":"Paris"}')])
@@ -119,3 +130,13 @@ def test_previous_response_id_is_a_400_naming_it(stage):
     with pytest.raises(openai.BadRequestError) as exc:
         client(url).responses.create(model=MODEL_ID, input="hi", previous_response_id=f"resp_{TRACE}")
     assert (exc.value.code, exc.value.param) == ("UNSUPPORTED_PARAMETER", "previous_response_id")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("text,code,param", [("long", "context_length_exceeded", "input"),
+                                             ("many", "MAX_TOKENS_TOO_LARGE", "max_output_tokens")])
+def test_a_gateway_refusal_names_the_responses_field(stage, stream, text, code, param):
+    url, _ = stage
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(url).responses.create(model=MODEL_ID, input=text, stream=stream)
+    assert (exc.value.code, exc.value.param) == (code, param)
