@@ -61,6 +61,11 @@ class Ask:
     # call id (() when none does). services/gateway/tools.py renders them into plain turns.
     turn_tools: tuple[TurnTools, ...] = ()
 
+    @property
+    def continues_text(self) -> bool:
+        """A raw text or token-ids input: continued as it is, not a conversation's next turn."""
+        return self.text is not None or bool(self.token_ids)
+
     def sampling(self, seed: int) -> Sampling:
         """What the engine samples with, under the seed the gateway settled on."""
         return Sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, seed, self.controls)
@@ -94,7 +99,7 @@ def check_input(ask: Ask, limits: Limits) -> None:
     if ask.token_ids and (ask.messages or ask.text is not None):
         raise errors.InvalidInput("send token_ids or another input (prompt, text, chat), not both",
                                   reason="INPUT_AMBIGUOUS", metadata={"field": "token_ids"})
-    if ask.controls.echo and ask.text is None and not ask.token_ids:
+    if ask.controls.echo and not ask.continues_text:
         raise errors.InvalidInput("echo needs a text or token_ids input: a chat is rendered by the template",
                                   reason="ECHO_UNSUPPORTED", metadata={"field": "sampling.echo"})
     if ask.token_ids:

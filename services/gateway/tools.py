@@ -150,7 +150,7 @@ def check(ask: Ask, limits: Limits) -> None:
         raise _bad("tool_choice required needs tools", "TOOL_CHOICE_INVALID", "tool_choice.mode")
     if not active(ask):
         return
-    if not ask.messages:
+    if not ask.messages:  # a raw text or token-ids input (an empty one never gets here: EMPTY_PROMPT)
         raise _bad("tools need a chat (or prompt) input, not raw text or token ids", "TOOLS_CONFLICT", "tools")
     if ask.controls.response_format is not None:
         raise _bad("tools and response_format cannot be combined: the answer's format is the tool-call JSON "

@@ -296,7 +296,7 @@ class MeshUpstreams:
 
     async def validate_output(self, text: str, ask: Ask, entropies: list[float], timeout: float,
                               md: dict) -> tuple[str, common_pb2.ValidationResult]:
-        continuation = ask.text is not None or bool(ask.token_ids)
+        continuation = ask.continues_text
         prompt = (ask.text or "") if continuation else next((c for r, c in reversed(ask.messages) if r == "user"), "")
         fmt = ask.controls.response_format
         req = validator_pb2.ValidateOutputRequest(text=text, domain=ask.domain or "default",

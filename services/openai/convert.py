@@ -47,6 +47,11 @@ def check_service_tier(tier: str | None) -> None:
                                           "(\"auto\" or \"default\")")
 
 
+def temperature_of(temperature: float | None) -> float:
+    """The request's temperature, OpenAI's default when absent (Keel's own default is 0, greedy)."""
+    return DEFAULT_TEMPERATURE if temperature is None else temperature
+
+
 def top_p_of(top_p: float | None) -> float:
     """The request's top_p, OpenAI's default when absent."""
     if top_p == 0:  # the proto's 0 means "unset" (1.0): refused here rather than served as 1
@@ -72,7 +77,7 @@ def sampling(body: ChatBody | CompletionBody, max_tokens: int, logprobs: bool, t
                         prompt_logprobs=None if prompt_logprobs is None
                         else max(-INT32_MAX, min(prompt_logprobs, INT32_MAX)))
     pb = sampling_pb(Sampling(
-        max_tokens, DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        max_tokens, temperature_of(body.temperature),
         top_p_of(body.top_p),
         # above 2^63-1: the gateway says SEED_OUT_OF_RANGE
         seed=min(body.seed, UINT64_MAX) if body.seed is not None else None, controls=controls))

@@ -91,7 +91,7 @@ def request(body: ResponsesBody) -> gateway_pb2.GenerateRequest:
     _refuse_stored(body)
     sampling = sampling_pb(Sampling(
         convert._max_tokens(body.max_output_tokens, "max_output_tokens"),
-        convert.DEFAULT_TEMPERATURE if body.temperature is None else body.temperature, convert.top_p_of(body.top_p)))
+        convert.temperature_of(body.temperature), convert.top_p_of(body.top_p)))
     req = gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=turns(body)), sampling=sampling,
                                       adapter=convert.adapter_of(body.model))
     for t in responses_schemas.function_tools(body.tools or []):
@@ -142,7 +142,7 @@ class Reply:
             "max_tool_calls": b.max_tool_calls,
             "model": model, "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "service_tier": "default", "store": False,
-            "temperature": convert.DEFAULT_TEMPERATURE if b.temperature is None else b.temperature,
+            "temperature": convert.temperature_of(b.temperature),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"},
                      "verbosity": "medium"},
             "tool_choice": "auto" if b.tool_choice is None else b.tool_choice,

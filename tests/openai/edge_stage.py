@@ -12,6 +12,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from openai import OpenAI
 
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
@@ -83,3 +84,8 @@ def running(log_path: Path | None, gateway: gateway_pb2_grpc.GatewayServicer | N
         proc.kill()
         proc.wait()
         server.stop(None)
+
+
+def client(url: str) -> OpenAI:
+    """The openai SDK on a stage ``running`` serves (its retries off: the status under test shows)."""
+    return OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=30)

@@ -16,14 +16,13 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from openai import OpenAI
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from shared import errors, proxyauth
 from shared.interceptor import to_status
 from shared.modelfile import model_id
-from tests.openai.edge_stage import PROXY, running
+from tests.openai.edge_stage import PROXY, client, running
 
 MODEL_ID = model_id()  # the served model's name (shared/modelfile.py)
 
@@ -111,10 +110,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 def stage():
     with running(None, Gateway()) as served:
         yield served
-
-
-def client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=30)
 
 
 def test_n_choices_are_n_generations_with_their_own_seeds(stage):

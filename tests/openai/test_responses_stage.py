@@ -8,13 +8,12 @@ import json
 
 import openai
 import pytest
-from openai import OpenAI
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from shared import errors
 from shared.interceptor import to_status
-from tests.openai.edge_stage import running
+from tests.openai.edge_stage import client, running
 from tests.openai.test_responses import MODEL_ID, TRACE, WEATHER, answer, delta, done, turns
 
 pytestmark = pytest.mark.slow
@@ -68,10 +67,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 def stage():
     with running(None, Gateway()) as served:
         yield served
-
-
-def client(url: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key="k-123", max_retries=0, timeout=30)
 
 
 def test_the_sdks_create_returns_the_text_and_the_trace_id(stage):

@@ -81,9 +81,14 @@ class RowControls:
         values, order = (scores.top_logprobs.tolist(), scores.top_ids.tolist()) if k else ((), ())
         for j, logprob in enumerate(scores.logprobs.tolist()):
             token = self.prompt_ids[start + 1 + j]
-            best = sorted(zip(values[j], order[j]), key=lambda a: (-a[0], a[1]))[:k] if k else ()
-            top = tuple(Alternative(i, self._text(i), v) for v, i in best)
+            top = self.alternatives(values[j], order[j], k) if k else ()
             self.scored_prompt.append(TokenLogprobs(token, self._text(token), logprob, top))
+
+    def alternatives(self, values: list[float], ids: list[int], k: int) -> tuple[Alternative, ...]:
+        """The `k` most likely of a topk's (values, ids), most likely first (ties: the lower id),
+        with their text; a token the scores rule out (-inf) is no alternative."""
+        best = sorted(zip(values, ids), key=lambda a: (-a[0], a[1]))[:k]
+        return tuple(Alternative(i, self._text(i), v) for v, i in best if v > float("-inf"))
 
     def accept(self, token: int) -> bool:
         """Record the sampled token; True when the answer must end with it: a stop string is
@@ -214,7 +219,6 @@ def logprobs(rows: Sequence[RowControls | None], scores: torch.Tensor, tokens: S
     values, order = (v.tolist() for v in torch.topk(dist, min(MAX_TOP_LOGPROBS, dist.shape[-1]), dim=-1))
     for w, r in enumerate(want):
         row = rows[r]
-        best = sorted(zip(values[w], order[w]), key=lambda a: (-a[0], a[1]))[:row.c.top_logprobs]
-        top = tuple(Alternative(i, row._text(i), v) for v, i in best if v > float("-inf"))
+        top = row.alternatives(values[w], order[w], row.c.top_logprobs)
         out[r] = TokenLogprobs(tokens[r], row._text(tokens[r]), chosen[w], top)
     return out
