@@ -24,7 +24,10 @@ class Limits:
     # The context a request is held to; None in config: the served model's, set by the stage at start
     # (server.build, shared/modelcard.py). A value lowers it.
     max_context_tokens: int | None = None
+    # A call without a deadline gets at least this, and more for a long answer at the pace measured
+    # (services/gateway/deadlines.py): deadline_pace_margin x max_tokens x seconds per token.
     default_deadline_ms: int = 60000
+    deadline_pace_margin: float = 3.0
     # A client's deadline is held to at most this (a call with a 30-year deadline would otherwise
     # be held that long, e.g. waiting for a replica): one hour.
     max_deadline_ms: int = 3_600_000

@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from keel.common.v1 import common_pb2
 from services.gateway import tools
 from services.gateway.contract import Ask, Limits, check_ask, check_prompt_bytes, fit
+from services.gateway.deadlines import Pace
 from services.gateway.rejects import Rejected
 from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
@@ -79,6 +80,7 @@ class Pipeline:
         # Called once per answered request, after validation; must not block (it hands off to a queue).
         self._on_served = on_served
         self._tasks: set[asyncio.Task] = set()  # fire-and-forget reports, kept until done
+        self.pace = Pace(limits)  # the default deadline follows how long answers take here
 
     def _background(self, coro) -> None:
         """Run ``coro`` beside the request; a failure is logged, never raised to the client."""
@@ -214,6 +216,8 @@ class Pipeline:
     async def generate(self, ask: Ask, call: Call) -> Answer:
         prep = await self.prepare(ask, call)
         ask = prep.ask
+        call = self.pace.fit(call, ask.max_tokens)
+        started = time.monotonic()
 
         async def run_generation(timeout: float, md: dict) -> tuple[list[Step], Done]:
             steps: list[Step] = []
@@ -231,6 +235,7 @@ class Pipeline:
             steps, done = await self.hop("inference", "Generate", run_generation, call)
         except errors.InvalidInput as err:
             raise tools.engine_refusal(ask, err) from None
+        self.pace.observe(time.monotonic() - started, done.completion_tokens)
         ids = [s.token_id for s in steps]
         raw = await self.hop("tokenizer", "Decode", lambda t, md: self.up.decode(ids, t, md), call)
         stops = StopText(ask.controls.stop)
@@ -253,6 +258,8 @@ class Pipeline:
             return
         prep = await self.prepare(ask, call, streamed=True)
         ask = prep.ask
+        call = self.pace.fit(call, ask.max_tokens)
+        started = time.monotonic()
 
         async def open_stream(timeout: float, md: dict):
             events = self.up.generate(prep.enc, ask, prep.seed, timeout, md).__aiter__()
@@ -304,6 +311,7 @@ class Pipeline:
             raise failure
         if not isinstance(done, Done):
             raise errors.NotReady("inference stream ended without a result", reason="STREAM_TRUNCATED")
+        self.pace.observe(time.monotonic() - started, done.completion_tokens)
         raw = StopText(ask.controls.stop).whole(streamed.text)
         yield await self.finish(ask, prep, done, Generated(raw, list(streamed.ids), entropies, logprobs, stops.cut),
                                 call)
@@ -345,15 +353,6 @@ def plain_deadline(err: errors.DeadlineExpired, upstream: str, method: str) -> e
     return errors.DeadlineExpired(
         f"deadline exceeded: the call's deadline ran out while the gateway waited for {upstream} ({method}); "
         "retry with a longer deadline", reason="DEADLINE_EXCEEDED", metadata={"upstream": upstream, "step": method})
-
-
-def deadline_from(time_remaining: float | None, limits: Limits) -> float:
-    """Absolute monotonic deadline: the client's (at most ``max_deadline_ms``) less the answer
-    margin, else the configured default."""
-    if time_remaining is None:
-        return time.monotonic() + limits.default_deadline_ms / 1000
-    time_remaining = min(time_remaining, limits.max_deadline_ms / 1000)
-    return time.monotonic() + max(0.0, time_remaining - limits.answer_margin_ms / 1000)
 
 
 async def _pump(first, events, out: asyncio.Queue) -> None:

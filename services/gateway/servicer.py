@@ -7,7 +7,8 @@ from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.contract import Ask, Limits
-from services.gateway.pipeline import Pipeline, deadline_from
+from services.gateway.deadlines import deadline_from
+from services.gateway.pipeline import Pipeline
 from services.gateway.tokens import Tokens
 from services.gateway.tools import Tool, Toolbox, ToolCall, TurnTools
 from services.gateway.values import Answer, Call, Delta
@@ -70,8 +71,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _call(self, context: grpc.aio.ServicerContext) -> Call:
         """The call's context, once: deadline (less the answer margin), trace id, inbound metadata."""
-        return Call(deadline_from(context.time_remaining(), self.limits), tracing.current_trace_id(),
-                    {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)})
+        deadline, default = deadline_from(context.time_remaining(), self.limits)
+        return Call(deadline, tracing.current_trace_id(),
+                    {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}, default)
 
     async def Generate(self, request, context):
         answer = await self.pipeline.generate(to_ask(request, self.limits), self._call(context))

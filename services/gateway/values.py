@@ -95,6 +95,8 @@ class Call:
     deadline: float
     trace_id: str
     inbound: Mapping[str, str] = field(default_factory=dict)
+    # The client set no deadline: ``deadline`` is the gateway's default (services/gateway/deadlines.py).
+    default_deadline: bool = False
 
 
 @dataclass(frozen=True)
