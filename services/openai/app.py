@@ -199,16 +199,17 @@ class Api:
                 reason="TOO_MANY_PROMPTS", metadata={"field": "prompt"}))
         reqs = [choice for r in prompts for choice in convert.choices_of(r, n)]
         chat = cls is ChatBody
+        terms = (lambda err: err) if chat else convert.in_completion_terms
         logprobs = reqs[0].sampling.logprobs
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(reqs, md, timeout, chat, logprobs, include_usage, n)
+            return await self._stream(reqs, md, timeout, chat, logprobs, include_usage, n, terms)
         scoring = not chat and convert.scoring_only(body)
         try:
             resps = await self._unary(request, _all(self.gateway.generate(r, md, timeout) for r in reqs))
             scored = await self._prompt_texts(request, body.prompt, md, timeout) if scoring else None
         except grpc.aio.AioRpcError as exc:
-            return error_response(translate(exc))
+            return error_response(terms(translate(exc)))
         except errors.Cancelled as err:
             return error_response(err)
         reply = convert.Reply.start(chat, resps[0].trace_id)
@@ -242,12 +243,12 @@ class Api:
         return answer.result()
 
     async def _stream(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None, chat: bool,
-                      logprobs: bool, include_usage: bool, per_prompt: int) -> Response:
+                      logprobs: bool, include_usage: bool, per_prompt: int, terms) -> Response:
         """One stream of every choice's events, interleaved as they come (each chunk names its choice)."""
         def chunks(trace_id: str) -> Chunks:
             return Chunks(convert.StreamShaper(convert.Reply.start(chat, trace_id), convert.model_of(reqs[0].adapter),
                                                logprobs, include_usage, len(reqs), per_prompt))
-        return await self._streamed(reqs, md, timeout, chunks)
+        return await self._streamed(reqs, md, timeout, chunks, terms)
 
     async def _streamed(self, reqs: list[gateway_pb2.GenerateRequest], md, timeout: float | None,
                         framing, terms=lambda err: err) -> Response:
@@ -314,13 +315,15 @@ class Api:
         parsed = await self._parsed(request, cls, build)
         if isinstance(parsed, Response):
             return parsed
-        req, md, timeout, _ = parsed
+        req, md, timeout, body = parsed
+        # A /tokenize of a prompt (not messages) is refused naming `prompt`, as /v1/completions.
+        terms = convert.in_completion_terms if getattr(body, "prompt", None) is not None else (lambda err: err)
         call = getattr(self.gateway.stub(), method)(req, metadata=md, timeout=timeout)
         try:
             resp = await self._unary(request, call)
             trace_id = dict(await call.initial_metadata() or ()).get(TRACE_ID_KEY, "")
         except grpc.aio.AioRpcError as exc:
-            return error_response(translate(exc))
+            return error_response(terms(translate(exc)))
         except errors.Cancelled as err:
             return error_response(err)
         return JSONResponse(shape(resp), headers={TRACE_ID_KEY: trace_id} if trace_id else None)

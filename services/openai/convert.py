@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.openai import tools
+from services.openai import httperrors, tools
 from services.openai.schemas import ChatBody, CompletionBody, DetokenizeBody, Message, TokenizeBody, unsupported
 from shared import errors
 from shared.controls import SEED_MAX, Controls, Sampling, check_max_tokens, sampling_pb
@@ -122,6 +122,14 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
         req.response_format.CopyFrom(rf)
     tools.set_tools(body, req)
     return req
+
+
+# A /v1/completions refusal names `prompt` where the gateway named its conversation or raw input.
+COMPLETION_FIELDS = {"messages": "prompt", "text": "prompt"}
+
+
+def in_completion_terms(err: errors.KeelError) -> errors.KeelError:
+    return httperrors.in_terms(err, COMPLETION_FIELDS)
 
 
 def completion_requests(body: CompletionBody) -> list[gateway_pb2.GenerateRequest]:

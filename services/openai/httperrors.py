@@ -54,6 +54,14 @@ def param_of(err: errors.KeelError) -> str | None:
     return next((f for f in SAMPLING_FIELDS if err.reason.startswith(f.upper() + "_")), None)
 
 
+def in_terms(err: errors.KeelError, fields: dict[str, str]) -> errors.KeelError:
+    """``err`` naming an endpoint's own field (``fields``: the name param_of gives -> the endpoint's)."""
+    param = param_of(err)
+    if param in fields:
+        err.metadata["field"] = fields[param]
+    return err
+
+
 def http_status(err: errors.KeelError) -> int:
     return STATUS_BY_REASON.get(err.reason) or STATUS_BY_CODE.get(err.code, 500)
 

@@ -32,10 +32,7 @@ FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "response_form
 
 def in_its_terms(err: errors.KeelError) -> errors.KeelError:
     """``err`` naming the Responses API's field where the gateway named its own."""
-    param = httperrors.param_of(err)
-    if param in FIELDS:
-        err.metadata["field"] = FIELDS[param]
-    return err
+    return httperrors.in_terms(err, FIELDS)
 
 
 def _refuse_stored(body: ResponsesBody) -> None:

@@ -226,7 +226,7 @@ def test_a_prompt_beyond_the_context_is_the_sdks_bad_request_with_openais_code(s
     url, _ = stage
     with pytest.raises(openai.BadRequestError) as exc:
         client(url).completions.create(model=MODEL_ID, prompt="long", max_tokens=100)
-    assert (exc.value.code, exc.value.param) == ("context_length_exceeded", "messages")
+    assert (exc.value.code, exc.value.param) == ("context_length_exceeded", "prompt")
     assert "2000 in the prompt" in exc.value.message and "100 to generate" in exc.value.message
 
 
@@ -252,7 +252,7 @@ def test_tokenize_and_detokenize_are_vllms_shapes_over_the_gateway(stage):
 
 
 @pytest.mark.parametrize("path,body,status,code,param", [
-    ("/tokenize", {"prompt": "long"}, 400, "context_length_exceeded", "messages"),
+    ("/tokenize", {"prompt": "long"}, 400, "context_length_exceeded", "prompt"),
     ("/tokenize", {"prompt": "hi", "return_token_strs": True}, 400, "UNSUPPORTED_PARAMETER", "return_token_strs"),
     ("/tokenize", {"prompt": "hi", "messages": []}, 400, "INVALID_BODY", "(body)"),
     ("/detokenize", {"tokens": [99999]}, 400, "TOKEN_ID_OUT_OF_RANGE", "tokens"),
