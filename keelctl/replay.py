@@ -37,7 +37,13 @@ def request_of(record: ReplayRecord) -> gateway_pb2.GenerateRequest:
     fmt = format_pb(record.sampling.controls.response_format)
     if fmt is not None:
         req.response_format.CopyFrom(fmt)
-    req.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in record.messages)
+    # The input as it was sent: a conversation, a raw text, or (neither) token ids, which are the prompt's.
+    if record.messages:
+        req.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c) for r, c in record.messages)
+    elif record.text is not None:
+        req.text = record.text
+    else:
+        req.token_ids.extend(record.prompt_ids or ())
     return req
 
 

@@ -28,7 +28,8 @@ def ids_sha256(ids: list[int]) -> str:
 
 
 def text_sha256(messages: tuple[tuple[str, str], ...]) -> str:
-    """SHA-256 (hex) of the conversation as canonical JSON ([role, content] pairs in order)."""
+    """SHA-256 (hex) of the conversation as canonical JSON ([role, content] pairs in order; a raw-text
+    input is the one pair ["text", its text])."""
     canon = json.dumps([[role, content] for role, content in messages], ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
@@ -67,6 +68,7 @@ class ReplayRecord:
     vocab_sha256: str = ""
     chat_template_sha256: str = ""
     adapter: str = ""                             # "id@version"; "" = the base model
+    text: str | None = None                       # a raw-text input (messages then empty)
     validation: Mapping[str, Any] = field(default_factory=dict)  # common.v1.ValidationResult as JSON
     # set when stored (`stored`):
     prompt_stored: bool = False
@@ -83,9 +85,10 @@ class ReplayRecord:
     def stored(self, store_prompts: bool) -> ReplayRecord:
         """The record as the database keeps it: hashes always; ids and text only if prompts may be stored."""
         hashes = dict(prompt_sha256=ids_sha256(self.prompt_ids), output_sha256=ids_sha256(self.output_ids),
-                      raw_text_sha256=text_sha256(self.messages), prompt_stored=store_prompts)
+                      raw_text_sha256=text_sha256(self.messages if self.text is None else (("text", self.text),)),
+                      prompt_stored=store_prompts)
         if not store_prompts:
-            hashes.update(prompt_ids=None, output_ids=None, messages=None)
+            hashes.update(prompt_ids=None, output_ids=None, messages=None, text=None)
         return replace(self, **hashes)
 
     def to_body(self) -> dict:
@@ -94,6 +97,7 @@ class ReplayRecord:
         fmt = format_pb(c.response_format)
         return {"trace_id": self.trace_id, "created_ms": self.created_ms,
                 "messages": None if self.messages is None else [{"role": r, "content": t} for r, t in self.messages],
+                "text": self.text,
                 "prompt_ids": _list(self.prompt_ids), "output_ids": _list(self.output_ids),
                 "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                              "top_k": s.top_k, "seed": s.seed, "stop": list(c.stop),
@@ -129,7 +133,7 @@ class ReplayRecord:
             domain=d.get("domain", ""), source=d.get("source", ""), finish_reason=d.get("finish_reason", ""),
             engine=dict(d.get("engine") or {}), input_fingerprint=d.get("input_fingerprint", ""),
             vocab_sha256=d.get("vocab_sha256", ""), chat_template_sha256=d.get("chat_template_sha256", ""),
-            adapter=d.get("adapter", ""), validation=dict(d.get("validation") or {}),
+            adapter=d.get("adapter", ""), text=d.get("text"), validation=dict(d.get("validation") or {}),
             prompt_stored=d.get("prompt_stored", False), prompt_sha256=d.get("prompt_sha256", ""),
             output_sha256=d.get("output_sha256", ""), raw_text_sha256=d.get("raw_text_sha256", ""))
 

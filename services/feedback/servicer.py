@@ -22,6 +22,7 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> ReplayRecord:
     fmt = r.response_format if r.HasField("response_format") else None
     return ReplayRecord(
         trace_id=r.trace_id, created_ms=r.created_unix_ms, messages=tuple((m.role, m.content) for m in r.messages),
+        text=r.text or None,
         prompt_ids=tuple(r.prompt_ids), output_ids=tuple(r.output_ids),
         sampling=Sampling(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, controls_of(s, fmt)),
         domain=r.domain, source=r.source, finish_reason=r.finish_reason, engine=dict(r.engine),

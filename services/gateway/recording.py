@@ -55,7 +55,7 @@ def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
     a = s.ask
     return feedback_pb2.ReplayRecord(
         trace_id=s.trace_id, created_unix_ms=created_ms, prompt_ids=s.encoded.ids,
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in a.messages],
+        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in a.messages], text=a.text or "",
         sampling=sampling_pb(a.sampling(s.done.seed)),
         domain=a.domain, source=a.source, output_ids=s.output_ids, finish_reason=s.done.finish_reason,
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,

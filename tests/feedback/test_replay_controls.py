@@ -38,3 +38,24 @@ def test_a_record_from_before_the_controls_replays_with_none():
     del body["response_format"]
     req = request_of(ReplayRecord.from_body(body))
     assert controls_of(req.sampling, None) == Controls() and not req.HasField("response_format")
+
+
+@pytest.mark.parametrize("form", ["chat", "text", "token_ids"])
+def test_a_replay_sends_the_input_in_the_form_it_came(form):
+    """A conversation goes back as chat, a raw text as text (no template), token ids as those ids."""
+    s = served("t" * 32)
+    if form == "text":
+        s = dataclasses.replace(s, ask=dataclasses.replace(s.ask, messages=(), text="def fib(n):"))
+    elif form == "token_ids":
+        s = dataclasses.replace(s, ask=dataclasses.replace(s.ask, messages=(), token_ids=(1, 2, 3)))
+    kept = ReplayRecord.from_body(stored_body(record_from_proto(to_record(s, 1)), True))
+    req = request_of(kept)
+    assert req.WhichOneof("input") == {"chat": "chat", "text": "text", "token_ids": None}[form]
+    if form == "chat":
+        assert [(m.role, m.content) for m in req.chat.messages] == [("user", "hi")]
+    elif form == "text":
+        assert req.text == "def fib(n):" and not req.token_ids
+    else:
+        assert list(req.token_ids) == [1, 2, 3]
+    hidden = ReplayRecord.from_body(stored_body(record_from_proto(to_record(s, 1)), False))
+    assert hidden.text is None and hidden.messages is None  # prompts not stored: no input text either
