@@ -14,7 +14,8 @@ from services.gateway import tools
 from services.gateway.tools import Tool, Toolbox
 from services.inference.engine.grammar import Vocabulary
 from shared import toolformat
-from shared.controls import Controls
+from shared.controls import Controls, ResponseFormat
+from shared.errors import InvalidInput
 from shared.modelfile import source as model_source
 from tests.inference.helpers import collect, ids, prompt, request
 
@@ -52,3 +53,11 @@ async def test_a_forced_call_always_parses_and_validates(engine, fmt):
         for call in reply.calls:
             assert not box.function or call.name == box.function
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.asyncio
+async def test_a_lark_grammar_that_does_not_compile_is_refused_with_a_reason(engine):
+    with pytest.raises(InvalidInput) as err:
+        await collect(engine, request("b", prompt(1), controls=Controls(response_format=ResponseFormat(
+            "lark", "start: undefined_rule\n"))))
+    assert err.value.reason == "RESPONSE_FORMAT_INVALID" and err.value.metadata["field"] == "response_format.lark"
