@@ -10,14 +10,17 @@ import random
 import llguidance
 import pytest
 
+from keel.tokenizer.v1 import tokenizer_pb2
 from services.gateway import tools
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.tools import Tool, Toolbox, ToolCall, TurnTools
+from services.gateway.upstreams import MeshUpstreams
 from services.gateway.values import Call
 from shared import toolformat
 from shared.modelfile import source as model_source
+from shared.stages import GATEWAY_UPSTREAMS
 from testing.upstreams import FakeUpstreams, no_sleep
 
 HERMES, LLAMA3 = toolformat.HERMES, toolformat.LLAMA3
@@ -142,3 +145,33 @@ async def test_auto_may_answer_text_and_none_shows_no_tools_but_keeps_the_turns(
     await pipeline(up, HERMES).generate(Ask(EARLIER, 64, tools=Toolbox(TOOLS, "none"), turn_tools=EARLIER_TOOLS),
                                         Call(1e12, "t" * 32))
     assert up.sent == [(EARLIER, (), EARLIER_TOOLS)] and up.generated == [None]
+
+
+class CapturingPool:
+    """Stands in for the tokenizer pool: hands ``fn`` a stub that keeps the EncodeRequest."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def call(self, timeout, fn):
+        pool = self
+
+        class Stub:
+            async def Encode(self, req, timeout, metadata):
+                pool.requests.append(req)
+                return tokenizer_pb2.EncodeResponse(input_ids=[1], original_length=1, tool_format=HERMES)
+        return await fn(Stub(), timeout)
+
+
+@pytest.mark.asyncio
+async def test_the_encode_request_carries_the_tools_and_each_turns_calls():
+    up = MeshUpstreams({stage: ("127.0.0.1:1",) for stage in GATEWAY_UPSTREAMS}, 1 << 20, 1)
+    up.pools["tokenizer"] = pool = CapturingPool()
+    await up.encode_chat(EARLIER, 64, 5.0, {}, tools=TOOLS, turn_tools=EARLIER_TOOLS)
+    chat = pool.requests[0].chat
+    assert [(t.name, t.description, t.parameters) for t in chat.tools] == \
+        [(t.name, t.description, t.parameters) for t in TOOLS]
+    sent = [(r, c, e.call_id) for (r, c), e in zip(EARLIER, EARLIER_TOOLS)]
+    assert [(m.role, m.content, m.tool_call_id) for m in chat.messages] == sent
+    assert [[(c.id, c.name, c.arguments) for c in m.tool_calls] for m in chat.messages] == \
+        [[], [("call_1", "weather", '{"city":"Oslo"}')], [], []]
