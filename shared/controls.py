@@ -29,16 +29,17 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_ABS_PENALTY = 2.0          # frequency and presence penalties: -2..2
 MAX_TOP_LOGPROBS = 5
 MAX_CHOICES = 64
-MAX_FORMAT_BYTES = 16384       # a JSON Schema or regex document, or all choices together (UTF-8)
-FORMAT_KINDS = ("json_schema", "regex", "choice")
+MAX_FORMAT_BYTES = 16384       # a JSON Schema, regex or Lark document, or all choices together (UTF-8)
+FORMAT_KINDS = ("json_schema", "regex", "choice", "lark")
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """What the answer must conform to: a JSON Schema document, a regex, or one of some strings."""
+    """What the answer must conform to: a JSON Schema document, a regex, one of some strings, or a
+    grammar in llguidance's Lark dialect."""
 
     kind: str                        # one of FORMAT_KINDS
-    document: str = ""               # json_schema or regex
+    document: str = ""               # json_schema, regex or lark
     choices: tuple[str, ...] = ()    # choice
 
     @property

@@ -62,7 +62,7 @@ class FakeUpstreams:
         self.payloads.append(payload)
         return ["low_quality"] if "meh" in str(payload) else []
 
-    async def encode_chat(self, messages, max_length, timeout, md):
+    async def encode_chat(self, messages, max_length, timeout, md, **_):
         self.calls.append("encode")
         return Encoded([1, 2, 3], False, 3, "fp")
 

@@ -25,7 +25,7 @@ from services.gateway.retry import RetryExecutor
 from services.gateway.stops import StopText
 from services.gateway.streamtext import DecodeStream, StreamedText
 from services.gateway.values import Answer, Call, Delta, Done, Encoded, Generated, Prepared, Served, Step
-from shared import errors, tracing
+from shared import errors, toolformat, tracing
 from shared.clip import clip_payload
 from shared.controls import SEED_MAX
 from shared.encoding import ids_fingerprint
@@ -40,7 +40,7 @@ class Upstreams(Protocol):
     async def validate_input(self, payload: dict, source: str, domain: str, timeout: float, md: dict,
                              rejected: errors.InvalidInput | None = None) -> list[str]: ...
     async def encode_chat(self, messages, max_length: int, timeout: float, md: dict,
-                          add_generation_prompt: bool = True) -> Encoded: ...
+                          add_generation_prompt: bool = True, tools=(), turn_tools=()) -> Encoded: ...
     async def encode_text(self, text: str, max_length: int, timeout: float, md: dict) -> Encoded: ...
     def generate(self, enc: Encoded, ask: Ask, seed: int, timeout: float, md: dict) -> AsyncIterator[Step | Done]: ...
     async def decode(self, ids: list[int], timeout: float, md: dict, skip_special_tokens: bool = True) -> str: ...
@@ -71,8 +71,10 @@ def payload_of(ask: Ask, text: str | None = None) -> dict:
 class Pipeline:
     def __init__(self, upstreams: Upstreams, executor: RetryExecutor, limits: Limits,
                  rng: random.Random | None = None, on_served: Callable[[Served], None] | None = None,
-                 spill_rejected: Callable[[Rejected], None] | None = None):
+                 spill_rejected: Callable[[Rejected], None] | None = None, tool_format: str = toolformat.GENERIC):
         self.up, self.ex, self.limits = upstreams, executor, limits
+        # How the model's chat template shows tool calls (shared/toolformat.py), from the model at start.
+        self.tool_format = tool_format
         # Keeps a rejected input the validator could not take (services/gateway/rejects.py); the
         # stage always gives one, pipelines built without one (unit tests) log the loss instead.
         self._spill_rejected = spill_rejected
@@ -127,11 +129,14 @@ class Pipeline:
             if streamed and ask.controls.echo:  # the prompt's text would be a first delta no client expects
                 raise errors.InvalidInput("echo is not served with a stream", reason="ECHO_UNSUPPORTED",
                                           metadata={"field": "sampling.echo"})
-            tools.check(ask, self.limits)
+            tools.check(ask, self.limits, self.tool_format)
             # From here on the conversation is the one the model sees (services/gateway/tools.py);
             # the tools' description counts against max_prompt_bytes like any prompt text.
-            ask = tools.render(ask)
-            check_prompt_bytes(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages), self.limits)
+            ask = tools.render(ask, self.tool_format)
+            shown = sum(len(f"{t.name}{t.description}{t.parameters}".encode("utf-8", "surrogatepass"))
+                        for t in tools.shown(ask, self.tool_format))
+            check_prompt_bytes(shown + sum(len(c.encode("utf-8", "surrogatepass")) for _, c in ask.messages),
+                               self.limits)
         except errors.InvalidInput as rejected:
             await self._quarantine(ask, rejected, call)
             raise
@@ -184,7 +189,8 @@ class Pipeline:
             return await self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_text(
                 ask.text, max_length, t, md), call)
         return await self.hop("tokenizer", "Encode", lambda t, md: self.up.encode_chat(
-            ask.messages, max_length, t, md), call)
+            ask.messages, max_length, t, md, tools=tools.shown(ask, self.tool_format), turn_tools=ask.turn_tools),
+            call)
 
     async def _quarantine(self, ask: Ask, rejected: errors.InvalidInput, call: Call) -> None:
         """Hand an input the gateway's own limits rejected to the validator's quarantine, clipped
@@ -317,7 +323,7 @@ class Pipeline:
                                 call)
 
     async def finish(self, ask: Ask, prep: Prepared, done: Done, out: Generated, call: Call) -> Answer:
-        reply = tools.parse(out.raw) if tools.active(ask) else None
+        reply = tools.parse(out.raw, self.tool_format) if tools.active(ask) else None
         seen, seen_as = tools.for_validation(ask, out.raw, reply)
         text, result = await self.hop("validator", "ValidateOutput", lambda t, md: self.up.validate_output(
             seen, seen_as, out.entropies, t, md), call)

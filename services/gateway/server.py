@@ -20,7 +20,7 @@ from services.gateway.routing import Router
 from services.gateway.servicer import GatewayServicer
 from services.gateway.upstreams import MeshUpstreams
 from services.gateway.values import Served
-from shared import metrics, modelcard, modelfile, proxyauth
+from shared import metrics, modelcard, modelfile, proxyauth, toolformat
 from shared.config import ConfigError, ServerConfig
 from shared.stages import GATEWAY_UPSTREAMS, SERVICE_NAMES
 
@@ -29,7 +29,7 @@ class GatewayStage:
     name = "gateway"
     service_name = SERVICE_NAMES["gateway"]
 
-    def __init__(self, cfg: gateway_config.GatewayConfig):
+    def __init__(self, cfg: gateway_config.GatewayConfig, tool_format: str = toolformat.GENERIC):
         self.cfg = cfg
         self._auth = ApiKeyAuthenticator(cfg.api_keys, AuthFailureLimiter(cfg.auth_failures))
         self._proxy_token = proxyauth.token()  # a caller holding it may name the client it calls for
@@ -60,7 +60,7 @@ class GatewayStage:
         backlog = m.gauge("keel_gateway_rejected_spill_backlog")
         self.rejects = RejectSpill(cfg.rejected_spill, sender(self.upstreams.validate_input), backlog.set)
         self.pipeline = Pipeline(self.upstreams, self.executor, cfg.limits, on_served=on_served,
-                                 spill_rejected=self.rejects.put)
+                                 spill_rejected=self.rejects.put, tool_format=tool_format)
 
     def authenticate(self, metadata: Metadata, peer: str = "") -> str:
         key_id = self._auth.authenticate(metadata, client_peer(metadata, peer, self._proxy_token))
@@ -98,5 +98,7 @@ def with_model(cfg: gateway_config.GatewayConfig, card: modelcard.ModelCard) -> 
 
 
 def build() -> tuple[GatewayStage, ServerConfig]:
-    cfg = with_model(gateway_config.load(), modelcard.read(modelfile.source()))
-    return GatewayStage(cfg), cfg.server
+    card = modelcard.read(modelfile.source())
+    cfg = with_model(gateway_config.load(), card)
+    # The tokenizer stage renders the same model's template (it reports the format as tool_format).
+    return GatewayStage(cfg, toolformat.detect(card.chat_template)), cfg.server

@@ -1,5 +1,7 @@
-"""Tool calls (OpenAI's function calling) for models whose chat template has no tools section, as
-llama.cpp's *generic* handler does it (docs/generation.md, Tool calls, has the exact rendering):
+"""Tool calls (OpenAI's function calling). A model whose chat template has a tools section gets them in
+the template's own format (services/gateway/toolformats.py: the tokenizer renders the tools and the
+tool turns, the answer is decoded under a Lark grammar of the format). For the others, as llama.cpp's
+*generic* handler does it (docs/generation.md, Tool calls, has the exact rendering):
 
 - the request's tools are described in the system turn (appended to the first one, else a new first
   turn), with the JSON the model is to answer in: ``{"tool_call": {"name": ..., "arguments": ...}}``,
@@ -11,9 +13,9 @@ llama.cpp's *generic* handler does it (docs/generation.md, Tool calls, has the e
   produced and as a user turn holding ``{"tool_response": ...}``: the tokenizer stage renders only
   system, user and assistant turns.
 
-``check`` refuses what cannot be served, ``render`` turns an Ask into the plain chat the tokenizer
-sees (and the grammar the engine decodes under), ``parse`` reads the generated JSON back into the
-answer's text or calls.
+``check`` refuses what cannot be served, ``render`` turns an Ask into the chat the tokenizer sees (and
+the grammar the engine decodes under), ``parse`` reads the generated text back into the answer's text
+or calls; each takes the model's tool format (shared/toolformat.py), "generic" unless told.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from typing import TYPE_CHECKING
 
 import jsonschema
 
-from shared import errors
+from services.gateway import toolformats
+from services.gateway.toolformats import relocate
+from shared import errors, toolformat
 from shared.controls import MAX_FORMAT_BYTES, ResponseFormat
 
 if TYPE_CHECKING:
@@ -123,7 +127,7 @@ def _schema(tool: Tool, i: int) -> dict:
     return schema
 
 
-def check(ask: Ask, limits: Limits) -> None:
+def check(ask: Ask, limits: Limits, fmt: str = toolformat.GENERIC) -> None:
     """The request's tools, tool_choice and tool turns, or InvalidInput with the rule's reason (metadata
     `field`): TOO_MANY_TOOLS, TOOL_INVALID, TOOL_CHOICE_INVALID, TOOLS_CONFLICT, TOOLS_TOO_LARGE."""
     box = ask.tools
@@ -155,21 +159,10 @@ def check(ask: Ask, limits: Limits) -> None:
     if ask.controls.response_format is not None:
         raise _bad("tools and response_format cannot be combined: the answer's format is the tool-call JSON "
                    "(send tool_choice none to use response_format)", "TOOLS_CONFLICT", "response_format")
-    size = len(grammar(box).encode("utf-8"))
+    size = len(answer_format(box, fmt).document.encode("utf-8"))
     if size > MAX_FORMAT_BYTES:
         raise _bad(f"the tools' schemas make a grammar of {size} bytes, the limit is {MAX_FORMAT_BYTES}",
                    "TOOLS_TOO_LARGE", "tools")
-
-
-def _relocate(node, pointer: str):
-    """``node`` with every local $ref ("#...") made relative to the document root it now sits at
-    ``pointer`` under (a tool's "#/$defs/X" becomes "#<pointer>/$defs/X")."""
-    if isinstance(node, dict):
-        return {k: (("#" + pointer + v[1:]) if k == "$ref" and isinstance(v, str) and v.startswith("#")
-                    else _relocate(v, pointer)) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_relocate(v, pointer) for v in node]
-    return node
 
 
 def _call(tool: Tool, i: int, at: str) -> dict:
@@ -177,7 +170,7 @@ def _call(tool: Tool, i: int, at: str) -> dict:
     schema's own "$id" and "$schema" are left out, so that its local refs resolve in the new document)."""
     schema = {k: v for k, v in _schema(tool, i).items() if k not in ("$id", "$schema")}
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": _relocate(schema, f"{at}/properties/arguments")},
+                                             "arguments": relocate(schema, f"{at}/properties/arguments")},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -204,6 +197,20 @@ def grammar(box: Toolbox) -> str:
                     "additionalProperties": False}
         calls = {"anyOf": [calls, response]}
     return json.dumps(calls, ensure_ascii=False)
+
+
+def answer_format(box: Toolbox, fmt: str) -> ResponseFormat:
+    """What the answer is decoded under: the generic JSON Schema, or the template format's grammar."""
+    if fmt == toolformat.GENERIC:
+        return ResponseFormat("json_schema", grammar(box))
+    functions = [(t.name, _schema(t, i)) for i, t in enumerate(box.tools) if not box.function or t.name == box.function]
+    calls = MAX_PARALLEL_CALLS if box.parallel and not box.function else 1
+    return ResponseFormat("lark", toolformats.grammar(fmt, functions, box.forced, calls))
+
+
+def shown(ask: Ask, fmt: str) -> tuple[Tool, ...]:
+    """The tools the model's template is to show (none for the generic format: the system turn does)."""
+    return ask.tools.tools if fmt != toolformat.GENERIC and active(ask) else ()
 
 
 def _compact(obj) -> str:
@@ -247,10 +254,15 @@ def _turn(role: str, content: str, extra: TurnTools, names: dict[str, str], para
     return role, _compact(shown)
 
 
-def render(ask: Ask) -> Ask:
-    """``ask`` as the tokenizer and the engine take it: the tools described in the system turn and the
-    answer's grammar set (when tools are active), earlier calls and tool turns rendered as JSON turns.
-    The Ask keeps its Toolbox (``parse`` reads the answer with it) and drops its turn_tools."""
+def render(ask: Ask, fmt: str = toolformat.GENERIC) -> Ask:
+    """``ask`` as the tokenizer and the engine take it, the answer's grammar set when tools are
+    active. Generic: the tools described in the system turn, earlier calls and tool turns rendered
+    as JSON turns (the Ask drops its turn_tools). A template's format: the turns as sent, with their
+    turn_tools (the template renders them, and ``shown`` the tools)."""
+    if fmt != toolformat.GENERIC:
+        if not active(ask):
+            return ask
+        return replace(ask, controls=replace(ask.controls, response_format=answer_format(ask.tools, fmt)))
     box = ask.tools or Toolbox()
     turns = ask.turn_tools or (TurnTools(),) * len(ask.messages)
     names = {c.id: c.name for t in turns for c in t.calls if c.id}
@@ -262,7 +274,7 @@ def render(ask: Ask) -> Ask:
             messages[0] = ("system", f"{messages[0][1]}\n{text}")
         else:
             messages.insert(0, ("system", text))
-        controls = replace(controls, response_format=ResponseFormat("json_schema", grammar(box)))
+        controls = replace(controls, response_format=answer_format(box, fmt))
     return replace(ask, messages=tuple(messages), turn_tools=(), controls=controls)
 
 
@@ -270,9 +282,14 @@ def new_call_id() -> str:
     return "call_" + "".join(secrets.choice(CALL_ID_CHARS) for _ in range(24))
 
 
-def parse(raw: str) -> Reply | None:
-    """The generated JSON as text or calls (each with a new id); None when it is not the generic JSON
-    (an answer cut short by max_tokens)."""
+def parse(raw: str, fmt: str = toolformat.GENERIC) -> Reply | None:
+    """The generated text as the answer's text or calls (each with a new id, its arguments compact
+    JSON); None when it is not of the format (an answer cut short by max_tokens)."""
+    if fmt != toolformat.GENERIC:
+        read = toolformats.parse(fmt, raw)
+        if read is None or isinstance(read, str):
+            return None if read is None else Reply(read)
+        return Reply("", tuple(ToolCall(new_call_id(), name, _compact(arguments)) for name, arguments in read))
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):

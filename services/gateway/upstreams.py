@@ -219,9 +219,17 @@ class MeshUpstreams:
         return list(resp.flags)
 
     async def encode_chat(self, messages, max_length: int, timeout: float, md: dict,
-                          add_generation_prompt: bool = True) -> Encoded:
+                          add_generation_prompt: bool = True, tools=(), turn_tools=()) -> Encoded:
+        """``messages`` through the chat template, with the ``tools`` it is to show and each turn's
+        calls or call id (``turn_tools``: empty, or one TurnTools per message)."""
         chat = tokenizer_pb2.ChatInput(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt,
+                                       tools=[common_pb2.Tool(name=t.name, description=t.description,
+                                                              parameters=t.parameters) for t in tools])
+        for message, extra in zip(chat.messages, turn_tools):
+            message.tool_call_id = extra.call_id
+            message.tool_calls.extend(common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                      for c in extra.calls)
         return await self._encode(tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length), timeout, md)
 
     async def encode_text(self, text: str, max_length: int, timeout: float, md: dict) -> Encoded:

@@ -5,6 +5,12 @@ Same sandboxed environment (trim_blocks, lstrip_blocks, loopcontrols), same ``to
 add_generation_prompt, the special token strings), so the rendered text is identical. jinja2 is
 slow to import, so this module is imported by ``Tokenizer.warmup``, not at open.
 
+Tools (OpenAI's function calling) reach the template as transformers passes them: ``tools`` a list
+of ``{"type": "function", "function": {name, description, parameters}}``, an assistant turn's calls
+as its ``tool_calls`` (``{"type": "function", "id": ..., "function": {"name": ..., "arguments":
+<dict>}}``), a ``tool`` turn with its ``tool_call_id``. Only a template with a tools section
+(``shared/toolformat.py``: not "generic") takes ``tool`` turns; others refuse them (UNKNOWN_ROLE).
+
 A model without a chat template is rendered plainly (``PlainRenderer``): each message as
 ``"<role>: <content>\n"``, then ``"assistant:"`` when add_generation_prompt is set; the stage
 reports its chat_template_sha256 as the SHA-256 of ``PLAIN_TEMPLATE_ID``.
@@ -19,9 +25,11 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shared import toolformat
 from shared.errors import InvalidInput
 
 ROLES = ("system", "user", "assistant")
+TOOL_ROLES = (*ROLES, "tool")  # a template with a tools section
 PLAIN_TEMPLATE_ID = "keel.chat.plain.v1"  # names the plain rendering in chat_template_sha256
 
 
@@ -47,21 +55,32 @@ class ChatRenderer:
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(template)
         self._special = dict(special_strings)  # bos_token, eos_token, ... as transformers passes them
+        self.tool_format = toolformat.detect(template)
 
-    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
-        chat = [_message(i, m) for i, m in enumerate(_message_list(messages))]
+    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+               tools: Sequence[dict] = (), extras: Sequence[dict] = ()) -> str:
+        """``messages`` as (role, content) pairs; ``extras`` (empty, or one per message) the keys a
+        turn adds in transformers' shape (``tool_calls``, ``tool_call_id``); ``tools`` as above."""
+        roles = ROLES if self.tool_format == toolformat.GENERIC else TOOL_ROLES
+        chat = [_message(i, m, roles) for i, m in enumerate(_message_list(messages))]
+        for message, extra in zip(chat, extras):
+            message.update(extra)
         try:
             return self._template.render(messages=chat, add_generation_prompt=bool(add_generation_prompt),
-                                         tools=None, documents=None, **self._special)
+                                         tools=list(tools) or None, documents=None, **self._special)
         except jinja2.TemplateError as exc:
             raise InvalidInput(f"chat template refused the messages: {exc}",
                                reason="CHAT_TEMPLATE_ERROR") from exc
 
 
 class PlainRenderer:
-    """For models without a chat template: "<role>: <content>\\n" per message, then "assistant:"."""
+    """For models without a chat template: "<role>: <content>\\n" per message, then "assistant:"
+    (tools and a turn's calls are not shown: the gateway describes them in generic turns)."""
 
-    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    tool_format = toolformat.GENERIC
+
+    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+               tools: Sequence[dict] = (), extras: Sequence[dict] = ()) -> str:
         chat = [_message(i, m) for i, m in enumerate(_message_list(messages))]
         text = "".join(f"{m['role']}: {m['content']}\n" for m in chat)
         return text + "assistant:" if add_generation_prompt else text
@@ -75,13 +94,13 @@ def _message_list(messages) -> list:
     return list(messages)
 
 
-def _message(index: int, message) -> dict[str, str]:
+def _message(index: int, message, roles: tuple[str, ...] = ROLES) -> dict:
     if isinstance(message, (str, bytes)) or not isinstance(message, Sequence) or len(message) != 2:
         raise InvalidInput(f"message {index} is not a (role, content) pair", reason="INVALID_MESSAGES",
                            metadata={"index": index})
     role, content = message
-    if not isinstance(role, str) or role not in ROLES:
-        raise InvalidInput(f"message {index} has role {role!r}; expected one of {', '.join(ROLES)}"[:300],
+    if not isinstance(role, str) or role not in roles:
+        raise InvalidInput(f"message {index} has role {role!r}; expected one of {', '.join(roles)}"[:300],
                            reason="UNKNOWN_ROLE", metadata={"index": index})
     if not isinstance(content, str):
         raise InvalidInput(f"message {index} content must be a string", reason="INVALID_MESSAGES",

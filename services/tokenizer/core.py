@@ -12,7 +12,7 @@ import hashlib
 import json
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from services.tokenizer.bpe import BpeEngine, CacheOptions, MergeTables
 from services.tokenizer.decoding import Decoder, StreamDecoder
 from services.tokenizer.pretokenize import PinnedPatterns, PreTokenizer
 from services.tokenizer.tables import pair_rank_lookup, token_id_lookup
+from shared import toolformat
 from shared.encoding import fingerprint
 from shared.errors import Fatal, InvalidInput, NotReady
 
@@ -109,6 +110,8 @@ class Tokenizer:
         self._chat = None
         # "model" (the model's Jinja template) or "plain" (chat.PlainRenderer: the model has none).
         self.chat_template_kind = "model" if meta.get("chat_template") else "plain"
+        # How the template shows tool calls (shared/toolformat.py): "generic" when it cannot.
+        self.tool_format = toolformat.detect(meta.get("chat_template"))
         # Identity of the encoding, for replay records (EncodeResponse); computed by warmup().
         self.vocab_sha256 = self.chat_template_sha256 = ""
 
@@ -281,10 +284,13 @@ class Tokenizer:
 
     # -- chat and decode ---------------------------------------------------------------------
 
-    def render_chat(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] = (), extras: Sequence[dict] = ()) -> str:
+        """The chat as the model's template renders it (services/tokenizer/chat.py: ``tools`` and
+        a turn's ``extras`` in transformers' shape)."""
         if self._chat is None:
             raise NotReady("render_chat before warmup()", reason="NOT_WARMED_UP")
-        return self._chat.render(messages, add_generation_prompt)
+        return self._chat.render(messages, add_generation_prompt, tools, extras)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._decoder.decode(ids, skip_special_tokens)

@@ -5,13 +5,42 @@ Big inputs are tokenized in a worker thread so one long request never stalls the
 from __future__ import annotations
 
 import asyncio
+import json
 
 from opentelemetry import trace
 
+from keel.common.v1 import common_pb2
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.core import EncodeOptions, Tokenizer
 from shared import errors
+
+
+def _json(text: str, empty):
+    """JSON text as the value a template gets (text that is not JSON stays a string)."""
+    try:
+        return json.loads(text) if text else empty
+    except (ValueError, RecursionError):
+        return text
+
+
+def _tool(t: common_pb2.Tool) -> dict:
+    """A Tool as transformers hands it to a template."""
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": _json(t.parameters, {"type": "object"})}}
+
+
+def _extra(m: common_pb2.ChatMessage) -> dict:
+    """A message's calls (``tool_calls``, arguments as a dict) and call id, only the keys it has: a
+    template tells a call turn by the key (Llama 3.1: ``'tool_calls' in message``)."""
+    extra: dict = {}
+    if m.tool_calls:
+        extra["tool_calls"] = [{"type": "function", "id": c.id, "function": {"name": c.name,
+                                                                             "arguments": _json(c.arguments, {})}}
+                               for c in m.tool_calls]
+    if m.tool_call_id:
+        extra["tool_call_id"] = m.tool_call_id
+    return extra
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -36,8 +65,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def _encode(self, req: tokenizer_pb2.EncodeRequest, options: EncodeOptions):
         which = req.WhichOneof("input")
         if which == "chat":
-            messages = [(m.role, m.content) for m in req.chat.messages]
-            text: str | bytes = self.tok.render_chat(messages, add_generation_prompt=req.chat.add_generation_prompt)
+            chat = req.chat
+            messages = [(m.role, m.content) for m in chat.messages]
+            text: str | bytes = self.tok.render_chat(
+                messages, add_generation_prompt=chat.add_generation_prompt,
+                tools=[_tool(t) for t in chat.tools], extras=[_extra(m) for m in chat.messages])
         elif which == "text":
             text = req.text
         else:
@@ -60,7 +92,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.EncodeResponse(
             input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=enc.position_ids,
             truncated=enc.truncated, original_length=enc.original_length, fingerprint=enc.fingerprint,
-            vocab_sha256=self.tok.vocab_sha256, chat_template_sha256=self.tok.chat_template_sha256)
+            vocab_sha256=self.tok.vocab_sha256, chat_template_sha256=self.tok.chat_template_sha256,
+            tool_format=self.tok.tool_format)
 
     async def Decode(self, request, context):
         with self._latency.labels(op="decode").time():

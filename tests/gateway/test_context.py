@@ -31,7 +31,7 @@ class Prompt(FakeUpstreams):
         super().__init__()
         self.length, self.max_lengths, self.asks = length, [], []
 
-    async def encode_chat(self, messages, max_length, timeout, md):
+    async def encode_chat(self, messages, max_length, timeout, md, **_):
         self.calls.append("encode")
         self.max_lengths.append(max_length)
         ids = list(range(self.length))[-max_length:]

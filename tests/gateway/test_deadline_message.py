@@ -10,7 +10,7 @@ from tests.gateway.test_pipeline import ask, pipeline
 
 
 class SlowTokenizer(FakeUpstreams):
-    async def encode_chat(self, messages, max_length, timeout, md):
+    async def encode_chat(self, messages, max_length, timeout, md, **_):
         # What shared/client.py makes of grpc's own DEADLINE_EXCEEDED from an upstream.
         raise errors.DeadlineExpired("Deadline Exceeded", metadata={"retry_hint": "absent"})
 

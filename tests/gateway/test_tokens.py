@@ -40,7 +40,7 @@ class Tokenizer(FakeUpstreams):
         self.seen.append(("text", text, max_length))
         return self._cut([ord(c) for c in text], max_length)
 
-    async def encode_chat(self, messages, max_length, timeout, md, add_generation_prompt=True):
+    async def encode_chat(self, messages, max_length, timeout, md, add_generation_prompt=True, **_):
         self.seen.append(("chat", messages, add_generation_prompt))
         text = "".join(f"{r[0]}{c}|" for r, c in messages) + ("A" if add_generation_prompt else "")
         return self._cut([ord(c) for c in text], max_length)

@@ -159,7 +159,7 @@ class Scripted(FakeUpstreams):
         super().__init__()
         self.answer, self.refuse, self.encoded, self.seen = answer, refuse, [], []
 
-    async def encode_chat(self, messages, max_length, timeout, md):
+    async def encode_chat(self, messages, max_length, timeout, md, **_):
         self.encoded.append(tuple(messages))
         return await super().encode_chat(messages, max_length, timeout, md)
 

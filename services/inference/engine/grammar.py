@@ -112,6 +112,8 @@ def _grammar(response_format: ResponseFormat) -> str:
                                                              overrides={"whitespace_flexible": False})
     if response_format.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(response_format.document)
+    if response_format.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(response_format.document)
     # Lark string literals take JSON's escapes, so json.dumps quotes any choice exactly.
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in response_format.choices))
