@@ -12,6 +12,7 @@ import sys
 import time
 
 import grpc
+from google.protobuf import json_format
 from prometheus_client import CollectorRegistry, push_to_gateway, write_to_textfile
 
 from keel.common.v1 import common_pb2
@@ -44,7 +45,22 @@ def request_of(record: ReplayRecord) -> gateway_pb2.GenerateRequest:
         req.text = record.text
     else:
         req.token_ids.extend(record.prompt_ids or ())
+    if record.tool_use is not None:
+        _ask_tools(req, record.tool_use)
     return req
+
+
+def _ask_tools(req: gateway_pb2.GenerateRequest, use) -> None:
+    """The record's tools, tool_choice and turn calls back on the request (the gateway renders them again)."""
+    for i, turn in use.get("turns", {}).items():
+        message = req.chat.messages[int(i)]
+        message.tool_call_id = turn.get("tool_call_id", "")
+        message.tool_calls.extend(json_format.ParseDict(c, common_pb2.ToolCall()) for c in turn.get("tool_calls", ()))
+    req.tools.extend(json_format.ParseDict(t, common_pb2.Tool()) for t in use.get("tools", ()))
+    if "tool_choice" in use:
+        req.tool_choice.CopyFrom(json_format.ParseDict(use["tool_choice"], common_pb2.ToolChoice()))
+    if "parallel_tool_calls" in use:
+        req.parallel_tool_calls = use["parallel_tool_calls"]
 
 
 def replay_one(store: Store, record: ReplayRecord, target: str) -> Outcome:

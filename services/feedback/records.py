@@ -69,6 +69,9 @@ class ReplayRecord:
     chat_template_sha256: str = ""
     adapter: str = ""                             # "id@version"; "" = the base model
     text: str | None = None                       # a raw-text input (messages then empty)
+    # A request with tools: its tools, tool_choice, parallel_tool_calls, the answer's tool_calls and
+    # its turns' calls, as JSON (services/feedback/servicer.py tool_use_of); None without tools.
+    tool_use: Mapping[str, Any] | None = None
     validation: Mapping[str, Any] = field(default_factory=dict)  # common.v1.ValidationResult as JSON
     # set when stored (`stored`):
     prompt_stored: bool = False
@@ -88,7 +91,7 @@ class ReplayRecord:
                       raw_text_sha256=text_sha256(self.messages if self.text is None else (("text", self.text),)),
                       prompt_stored=store_prompts)
         if not store_prompts:
-            hashes.update(prompt_ids=None, output_ids=None, messages=None, text=None)
+            hashes.update(prompt_ids=None, output_ids=None, messages=None, text=None, tool_use=None)
         return replace(self, **hashes)
 
     def to_body(self) -> dict:
@@ -97,7 +100,7 @@ class ReplayRecord:
         fmt = format_pb(c.response_format)
         return {"trace_id": self.trace_id, "created_ms": self.created_ms,
                 "messages": None if self.messages is None else [{"role": r, "content": t} for r, t in self.messages],
-                "text": self.text,
+                "text": self.text, "tool_use": None if self.tool_use is None else dict(self.tool_use),
                 "prompt_ids": _list(self.prompt_ids), "output_ids": _list(self.output_ids),
                 "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                              "top_k": s.top_k, "seed": s.seed, "stop": list(c.stop),
@@ -133,7 +136,8 @@ class ReplayRecord:
             domain=d.get("domain", ""), source=d.get("source", ""), finish_reason=d.get("finish_reason", ""),
             engine=dict(d.get("engine") or {}), input_fingerprint=d.get("input_fingerprint", ""),
             vocab_sha256=d.get("vocab_sha256", ""), chat_template_sha256=d.get("chat_template_sha256", ""),
-            adapter=d.get("adapter", ""), text=d.get("text"), validation=dict(d.get("validation") or {}),
+            adapter=d.get("adapter", ""), text=d.get("text"), tool_use=d.get("tool_use"),
+            validation=dict(d.get("validation") or {}),
             prompt_stored=d.get("prompt_stored", False), prompt_sha256=d.get("prompt_sha256", ""),
             output_sha256=d.get("output_sha256", ""), raw_text_sha256=d.get("raw_text_sha256", ""))
 

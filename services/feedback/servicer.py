@@ -17,12 +17,32 @@ from shared import errors, tracing
 from shared.controls import Sampling, controls_of
 
 
+def _dict(message) -> dict:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def tool_use_of(r: feedback_pb2.ReplayRecord) -> dict | None:
+    """A record's tool fields as one JSON object (None: a request without tools): tools, tool_choice,
+    parallel_tool_calls, the answer's tool_calls, and per turn index ("0", "1", ...) that turn's
+    tool_calls and tool_call_id."""
+    turns = {str(i): {"tool_calls": [_dict(c) for c in m.tool_calls], "tool_call_id": m.tool_call_id}
+             for i, m in enumerate(r.messages) if m.tool_calls or m.tool_call_id}
+    if not (r.tools or r.HasField("tool_choice") or r.tool_calls or turns):
+        return None
+    use = {"tools": [_dict(t) for t in r.tools], "tool_calls": [_dict(c) for c in r.tool_calls], "turns": turns}
+    if r.HasField("tool_choice"):
+        use["tool_choice"] = _dict(r.tool_choice)
+    if r.HasField("parallel_tool_calls"):
+        use["parallel_tool_calls"] = r.parallel_tool_calls
+    return use
+
+
 def record_from_proto(r: feedback_pb2.ReplayRecord) -> ReplayRecord:
     s = r.sampling
     fmt = r.response_format if r.HasField("response_format") else None
     return ReplayRecord(
         trace_id=r.trace_id, created_ms=r.created_unix_ms, messages=tuple((m.role, m.content) for m in r.messages),
-        text=r.text or None,
+        text=r.text or None, tool_use=tool_use_of(r),
         prompt_ids=tuple(r.prompt_ids), output_ids=tuple(r.output_ids),
         sampling=Sampling(s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, controls_of(s, fmt)),
         domain=r.domain, source=r.source, finish_reason=r.finish_reason, engine=dict(r.engine),

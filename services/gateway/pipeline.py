@@ -124,6 +124,7 @@ class Pipeline:
         return await self.hop("inference", "ListAdapters", self.up.list_adapters, call)
 
     async def prepare(self, ask: Ask, call: Call, streamed: bool = False) -> Prepared:
+        sent = ask
         try:
             check_ask(ask, self.limits)
             if streamed and ask.controls.echo:  # the prompt's text would be a first delta no client expects
@@ -166,7 +167,7 @@ class Pipeline:
         if ask.controls.echo:
             echo = text if not enc.truncated else await self.hop(
                 "tokenizer", "Decode", lambda t, md: self.up.decode(enc.ids, t, md, skip_special_tokens=False), call)
-        return Prepared(fit(ask, prompt_tokens, self.limits), enc, flags, seed, echo)
+        return Prepared(fit(ask, prompt_tokens, self.limits), enc, flags, seed, echo, sent)
 
     async def _decoded_input(self, ask: Ask, call: Call) -> str:
         """The text of a token-id input (what the validator's input contract and echo see); ids
@@ -338,7 +339,8 @@ class Pipeline:
                                             metadata={"plugin": plugin, "trace_id": call.trace_id})
         trace.get_current_span().set_attribute("adapter.served", done.adapter)
         if self._on_served is not None:
-            self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id))
+            self._on_served(Served(ask, prep.enc, done, out.ids, result, call.trace_id, prep.sent,
+                                   reply.calls if reply is not None else ()))
         finish_reason = "stop" if out.stopped else done.finish_reason
         if reply is not None and reply.calls:
             text, finish_reason = "", tools.FINISH_REASON

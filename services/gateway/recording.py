@@ -25,8 +25,10 @@ import grpc
 
 from keel.common.v1 import common_pb2
 from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
+from services.gateway.contract import Ask
 from services.gateway.submits import SubmitCoalescer
 from services.gateway.submitstream import SubmitStream
+from services.gateway.tools import ToolCall, TurnTools
 from services.gateway.values import Served
 from shared import client, errors, metrics
 from shared.controls import format_pb, sampling_pb
@@ -47,20 +49,36 @@ class ReplayConfig:
     submit_stream_age_s: float = 60.0  # the batches' SubmitStream call is replaced once this old
 
 
+def _call_pb(c: ToolCall) -> common_pb2.ToolCall:
+    return common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+
+
+def _messages(a: Ask) -> list[common_pb2.ChatMessage]:
+    turns = a.turn_tools or (TurnTools(),) * len(a.messages)
+    return [common_pb2.ChatMessage(role=r, content=c, tool_calls=[_call_pb(x) for x in t.calls], tool_call_id=t.call_id)
+            for (r, c), t in zip(a.messages, turns)]
+
+
 def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
-    """The record of an answer. A request with tools is recorded as the model saw it, which is what a
-    replay sends again (services/gateway/tools.py): its messages with the tools described in the system
-    turn and earlier calls rendered as JSON turns, the tool_choice as the grammar in response_format,
-    and the answer's calls as the output_ids of the JSON they were read from (a replay's calls get new ids)."""
-    a = s.ask
-    return feedback_pb2.ReplayRecord(
+    """The record of an answer: the input as the client sent it (a replay sends it again, and the
+    gateway renders a request's tools into it again), the sampling as applied, the prompt and output
+    ids as the model saw and made them, and the answer's tool calls."""
+    a, sent = s.ask, s.sent or s.ask
+    box = sent.tools
+    rec = feedback_pb2.ReplayRecord(
         trace_id=s.trace_id, created_unix_ms=created_ms, prompt_ids=s.encoded.ids,
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in a.messages], text=a.text or "",
-        sampling=sampling_pb(a.sampling(s.done.seed)),
+        messages=_messages(sent), text=sent.text or "", sampling=sampling_pb(a.sampling(s.done.seed)),
         domain=a.domain, source=a.source, output_ids=s.output_ids, finish_reason=s.done.finish_reason,
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,
         vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256,
-        adapter=s.done.adapter, response_format=format_pb(a.controls.response_format))
+        adapter=s.done.adapter, response_format=format_pb(sent.controls.response_format),
+        tool_calls=[_call_pb(c) for c in s.tool_calls])
+    if box is not None:
+        rec.tools.extend(common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters,
+                                         strict=t.strict) for t in box.tools)
+        rec.tool_choice.CopyFrom(common_pb2.ToolChoice(mode=box.mode, function=box.function))
+        rec.parallel_tool_calls = box.parallel
+    return rec
 
 
 def _channel(targets: tuple[str, ...], max_message_bytes: int) -> grpc.aio.Channel:

@@ -59,13 +59,16 @@ class Done:
 
 @dataclass(frozen=True)
 class Served:
-    """Everything a replay record holds about one answered request (see services/gateway/recording.py)."""
+    """Everything a replay record holds about one answered request (see services/gateway/recording.py):
+    the Ask as served and as sent (None: the same), and the calls the answer made."""
     ask: Ask
     encoded: Encoded
     done: Done
     output_ids: list[int]
     validation: common_pb2.ValidationResult
     trace_id: str
+    sent: Ask | None = None
+    tool_calls: tuple[tools.ToolCall, ...] = ()
 
 
 @dataclass
@@ -103,12 +106,14 @@ class Call:
 class Prepared:
     """What ``prepare`` made of an accepted Ask: the Ask as it is served (its max_tokens fitted to
     the context), the encoded prompt, the input flags, the seed, and with echo the prompt's text
-    as the answer repeats it (the text as sent, or the kept part's decoded text when it was cut)."""
+    as the answer repeats it (the text as sent, or the kept part's decoded text when it was cut), and
+    the Ask as the client sent it (before a request's tools were rendered into its conversation)."""
     ask: Ask
     enc: Encoded
     flags: list[str]
     seed: int
     echo: str = ""
+    sent: Ask | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ import pytest
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
+from keelctl.replay import request_of
+from services.feedback.records import ReplayRecord, stored_body
+from services.feedback.servicer import record_from_proto
 from services.gateway import tools
 from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Pipeline
@@ -192,9 +195,11 @@ async def test_a_call_is_answered_as_tool_calls_and_validated_as_its_json():
     assert [(c.name, c.arguments) for c in ans.tool_calls] == [("weather", '{"city":"Oslo"}')]
     assert up.encoded[0][0][0] == "system" and tools.TOOLS_INTRO in up.encoded[0][0][1]
     assert up.seen == [(raw, ResponseFormat("json_schema", tools.grammar(Toolbox(TOOLS, "required"))))]
-    record = to_record(served[0], 1)
-    assert record.messages[0].role == "system" and tools.TOOLS_INTRO in record.messages[0].content
-    assert record.response_format.json_schema == tools.grammar(Toolbox(TOOLS, "required"))
+    record = to_record(served[0], 1)  # the request as sent, not as rendered, and the answer's calls
+    assert [(m.role, m.content) for m in record.messages] == [("user", "hello")]
+    assert not record.HasField("response_format") and [t.name for t in record.tools] == ["point", "weather"]
+    assert record.tool_choice.mode == "required" and record.parallel_tool_calls
+    assert [(c.id, c.name) for c in record.tool_calls] == [(ans.tool_calls[0].id, "weather")]
 
 
 @pytest.mark.asyncio
@@ -251,3 +256,30 @@ def test_the_servicer_carries_tools_and_calls_both_ways():
     out = to_response(Answer(finish_reason="tool_calls", tool_calls=(ToolCall("call_2", "weather", '{"a":1}'),)))
     assert [(c.id, c.name, c.arguments) for c in out.tool_calls] == [("call_2", "weather", '{"a":1}')]
 
+
+
+@pytest.mark.asyncio
+async def test_a_replay_of_a_tool_request_renders_the_same_conversation_and_grammar():
+    """gateway record -> the feedback stage's stored JSON -> keel replay's request -> the gateway again:
+    the tools, tool_choice and the turns' calls survive, so the model sees the same prompt."""
+    req = gateway_pb2.GenerateRequest(
+        chat=gateway_pb2.ChatMessages(messages=[
+            common_pb2.ChatMessage(role="user", content="weather in Oslo?"),
+            common_pb2.ChatMessage(role="assistant", tool_calls=[common_pb2.ToolCall(
+                id="call_1", name="weather", arguments='{"city":"Oslo"}')]),
+            common_pb2.ChatMessage(role="tool", content="sunny", tool_call_id="call_1")]),
+        tools=[common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in TOOLS],
+        tool_choice=common_pb2.ToolChoice(function="weather"), parallel_tool_calls=False)
+    raw = '{"tool_call":{"name":"weather","arguments":{"city":"Bergen"}}}'
+    first, served = Scripted(raw), []
+    await pipeline(first, served.append).generate(to_ask(req, LIMITS), Call(1e12, "t" * 32))
+    kept = ReplayRecord.from_body(stored_body(record_from_proto(to_record(served[0], 1)), True))
+    assert kept.tool_use["tool_calls"][0]["name"] == "weather"
+    again = request_of(kept)
+    assert (list(again.tools), again.tool_choice, again.parallel_tool_calls) == \
+        (list(req.tools), req.tool_choice, False)
+    assert list(again.chat.messages) == list(req.chat.messages)
+    second = Scripted(raw)
+    await pipeline(second).generate(to_ask(again, LIMITS), Call(1e12, "u" * 32))
+    assert second.encoded == first.encoded and second.seen == first.seen
+    assert ReplayRecord.from_body(stored_body(record_from_proto(to_record(served[0], 1)), False)).tool_use is None
