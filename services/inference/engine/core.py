@@ -72,8 +72,8 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     format: str = "float32"  # the weight format (model/loader.py FORMATS), or "auto" before the stage resolves it
     device: str = "cpu"
-    warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
-    warmup_max_tokens: int = 256                            # one probe with a long reserved completion
+    warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model measurements (prompt lengths)
+    warmup_max_tokens: int = 256                            # one measurement with a long reserved completion
     # prefill chunk size; also newcomers' first-chunk tokens per step
     prefill_tokens_per_iteration: int = 2048
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
