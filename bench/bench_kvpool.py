@@ -8,7 +8,7 @@ longest one's). --pow2 adds a pool peer whose capacity is rounded up to a power 
 bits, more copying). --rounds N runs every configuration N times, alternating, and keeps the fastest.
 Prints a markdown table.
 
-Run: .venv/bin/python -m bench.bench_kvpool [--batches 1 16] [--dtypes float32 bfloat16] [--blocks 16 32]
+Run: .venv/bin/python -m bench.bench_kvpool [--batches 1 16] [--formats float32 bfloat16] [--blocks 16 32]
      [--pow2] [--rounds 1]
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def contexts(batch: int) -> list[int]:
     return [24 + (i * 53) % 208 for i in range(batch)]
 
 
-def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str, steps: int) -> dict:
+def worker(kind: str, format: str, batch: int, block_tokens: int, peer_file: str, steps: int) -> dict:
     import torch
 
     from services.inference.model.loader import load_model
@@ -43,7 +43,7 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
         spec = importlib.util.spec_from_file_location("peer_forward", peer_file)
         module = sys.modules["peer_forward"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        runner = module.LlamaRunner(load_model(model_source().cache_dir, dtype))
+        runner = module.LlamaRunner(load_model(model_source().cache_dir, format))
     else:
         from services.inference.model.forward import DecodeView, LlamaRunner
 
@@ -59,7 +59,7 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
                 return DecodeView(table, view.lengths, masked)
 
         cls = Pow2Runner if kind == "pool-pow2" else LlamaRunner
-        runner = cls(load_model(model_source().cache_dir, dtype), block_tokens=block_tokens)
+        runner = cls(load_model(model_source().cache_dir, format), block_tokens=block_tokens)
     if batch < 16:  # as the engine does: dense layers padded to invariant sizes (16 rows need no padding)
         runner.calibrate_invariant_sizes(16)
     lengths = contexts(batch)
@@ -79,7 +79,7 @@ def worker(kind: str, dtype: str, batch: int, block_tokens: int, peer_file: str,
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--formats", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--peer-ref", default="main")
     ap.add_argument("--pow2", action="store_true")
@@ -101,13 +101,13 @@ def main() -> int:
         print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
         kinds = [("pool", b) for b in args.blocks] + ([("pool-pow2", args.blocks[0])] if args.pow2 else [])
         header = " | ".join(f"{k} b{b} ms/step | ratio" for k, b in kinds)
-        print(f"| dtype | batch | per-row loop ms/step | {header} |\n|---|---|---|" + "---|---|" * len(kinds))
-        for dtype in args.dtypes:
+        print(f"| format | batch | per-row loop ms/step | {header} |\n|---|---|---|" + "---|---|" * len(kinds))
+        for format in args.formats:
             for batch in args.batches:
                 row = {}
                 for _ in range(args.rounds):
                     for kind, blocks in [("per-row", 0)] + kinds:
-                        spec = dict(kind=kind, dtype=dtype, batch=batch, block_tokens=blocks or 16,
+                        spec = dict(kind=kind, format=format, batch=batch, block_tokens=blocks or 16,
                                     peer_file=str(peer), steps=args.steps)
                         out = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(spec)],
                                              cwd=ROOT, check=True, capture_output=True, text=True).stdout
@@ -115,7 +115,7 @@ def main() -> int:
                         row[(kind, blocks)] = min(ms, row.get((kind, blocks), ms))
                 base = row[("per-row", 0)]
                 cells = " | ".join(f"{row[k]:.1f} | {row[k] / base:.2f}x" for k in kinds)
-                print(f"| {dtype} | {batch} | {base:.1f} | {cells} |", flush=True)
+                print(f"| {format} | {batch} | {base:.1f} | {cells} |", flush=True)
         print(f"\nMachine: {machine()}")
     return 0
 

@@ -10,10 +10,10 @@ Each peer runs in a fresh process (`--peer NAME`) and prints one JSON line; the 
                4 adapters and the base interleaved, slots 0..4 (keel-mixed), timed alternately
   peft-mixed   transformers + PEFT's unmerged forward, the same 16 rows and adapters (adapter_names per row)
   warmup       the stage's start-up check (lora/startup.check_adapters) of a registry holding 0, 1 and 2
-               adapters: (t2 - t0) / 2 is the warm-up cost per adapter (probe run, checks, slot loading;
-               with one adapter or more, the base's own greedy probe run is paid once), t2 - t1 the second.
+               adapters: (t2 - t0) / 2 is the warm-up cost per adapter (check run, checks, slot loading;
+               with one adapter or more, the base's own greedy check run is paid once), t2 - t1 the second.
                Each count is timed cold (no start-up record under its key: measured, and the record
-               written) then cached (the same check again: one verified probe row per adapter and one
+               written) then cached (the same check again: one verified check row per adapter and one
                for the base, lora/startcache.py).
   stage        the inference stage's start (bootstrap.start_engine, engine.format float32) with a registry
                of 2 adapters, in fresh processes on one scratch var dir: a first start fills the engine's

@@ -9,7 +9,7 @@ backoff), and poll grpc.health.v1 until SERVING. Cold rounds delete the stored w
 before the restart; warm rounds keep them. The page cache is warm in both (the model was read
 before). For each restart the stage's own "engine warm" log line gives its start-up phases.
 
-Run: .venv/bin/python -m bench.bench_restart [--kills 10] [--cold-kills 5] [--dtype auto] [--threads 1]
+Run: .venv/bin/python -m bench.bench_restart [--kills 10] [--cold-kills 5] [--format auto] [--threads 1]
      [--adapters var/adapters-src/pirate ... [--corrupt-last]] [--peer-root ../keel-main]
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Stage:
         self.port = free_port()
         self.env = {**os.environ, "KEEL_VAR_DIR": str(self.scratch), "KEEL_INFERENCE_SERVER__PORT": str(self.port),
                     "KEEL_INFERENCE_SERVER__METRICS_PORT": str(free_port()),
-                    "KEEL_INFERENCE_ENGINE__FORMAT": args.dtype,
+                    "KEEL_INFERENCE_ENGINE__FORMAT": args.format,
                     "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": str(args.threads),
                     # the prepared models of this checkout (the scratch var dir has none)
                     "KEEL_MODELS_DIR": str(model_source().cache_dir.parent),
@@ -98,7 +98,7 @@ class Stage:
         registered = []
         for adapter in args.adapters:  # registered in the scratch registry before the first start
             out = subprocess.run([sys.executable, "-m", "keelctl", "lora", "register", str(adapter.resolve()),
-                                  "--format", args.dtype], cwd=root, env=self.env, check=True, capture_output=True,
+                                  "--format", args.format], cwd=root, env=self.env, check=True, capture_output=True,
                                  text=True).stdout
             registered.append(Path(next(x for x in out.splitlines() if x.startswith("registered")).split(" in ")[1]))
         if args.corrupt_last and registered:  # its weights no longer match its manifest: refused at every start
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--cold-kills", type=int, default=5)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--format", default="auto", help="the weight format, or auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adapters", type=Path, nargs="*", default=[],
                     help="PEFT adapter folders to register before the first start (e.g. var/adapters-src/*)")

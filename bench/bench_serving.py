@@ -2,17 +2,17 @@
 in the same run on the same prompts, output lengths mixed.
 
 Run:  .venv/bin/python -m bench.bench_serving [--requests 64] [--concurrency 1,4,16,64]
-      [--dtypes gguf[,gguf@1]] [--write docs/bench/serving.md]     (dtype@T: T intra-op threads)
+      [--formats gguf[,gguf@1]] [--write docs/bench/serving.md]     (format@T: T intra-op threads)
 Needs the bench-only extra for the llama.cpp peer: `make bench-deps` (compiles llama-cpp-python, ~5 min).
 
 Workload: --requests chat prompts (the FORMS x SUBJECTS of services/inference/formats/gateprompts.py),
 max_tokens cycling through
---max-tokens, greedy, the model's eos on: lengths are mixed by both. Keel runs first, one mesh per dtype
+--max-tokens, greedy, the model's eos on: lengths are mixed by both. Keel runs first, one mesh per format
 (`keelctl up` on free ports, the real model, KEEL_INFERENCE_ENGINE__FORMAT), each of N clients a closed
 loop over the shared list (N=1 takes the first 8 requests, N=4 the first 16, more take all): once
 straight to the inference stage (pre-tokenized ids, the mesh token), once through the gateway's
 GenerateStream (auth, tokenizer, validator both ways, retries, traces). The peers then run alone, each
-in a fresh process, producing exactly the per-request lengths Keel's first dtype produced (eos off):
+in a fresh process, producing exactly the per-request lengths Keel's first format produced (eos off):
   hf-static       model.generate on left-padded batches of 16, each batch as long as its longest request
   generate-batch  transformers' continuous batching (paged attention), one request per prompt, own length,
                   all handed over at once (generate-batch) or 16 in flight (generate-batch-16)
@@ -193,12 +193,12 @@ async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concu
 
 
 def keel(variant: str, jobs: list[Job], concurrency: list[int]) -> dict[tuple[str, int], Result]:
-    """One mesh serving `variant`: a dtype, or dtype@T for T intra-op threads in the inference stage
-    (else the config's)."""
-    dtype, _, threads = variant.partition("@")
+    """One mesh serving `variant`: a weight format, or format@T for T intra-op threads in the inference
+    stage (else the config's)."""
+    format, _, threads = variant.partition("@")
     # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
     # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
-    env = {"KEEL_INFERENCE_ENGINE__FORMAT": dtype, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
+    env = {"KEEL_INFERENCE_ENGINE__FORMAT": format, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
     if threads:
         env["KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS"] = threads
     tmp = Path(tempfile.mkdtemp(prefix="keel-serving-"))
@@ -278,12 +278,12 @@ def hf_batch1(dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
     return res
 
 
-def run_peer(name: str, dtype: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
+def run_peer(name: str, format: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
     """One peer in a fresh process of its own: once a thread of a process has run torch, torch on
     its other threads is slower (bench/probes/torch_thread.py), and transformers' continuous
     batching runs its loop on a thread of its own."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"name": name, "dtype": dtype, "lengths": lengths,
+        json.dump({"name": name, "format": format, "lengths": lengths,
                    "jobs": [[j.index, j.text, j.ids, j.max_tokens] for j in jobs]}, f)
     out = subprocess.run([sys.executable, "-m", __spec__.name, "--peer-child", f.name], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
@@ -295,36 +295,36 @@ def run_peer(name: str, dtype: str, jobs: list[Job], lengths: dict[int, int]) ->
 def peer_child(spec_file: Path) -> None:
     spec = json.loads(spec_file.read_text())
     jobs, lengths = [Job(*j) for j in spec["jobs"]], {int(k): v for k, v in spec["lengths"].items()}
-    name, dtype = spec["name"], spec["dtype"]
+    name, format = spec["name"], spec["format"]
     if name == "llama-cpp":
         res = llamacpp_peer.single(jobs, lengths, Result, EventClock)
     elif name == "llama-cpp-batched":
         res = llamacpp_peer.batched(jobs, lengths, Result, EventClock, STATIC_BATCH)
     elif name == "hf-static":
-        res = hf_static(dtype, jobs, lengths)
+        res = hf_static(format, jobs, lengths)
     elif name == "hf-batch1":
-        res = hf_batch1(dtype, jobs, lengths)
+        res = hf_batch1(format, jobs, lengths)
     else:
-        res = hf_continuous(dtype, jobs, lengths, STATIC_BATCH if name.endswith("-16") else None)
+        res = hf_continuous(format, jobs, lengths, STATIC_BATCH if name.endswith("-16") else None)
     print(json.dumps({"wall": res.wall, "tokens": res.tokens, "ttft": res.ttft, "itl": res.itl}))
 
 
-def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str:
-    head = ("| system | dtype | clients | requests served | failed | tokens | tok/s | TTFT p50 / p99 ms "
+def report(jobs, concurrency, formats, keel_res, peers, lengths, cmd: str) -> str:
+    head = ("| system | format | clients | requests served | failed | tokens | tok/s | TTFT p50 / p99 ms "
             "| ITL p50 / p99 ms |\n" + "|---" * 9 + "|")
     lines = ["# Serving benchmark", "", f"Command: `{cmd}`", f"Machine: {machine()}", "",
              (__doc__ or "").split("\n\n", 2)[2].strip(), "",
-             f"Output lengths (Keel {dtypes[0]}, greedy, eos on): mean {statistics.mean(lengths.values()):.1f}, "
+             f"Output lengths (Keel {formats[0]}, greedy, eos on): mean {statistics.mean(lengths.values()):.1f}, "
              f"min {min(lengths.values())}, max {max(lengths.values())} over {len(lengths)} requests.", "",
              "## Keel", "", head]
-    for d in dtypes:
+    for d in formats:
         for c in concurrency:
             for path in ("stage", "mesh"):
                 name = "inference stage alone (gRPC)" if path == "stage" else "full mesh (gateway stream)"
                 lines.append(f"| {name} | {d} | {c} | {keel_res[d][(path, c)].row()} |")
     lines += ["", "CPU seconds each mesh process used during a run, per second of the run (2 cores = 2.0):", "",
-              "| path | dtype | clients | " + " | ".join(CPU_STAGES) + " |", "|---" * (3 + len(CPU_STAGES)) + "|"]
-    for d in dtypes:
+              "| path | format | clients | " + " | ".join(CPU_STAGES) + " |", "|---" * (3 + len(CPU_STAGES)) + "|"]
+    for d in formats:
         for c in concurrency:
             for path in ("stage", "mesh"):
                 r = keel_res[d][(path, c)]
@@ -343,7 +343,7 @@ def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str
         if not group or 16 not in concurrency:
             continue
         (bname, bd), best = max(group.items(), key=lambda kv: kv[1].tok_s)
-        for d in dtypes:
+        for d in formats:
             r = keel_res[d][("mesh", 16)]
             lines.append(f"- 16 clients through the mesh, {d}: {r.tok_s:.1f} tok/s vs {label}, {bname} {bd} "
                          f"{best.tok_s:.1f} tok/s = **{r.tok_s / best.tok_s:.2f}x** (target {target}x)")
@@ -353,7 +353,7 @@ def report(jobs, concurrency, dtypes, keel_res, peers, lengths, cmd: str) -> str
         if key not in peers or 1 not in concurrency:
             continue
         ref = peers[key]
-        for d in dtypes:
+        for d in formats:
             for path, target in wanted.items():
                 r = keel_res[d][(path, 1)]
                 where = "through the mesh" if path == "mesh" else "to the inference stage alone"
@@ -368,7 +368,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[16, 48, 96, 160])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
-    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["gguf"])
+    ap.add_argument("--formats", type=lambda s: s.split(","), default=["gguf"])
     ap.add_argument("--peers", type=lambda s: [p for p in s.split(",") if p], default=list(PEER_CLIENTS))
     ap.add_argument("--write", type=Path)
     ap.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)
@@ -379,17 +379,17 @@ def main() -> int:
         return 0
     jobs = workload(args.requests, args.max_tokens)
     keel_res = {}
-    for d in args.dtypes:
+    for d in args.formats:
         print(f"keel {d}", flush=True)
         keel_res[d] = keel(d, jobs, args.concurrency)
-    lengths = keel_res[args.dtypes[0]][("stage", max(args.concurrency))].tokens
+    lengths = keel_res[args.formats[0]][("stage", max(args.concurrency))].tokens
     peers: dict[tuple[str, str], Result] = {}
     for name in args.peers:
         for d in (("q4_1",) if name.startswith("llama-cpp") else ("float32", "bfloat16")):
             peers[(name, d)] = run_peer(name, d, subset(jobs, 1) if name in SINGLE_STREAM else jobs, lengths)
             print(f"  {name} {d}: {peers[(name, d)].tok_s:.1f} tok/s", flush=True)
     cmd = " ".join([".venv/bin/python", "-m", "bench.bench_serving"] + sys.argv[1:])
-    out = report(jobs, args.concurrency, args.dtypes, keel_res, peers, lengths, cmd)
+    out = report(jobs, args.concurrency, args.formats, keel_res, peers, lengths, cmd)
     print(out)
     if args.write:
         args.write.write_text(out)

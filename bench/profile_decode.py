@@ -6,7 +6,7 @@ profiled by operator (torch.profiler). At batch 1 it also sets the step's effect
 time) against a STREAM-like copy (a 256 MiB tensor copied; read + write counted) timed right after
 each of five rounds of steps: a batch-1 step is bound by bandwidth, so the copy is its physical limit.
 
-Run: .venv/bin/python -m bench.profile_decode [--dtype gguf] [--batch 16] [--context 40] [--steps 20]
+Run: .venv/bin/python -m bench.profile_decode [--format gguf] [--batch 16] [--context 40] [--steps 20]
      [--aten-layers]   (a block format without its layer ops, as before kernels/layer_ops.cpp)
      [--op-by-op]      (a block format's layers op by op, as before kernels/layer.cpp)
 """
@@ -85,7 +85,7 @@ def step_bytes(runner: LlamaRunner, context: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--dtype", default="gguf")
+    ap.add_argument("--format", default="gguf", help="the weight format (model/loader.py FORMATS)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=40)
     ap.add_argument("--steps", type=int, default=20)
@@ -96,7 +96,7 @@ def main() -> int:
                     help="a block format's layers op by op (as a step with LoRA terms runs them), not in two calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(model_source().cache_dir, args.dtype)
+    model = load_model(model_source().cache_dir, args.format)
     if args.aten_layers:  # before the runner looks its layers' modules up
         for m in list(model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
             for name, child in m.named_children():
@@ -108,7 +108,7 @@ def main() -> int:
     runner.layer_ops = runner.layer_ops and not args.aten_layers
     if args.op_by_op:
         runner.layers = [replace(layer, blocks=None) for layer in runner.layers]
-    if args.dtype == "float32":
+    if args.format == "float32":
         runner.calibrate_invariant_sizes(args.batch)  # as the engine does: padded to an invariant size
     caches = [runner.new_cache(args.context + (args.steps + 3) * 8 + 8) for _ in range(args.batch)]
     for c in caches:
@@ -124,7 +124,7 @@ def main() -> int:
             step()
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
-    print(f"{args.dtype}, batch {args.batch}, context {args.context}: {ms:.1f} ms per decode step "
+    print(f"{args.format}, batch {args.batch}, context {args.context}: {ms:.1f} ms per decode step "
           f"({args.batch / ms * 1e3:.0f} tok/s); its linear layers alone {floor:.1f} ms: step / matmul-only "
           f"{ms / floor:.2f}x. Machine: {machine()}")
     if args.batch == 1:

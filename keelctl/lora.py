@@ -3,12 +3,12 @@
     keel lora register PATH [--id ID] [--version V] [--training-data-manifest FILE] [--format F]
     keel lora list [--offline] [--target HOST:PORT] [--json]   versions, the base each fits, replica state
     keel lora verify [--format F]        re-check every version against the current base; retrain requests
-    keel lora drift ID@VERSION [--format F]    KL(registered || now) on the probe set
+    keel lora drift ID@VERSION [--format F]    KL(registered || now) on the check prompts
     keel lora card ID@VERSION            the version's model card
 
 register, verify and drift load the base model from the inference stage's config (model_path) in the
 weight format the stage last served (the registry's base.json; else engine.format, float32 for auto)
-and run the probe set through the engine's own runner. An adapter is bound to the weights, not to
+and run the check prompts through the engine's own runner. An adapter is bound to the weights, not to
 that format (docs/lora.md, "The first adapter on a fresh clone"). Exit status: 0 ok; 1 a refusal, a version that
 needs retraining or significant drift; 2 bad arguments or configuration.
 """
@@ -36,7 +36,7 @@ def cmd_register(cfg, args) -> int:
                    if f.parent.name == adapter_id and f.name.isdigit()]
         version = str(max(numeric, default=0) + 1)
     base = adapters.running_base(cfg, args.format)
-    with Progress(f"{adapter_id}@{version}: probe runs", adapters.forward_steps(base), unit="step") as bar:
+    with Progress(f"{adapter_id}@{version}: check runs", adapters.forward_steps(base), unit="step") as bar:
         m = adapters.register(src, adapter_id, version, base, cfg.lora,
                      Path(args.training_data_manifest) if args.training_data_manifest else None, bar.update)
     kl = m.kl_vs_base
@@ -44,7 +44,7 @@ def cmd_register(cfg, args) -> int:
     print(f"  base fingerprint {m.base_fingerprint}; golden outputs made in {m.base['format']} "
           "(another serving format is checked by the drift gate)")
     print(f"  rank {m.rank}, alpha {m.alpha:g}, targets {', '.join(m.targets)}")
-    print(f"  golden outputs: {len(m.golden_ids)} probes x {len(m.golden_ids[0])} tokens; "
+    print(f"  golden outputs: {len(m.golden_ids)} prompts x {len(m.golden_ids[0])} tokens; "
           f"{kl['direction']} mean {kl['mean']:.4f}, p95 {kl['p95']:.4f}")
     return 0
 
@@ -119,7 +119,7 @@ def cmd_verify(cfg, args) -> int:
 
 def cmd_drift(cfg, args) -> int:
     d = adapters.measure_drift(cfg.lora, adapters.running_base(cfg, args.format), args.adapter)
-    print(f"{d['adapter']}: {d['direction']} over {d['positions']} probe positions: mean {d['mean']:.6f}, "
+    print(f"{d['adapter']}: {d['direction']} over {d['positions']} check positions: mean {d['mean']:.6f}, "
           f"p95 {d['p95']:.6f} nats/token (threshold {d['threshold']}); greedy agreement {d['greedy_agreement']:.3f}")
     print("significant drift" if d["significant"] else "no significant drift")
     return 1 if d["significant"] else 0

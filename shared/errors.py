@@ -357,11 +357,13 @@ REASONS: dict[str, Reason] = {
     "INERT_ADAPTER": Reason(
         PreconditionFailed, "adapter refused: its weights and targets do not match the base's modules one to one"),
     "ADAPTER_CHANGES_NOTHING": Reason(
-        PreconditionFailed, "adapter refused: its greedy probe outputs equal the base model's"),
+        PreconditionFailed, "adapter refused: its greedy outputs on the check prompts equal the base model's"),
     "GOLDEN_MISMATCH": Reason(
-        PreconditionFailed, "adapter refused: greedy probe outputs differ from the golden ones made at registration"),
+        PreconditionFailed,
+        "adapter refused: greedy outputs on the check prompts differ from the golden ones made at registration"),
     "ADAPTER_DRIFT": Reason(
-        PreconditionFailed, "adapter refused: KL(registered || now) on the probe set is above lora.drift_threshold"),
+        PreconditionFailed,
+        "adapter refused: KL(registered || now) on the check prompts is above lora.drift_threshold"),
     "ADAPTER_RECORD_INVALID": Reason(
         PreconditionFailed, "adapter refused: its keel-adapter.json or files are missing, unreadable or changed since "
                             "registration"),

@@ -72,9 +72,9 @@ _TOKENIZER = None
 
 
 def base_of(model: torch.nn.Module, weights_sha256: str = "tiny-seed-0", fmt: str = "float32", runner=None):
-    """A registry Base for an in-memory model: its calibrated runner, fingerprint fields, the probe set."""
+    """A registry Base for an in-memory model: its calibrated runner, fingerprint fields, the check prompts."""
     from services.inference.lora import fingerprint
-    from services.inference.lora.probes import load_probe_set
+    from services.inference.lora.checkprompts import load_check_prompts
     from services.inference.lora.registry import Base
     from services.inference.model.forward import LlamaRunner
     if runner is None:
@@ -83,7 +83,7 @@ def base_of(model: torch.nn.Module, weights_sha256: str = "tiny-seed-0", fmt: st
     tok = tokenizer()
     config = dataclasses.asdict(model.config)
     fields = fingerprint.base_fields(weights_sha256, config, fingerprint.tokenizer_hashes(tok), fmt)
-    return Base(runner, fields, load_probe_set(tok))
+    return Base(runner, fields, load_check_prompts(tok))
 
 
 def load_slots(model: torch.nn.Module, folders: list[Path], max_rank: int = 64) -> LoraSlots:

@@ -73,17 +73,9 @@ class RetryConfig:
     alerts: AlertConfig = AlertConfig()
 
     def __post_init__(self) -> None:
-        rules = {"unavailable_max_attempts >= 1": self.unavailable_max_attempts >= 1,
-                 "exhausted_max_attempts >= 1": self.exhausted_max_attempts >= 1,
-                 "deadline_max_attempts >= 1": self.deadline_max_attempts >= 1,
-                 "max_attempts_per_request >= 1": self.max_attempts_per_request >= 1,
-                 "base_s > 0": self.base_s > 0, "cap_s >= base_s": self.cap_s >= self.base_s,
-                 "pushback_jitter_max >= 1": self.pushback_jitter_max >= 1,
-                 "deadline_margin_s >= 0": self.deadline_margin_s >= 0,
-                 "deadline_step_s >= 0": self.deadline_step_s >= 0}
-        broken = [rule for rule, ok in rules.items() if not ok]
-        if broken:
-            raise ValueError(f"retry config breaks {', '.join(broken)}")
+        # Each field's own bounds are config/schemas/gateway.schema.json's; this is the rule between two.
+        if self.cap_s < self.base_s:
+            raise ValueError("retry config breaks cap_s >= base_s")
 
 
 @dataclass(frozen=True)

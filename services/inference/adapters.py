@@ -28,7 +28,7 @@ def base_format(cfg: InferenceConfig, given: str | None) -> str:
 
 def running_base(cfg: InferenceConfig, format: str | None = None) -> Base:
     """The base model of `cfg` loaded in `format` (base_format's default) on the engine's own runner,
-    with the stage's thread count, determinism settings and batch-invariant sizes, so the probe rows
+    with the stage's thread count, determinism settings and batch-invariant sizes, so the check rows
     meet the kernels a replica runs them on."""
     import sys
 
@@ -47,7 +47,7 @@ def running_base(cfg: InferenceConfig, format: str | None = None) -> Base:
         torch.set_num_threads(e.intra_op_threads)
     set_deterministic(e.device)
     runner = LlamaRunner(load_model(cfg.model_dir, format, e.device), e.device)
-    if e.batch_invariant:  # the same batch sizes the stage pads to, so probe rows meet the same kernels
+    if e.batch_invariant:  # the same batch sizes the stage pads to, so check rows meet the same kernels
         runner.calibrate_invariant_sizes(e.max_batch_size)
     return base_of(runner, cfg.model_dir, model_sha256(cfg.model_dir), format)
 

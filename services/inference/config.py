@@ -1,4 +1,8 @@
-"""The inference stage's one typed config object (config/inference.yaml, schema-validated)."""
+"""The inference stage's one typed config object (config/inference.yaml, schema-validated).
+
+Each field's bounds are config/schemas/inference.schema.json's, checked when the file is loaded; the
+dataclasses below check only what the schema cannot say (rules between fields, a format the device runs).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -67,8 +67,8 @@ def test_register_before_any_start_then_the_adapter_serves_in_another_format(wal
     register, ask = outputs.values()
     assert register.returncode == 0, register.stdout + register.stderr
     assert "golden outputs made in float32" in register.stdout
-    # off a terminal, the probe runs' progress is plain lines on stderr, the last one "... done"
-    progress = [line for line in register.stderr.splitlines() if line.startswith("pirate@1: probe runs: ")]
+    # off a terminal, the check runs' progress is plain lines on stderr, the last one "... done"
+    progress = [line for line in register.stderr.splitlines() if line.startswith("pirate@1: check runs: ")]
     assert progress and " done, " in progress[-1] and "\r" not in register.stderr
     assert ask.returncode == 0, ask.stdout + ask.stderr
     assert "adapter pirate@1" in ask.stdout and "Arr" in ask.stdout

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.gateway import config as gateway_config
 from services.gateway.budget import (
     KEEL_PREVIOUS_ATTEMPTS_KEY,
     PREVIOUS_ATTEMPTS_KEY,
@@ -14,6 +15,7 @@ from services.gateway.budget import (
     is_retry,
     previous_attempts,
 )
+from shared.config import ConfigError
 
 
 def test_throttle_costs_and_refunds():
@@ -54,10 +56,10 @@ def test_registry_keeps_one_bucket_per_upstream():
     assert reg.get("inference").tokens == 4.0
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": 1001}, {"token_ratio": 0}])
-def test_throttle_config_rejects_out_of_range(kwargs):
-    with pytest.raises(ValueError):
-        ThrottleConfig(**kwargs)
+@pytest.mark.parametrize("key,value", [("max_tokens", "0"), ("max_tokens", "1001"), ("token_ratio", "0")])
+def test_throttle_config_rejects_out_of_range(key, value):
+    with pytest.raises(ConfigError, match=f"field 'retry.throttle.{key}' breaks rule"):
+        gateway_config.load(environ={f"KEEL_GATEWAY_RETRY__THROTTLE__{key.upper()}": value})
 
 
 @pytest.mark.parametrize("metadata,count", [

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.gateway import config as gateway_config
 from services.gateway.ratelimit import RateLimit, RateLimitConfig, RateLimiter
+from shared.config import ConfigError
 from shared.errors import Overloaded
 
 
@@ -64,5 +66,6 @@ def test_rejected_requests_do_not_consume_tokens(clock):
 
 @pytest.mark.parametrize("rate,burst", [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.5)])
 def test_rate_limit_config_validation(rate, burst):
-    with pytest.raises(ValueError):
-        RateLimit(rate, burst)
+    value = f"{{rate_per_s: {rate}, burst: {burst}}}"
+    with pytest.raises(ConfigError, match="field 'rate_limits.default.(rate_per_s|burst)' breaks rule"):
+        gateway_config.load(environ={"KEEL_GATEWAY_RATE_LIMITS__DEFAULT": value})

@@ -5,9 +5,11 @@ import random
 
 import pytest
 
+from services.gateway import config as gateway_config
 from services.gateway.retry import RetryConfig, decide, hint_state
 from services.gateway.retry_alerts import ks_distance_uniform
 from shared import errors
+from shared.config import ConfigError
 from shared.errors import (
     Cancelled,
     DeadlineExpired,
@@ -177,10 +179,16 @@ def test_hint_state(err, state):
     assert hint_state(err) == state
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"unavailable_max_attempts": 0}, {"max_attempts_per_request": 0}, {"base_s": 0.0},
-    {"cap_s": 0.01}, {"pushback_jitter_max": 0.9}, {"deadline_margin_s": -1.0},
+@pytest.mark.parametrize("key,value", [
+    ("unavailable_max_attempts", "0"), ("max_attempts_per_request", "0"), ("base_s", "0.0"),
+    ("pushback_jitter_max", "0.9"), ("deadline_margin_s", "-1.0"),
 ])
-def test_config_rejects_nonsense(kwargs):
-    with pytest.raises(ValueError):
-        RetryConfig(**kwargs)
+def test_config_rejects_nonsense(key, value):
+    """Each field's bounds are the config schema's: the gateway's config load refuses the value."""
+    with pytest.raises(ConfigError, match=f"field 'retry.{key}' breaks rule"):
+        gateway_config.load(environ={f"KEEL_GATEWAY_RETRY__{key.upper()}": value})
+
+
+def test_a_cap_below_the_base_is_rejected():
+    with pytest.raises(ValueError, match="cap_s >= base_s"):
+        RetryConfig(cap_s=0.01)

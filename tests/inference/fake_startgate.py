@@ -1,7 +1,7 @@
 """A stand-in for `python -m services.inference.formats.startgate` in background.py's unit tests: it
 reads the job, prints three progress lines, then does what FAKE_GATE says: a JSON verdict to print,
 "die" (exit 3 without a verdict) or "hang" (wait until killed); "score" stops after the first of the
-three lines, as if scoring probes, and waits until killed."""
+three lines, as if scoring gate prompts, and waits until killed."""
 from __future__ import annotations
 
 import json

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from services.inference import config as inference_config
 from services.inference.engine.core import Engine, EngineConfig
+from shared.config import ConfigError
 from shared.errors import InvalidInput, NotReady, Overloaded, PreconditionFailed
 from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, prompt, request, tiny_config
@@ -167,12 +169,20 @@ def test_budget_smaller_than_the_model_is_refused(tiny):
     assert e.value.reason == "BUDGET_TOO_SMALL"
 
 
-@pytest.mark.parametrize("field,value", [("max_batch_size", 0), ("memory_budget_bytes", 0),
-                                         ("queue_timeout_ms", 0), ("max_queued_requests", -1),
-                                         ("format", "fp8"), ("warmup_prompt_tokens", ())])
+@pytest.mark.parametrize("field,value", [("max_batch_size", "0"), ("max_batch_size", "65"),
+                                         ("memory_budget_bytes", "1000"), ("queue_timeout_ms", "0"),
+                                         ("max_queued_requests", "-1"), ("format", "fp8"),
+                                         ("warmup_prompt_tokens", "[]"), ("intra_op_threads", "0")])
 def test_bad_config_is_rejected(field, value):
-    with pytest.raises(InvalidInput):
-        EngineConfig(**{"memory_budget_bytes": 10 ** 9, field: value})
+    """Each field's bounds are the config schema's: the stage's config load refuses the value."""
+    with pytest.raises(ConfigError, match=f"field 'engine.{field}' breaks rule"):
+        inference_config.load(environ={f"KEEL_INFERENCE_ENGINE__{field.upper()}": value})
+
+
+def test_a_format_the_device_cannot_run_is_rejected():
+    with pytest.raises(InvalidInput) as e:
+        EngineConfig(memory_budget_bytes=10 ** 9, format="int4", device="cuda")
+    assert e.value.reason == "UNSUPPORTED_FORMAT"
 
 
 def test_model_format_must_match_config(tiny):

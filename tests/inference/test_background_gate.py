@@ -206,7 +206,7 @@ async def test_a_never_idle_engine_still_lets_the_child_run_between_pauses(engin
 
 
 @pytest.mark.asyncio
-async def test_once_every_probe_is_scored_the_child_is_not_stopped(engine, child, monkeypatch):
+async def test_once_every_gate_prompt_is_scored_the_child_is_not_stopped(engine, child, monkeypatch):
     """Its last phase times the formats: a stop would count into a format's time."""
     child("hang")  # 3/3 scored, then waits as if timing
     board = Recording()
@@ -218,7 +218,7 @@ async def test_once_every_probe_is_scored_the_child_is_not_stopped(engine, child
             break
         await asyncio.sleep(0.05)
     assert (PHASE, 3, 3) in board.seen, board.seen
-    running[0] = True  # requests arrive once every probe is scored
+    running[0] = True  # requests arrive once every gate prompt is scored
     seen = await _states(1.0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -65,7 +65,7 @@ def test_a_first_start_answers_before_the_background_gate_ends_then_switches_to_
         else:
             assert "background quality gate: keeping the served format" in messages
             assert active == "primary" and after.engine["format"] == "float32"
-        assert seen_total in (0, 4)  # when a poll caught the scoring, it counted the 4 probes
+        assert seen_total in (0, 4)  # when a poll caught the scoring, it counted the 4 gate prompts
     finally:
         stage.stop()
 

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+from services.inference import config as inference_config
 from services.inference.engine.breaker import BreakerBoard, BreakerConfig, TripRule
+from shared.config import ConfigError
 from shared.errors import NotReady, NumericalInstability
 from tests.inference.faults import FaultSpec, inject
 from tests.inference.helpers import collect, ids, prompt, request
@@ -117,11 +119,12 @@ def test_unknown_kind_is_rejected(kind):
         board(FakeClock()).record(kind)
 
 
-@pytest.mark.parametrize("kw", [dict(quiet_period_s=0), dict(degraded_max_batch_size=0),
-                                dict(oom=TripRule(0, 3)), dict(oom=TripRule(10, 0))])
-def test_bad_breaker_config_is_rejected(kw):
-    with pytest.raises(ValueError):
-        BreakerConfig(**kw)
+@pytest.mark.parametrize("key,value", [("QUIET_PERIOD_S", "0"), ("DEGRADED_MAX_BATCH_SIZE", "0"),
+                                       ("OOM__WINDOW_S", "0"), ("OOM__THRESHOLD", "0")])
+def test_bad_breaker_config_is_rejected(key, value):
+    field = "engine.breaker." + key.lower().replace("__", ".")
+    with pytest.raises(ConfigError, match=f"field '{field}' breaks rule"):
+        inference_config.load(environ={f"KEEL_INFERENCE_ENGINE__BREAKER__{key}": value})
 
 
 def trip(engine, times: int) -> None:

@@ -34,7 +34,7 @@ def registry(tiny, tmp_path_factory):
     register(make_adapter(tiny, root / "b", seed=2, rank=8, targets=("o_proj", "gate_proj", "down_proj")),
              "beta", "1", base, cfg)
     register(make_adapter(tiny, root / "c", seed=3), "gamma", "1", base_of(tiny, "another-base"), cfg)
-    return cfg, base.probe_set
+    return cfg, base.check_prompts
 
 
 async def _engine(tiny, cfg, **overrides) -> Engine:
@@ -47,13 +47,13 @@ async def _engine(tiny, cfg, **overrides) -> Engine:
 
 @pytest.mark.asyncio
 async def test_requests_are_served_by_the_adapter_they_name(tiny, registry):
-    cfg, probe_set = registry
+    cfg, check_prompts = registry
     engine = await _engine(tiny, cfg)
     try:
         from services.inference.lora import manifest
         golden = manifest.read(cfg.root / "alpha" / "1").golden_ids
-        p = list(probe_set.prompts[0])
-        steps = probe_set.continuation_tokens
+        p = list(check_prompts.prompts[0])
+        steps = check_prompts.continuation_tokens
         tokens, fin = await collect(engine, request("r1", p, steps, adapter="alpha"))
         assert tuple(ids(tokens)) == golden[0] and fin.adapter == "alpha@1"
         assert fin.span_attributes()["inference.adapter"] == "alpha@1"
@@ -183,10 +183,10 @@ async def test_an_adapter_that_is_not_a_string_is_invalid(tiny, registry):
 async def test_a_variant_switch_moves_base_requests_but_not_adapter_requests(tiny, registry):
     """An adapter was checked against the primary format at start: a request naming it stays there
     (same tokens as before the switch), while a base request moves to the active variant."""
-    cfg, probe_set = registry
+    cfg, check_prompts = registry
     engine = await _engine(tiny, cfg, variants={"fallback": "int8"})
     try:
-        p, steps = list(probe_set.prompts[0]), probe_set.continuation_tokens
+        p, steps = list(check_prompts.prompts[0]), check_prompts.continuation_tokens
         before, _ = await collect(engine, request("r1", p, steps, adapter="alpha"))
         await engine.set_variant("fallback", "test")
         after, fin = await collect(engine, request("r2", p, steps, adapter="alpha"))

@@ -40,16 +40,25 @@ def test_register_writes_the_record_the_card_and_golden_outputs(tiny, base, cfg,
     assert m.base_fingerprint == base.digest and m.base["rope_theta"] == "100000.0"
     assert m.training_data_version == manifest.file_sha256(data_manifest)
     assert (m.rank, m.alpha, m.targets) == (4, 8.0, ("q_proj", "v_proj"))
-    assert len(m.golden_ids) == len(base.probe_set.prompts)
-    assert all(len(g) == base.probe_set.continuation_tokens for g in m.golden_ids)
+    assert len(m.golden_ids) == len(base.check_prompts.prompts)
+    assert all(len(g) == base.check_prompts.continuation_tokens for g in m.golden_ids)
     assert m.kl_vs_base["mean"] > 0 and m.kl_vs_base["direction"] == "KL(adapter || base)"
-    assert m.drift_gate == {"direction": "KL(registered || now)", "aggregation": "mean and p95 over probe positions",
+    assert m.drift_gate == {"direction": "KL(registered || now)", "aggregation": "mean and p95 over check positions",
                             "top_k": 64, "threshold": 0.3}
     card = (folder / manifest.CARD).read_text()
     assert "french@1" in card and m.base_fingerprint in card
     with pytest.raises(PreconditionFailed) as exc:
         register(src, "french", "1", base, cfg)
     assert exc.value.reason == "ADAPTER_EXISTS"
+
+
+def test_a_version_1_record_is_read_with_its_old_key(tiny, base, cfg, tmp_path):
+    m = register(make_adapter(tiny, tmp_path / "src", seed=1), "french", "1", base, cfg)
+    path = cfg.root / "french" / "1" / manifest.MANIFEST
+    old = json.loads(path.read_text())
+    old["probe_set_sha256"], old["record_version"] = old.pop("check_prompts_sha256"), 1
+    path.write_text(json.dumps(old))
+    assert manifest.read(path.parent) == m
 
 
 @pytest.mark.parametrize("override, key", [
@@ -127,9 +136,9 @@ def test_changed_files_and_a_lower_max_rank_are_refused_at_start(tiny, base, cfg
 
 def test_outputs_that_differ_from_the_golden_ones_are_refused(tiny, base, cfg, tmp_path):
     register(make_adapter(tiny, tmp_path / "a", seed=10), "a", "1", base, cfg)
-    other = tiny_model(seed=1)  # other weights under the same fingerprint: only the probe run can tell
+    other = tiny_model(seed=1)  # other weights under the same fingerprint: only the check run can tell
     state = load_registry(cfg, base_of(other)).states[0]
-    assert state.reason == "GOLDEN_MISMATCH" and state.metadata["probe"] == "0"
+    assert state.reason == "GOLDEN_MISMATCH" and state.metadata["prompt"] == "0"
 
 
 def test_in_another_format_the_drift_gate_judges_instead_of_greedy_equality(tiny, base, cfg, tmp_path):

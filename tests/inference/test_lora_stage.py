@@ -44,7 +44,7 @@ def test_cold_and_warm_starts_preload_accepted_adapters_and_list_refused_ones(se
         caplog.clear()
         started = bootstrap.start_engine(cfg, sha)
         (checked,) = [r for r in caplog.records if r.getMessage() == "adapters checked"]
-        # the LoRA probe runs are reused from var/warm on the warm start, measured on the cold one
+        # the LoRA check runs are reused from var/warm on the warm start, measured on the cold one
         outcome = "reused" if warm else "measured"
         assert (checked.start_cache["base"], checked.start_cache["adapters"]) == (
             outcome, {"legal@1": outcome, "support@1": outcome})

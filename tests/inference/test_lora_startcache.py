@@ -1,6 +1,6 @@
-"""The LoRA start-up record (lora/startcache.py): reused on a second start after one verified probe row,
+"""The LoRA start-up record (lora/startcache.py): reused on a second start after one verified check row,
 measured again when an adapter file, the base or the record itself changed, and never a refusal turned
-into an acceptance. Probe work is counted as rows passed to the runner's forward (a wrapper, here)."""
+into an acceptance. Check work is counted as rows passed to the runner's forward (a wrapper, here)."""
 from __future__ import annotations
 
 import copy
@@ -29,7 +29,7 @@ def base(tiny):
 
 @pytest.fixture(scope="module")
 def other():
-    """Other weights under the same fingerprint fields: only the probe run can tell (GOLDEN_MISMATCH)."""
+    """Other weights under the same fingerprint fields: only the check run can tell (GOLDEN_MISMATCH)."""
     return base_of(tiny_model(seed=1))
 
 
@@ -70,29 +70,29 @@ def rewrite(path, edit) -> None:
     path.write_text(json.dumps(data))
 
 
-def test_a_second_start_reuses_the_record_after_one_probe_row_per_adapter(tiny, base, cfg, tmp_path, monkeypatch):
+def test_a_second_start_reuses_the_record_after_one_check_row_per_adapter(tiny, base, cfg, tmp_path, monkeypatch):
     register(make_adapter(tiny, tmp_path / "a", seed=1), "a", "1", base, cfg)
     register(make_adapter(tiny, tmp_path / "b", seed=2, rank=8, targets=("o_proj", "down_proj")), "b", "1", base, cfg)
-    probes, steps = len(base.probe_set.prompts), base.probe_set.continuation_tokens
+    prompts, steps = len(base.check_prompts.prompts), base.check_prompts.continuation_tokens
     rows = count_rows(base.runner, monkeypatch)
     cold, outcome = start(cfg, base)
     assert (outcome["base"], outcome["adapters"]) == ("measured", {"a@1": "measured", "b@1": "measured"})
-    assert rows[0] == 3 * probes * steps
+    assert rows[0] == 3 * prompts * steps
     rows[0] = 0
     warm, outcome = start(cfg, base)
     assert (outcome["base"], outcome["adapters"]) == ("reused", {"a@1": "reused", "b@1": "reused"})
-    assert rows[0] == 3 * steps  # one probe row of the base and of each adapter
+    assert rows[0] == 3 * steps  # one check row of the base and of each adapter
     assert warm == cold and warm["a@1"].state == warm["b@1"].state == "accepted"
     assert base.runner.lora.count == 3
     rows[0] = 0
     _, outcome = start(cfg, base, engine_key="engine-b")  # another engine: its own record, measured
-    assert outcome["base"] == "measured" and rows[0] == 3 * probes * steps
+    assert outcome["base"] == "measured" and rows[0] == 3 * prompts * steps
     assert len(list((tmp_path / "var" / "warm").glob("lora-*.json"))) == 2
 
 
 def _swap_weights(cfg) -> None:
     """b@1 gets a@1's weights with its record's hashes updated (as an in-place re-registration would
-    leave it): every static check passes, only the probe run can tell."""
+    leave it): every static check passes, only the check run can tell."""
     folder = cfg.root / "b" / "1"
     shutil.copyfile(cfg.root / "a" / "1" / "adapter_model.safetensors", folder / "adapter_model.safetensors")
     data = json.loads((folder / manifest.MANIFEST).read_text())
@@ -114,8 +114,8 @@ def test_a_changed_adapter_file_measures_that_adapter_again(tiny, base, cfg, tmp
     rows = count_rows(base.runner, monkeypatch)
     states, outcome = start(cfg, base)
     assert outcome["adapters"] == {"a@1": "reused", "b@1": "measured"}
-    probes, steps = len(base.probe_set.prompts), base.probe_set.continuation_tokens
-    assert rows[0] == 2 * steps + probes * steps  # verification of the base and a@1, then b@1 in full
+    prompts, steps = len(base.check_prompts.prompts), base.check_prompts.continuation_tokens
+    assert rows[0] == 2 * steps + prompts * steps  # verification of the base and a@1, then b@1 in full
     assert states["b@1"].state == state
     if state == "refused":
         assert states["b@1"].reason == "GOLDEN_MISMATCH"
@@ -129,7 +129,7 @@ def test_a_refused_adapter_stays_refused_for_the_same_reason_from_the_record(tin
     cold, _ = start(cfg, other)
     rows = count_rows(other.runner, monkeypatch)
     warm, outcome = start(cfg, other)
-    assert outcome["adapters"] == {"a@1": "reused"} and rows[0] == 2 * other.probe_set.continuation_tokens
+    assert outcome["adapters"] == {"a@1": "reused"} and rows[0] == 2 * other.check_prompts.continuation_tokens
     assert cold["a@1"].reason == "GOLDEN_MISMATCH" and warm == cold
 
 
@@ -164,8 +164,8 @@ def test_a_forged_entry_fails_the_verification_and_the_refusal_stands(tiny, base
     rows = count_rows(other.runner, monkeypatch)
     warm, outcome = start(cfg, other)
     assert outcome["adapters"] == {"a@1": "verification failed, measured"}
-    probes, steps = len(other.probe_set.prompts), other.probe_set.continuation_tokens
-    assert rows[0] == 2 * steps + probes * steps
+    prompts, steps = len(other.check_prompts.prompts), other.check_prompts.continuation_tokens
+    assert rows[0] == 2 * steps + prompts * steps
     assert warm == cold and warm["a@1"].reason == "GOLDEN_MISMATCH"
     _, outcome = start(cfg, other)  # the record was rewritten with the true measurement
     assert outcome["adapters"] == {"a@1": "reused"}
@@ -183,8 +183,8 @@ def test_a_forged_base_entry_drops_the_whole_record(tiny, base, cfg, tmp_path, m
     rows = count_rows(base.runner, monkeypatch)
     warm, outcome = start(cfg, base)
     assert (outcome["base"], outcome["adapters"]) == ("verification failed, measured", {"a@1": "measured"})
-    probes, steps = len(base.probe_set.prompts), base.probe_set.continuation_tokens
-    assert rows[0] == 2 * steps + 2 * probes * steps and warm == cold
+    prompts, steps = len(base.check_prompts.prompts), base.check_prompts.continuation_tokens
+    assert rows[0] == 2 * steps + 2 * prompts * steps and warm == cold
 
 
 def test_a_corrupted_record_is_not_read(tiny, base, cfg, tmp_path):

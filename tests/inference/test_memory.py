@@ -7,7 +7,7 @@ import psutil
 import pytest
 import torch
 
-from services.inference.engine.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
+from services.inference.engine.memory import Measurement, MemoryModel, PeakMeter, fit, static_bytes
 from services.inference.model.loader import convert_model
 from tests.inference.helpers import collect, prompt, request
 
@@ -89,9 +89,9 @@ def test_static_bytes_counts_tied_weights_once_and_packed_int8(tiny):
 
 def test_fit_recovers_a_known_model():
     kv, act, fixed = 512, 3000, 2_000_000
-    probes = [Probe(p, m, kv * (p + m), act * p, 1_000_000, fixed) for p, m in
+    measurements = [Measurement(p, m, kv * (p + m), act * p, 1_000_000, fixed) for p, m in
               [(16, 1), (256, 1), (1024, 1), (16, 256), (1024, 256)]]
-    model = fit(probes, static=10, kv_bytes_per_token=kv)
+    model = fit(measurements, static=10, kv_bytes_per_token=kv)
     assert model.decode_bytes_per_token == pytest.approx(kv)
     assert model.activation_bytes_per_token == pytest.approx(act)
     assert model.fixed_bytes == fixed and model.fit_max_rel_error < 1e-9

@@ -1,5 +1,5 @@
 """The inference stage's start-up as its stage status tells it (shared/stagestatus.py): the engine's
-steps, the adapter checks, then the background quality gate's probe count; on the tiny model."""
+steps, the adapter checks, then the background quality gate's prompt count; on the tiny model."""
 from __future__ import annotations
 
 import asyncio
@@ -57,7 +57,7 @@ def test_a_first_start_reports_each_step_then_the_background_gate_its_count(tmp_
     # after the last step the engine's phase resumes, with the step shown beside it
     assert (board.snapshot().phase, board.snapshot().last_step.split()[0]) == (bootstrap.STARTING, steps[-1])
 
-    async def gate():  # then, serving, the real child gates the two candidates over 5 probes
+    async def gate():  # then, serving, the real child gates the two candidates over 5 gate prompts
         await started.engine.start()
         try:
             job = GateJob(str(cfg.model_dir), sha, tuple(started.candidates.values()), cfg.formats, "cpu", 1, 4)

@@ -37,7 +37,7 @@ def test_register_list_card_drift_and_verify(mesh_env, capsys):
     tiny = tiny_model()
     src = make_adapter(tiny, mesh_env / "french", seed=1)
     code, out, _ = run(capsys, "register", str(src))
-    assert code == 0 and "registered french@1" in out and "golden outputs: 6 probes x 16 tokens" in out
+    assert code == 0 and "registered french@1" in out and "golden outputs: 6 prompts x 16 tokens" in out
     code, out, _ = run(capsys, "register", str(src), "--id", "french")
     assert code == 0 and "registered french@2" in out
     registry = mesh_env / "var" / "adapters"

@@ -43,14 +43,6 @@ class BreakerConfig:
     degraded_max_batch_size: int = 4
     fallback_format: str | None = None  # used for new requests at level >= 2; None keeps the format
 
-    def __post_init__(self):
-        for kind in KINDS:
-            rule = getattr(self, kind)
-            if rule.window_s <= 0 or rule.threshold < 1:
-                raise ValueError(f"breaker rule {kind} needs window_s > 0 and threshold >= 1")
-        if self.quiet_period_s <= 0 or self.degraded_max_batch_size < 1:
-            raise ValueError("quiet_period_s must be > 0 and degraded_max_batch_size >= 1")
-
 
 @dataclass(frozen=True)
 class Policy:

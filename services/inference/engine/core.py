@@ -37,7 +37,7 @@ from services.inference.engine.prefix import PrefixCache
 from services.inference.engine.schedule import Scheduler, batch_cap
 from services.inference.engine.stats import Counters, EngineState, EngineStats
 from services.inference.engine.torchthread import TorchThread
-from services.inference.engine.variants import NAME, PRIMARY, Switch
+from services.inference.engine.variants import PRIMARY, Switch
 from services.inference.engine.warmup import Calibration, build_runners, measure_memory, set_deterministic
 from services.inference.lora.registry import AdapterTable
 from services.inference.model.forward import LlamaRunner
@@ -72,8 +72,8 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     format: str = "float32"  # the weight format (model/loader.py FORMATS), or "auto" before the stage resolves it
     device: str = "cpu"
-    warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model probes (prompt lengths)
-    warmup_max_tokens: int = 256                            # one probe with a long reserved completion
+    warmup_prompt_tokens: tuple[int, ...] = (16, 64, 256)  # memory-model measurements (prompt lengths)
+    warmup_max_tokens: int = 256                            # one measurement with a long reserved completion
     # prefill chunk size; also newcomers' first-chunk tokens per step
     prefill_tokens_per_iteration: int = 2048
     oom_backoff_steps: int = 50               # successful steps before an OOM-halved batch cap doubles
@@ -86,33 +86,18 @@ class EngineConfig:
     variants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
+        """The rules between fields. Each field's own bounds are config/schemas/inference.schema.json's
+        (checked when the stage loads its config), not restated here."""
         check_format(self.format, self.device, allow_auto=True)  # the stage resolves "auto" (formats/selection.py)
-        if self.breaker.fallback_format is not None:
-            check_format(self.breaker.fallback_format, self.device)
-        for name, format in self.variants.items():
-            if not NAME.match(name):
-                raise InvalidInput(f"variant name {name!r} must match {NAME.pattern} ({PRIMARY!r} is reserved)",
-                                   reason="INVALID_CONFIG", metadata={"field": f"variants.{name}"})
+        for format in self.other_formats():
             check_format(format, self.device)
-        positive = ("memory_budget_bytes", "max_batch_size", "max_context_tokens", "queue_timeout_ms",
-                    "prefill_tokens_per_iteration", "oom_backoff_steps", "warmup_max_tokens", "kv_block_tokens")
-        for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise InvalidInput(f"EngineConfig.{name} must be >= 1", reason="INVALID_CONFIG",
-                                   metadata={"field": name})
-        if not 0 <= self.prefix_cache_bytes < self.memory_budget_bytes:
-            raise InvalidInput("EngineConfig.prefix_cache_bytes must be >= 0 and below memory_budget_bytes",
+        if self.prefix_cache_bytes >= self.memory_budget_bytes:
+            raise InvalidInput("EngineConfig.prefix_cache_bytes must be below memory_budget_bytes",
                                reason="INVALID_CONFIG", metadata={"field": "prefix_cache_bytes"})
         if self.prefix_cache_bytes and self.prefill_tokens_per_iteration % self.kv_block_tokens:
             raise InvalidInput("EngineConfig.prefill_tokens_per_iteration must be a multiple of kv_block_tokens "
                                "when the prefix cache is on (a cached prompt block is whole KV blocks)",
                                reason="INVALID_CONFIG", metadata={"field": "prefill_tokens_per_iteration"})
-        if self.intra_op_threads is not None and self.intra_op_threads < 1:
-            raise InvalidInput("EngineConfig.intra_op_threads must be >= 1", reason="INVALID_CONFIG",
-                               metadata={"field": "intra_op_threads"})
-        if self.max_queued_requests < 0 or self.max_queued_tokens < 0 or not self.warmup_prompt_tokens:
-            raise InvalidInput("queue limits must be >= 0 and warmup_prompt_tokens non-empty",
-                               reason="INVALID_CONFIG")
 
     def other_formats(self) -> tuple[str, ...]:
         """The weight formats the variants and the breaker's fallback run on (the primary's may be among them)."""

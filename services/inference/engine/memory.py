@@ -8,7 +8,7 @@ How it is measured (see docs/inference.md):
     On CPU it replays torch's allocator events captured by the profiler (profile_memory=True; each
     event carries the signed byte count of one allocation or free); on CUDA it is
     torch.cuda.max_memory_allocated() after reset_peak_memory_stats().
-  * the probes' phase peaks are fitted to the model described in MemoryModel.
+  * the warm-up measurements' phase peaks are fitted to the model described in MemoryModel.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
-class Probe:
+class Measurement:
     """One request measured alone, phase by phase. Peaks are bytes above the request's own cache."""
 
     prompt_tokens: int
@@ -168,20 +168,20 @@ class Probe:
         return self.cache_bytes + max(self.prefill_peak, self.sample_peak, self.decode_peak)
 
 
-def fit(probes: list[Probe], static: int, kv_bytes_per_token: int, block_tokens: int = 1) -> MemoryModel:
+def fit(measurements: list[Measurement], static: int, kv_bytes_per_token: int, block_tokens: int = 1) -> MemoryModel:
     """Fit the model: cache slope by least squares, activations from the longest prompt, fixed = max."""
-    rounded = [-(-(p.prompt_tokens + p.max_tokens) // block_tokens) * block_tokens for p in probes]
+    rounded = [-(-(p.prompt_tokens + p.max_tokens) // block_tokens) * block_tokens for p in measurements]
     positions = np.array([[1.0, n] for n in rounded])
-    (_, per_position), *_ = np.linalg.lstsq(positions, np.array([p.cache_bytes for p in probes], float),
+    (_, per_position), *_ = np.linalg.lstsq(positions, np.array([p.cache_bytes for p in measurements], float),
                                             rcond=None)
-    longest = max(probes, key=lambda p: p.prompt_tokens)
+    longest = max(measurements, key=lambda p: p.prompt_tokens)
     model = MemoryModel(
         static_bytes=static,
-        fixed_bytes=float(max(max(p.sample_peak, p.decode_peak) for p in probes)),
+        fixed_bytes=float(max(max(p.sample_peak, p.decode_peak) for p in measurements)),
         activation_bytes_per_token=longest.prefill_peak / longest.prompt_tokens,
         decode_bytes_per_token=float(per_position),
         kv_bytes_per_token=kv_bytes_per_token, block_tokens=block_tokens)
-    errors = [model.request_bytes(p.prompt_tokens, p.max_tokens) / p.total_peak - 1 for p in probes]
+    errors = [model.request_bytes(p.prompt_tokens, p.max_tokens) / p.total_peak - 1 for p in measurements]
     model = MemoryModel(**{**model.__dict__, "fit_max_rel_error": max(map(abs, errors))})
     log.info("memory model fitted", extra={"memory_model": model.as_dict()})
     return model

@@ -9,13 +9,11 @@ to the end. Nothing is loaded by a switch.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+# The served format's variant name, which a configured variant may not take (the config schema's
+# engine.variants propertyNames pattern is the rule for a configured name).
 PRIMARY = "primary"
-# A configured variant's name ("primary" is the served format's); the config schema's propertyNames
-# pattern is the same rule, so a bad name in the file stops the stage before this is reached.
-NAME = re.compile(r"^(?!primary$)[a-z][a-z0-9_-]{0,31}$")
 
 
 @dataclass(frozen=True)

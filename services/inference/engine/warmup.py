@@ -1,6 +1,6 @@
 """Warmup: deterministic settings, runners, batch-invariant sizes, and the measured memory model.
 
-Every probe runs the same operations the scheduler runs for a request (cache allocation, prefill,
+Every measurement runs the same operations the scheduler runs for a request (cache allocation, prefill,
 sampling, decode step, sampling) on the calling thread, so PeakMeter sees its allocations.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.inference.engine.memory import MemoryModel, PeakMeter, Probe, fit, static_bytes
+from services.inference.engine.memory import Measurement, MemoryModel, PeakMeter, fit, static_bytes
 from services.inference.engine.sampling import Draw, pick
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import convert_model
@@ -61,7 +61,7 @@ def build_runners(model: torch.nn.Module, others: Mapping[str, torch.nn.Module],
     return runners
 
 
-def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str) -> tuple[Probe, float]:
+def measure(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str) -> tuple[Measurement, float]:
     """Measure one request alone, phase by phase; also returns the decode step's wall time."""
     ids = [3 + (i * 7919) % (runner.vocab_size - 3) for i in range(prompt_tokens)]
     cache = runner.new_cache(prompt_tokens + max_tokens)  # blocks of the pool: allocates nothing
@@ -76,7 +76,7 @@ def probe(runner: LlamaRunner, prompt_tokens: int, max_tokens: int, device: str)
         pick(runner.decode([first.token_id], [cache]), [Draw(1.0, 0.9, 0, 0, prompt_tokens + 1)])
     step_s = time.perf_counter() - t0
     cache.release()
-    return Probe(prompt_tokens, max_tokens, cache_bytes=cache_bytes, prefill_peak=forward.peak,
+    return Measurement(prompt_tokens, max_tokens, cache_bytes=cache_bytes, prefill_peak=forward.peak,
                  sample_peak=forward.final + sample.peak, decode_peak=decode.peak), step_s
 
 
@@ -87,12 +87,12 @@ def measure_memory(runners: dict[str, LlamaRunner], prompt_lengths: tuple[int, .
     shapes = [(p, 1) for p in prompt_lengths] + [(min(prompt_lengths), long_max_tokens)]
     merged, step_times = None, []
     for name, runner in runners.items():
-        probe(runner, min(prompt_lengths), 1, device)  # first call pays one-time kernel setup
-        probes = []
+        measure(runner, min(prompt_lengths), 1, device)  # first call pays one-time kernel setup
+        measurements = []
         for p, m in shapes:
-            result, step_s = probe(runner, p, m, device)
-            probes.append(result)
+            result, step_s = measure(runner, p, m, device)
+            measurements.append(result)
             step_times.append(step_s)
-        model = fit(probes, static, runner.kv_bytes_per_token, runner.block_tokens)
+        model = fit(measurements, static, runner.kv_bytes_per_token, runner.block_tokens)
         merged = model if merged is None else merged.merged(model)
     return merged, 1.0 / max(min(step_times), 1e-6)

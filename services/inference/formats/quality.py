@@ -29,10 +29,6 @@ class GateThresholds:
     kl_p95_max: float = 0.2
     greedy_agreement_min: float = 0.9
 
-    def __post_init__(self):
-        if self.kl_mean_max < 0 or self.kl_p95_max < 0 or not 0 <= self.greedy_agreement_min <= 1:
-            raise ValueError("gate thresholds: KL bounds must be >= 0 and greedy_agreement_min in [0, 1]")
-
 
 @dataclass(frozen=True)
 class GateResult:

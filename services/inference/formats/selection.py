@@ -27,7 +27,7 @@ import torch
 from services.inference.formats import quality
 from services.inference.formats.quality import GateResult, GateThresholds
 from services.inference.model.forward import LlamaRunner
-from services.inference.model.loader import FORMATS, check_format, model_in_format, residual_dtype
+from services.inference.model.loader import check_format, model_in_format, residual_dtype
 from shared.config import ConfigError, var_dir
 from shared.errors import InvalidInput
 
@@ -47,13 +47,6 @@ class FormatsConfig:
     # engine.format auto: a candidate with no stored gate result is gated while the stage serves (startgate.py)
     gate_at_start: bool = True
     gate_prompts: int | None = None  # the first N prompts of gate_prompts.json; None: all of them
-
-    def __post_init__(self):
-        if self.gate_prompts is not None and self.gate_prompts < 1:
-            raise ValueError(f"gate_prompts must be >= 1 or null, got {self.gate_prompts}")
-        unknown = [c for c in self.auto_candidates if c not in FORMATS]
-        if unknown or not self.auto_candidates:
-            raise ValueError(f"auto_candidates must be a non-empty subset of {FORMATS}, got {unknown or 'none'}")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@
   accepted ones by slot (slot 0 = the base model) and computes the LoRA term the forward pass adds,
   per token, so that a row's output never depends on its batch-mates.
 * `fingerprint`: the facts about the base model an adapter is bound to.
-* `probes`: the probe set and the teacher-forced probe run (greedy ids and top-k log-probabilities).
+* `checkprompts`: the check prompts and the teacher-forced check run (greedy ids and top-k log-probabilities).
 * `manifest`: the `keel-adapter.json` record and the model card made from it.
 * `registry`: registration (`register`), the start-up checks (`load_registry`) and request-time resolution.
-* `startcache`: the start-up record under var/warm that lets a restart reuse the checks' probe runs.
+* `startcache`: the start-up record under var/warm that lets a restart reuse the checks' check runs.
 """

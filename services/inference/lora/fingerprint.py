@@ -7,7 +7,7 @@ the shape), the hashes of Keel's tokenizer vocabulary and chat template, and the
 and peft versions. `digest` is the sha256 of the bound fields (the registry's matrix key and
 ListAdapters.base_fingerprint).
 
-The fields also carry `format`, the weight format the probe run was made in (FORMAT_FIELD). It is
+The fields also carry `format`, the weight format the check run was made in (FORMAT_FIELD). It is
 recorded, not bound: an adapter belongs to the weights, and the format a stage serves them in is a
 choice made at start (`engine.format: auto`). When the serving format differs from the one the golden
 outputs were made in, the start-up checks judge the adapter by the drift gate instead of by exact
@@ -52,7 +52,7 @@ FORMAT_FIELD = "format"
 
 
 def bound(fields: dict[str, str]) -> dict[str, str]:
-    """The fields an adapter is bound to: all but the format the probe run was made in."""
+    """The fields an adapter is bound to: all but the format the check run was made in."""
     return {k: v for k, v in fields.items() if k != FORMAT_FIELD}
 
 

@@ -22,7 +22,8 @@ MANIFEST = "keel-adapter.json"
 GOLDEN = "golden.safetensors"
 CARD = "model_card.md"
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
-RECORD_VERSION = 1
+# 2: check_prompts_sha256 was probe_set_sha256 in version 1, which is still read (nothing else changed).
+RECORD_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,11 @@ class Manifest:
     alpha: float
     targets: tuple[str, ...]
     use_rslora: bool
-    probe_set_sha256: str
-    golden_ids: tuple[tuple[int, ...], ...]  # greedy continuation of each probe, made by Keel's engine
+    check_prompts_sha256: str
+    golden_ids: tuple[tuple[int, ...], ...]  # greedy continuation of each check prompt, made by Keel's engine
     golden_sha256: str              # of golden.safetensors
     files_sha256: dict[str, str]    # of the PEFT files as registered
-    kl_vs_base: dict                # KL(adapter || base) on the probe set at registration: mean, p95, direction
+    kl_vs_base: dict                # KL(adapter || base) on the check prompts at registration: mean, p95, direction
     drift_gate: dict                # how drift is measured at every start: direction, aggregation, top_k, threshold
     created_at: str
     record_version: int = RECORD_VERSION
@@ -62,6 +63,8 @@ def read(folder: Path) -> Manifest:
     path = folder / MANIFEST
     try:
         data = json.loads(path.read_text())
+        if data.get("record_version") == 1:
+            data["check_prompts_sha256"], data["record_version"] = data.pop("probe_set_sha256"), RECORD_VERSION
         if data.get("record_version") != RECORD_VERSION:
             raise ValueError(f"record_version {data.get('record_version')!r}, expected {RECORD_VERSION}")
         data["targets"] = tuple(data["targets"])
@@ -107,8 +110,8 @@ LoRA adapter served unmerged by Keel's inference stage (slot-preloaded at warm-u
 - Rank {m.rank}, alpha {m.alpha:g}{', rank-stabilised' if m.use_rslora else ''}; targets: {', '.join(m.targets)}
 - Training data version: `{m.training_data_version or 'not given'}`
 - Registered: {m.created_at}
-- Probe set: `{m.probe_set_sha256[:16]}` ({len(m.golden_ids)} probes x {golden} golden tokens)
-- Change against the base on the probe set, {kl['direction']}: mean {kl['mean']:.4f}, p95 {kl['p95']:.4f} nats/token
+- Check prompts: `{m.check_prompts_sha256[:16]}` ({len(m.golden_ids)} prompts x {golden} golden tokens)
+- Change against the base on the check prompts, {kl['direction']}: mean {kl['mean']:.4f}, p95 {kl['p95']:.4f} nats/token
 - Drift gate: {m.drift_gate['direction']} over the top {m.drift_gate['top_k']} golden log-probabilities per position,
   {m.drift_gate['aggregation']}; threshold {m.drift_gate['threshold']} at registration (lora.drift_threshold)
 
@@ -124,7 +127,7 @@ the drift gate instead of exact greedy equality).
 
 ## Checks at every start of the inference stage
 
-Config keys and features understood; one lora_A/lora_B pair per targeted module; greedy probe outputs
+Config keys and features understood; one lora_A/lora_B pair per targeted module; greedy outputs on the check prompts
 equal to the golden ones above (when served in their format); outputs different from the base model's;
 drift (KL registered || now) below the configured threshold.
 """

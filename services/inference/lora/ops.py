@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from services.inference.lora import fingerprint, manifest, probes
-from services.inference.lora.probes import ProbeRow
+from services.inference.lora import checkprompts, fingerprint, manifest
+from services.inference.lora.checkprompts import CheckRow
 from services.inference.lora.registry import (
     AdapterState,
     Base,
@@ -43,14 +43,14 @@ def find(cfg: LoraConfig, name: str) -> Path:
 
 
 def measure_drift(cfg: LoraConfig, base: Base, name: str) -> dict:
-    """KL(registered || now) of one version on the probe set, teacher-forced on its golden outputs,
+    """KL(registered || now) of one version on the check prompts, teacher-forced on its golden outputs,
     with the share of golden tokens the current greedy choice still agrees with."""
     folder = find(cfg, name)
     m, weights = static_checks(folder, base, cfg)
     saved, base.runner.lora = base.runner.lora, LoraSlots([weights], base.runner.model, base.runner.device)
     try:
-        rows = [ProbeRow(p, 1, g) for p, g in zip(base.probe_set.prompts, m.golden_ids)]
-        traces = probes.run(base.runner, rows, base.probe_set.continuation_tokens)
+        rows = [CheckRow(p, 1, g) for p, g in zip(base.check_prompts.prompts, m.golden_ids)]
+        traces = checkprompts.run(base.runner, rows, base.check_prompts.continuation_tokens)
     finally:
         base.runner.lora = saved
     agree = sum(a == b for t, g in zip(traces, m.golden_ids) for a, b in zip(t.greedy, g))

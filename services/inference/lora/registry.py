@@ -5,14 +5,14 @@ manifest.py), retrain/ for `keel lora verify`'s retrain requests, and base.json,
 the base the inference stage last started with (what offline `keel lora list|verify|register` compare
 against). At start every version is checked in this order; the first failure refuses it:
 record and files intact (ADAPTER_RECORD_INVALID), base fingerprint (BASE_FINGERPRINT_MISMATCH, the
-differing fields named; the weight format is not bound), probe set unchanged (GOLDEN_MISMATCH), config
-understood (UNSUPPORTED_ADAPTER_CONFIG), weights fit the targets (INERT_ADAPTER), then the probe run:
+differing fields named; the weight format is not bound), check prompts unchanged (GOLDEN_MISMATCH), config
+understood (UNSUPPORTED_ADAPTER_CONFIG), weights fit the targets (INERT_ADAPTER), then the check run:
 greedy outputs equal the golden ones when served in the format they were made in (GOLDEN_MISMATCH),
 differ from the base's (ADAPTER_CHANGES_NOTHING), and drift below `drift_threshold` (ADAPTER_DRIFT when
 `drift_action` is refuse; in another format than the golden outputs', the drift gate is the check).
 A refusal never stops the stage. The accepted versions are loaded into slots 1.. in name order;
 nothing is read after that.
-The probe runs' results may come from the start-up record of an earlier start (startcache.py); the
+The check runs' results may come from the start-up record of an earlier start (startcache.py); the
 judgement (`_judge`) is the same either way.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from services.inference.lora import fingerprint, manifest, peftconfig, probes, startcache
+from services.inference.lora import checkprompts, fingerprint, manifest, peftconfig, startcache
+from services.inference.lora.checkprompts import CheckPrompts, CheckRow
 from services.inference.lora.manifest import Manifest
-from services.inference.lora.probes import ProbeRow, ProbeSet
 from services.inference.lora.weights import read_weights
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.loraslots import AdapterWeights, LoraSlots
@@ -37,7 +37,6 @@ from shared.jsonfile import write_json
 
 log = logging.getLogger(__name__)
 
-DRIFT_ACTIONS = ("refuse", "warn")
 DRIFT_DIRECTION = "KL(registered || now)"
 
 
@@ -50,12 +49,6 @@ class LoraConfig:
     drift_threshold: float = 0.3  # nats per token, on the mean and on the p95
     drift_action: str = "refuse"  # refuse | warn
 
-    def __post_init__(self):
-        if self.drift_action not in DRIFT_ACTIONS:
-            raise ValueError(f"drift_action must be one of {DRIFT_ACTIONS}")
-        if self.max_rank < 1 or self.drift_threshold < 0:
-            raise ValueError("max_rank must be >= 1 and drift_threshold >= 0")
-
     @property
     def root(self) -> Path:
         return Path(self.registry_dir) if self.registry_dir else var_dir() / "adapters"
@@ -63,11 +56,11 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class Base:
-    """The base model adapters are checked against: a calibrated runner, its fingerprint, the probe set."""
+    """The base model adapters are checked against: a calibrated runner, its fingerprint, the check prompts."""
 
     runner: LlamaRunner
     fields: dict[str, str]
-    probe_set: ProbeSet
+    check_prompts: CheckPrompts
 
     @property
     def digest(self) -> str:
@@ -153,29 +146,30 @@ def static_checks(folder: Path, base: Base, cfg: LoraConfig) -> tuple[Manifest, 
             "base fingerprint differs in " + ", ".join(f"{k} (registered {m.base.get(k)}, running "
                                                        f"{base.fields.get(k)})" for k in diff),
             reason="BASE_FINGERPRINT_MISMATCH", metadata={"fields": ",".join(diff)})
-    if m.probe_set_sha256 != base.probe_set.sha256:
-        raise PreconditionFailed("the probe set changed since the golden outputs were made",
-                                 reason="GOLDEN_MISMATCH", metadata={"fields": "probe_set"})
+    if m.check_prompts_sha256 != base.check_prompts.sha256:
+        raise PreconditionFailed("the check prompts changed since the golden outputs were made",
+                                 reason="GOLDEN_MISMATCH", metadata={"fields": "check_prompts"})
     spec = peftconfig.parse(json.loads((folder / "adapter_config.json").read_text()), cfg.max_rank)
     return m, read_weights(folder / "adapter_model.safetensors", spec, base.runner.model)
 
 
 def base_greedy(base: Base, progress=None) -> list[tuple[int, ...]]:
-    rows = [ProbeRow(p, 0) for p in base.probe_set.prompts]
-    return [t.tokens for t in probes.run(base.runner, rows, base.probe_set.continuation_tokens, progress)]
+    rows = [CheckRow(p, 0) for p in base.check_prompts.prompts]
+    return [t.tokens for t in checkprompts.run(base.runner, rows, base.check_prompts.continuation_tokens, progress)]
 
 
 def drift_of(folder: Path, traces: list) -> dict:
-    """KL(registered || now) over the probe set's golden positions (traces: the teacher-forced run)."""
+    """KL(registered || now) over the check prompts' golden positions (traces: the teacher-forced run)."""
     return _drift(startcache.adapter_rows(folder, traces))
 
 
 def _drift(rows: list[dict]) -> dict:
-    return probes.summary(torch.tensor([kl for r in rows for kl in r["kl"]], dtype=torch.float32), DRIFT_DIRECTION)
+    kl = torch.tensor([kl for r in rows for kl in r["kl"]], dtype=torch.float32)
+    return checkprompts.summary(kl, DRIFT_DIRECTION)
 
 
 def _judge(m: Manifest, rows: list[dict], base_greedy: list, cfg: LoraConfig, serving_format: str) -> dict:
-    """Judge one adapter's teacher-forced probe rows (startcache.adapter_row: greedy ids and KL per
+    """Judge one adapter's teacher-forced check rows (startcache.adapter_row: greedy ids and KL per
     position, measured now or reused from the start-up record): the drift summary, or the refusal.
 
     Greedy equality with the golden outputs is required only in the format they were made in: another
@@ -186,10 +180,10 @@ def _judge(m: Manifest, rows: list[dict], base_greedy: list, cfg: LoraConfig, se
         greedy = tuple(row["greedy"])
         if greedy != golden:
             at = next(t for t, (a, b) in enumerate(zip(greedy, golden)) if a != b)
-            raise PreconditionFailed(f"probe {i}: greedy token {at} is {greedy[at]}, golden {golden[at]}",
-                                     reason="GOLDEN_MISMATCH", metadata={"probe": i, "position": at})
+            raise PreconditionFailed(f"check prompt {i}: greedy token {at} is {greedy[at]}, golden {golden[at]}",
+                                     reason="GOLDEN_MISMATCH", metadata={"prompt": i, "position": at})
     if list(m.golden_ids) == base_greedy:
-        raise PreconditionFailed("greedy outputs equal the base model's on every probe",
+        raise PreconditionFailed("greedy outputs equal the base model's on every check prompt",
                                  reason="ADAPTER_CHANGES_NOTHING")
     drift = _drift(rows)
     if max(drift["mean"], drift["p95"]) > cfg.drift_threshold:
@@ -213,7 +207,7 @@ def _refused(folder: Path, exc: KeelError) -> AdapterState:
 def load_registry(cfg: LoraConfig, base: Base, cache: startcache.StartCache | None = None) -> AdapterTable:
     """Check every registered version against the running base (module docstring); the accepted ones
     are loaded into the runner's slots. Also records the running base in base.json. With `cache`, the
-    probe runs' results are reused where the start-up record verifies (startcache.py)."""
+    check runs' results are reused where the start-up record verifies (startcache.py)."""
     root = cfg.root
     _write_base(root, base)
     states: dict[Path, AdapterState] = {}
@@ -226,7 +220,7 @@ def load_registry(cfg: LoraConfig, base: Base, cache: startcache.StartCache | No
             states[folder] = _refused(folder, exc)
     accepted: list[tuple[Path, Manifest, AdapterWeights, dict]] = []
     if candidates:
-        base_rows, rows = startcache.probe_facts(base, candidates, cache)
+        base_rows, rows = startcache.check_facts(base, candidates, cache)
         greedy = [tuple(r["tokens"]) for r in base_rows]
         for (folder, m, w), adapter_rows in zip(candidates, rows):
             try:

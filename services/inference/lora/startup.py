@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from services.inference.lora import fingerprint
-from services.inference.lora.probes import load_probe_set
+from services.inference.lora.checkprompts import load_check_prompts
 from services.inference.lora.registry import AdapterTable, Base, LoraConfig, load_registry, versions
 from services.inference.lora.startcache import StartCache
 from services.inference.model.forward import LlamaRunner
@@ -38,14 +38,14 @@ def running_base(runner: LlamaRunner, model_dir: Path, model_sha: str, format: s
     tokenizer = fingerprint.open_tokenizer(tokenizer_file(compile))
     fields = fingerprint.base_fields(model_sha, fingerprint.read_config(model_dir),
                                      fingerprint.tokenizer_hashes(tokenizer), format)
-    return Base(runner, fields, load_probe_set(tokenizer))
+    return Base(runner, fields, load_check_prompts(tokenizer))
 
 
 def check_adapters(cfg: LoraConfig, runner: LlamaRunner, model_dir: Path, model_sha: str, format: str,
                    engine_key: str = "") -> AdapterTable:
     """Every registered adapter checked against the running base; the accepted ones are in the runner's slots.
 
-    `engine_key`: the engine's warm-start fingerprint key; when given, the probe runs' results are
+    `engine_key`: the engine's warm-start fingerprint key; when given, the check runs' results are
     reused from the LoRA start-up record under var/warm where it verifies (startcache.py), and the
     log line says what was reused. The base needs Keel's tokenizer file; without it an empty registry
     is no problem (nothing to check, logged), but registered adapters stop the start with the

@@ -1,6 +1,6 @@
-"""The probe set and the probe run: golden outputs at registration, the checks and the drift gate at start.
+"""The check prompts and the check run: golden outputs at registration, the checks and the drift gate at start.
 
-A probe row is one chat of probes.json (rendered and tokenized by Keel's tokenizer) run for a fixed
+A check row is one chat of check_prompts.json (rendered and tokenized by Keel's tokenizer) run for a fixed
 number of continuation tokens through the engine's own runner (forward.py), with an adapter slot.
 A row either decodes greedily (registration: its tokens become the golden outputs) or is
 teacher-forced with given tokens (start-up: the golden outputs), so one run gives, at each position,
@@ -23,13 +23,13 @@ import torch
 
 from services.inference.model.forward import LlamaRunner, Segment
 
-PROBES_FILE = Path(__file__).with_name("probes.json")
+CHECK_PROMPTS_FILE = Path(__file__).with_name("check_prompts.json")
 TOP_K = 64
 GROUP_ROWS = 12
 
 
 @dataclass(frozen=True)
-class ProbeSet:
+class CheckPrompts:
     prompts: tuple[tuple[int, ...], ...]
     continuation_tokens: int
 
@@ -38,16 +38,16 @@ class ProbeSet:
         return hashlib.sha256(json.dumps([list(self.prompts), self.continuation_tokens]).encode()).hexdigest()
 
 
-def load_probe_set(tokenizer, path: Path = PROBES_FILE) -> ProbeSet:
-    """The probe chats as token ids, with Keel's chat template and tokenizer (as the gateway sends them)."""
+def load_check_prompts(tokenizer, path: Path = CHECK_PROMPTS_FILE) -> CheckPrompts:
+    """The check prompts' chats as token ids, with Keel's chat template and tokenizer (as the gateway sends them)."""
     data = json.loads(path.read_text())
     prompts = tuple(tuple(tokenizer.encode_ids(tokenizer.render_chat([tuple(m) for m in chat])))
                     for chat in data["chats"])
-    return ProbeSet(prompts, data["continuation_tokens"])
+    return CheckPrompts(prompts, data["continuation_tokens"])
 
 
 @dataclass(frozen=True)
-class ProbeRow:
+class CheckRow:
     prompt: tuple[int, ...]
     slot: int
     forced: tuple[int, ...] | None = None  # teacher-forced continuation; None: greedy
@@ -69,7 +69,7 @@ def forward_steps(rows: int, steps: int) -> int:
 
 
 @torch.inference_mode()
-def run(runner: LlamaRunner, rows: list[ProbeRow], steps: int,
+def run(runner: LlamaRunner, rows: list[CheckRow], steps: int,
         progress: Callable[[int], None] | None = None) -> list[Trace]:
     """`progress`, when given, is called with 1 after each batched forward step (forward_steps in all)."""
     out = []
