@@ -16,7 +16,7 @@ from shared import tracing
 from shared.controls import controls_of
 
 
-def to_toolbox(req: gateway_pb2.GenerateRequest) -> Toolbox | None:
+def to_toolbox(req: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> Toolbox | None:
     if not req.tools and not req.HasField("tool_choice"):
         return None
     return Toolbox(tools=tuple(Tool(t.name, t.description, t.parameters, t.strict) for t in req.tools),
@@ -91,8 +91,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Tokenize(self, request, context):
         text = request.text if request.WhichOneof("input") == "text" else None  # neither: EMPTY_PROMPT
-        ids = await self.tokens.tokenize(text, tuple((m.role, m.content) for m in request.chat.messages),
-                                         request.add_generation_prompt, self._call(context))
+        chat = Ask(messages=tuple((m.role, m.content) for m in request.chat.messages), max_tokens=0,
+                   tools=to_toolbox(request), turn_tools=to_turn_tools(request.chat.messages))
+        ids = await self.tokens.tokenize(text, chat, request.add_generation_prompt, self._call(context))
         return gateway_pb2.TokenizeResponse(token_ids=ids, context_tokens=self.limits.max_context_tokens)
 
     async def Detokenize(self, request, context):

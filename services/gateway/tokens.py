@@ -3,7 +3,8 @@ against the context, or to read token ids back), through the same hops, retries 
 generation's (Pipeline.hop), held to the gateway's prompt limits. No validator, no inference."""
 from __future__ import annotations
 
-from services.gateway.contract import Limits, check_messages, check_prompt_bytes
+from services.gateway import tools
+from services.gateway.contract import CHAT_ROLES, Ask, Limits, check_messages, check_prompt_bytes
 from services.gateway.pipeline import Pipeline
 from services.gateway.values import Call
 from shared import errors
@@ -15,16 +16,19 @@ class Tokens:
     def __init__(self, pipeline: Pipeline, limits: Limits):
         self.pipeline, self.limits = pipeline, limits
 
-    async def tokenize(self, text: str | None, messages: tuple[tuple[str, str], ...], add_generation_prompt: bool,
-                       call: Call) -> list[int]:
-        """The ids of ``text`` as is, or (``text`` None) of ``messages`` rendered with the chat template.
+    async def tokenize(self, text: str | None, chat: Ask, add_generation_prompt: bool, call: Call) -> list[int]:
+        """The ids of ``text`` as is, or (``text`` None) of ``chat``'s conversation rendered with the chat
+        template, its tools and turn calls as Generate renders them (services/gateway/tools.py).
         CONTEXT_LENGTH_EXCEEDED when they are more than the context (the tokenizer encodes at most it)."""
         context = self.limits.max_context_tokens
-        up = self.pipeline.up
+        up, fmt = self.pipeline.up, self.pipeline.tool_format
         if text is None:
-            check_messages(messages, self.limits)
+            check_messages(chat.messages, self.limits, CHAT_ROLES)
+            tools.check(chat, self.limits, fmt)
+            chat = tools.render(chat, fmt)
             enc = await self.pipeline.hop("tokenizer", "Encode", lambda t, md: up.encode_chat(
-                messages, context, t, md, add_generation_prompt=add_generation_prompt), call)
+                chat.messages, context, t, md, add_generation_prompt=add_generation_prompt,
+                tools=tools.shown(chat, fmt), turn_tools=chat.turn_tools), call)
         else:
             check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), self.limits)
             if not text:

@@ -94,13 +94,8 @@ def response_format(body: ChatBody) -> common_pb2.ResponseFormat | None:
     return common_pb2.ResponseFormat(json_schema=json.dumps(schema, ensure_ascii=False))
 
 
-def chat_messages(messages: list[Message], calls: bool = False) -> gateway_pb2.ChatMessages:
-    """The conversation for the gateway; ``calls``: with the assistant's tool calls and the tool turns'
-    call ids (a chat completion), else a turn with calls is refused (/tokenize counts no calls)."""
-    for i, m in enumerate(messages):
-        if m.tool_calls and not calls:
-            raise unsupported(f"messages.{i}.tool_calls", "tool calls are not served here: a history holding them "
-                                                          "cannot be counted as the model sees it")
+def chat_messages(messages: list[Message]) -> gateway_pb2.ChatMessages:
+    """The conversation for the gateway, with the assistant's tool calls and the tool turns' call ids."""
     return gateway_pb2.ChatMessages(messages=[common_pb2.ChatMessage(
         role=ROLE_ALIASES.get(m.role, m.role), content=m.text, tool_calls=tools.calls_of(m),
         tool_call_id=m.tool_call_id or "") for m in messages])
@@ -114,7 +109,7 @@ def chat_request(body: ChatBody) -> gateway_pb2.GenerateRequest:
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     limit = _max_tokens(asked, param)
     req = gateway_pb2.GenerateRequest(
-        chat=chat_messages(body.messages, calls=True),
+        chat=chat_messages(body.messages),
         sampling=sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, body.prompt_logprobs),
         adapter=adapter_of(body.model))
     rf = response_format(body)
@@ -169,9 +164,13 @@ def tokenize_request(body: TokenizeBody) -> gateway_pb2.TokenizeRequest:
     if body.continue_final_message:
         raise unsupported("continue_final_message", "the chat template always closes the last turn")
     if body.messages is None:
+        if body.tools is not None or body.tool_choice is not None:
+            raise unsupported("tools", "tools are rendered with messages, not with a prompt")
         return gateway_pb2.TokenizeRequest(text=body.prompt)
-    return gateway_pb2.TokenizeRequest(chat=chat_messages(body.messages),
-                                       add_generation_prompt=body.add_generation_prompt is not False)
+    req = gateway_pb2.TokenizeRequest(chat=chat_messages(body.messages),
+                                      add_generation_prompt=body.add_generation_prompt is not False)
+    tools.set_tools(body, req)
+    return req
 
 
 def detokenize_request(body: DetokenizeBody) -> gateway_pb2.DetokenizeRequest:

@@ -42,8 +42,8 @@ class Message(Strict):
     content: list[TextPart] | None
     # The participant's name: accepted and ignored (the model's chat template has no place for it).
     name: str | None = None
-    # Calls the assistant made (shown to the model as services/gateway/tools.py renders them; /tokenize
-    # refuses them, services/openai/convert.py); a "tool" turn names the call it answers.
+    # Calls the assistant made (shown to the model as services/gateway/tools.py renders them, on a chat
+    # completion and on /tokenize alike); a "tool" turn names the call it answers.
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     # An answer's own refusal field, as the SDK sends an answer's message back in the history: accepted,
@@ -208,10 +208,15 @@ class CompletionBody(Sampling):
 class TokenizeBody(Strict):
     """vLLM's /tokenize: a ``prompt`` encoded as is, or ``messages`` with the chat template."""
 
-    UNSERVED = frozenset({"chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs"})
+    UNSERVED = frozenset({"chat_template", "chat_template_kwargs", "mm_processor_kwargs"})
     model: str | None = None  # every adapter shares the base model's tokenizer: not used
     prompt: str | None = None
     messages: list[Message] | None = None
+    # With messages: rendered as a chat completion renders them (vLLM takes tools; Keel also the two
+    # fields the rendering depends on), so the count is the chat completion's prompt.
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None  # with messages; absent: true, as vLLM
     add_special_tokens: bool | None = None  # accepted, no effect: the model adds no BOS or EOS of its own
     # true is not served (convert.py): vLLM's token strings, or the last turn left open

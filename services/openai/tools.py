@@ -8,10 +8,10 @@ import json
 
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2
-from services.openai.schemas import ChatBody, Message
+from services.openai.schemas import ChatBody, Message, TokenizeBody
 
 
-def set_tools(body: ChatBody, req: gateway_pb2.GenerateRequest) -> None:
+def set_tools(body: ChatBody | TokenizeBody, req: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> None:
     """The body's tools, tool_choice and parallel_tool_calls onto ``req``."""
     for t in body.tools or ():
         f = t.function

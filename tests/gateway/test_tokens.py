@@ -11,7 +11,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from keel.gateway.v1 import gateway_pb2
-from services.gateway.contract import Limits
+from services.gateway import tools
+from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Pipeline
 from services.gateway.retry import RetryConfig, RetryExecutor
 from services.gateway.tokens import Tokens
@@ -50,6 +51,10 @@ class Tokenizer(FakeUpstreams):
         return "".join(chr(i) for i in ids)
 
 
+def chat(*messages, **kw) -> Ask:
+    return Ask(messages=tuple(messages), max_tokens=0, **kw)
+
+
 def tokens(up=None) -> Tokens:
     pipeline = Pipeline(up or Tokenizer(), RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1)), LIMITS)
     return Tokens(pipeline, LIMITS)
@@ -59,17 +64,36 @@ def tokens(up=None) -> Tokens:
 async def test_text_is_encoded_as_is_and_chat_with_its_template():
     up = Tokenizer()
     t = tokens(up)
-    assert await t.tokenize("hi", (), False, CALL) == [ord("h"), ord("i")]
-    assert await t.tokenize(None, (("user", "hi"),), True, CALL) == [ord(c) for c in "uhi|A"]
-    assert await t.tokenize(None, (("user", "hi"),), False, CALL) == [ord(c) for c in "uhi|"]
+    assert await t.tokenize("hi", chat(), False, CALL) == [ord("h"), ord("i")]
+    assert await t.tokenize(None, chat(("user", "hi")), True, CALL) == [ord(c) for c in "uhi|A"]
+    assert await t.tokenize(None, chat(("user", "hi")), False, CALL) == [ord(c) for c in "uhi|"]
     assert up.seen == [("text", "hi", 8), ("chat", (("user", "hi"),), True), ("chat", (("user", "hi"),), False)]
-    assert await t.tokenize("", (), False, CALL) == []
+    assert await t.tokenize("", chat(), False, CALL) == []
+
+
+@pytest.mark.asyncio
+async def test_a_conversation_with_tools_is_counted_as_generate_renders_it():
+    """The tools described in the system turn and the earlier calls as JSON turns (the generic
+    rendering), exactly the conversation Generate sends the tokenizer; a bad tool is refused the same."""
+    up = Tokenizer()
+    box = tools.Toolbox((tools.Tool("weather", "d", '{"type": "object"}'),), "required")
+    turns = (tools.TurnTools(), tools.TurnTools((tools.ToolCall("call_1", "weather", "{}"),)),
+             tools.TurnTools(call_id="call_1"))
+    ask = chat(("user", "hi"), ("assistant", ""), ("tool", "sunny"), tools=box, turn_tools=turns)
+    limits = Limits(max_context_tokens=100_000, max_prompt_bytes=64_000)
+    t = Tokens(Pipeline(up, RetryExecutor(RetryConfig(), sleep=no_sleep, rng=random.Random(1)), limits), limits)
+    await t.tokenize(None, ask, True, CALL)
+    ((_, seen, _),) = up.seen
+    assert seen == tools.render(ask).messages and tools.TOOLS_INTRO in seen[0][1] and seen[0][0] == "system"
+    with pytest.raises(errors.InvalidInput) as exc:
+        await t.tokenize(None, chat(("user", "hi"), tools=tools.Toolbox((tools.Tool("bad name!"),))), True, CALL)
+    assert exc.value.reason == "TOOL_INVALID" and len(up.seen) == 1
 
 
 @pytest.mark.asyncio
 async def test_more_tokens_than_the_context_is_refused_with_the_count_never_cut():
     with pytest.raises(errors.InvalidInput) as exc:
-        await tokens().tokenize("abcdefghij", (), False, CALL)
+        await tokens().tokenize("abcdefghij", chat(), False, CALL)
     assert exc.value.reason == "CONTEXT_LENGTH_EXCEEDED"
     assert exc.value.metadata == {"prompt_tokens": "10", "max_tokens": "0", "context_tokens": "8"}
 
@@ -84,7 +108,7 @@ async def test_more_tokens_than_the_context_is_refused_with_the_count_never_cut(
 async def test_the_gateways_prompt_limits_hold(text, messages, reason):
     up = Tokenizer()
     with pytest.raises(errors.InvalidInput) as exc:
-        await tokens(up).tokenize(text, messages, True, CALL)
+        await tokens(up).tokenize(text, chat(*messages), True, CALL)
     assert exc.value.reason == reason and up.seen == []
 
 
@@ -123,6 +147,11 @@ def test_over_grpc_with_a_key(gateway):
     request = gateway_pb2.TokenizeRequest(chat=chat, add_generation_prompt=True)
     resp = gateway.Tokenize(request, metadata=KEY, timeout=10)
     assert list(resp.token_ids) == [ord(c) for c in "uhi|A"]
+    request.tools.add(name="f")
+    request.tool_choice.mode = "required"  # the tools described in a system turn first, as Generate does
+    with pytest.raises(grpc.RpcError) as exc:  # which the 8-token context cannot hold
+        gateway.Tokenize(request, metadata=KEY, timeout=10)
+    assert reason_of(exc.value) == "CONTEXT_LENGTH_EXCEEDED"
     request = gateway_pb2.DetokenizeRequest(token_ids=[104, 105])
     assert gateway.Detokenize(request, metadata=KEY, timeout=10).text == "hi"
 

@@ -162,6 +162,15 @@ def test_tokenize_maps_vllms_two_shapes():
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "hi")]
     assert req.add_generation_prompt  # vLLM's default
     assert not tokenize(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False).add_generation_prompt
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    req = tokenize(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                               "tool_calls": [call]},
+                             {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}],
+                   tools=[weather], tool_choice="required", parallel_tool_calls=False)
+    assert [t.name for t in req.tools] == ["weather"] and req.tool_choice.mode == "required"
+    assert req.HasField("parallel_tool_calls") and not req.parallel_tool_calls
+    assert req.chat.messages[1].tool_calls[0].id == "call_1" and req.chat.messages[2].tool_call_id == "call_1"
     assert convert.tokenized(gateway_pb2.TokenizeResponse(token_ids=[5, 6], context_tokens=2048)) == {
         "count": 2, "max_model_len": 2048, "tokens": [5, 6], "token_strs": None}
 
@@ -174,6 +183,7 @@ def test_tokenize_maps_vllms_two_shapes():
     ({"prompt": "hi", "messages": []}, "(body)", "INVALID_BODY"),
     ({}, "(body)", "INVALID_BODY"),
     ({"prompt": 5}, "prompt", "INVALID_BODY"),
+    ({"prompt": "hi", "tools": []}, "tools", "UNSUPPORTED_PARAMETER"),
 ])
 def test_bad_tokenize_bodies_name_the_field(fields, field, reason):
     err = refused(tokenize, **fields)

@@ -50,11 +50,10 @@ def test_a_history_with_calls_and_tool_turns_reaches_the_gateway():
     assert [(c.id, c.name, c.arguments) for c in m[1].tool_calls] == [("call_1", "weather", '{"city":"Oslo"}')]
 
 
-def test_tokenize_still_refuses_a_history_with_calls():
+def test_tokenize_carries_a_history_with_calls_as_a_chat_completion_does():
     body = parse(TokenizeBody, {"messages": HISTORY[:2]})
-    with pytest.raises(errors.InvalidInput) as exc:
-        convert.tokenize_request(body)
-    assert (exc.value.reason, exc.value.metadata["field"]) == ("UNSUPPORTED_PARAMETER", "messages.1.tool_calls")
+    assert list(convert.tokenize_request(body).chat.messages) == \
+        list(chat(messages=HISTORY[:2]).chat.messages)
 
 
 @pytest.mark.parametrize("fields, field", [
