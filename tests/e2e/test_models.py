@@ -17,6 +17,7 @@ import sys
 import urllib.request
 
 import grpc
+import jsonschema
 import pytest
 
 from keelctl.ask import DEV_API_KEY, build_request
@@ -51,12 +52,19 @@ FOLDER = "qwen2-folder"  # the one Hugging Face folder among the models
 MESHES = ("llama", "qwen3", FOLDER)  # one mesh each (a mesh costs ~40 s of the suite)
 
 
+QWEN_TEMPLATE = ROOT / "tests" / "tokenizer" / "fixtures" / "qwen2.5-instruct.jinja"
+TRIP = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome", "Lima"]}}, "required": ["city"]}
+
+
 def folder_model(tmp) -> str:
-    """The tiny qwen2's transformers folder with the shipped model's tokenizer files beside its weights."""
+    """The tiny qwen2's transformers folder with the shipped model's tokenizer files beside its weights,
+    its chat template Qwen2.5-Instruct's (which has a tools section: tool calls in its own format)."""
     folder = tmp / "qwen2-hf"
     shutil.copytree(tiny_model_files("qwen2", "Q8_0").hf, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(prepared() / "hf-tokenizer" / name, folder / name)
+    shutil.copy(prepared() / "hf-tokenizer" / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((prepared() / "hf-tokenizer" / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_TEMPLATE.read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return str(folder)
 
 
@@ -117,3 +125,27 @@ def test_an_adapter_registered_against_smollm2_is_refused_with_its_reason(team_m
     info = error_info(exc.value)
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and info.reason == "ADAPTER_REFUSED"
     assert info.metadata["refusal_reason"] == "BASE_FINGERPRINT_MISMATCH"
+
+
+def test_a_templates_own_tool_format_serves_a_forced_call_and_replays_it(team_mesh):
+    """The folder model's template is Qwen2.5's: the tools go into its tools section (/tokenize counts
+    them), a forced call is decoded in its <tool_call> format, parses and validates, and `keel replay`
+    renders the recorded tools again and reproduces the call's tokens."""
+    if not team_mesh.folder:
+        pytest.skip("only the folder model has a template with a tools section")
+    name = "team-qwen2-folder"
+    tool = {"type": "function", "function": {"name": "trip", "description": "Book a trip", "parameters": TRIP}}
+    chat = [{"role": "user", "content": "Book me a trip"}]
+    plain = http(team_mesh, "/tokenize", {"model": name, "messages": chat})["count"]
+    assert http(team_mesh, "/tokenize", {"model": name, "messages": chat, "tools": [tool]})["count"] > plain + 20
+    r = http(team_mesh, "/v1/chat/completions", {"model": name, "max_tokens": 96, "temperature": 0, "messages": chat,
+                                                 "tools": [tool], "tool_choice": "required"})
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "trip"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TRIP)
+    trace_id = r["id"].removeprefix("chatcmpl-")
+    wait_until(lambda: store(team_mesh).get_record(trace_id), 30, "the replay record")
+    out = keel(team_mesh, "replay", trace_id)
+    assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout + out.stderr
