@@ -65,11 +65,12 @@ def stage(tmp_path_factory):
         yield url
 
 
-def send(url: str, path: str, body: bytes, hdrs: dict) -> tuple[int, bytes, str]:
+def send(url: str, path: str, body: bytes, hdrs: dict, method: str = "POST",
+         timeout_s: float = 30) -> tuple[int, bytes, str]:
     u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
     try:
-        conn.request("POST", path, body, hdrs)
+        conn.request(method, path, body, hdrs)
         resp = conn.getresponse()
         return resp.status, resp.read(), resp.getheader("content-type") or ""
     finally:
