@@ -81,7 +81,8 @@ def accepts(vocab, box: Toolbox, fmt: str, text: str) -> bool:
     (Toolbox(TOOLS, "required"), MISTRAL,
      [mistral(("weather", '{"city": "Oslo"}')), mistral(("weather", '{"city": "Oslo"}'), space=""),
       mistral(("point", '{"p": {"x": 1}}'), ("weather", '{"city": "a"}'))],
-     ["It is sunny.", "", mistral(("weather", '{"town": "Oslo"}')), mistral(("weather", '{"city": "Oslo"}'), id_="short"),
+     ["It is sunny.", "", mistral(("weather", '{"town": "Oslo"}')),
+      mistral(("weather", '{"city": "Oslo"}'), id_="short"),
       mistral(("weather", '{"city": "Oslo"}'), id_="call_1234"), '[TOOL_CALLS] [{"name": "weather", "arguments": '
       '{"city": "Oslo"}}]', mistral(("weather", '{"city": "Oslo"}'), space="  "), "[TOOL_CALLS] []",
       mistral(*[("weather", '{"city": "a"}')] * (tools.MAX_PARALLEL_CALLS + 1))]),

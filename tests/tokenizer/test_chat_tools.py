@@ -62,8 +62,9 @@ LLAMA_CHATS = [
 MISTRAL_CHATS = [
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}], [WEATHER, SEARCH]),
     ([{"role": "user", "content": "Weather in Paris and Rome?"},
-      {"role": "assistant", "content": "", "tool_calls": [call("a1b2c3d4e", "get_weather", {"city": "Paris"}),
-                                                          call("Z9y8X7w6V", "get_weather", {"city": "Rome", "days": 2})]},
+      {"role": "assistant", "content": "", "tool_calls": [
+          call("a1b2c3d4e", "get_weather", {"city": "Paris"}),
+          call("Z9y8X7w6V", "get_weather", {"city": "Rome", "days": 2})]},
       {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "{\"temp\": 21}"},
       {"role": "tool", "tool_call_id": "Z9y8X7w6V", "content": "sunny"}], [WEATHER]),
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
