@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import string
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -44,7 +43,6 @@ INSTRUCTION_AUTO = ("Respond in JSON format, either with `{key}` (a request to c
 INSTRUCTION_FORCED = "Respond in JSON format with `{key}` (a request to call tools)"
 # minja's polyfill of a template without a tools section (the text llama.cpp shows such a model).
 TOOLS_INTRO = "You can call any of the following tools to satisfy the user's requests: "
-CALL_ID_CHARS = string.ascii_letters + string.digits
 # Calls in one turn, at most: a small model that repeats itself ("call, call, call, ...") then ends
 # its turn with calls that parse, instead of running into max_tokens mid-call.
 MAX_PARALLEL_CALLS = 4
@@ -278,8 +276,12 @@ def render(ask: Ask, fmt: str = toolformat.GENERIC) -> Ask:
     return replace(ask, messages=tuple(messages), turn_tools=(), controls=controls)
 
 
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(CALL_ID_CHARS) for _ in range(24))
+def new_call_id(fmt: str = toolformat.GENERIC) -> str:
+    """A call's id: "call_" and 24 letters and digits; 9 letters and digits for the mistral format,
+    whose template refuses other ids (an id sent back in a later turn is then shown unchanged)."""
+    if fmt == toolformat.MISTRAL:
+        return "".join(secrets.choice(toolformat.ID_CHARS) for _ in range(9))
+    return "call_" + "".join(secrets.choice(toolformat.ID_CHARS) for _ in range(24))
 
 
 def parse(raw: str, fmt: str = toolformat.GENERIC) -> Reply | None:
@@ -289,7 +291,7 @@ def parse(raw: str, fmt: str = toolformat.GENERIC) -> Reply | None:
         read = toolformats.parse(fmt, raw)
         if read is None or isinstance(read, str):
             return None if read is None else Reply(read)
-        return Reply("", tuple(ToolCall(new_call_id(), name, _compact(arguments)) for name, arguments in read))
+        return Reply("", tuple(ToolCall(new_call_id(fmt), name, _compact(arguments)) for name, arguments in read))
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError):

@@ -10,6 +10,8 @@ of ``{"type": "function", "function": {name, description, parameters}}``, an ass
 as its ``tool_calls`` (``{"type": "function", "id": ..., "function": {"name": ..., "arguments":
 <dict>}}``), a ``tool`` turn with its ``tool_call_id``. Only a template with a tools section
 (``shared/toolformat.py``: not "generic") takes ``tool`` turns; others refuse them (UNKNOWN_ROLE).
+Mistral's template refuses call ids that are not 9 characters long: for it each id is handed over
+as ``toolformat.mistral_id`` makes it (a Keel id "call_" + 24 becomes 9 letters and digits).
 
 A model without a chat template is rendered plainly (``PlainRenderer``): each message as
 ``"<role>: <content>\n"``, then ``"assistant:"`` when add_generation_prompt is set; the stage
@@ -64,7 +66,7 @@ class ChatRenderer:
         roles = ROLES if self.tool_format == toolformat.GENERIC else TOOL_ROLES
         chat = [_message(i, m, roles) for i, m in enumerate(_message_list(messages))]
         for message, extra in zip(chat, extras):
-            message.update(extra)
+            message.update(_mistral_ids(extra) if self.tool_format == toolformat.MISTRAL else extra)
         try:
             return self._template.render(messages=chat, add_generation_prompt=bool(add_generation_prompt),
                                          tools=list(tools) or None, documents=None, **self._special)
@@ -84,6 +86,17 @@ class PlainRenderer:
         chat = [_message(i, m) for i, m in enumerate(_message_list(messages))]
         text = "".join(f"{m['role']}: {m['content']}\n" for m in chat)
         return text + "assistant:" if add_generation_prompt else text
+
+
+def _mistral_ids(extra: dict) -> dict:
+    """A turn's call ids as Mistral's template takes them (an empty id stays empty: the template says)."""
+    out = dict(extra)
+    if out.get("tool_call_id"):
+        out["tool_call_id"] = toolformat.mistral_id(out["tool_call_id"])
+    if "tool_calls" in out:
+        out["tool_calls"] = [{**c, "id": toolformat.mistral_id(c["id"])} if c.get("id") else c
+                             for c in out["tool_calls"]]
+    return out
 
 
 def _message_list(messages) -> list:

@@ -23,7 +23,7 @@ from shared.modelfile import source as model_source
 from shared.stages import GATEWAY_UPSTREAMS
 from testing.upstreams import FakeUpstreams, no_sleep
 
-HERMES, LLAMA3 = toolformat.HERMES, toolformat.LLAMA3
+HERMES, LLAMA3, MISTRAL = toolformat.HERMES, toolformat.LLAMA3, toolformat.MISTRAL
 POINT = {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
                          "additionalProperties": False}},
          "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"]}
@@ -39,6 +39,12 @@ def hermes(*calls: tuple[str, str]) -> str:
 
 def llama(name: str, arguments: str) -> str:
     return f'{{"name": "{name}", "parameters": {arguments}}}'
+
+
+def mistral(*calls: tuple[str, str], space: str = " ", id_: str = "a1B2c3D4e") -> str:
+    """Mistral's calls: v0.3 writes a space after [TOOL_CALLS], Nemo none."""
+    body = ", ".join(f'{{"name": "{n}", "arguments": {a}, "id": "{id_}"}}' for n, a in calls)
+    return f"[TOOL_CALLS]{space}[{body}]"
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,20 @@ def accepts(vocab, box: Toolbox, fmt: str, text: str) -> bool:
     (Toolbox(TOOLS), LLAMA3,
      ["It is sunny.", llama("weather", '{"city": "Oslo"}')],
      ['{"name": "weather"}', "{not a call"]),
+    (Toolbox(TOOLS, "required"), MISTRAL,
+     [mistral(("weather", '{"city": "Oslo"}')), mistral(("weather", '{"city": "Oslo"}'), space=""),
+      mistral(("point", '{"p": {"x": 1}}'), ("weather", '{"city": "a"}'))],
+     ["It is sunny.", "", mistral(("weather", '{"town": "Oslo"}')),
+      mistral(("weather", '{"city": "Oslo"}'), id_="short"),
+      mistral(("weather", '{"city": "Oslo"}'), id_="call_1234"), '[TOOL_CALLS] [{"name": "weather", "arguments": '
+      '{"city": "Oslo"}}]', mistral(("weather", '{"city": "Oslo"}'), space="  "), "[TOOL_CALLS] []",
+      mistral(*[("weather", '{"city": "a"}')] * (tools.MAX_PARALLEL_CALLS + 1))]),
+    (Toolbox(TOOLS, "auto", parallel=False), MISTRAL,
+     ["It is sunny.", "", mistral(("weather", '{"city": "Oslo"}'))],
+     [mistral(("weather", '{"city": "a"}'), ("weather", '{"city": "b"}')), "[TOOL_CALLS] It is sunny."]),
+    (Toolbox(TOOLS, function="point"), MISTRAL,
+     [mistral(("point", '{"p": {"x": 3}}'))],
+     [mistral(("weather", '{"city": "Oslo"}')), mistral(("point", '{"p": {"x": 3}}'), ("point", '{"p": {"x": 4}}'))]),
 ])
 def test_the_grammar_accepts_exactly_the_answers_tool_choice_allows(vocab, box, fmt, good, bad):
     assert all(accepts(vocab, box, fmt, g) for g in good)
@@ -90,6 +110,19 @@ def test_the_answer_is_read_back_as_calls_or_text():
                 "<tool_call>\nnot json\n</tool_call>"):
         assert tools.parse(cut, HERMES) is None
     assert tools.parse('{"name": "weather", "param', LLAMA3) is None
+
+
+def test_mistral_calls_are_read_back_with_ids_its_template_takes():
+    read = tools.parse(mistral(("point", '{"p": {"x": 1}}'), ("weather", '{"city": "Å"}')), MISTRAL)
+    assert [(c.name, c.arguments) for c in read.calls] == [("point", '{"p":{"x":1}}'), ("weather", '{"city":"Å"}')]
+    # the gateway's own ids (not the one the model wrote), 9 letters and digits
+    assert all(toolformat.MISTRAL_ID.fullmatch(c.id) and c.id != "a1B2c3D4e" for c in read.calls)
+    assert len({c.id for c in read.calls}) == 2 and read.text == ""
+    assert [c.name for c in tools.parse(mistral(("weather", "{}"), space=""), MISTRAL).calls] == ["weather"]
+    assert tools.parse("It is sunny.", MISTRAL) == tools.Reply("It is sunny.")
+    for cut in ('[TOOL_CALLS] [{"name": "weather", "argu', "[TOOL_CALLS] []", '[TOOL_CALLS] {"name": "weather"}',
+                mistral(("weather", "{}")) + " and more", '[TOOL_CALLS] [{"arguments": {}}]'):
+        assert tools.parse(cut, MISTRAL) is None
 
 
 class Templated(FakeUpstreams):

@@ -36,7 +36,7 @@ async def engine(make_engine):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("fmt", [toolformat.HERMES, toolformat.LLAMA3])
+@pytest.mark.parametrize("fmt", [toolformat.HERMES, toolformat.LLAMA3, toolformat.MISTRAL])
 async def test_a_forced_call_always_parses_and_validates(engine, fmt):
     boxes = [Toolbox(TOOLS, "required"), Toolbox(TOOLS, function="flag"), Toolbox(TOOLS, "required", parallel=False)]
     reqs = [request(f"t{i}", prompt(i), max_tokens=200, temperature=1.0, seed=i,
@@ -49,7 +49,8 @@ async def test_a_forced_call_always_parses_and_validates(engine, fmt):
         reply = tools.parse(text, fmt)
         assert reply is not None and reply.calls, text
         box = boxes[i % len(boxes)]
-        assert len(reply.calls) == 1 or (fmt == toolformat.HERMES and box.parallel and not box.function)
+        parallel = fmt in (toolformat.HERMES, toolformat.MISTRAL) and box.parallel and not box.function
+        assert len(reply.calls) == 1 or parallel
         for call in reply.calls:
             assert not box.function or call.name == box.function
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

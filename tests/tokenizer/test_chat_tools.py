@@ -1,7 +1,8 @@
 """Chats with tools through a template that has a tools section: the rendered text equals
-transformers' apply_chat_template(messages, tools=tools) for the real Qwen2.5-Instruct and Llama 3.1
-Instruct templates (tests/tokenizer/fixtures), the format is told from the template's text, and the
-servicer hands a ChatInput's tools and a message's calls to the template in transformers' shape."""
+transformers' apply_chat_template(messages, tools=tools) for the real Qwen2.5-Instruct, Llama 3.1
+Instruct and Mistral Nemo Instruct templates (tests/tokenizer/fixtures), the format is told from the
+template's text, and the servicer hands a ChatInput's tools and a message's calls to the template in
+transformers' shape (Mistral's with call ids of 9 characters)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ from tests.tokenizer.conftest import HF_TOKENIZER_DIR
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN = (FIXTURES / "qwen2.5-instruct.jinja").read_text(encoding="utf-8")
 LLAMA = (FIXTURES / "llama-3.1-instruct.jinja").read_text(encoding="utf-8")
+MISTRAL = (FIXTURES / "mistral-nemo-instruct-2407.jinja").read_text(encoding="utf-8")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -55,6 +57,22 @@ LLAMA_CHATS = [
       {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"}], [WEATHER]),
 ]
 
+# Mistral's template wants user and assistant turns to alternate (call turns and tool turns aside)
+# and call ids of 9 characters.
+MISTRAL_CHATS = [
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}], [WEATHER, SEARCH]),
+    ([{"role": "user", "content": "Weather in Paris and Rome?"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          call("a1b2c3d4e", "get_weather", {"city": "Paris"}),
+          call("Z9y8X7w6V", "get_weather", {"city": "Rome", "days": 2})]},
+      {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "{\"temp\": 21}"},
+      {"role": "tool", "tool_call_id": "Z9y8X7w6V", "content": "sunny"}], [WEATHER]),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "Let me look.", "tool_calls": [call("abcdefghi", "search", {"q": "ünï"})]},
+      {"role": "tool", "tool_call_id": "abcdefghi", "content": "nothing"},
+      {"role": "assistant", "content": "Nothing found."}, {"role": "user", "content": "ok"}], [SEARCH]),
+]
+
 
 @pytest.fixture(scope="module")
 def hf():
@@ -72,7 +90,8 @@ def ours(r: ChatRenderer, messages: list[dict], tools: list[dict]) -> str:
     return r.render(pairs, True, tools, extras)
 
 
-@pytest.mark.parametrize("template, chats", [(QWEN, HERMES_CHATS), (LLAMA, LLAMA_CHATS)], ids=["qwen2.5", "llama3.1"])
+@pytest.mark.parametrize("template, chats", [(QWEN, HERMES_CHATS), (LLAMA, LLAMA_CHATS), (MISTRAL, MISTRAL_CHATS)],
+                         ids=["qwen2.5", "llama3.1", "mistral-nemo"])
 def test_render_with_tools_matches_transformers(hf, template, chats):
     r = renderer(hf, template)
     for messages, tools in chats:
@@ -88,8 +107,28 @@ def test_render_with_tools_matches_transformers(hf, template, chats):
 def test_the_tool_format_is_told_from_the_templates_text(hf, tok):
     assert renderer(hf, QWEN).tool_format == toolformat.HERMES
     assert renderer(hf, LLAMA).tool_format == toolformat.LLAMA3
+    assert renderer(hf, MISTRAL).tool_format == toolformat.MISTRAL
     assert tok.tool_format == toolformat.GENERIC  # SmolLM2's template has no tools section
     assert toolformat.detect(None) == toolformat.GENERIC
+
+
+def test_mistral_is_handed_call_ids_of_9_characters(hf):
+    """Keel's ids ("call_" + 24) are longer than Mistral's template takes: each is handed over as 9
+    letters and digits made from it, the same in the call and in its tool turn; 9-character ids as sent."""
+    keel_id = "call_" + "x" * 24
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call(keel_id, "get_weather", {"city": "Paris"})]},
+                {"role": "tool", "tool_call_id": keel_id, "content": "sunny"}]
+    short = toolformat.mistral_id(keel_id)
+    assert toolformat.MISTRAL_ID.fullmatch(short) and short == toolformat.mistral_id(keel_id)
+    assert toolformat.mistral_id("a1b2c3d4e") == "a1b2c3d4e" and toolformat.mistral_id("call_2") != short
+    as_shown = [messages[0], {**messages[1], "tool_calls": [call(short, "get_weather", {"city": "Paris"})]},
+                {**messages[2], "tool_call_id": short}]
+    with pytest.raises(Exception, match="length 9"):
+        hf.apply_chat_template(messages, tools=[WEATHER], tokenize=False, chat_template=MISTRAL)
+    assert ours(renderer(hf, MISTRAL), messages, [WEATHER]) == hf.apply_chat_template(
+        as_shown, tools=[WEATHER], add_generation_prompt=True, tokenize=False, chat_template=MISTRAL)
+    assert f'"id": "{short}"' in ours(renderer(hf, MISTRAL), messages, [WEATHER])
 
 
 def test_a_template_without_a_tools_section_refuses_tool_turns(tok):
