@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import re
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench.lib.machine import machine_line
 from services.inference.engine.controls import RowControls, logprobs, shape
 from services.inference.engine.core import Engine, EngineConfig, GenerationRequest, TokenEvent
 from services.inference.engine.grammar import Grammars, MaskExecutor, Vocabulary, version
@@ -49,11 +47,6 @@ KINDS = {
     "penalties+logprobs": Controls(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
                                    logprobs=True, top_logprobs=5),
 }
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
 
 
 async def step_ms(engine: Engine, controls: Controls, batch: int, tokens: int, round_: int) -> tuple[float, float]:
@@ -136,7 +129,7 @@ async def main() -> None:
     for name, ms in cpu.items():
         extra = ms - cpu["plain"]
         print(f"  {name:<20} {ms:7.2f} ms  (+{extra:.2f} ms)  ratio {(med['plain'] + extra) / med['plain']:.3f}")
-    print(f"cpu flags: {cpu_flags()}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine_line())
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.machine import machine_line
 from services.feedback import db
 from services.feedback.config import EtlConfig
 from services.feedback.etl import run
@@ -67,7 +67,7 @@ def main() -> int:
     etl_s = time.perf_counter() - t0
     print(f"peer (read the {rows} joined rows): {read_s:.2f} s; etl run: {etl_s:.2f} s; ratio {etl_s / read_s:.2f}x")
     print(f"manifest counts: {manifest['counts']}")
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine_line())
     return 0
 
 

@@ -48,6 +48,7 @@ import grpc
 
 from bench.lib import native_loadgen
 from bench.lib.feedback_store import store_section
+from bench.lib.machine import machine_line
 from bench.lib.openloop import at_rate
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
@@ -358,7 +359,7 @@ def main() -> int:
                                             {"KEEL_FEEDBACK_DATABASE__URL": pg.url})), flush=True)
         finally:
             pg.stop()
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine_line())
     return 0
 
 

@@ -15,24 +15,18 @@ Run: .venv/bin/python -m bench.bench_first_start [--gate-prompts N] [--requests 
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.machine import machine_line
 from keelctl import ask, startview
 from testing.mesh import start_mesh, stop_mesh
 
 GATING = "gating"
 PROMPT = "Write a short story about a lighthouse keeper."
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
 
 
 def phase(mesh) -> str:
@@ -94,8 +88,7 @@ def main(argv=None) -> int:
         shutil.rmtree(fresh, ignore_errors=True)
         shutil.rmtree(stored, ignore_errors=True)
     print(f"\nCommand: `.venv/bin/python -m bench.bench_first_start {' '.join(argv or sys.argv[1:])}`")
-    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; "
-          f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print(machine_line() + "\n")
     print("| start | s to SERVING | s to first answer | gating at first answer | gate ended (s) | "
           "client tok/s during gate | after gate | during / after |")
     print("|---|---|---|---|---|---|---|---|")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+from bench.lib.machine import machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     print(f"\nCommand: `.venv/bin/python -m bench.bench_formats {' '.join(argv or sys.argv[1:])}`")
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print(machine_line() + "\n")
     print("| format | RSS after warm-up (MiB) | peak RSS (MiB) | static bytes (MiB) | row-invariant M=1..17 "
           "| decode pass b1 (ms) | decode pass b16 (ms) |")
     print("|---|---|---|---|---|---|---|")

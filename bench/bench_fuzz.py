@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,13 +29,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from bench.bench_openai import cpu_flags
+from bench.lib.machine import machine_line
 from keelctl.ask import DEV_API_KEY
 from shared.modelfile import model_id
 from testing.mesh import start_mesh, stop_mesh
 from tests.openai.test_fuzz import bodies, deadlines, headers, plausible, send, short
-
-ROOT = Path(__file__).resolve().parents[1]
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/models/x", "/tokenize",
           "/detokenize", "/health")
@@ -152,10 +149,7 @@ def main() -> int:
         print(show(r))
     for r in shapes[:20]:
         print(show(r) + f"\n    {r['shape']}")
-    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; git "
-          + subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip())
+    print(machine_line())
     return 1 if bad or shapes else 0
 
 

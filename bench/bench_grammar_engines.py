@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -20,7 +19,7 @@ import numpy as np
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
-from bench.bench_controls import cpu_flags
+from bench.lib.machine import machine_line
 from shared.modelfile import source as model_source
 
 TOKENIZER = model_source().cache_dir / "hf-tokenizer" / "tokenizer.json"
@@ -95,7 +94,7 @@ def main() -> None:
         print(f"  {name:<14} compile {c:8.2f} ms   mask per token (median) {m:7.1f} us")
     print(f"  outlines-core / llguidance: compile {med['outlines-core'][0] / med['llguidance'][0]:.1f}x, "
           f"mask {med['outlines-core'][1] / med['llguidance'][1]:.2f}x")
-    print(f"cpu flags: {cpu_flags()}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine_line())
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.lib.machine import machine_line
 from bench.lib.openloop import at_rate
 from keel.feedback.v1 import feedback_pb2
 from keel.gateway.v1 import gateway_pb2
@@ -139,7 +140,7 @@ def main() -> int:
     finally:
         server.kill()
         server.wait()
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(machine_line())
     return 0
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 import httpx2
 
+from bench.lib.machine import machine_line
 from keel.common.v1 import common_pb2
 from keel.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from keelctl import health
@@ -151,11 +152,6 @@ async def grpc_stream(stub, tokens: int) -> tuple[float, float, bool, float]:
 
 def p50(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    return " ".join(sorted(set(re.findall(r"\b(avx2|avx512f|avx512_vnni|avx512_bf16|amx[a-z_]*)\b", text))))
 
 
 async def run(mesh, args) -> None:
@@ -291,10 +287,7 @@ def main() -> int:
                 asyncio.run(run(mesh, args))
             finally:
                 stop_mesh(mesh)
-    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; git "
-          + subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip())
+    print(machine_line())
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.lib.machine import machine_line
 from shared.modelfile import source as model_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     for stage in stages:
         stage.close()
     print(f"\nCommand: `.venv/bin/python -m bench.bench_restart {' '.join(argv or sys.argv[1:])}`")
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print(machine_line() + "\n")
     print("| checkout | start | kills | p50 s to SERVING | max s | p50 s to listening (imports, config) | "
           "engine phases (median s) |")
     print("|---|---|---|---|---|---|---|")

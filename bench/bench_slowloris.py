@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.bench_openai import cpu_flags
+from bench.lib.machine import machine_line
 from keelctl.ask import DEV_API_KEY
 from shared.modelfile import model_id
 from testing.mesh import start_mesh, stop_mesh
@@ -209,10 +209,7 @@ def main() -> int:
           f"(+{(peak - rss_before) / 1024:.1f} MB), {rss[-1][1] / 1024:.1f} MB after")
     print(f"slow connections the stage closed (attacker's view): {json.dumps(lived)}")
     print(f"the stage's log: {closes['headers']} closed for headers not sent in time, {closes['body']} for the body")
-    print(f"CPU flags: {cpu_flags()}; {os.cpu_count()} cores; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; git "
-          + subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=ROOT).stdout.strip())
+    print(machine_line())
     return 0
 
 
