@@ -18,10 +18,11 @@ max_tokens of each request until its answer ends) and turns a decision into a ro
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from shared import prefixkeys
 
 POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
 REASONS = ("prefix", "imbalanced", "miss", "least_loaded", "round_robin")
@@ -48,14 +49,8 @@ class Decision:
 
 
 def block_keys(ids: Sequence[int], block_tokens: int, adapter: str) -> list[bytes]:
-    """Keys of the prompt's full blocks, chained; the last token never counts (the engine computes it
-    whatever it has cached, for the first token's logits)."""
-    keys, h = [], hashlib.blake2b(adapter.encode(), digest_size=16).digest()
-    for i in range((len(ids) - 1) // block_tokens if ids else 0):
-        chunk = ids[i * block_tokens:(i + 1) * block_tokens]
-        h = hashlib.blake2b(h + b"".join(t.to_bytes(4, "little") for t in chunk), digest_size=16).digest()
-        keys.append(h)
-    return keys
+    """Keys of the prompt's blocks a prefix cache can serve, as the engine keys them (shared/prefixkeys.py)."""
+    return prefixkeys.chain(adapter, ids, block_tokens, prefixkeys.cacheable_blocks(len(ids), block_tokens))
 
 
 def imbalanced(loads: Sequence[int], cfg: RoutingConfig) -> bool:
