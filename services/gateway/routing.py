@@ -4,11 +4,16 @@ before it picks a replica).
 
 A prompt is cut into blocks of `block_tokens` tokens and each block keyed by a hash chain (block i's
 key covers the adapter and every token of blocks 0..i, as the engine's prefix cache keys its blocks),
-so a key names a whole prefix. `PrefixIndex` remembers, per replica, the keys of the prompts routed
-to it (least recently used first out past `blocks_per_replica`): what that replica has most likely
-cached. `decide` is the decision itself, a pure function of the candidates, their matched blocks and
-their loads; `Router` holds the index and the loads (tokens in flight through this gateway: prompt +
-max_tokens of each request until its answer ends) and turns a decision into a route.
+so a key names a whole prefix (shared/prefixkeys.py, the engine's own function). `PrefixIndex` remembers,
+per replica, the keys of the prompts routed to it (least recently used first out past
+`blocks_per_replica`): what that replica has most likely cached, the approximate record. In mode
+`precise`, each replica's WatchCache stream (services/gateway/cachewatch.py) reports the keys it does
+hold; while that stream is up its report is used instead of the record, when it is down the record
+again, and a replica that reports another instance id restarted: its record is forgotten too.
+`decide` is the decision itself, a pure function of the candidates, their matched blocks and their
+loads; `Router` holds the index and the loads and turns a decision into a route. A replica's load is
+the tokens in flight through this gateway (prompt + max_tokens of each request until its answer ends)
+or, if more, the running and queued tokens its stream last reported (other gateways' requests too).
 
     policy           picks
     round_robin      the balancer's rotation (no index, no loads)
@@ -25,12 +30,16 @@ from dataclasses import dataclass
 from shared import prefixkeys
 
 POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
+MODES = ("precise", "approximate")
 REASONS = ("prefix", "imbalanced", "miss", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     policy: str = "prefix_affinity"
+    # precise: the index and loads follow each replica's WatchCache stream where it has one;
+    # approximate: the index is the gateway's own record of what it routed, loads its own counts.
+    mode: str = "precise"
     # Tokens per indexed block (the inference stage's prefill_tokens_per_iteration: its prefix cache's block).
     block_tokens: int = 128
     # Blocks remembered per replica: about what its prefix cache holds (prefix_cache_bytes / block bytes).
@@ -78,15 +87,18 @@ def decide(candidates: Sequence[str], matched: dict[str, int], loads: dict[str, 
 
 
 class PrefixIndex:
-    """Per replica, the block keys believed cached there, least recently used first out."""
+    """Per replica, the block keys believed cached there: its own report while it streams one, else
+    the record of what was routed to it (least recently used first out)."""
 
     def __init__(self, blocks_per_replica: int):
         self.blocks_per_replica = blocks_per_replica
         self._held: dict[str, OrderedDict[bytes, None]] = {}
+        self._reported: dict[str, set[bytes]] = {}  # replica -> keys its WatchCache stream says it holds
+        self._instance: dict[str, str] = {}         # replica -> the instance id it last reported
 
     def matched(self, replica: str, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain) the replica holds from the first on."""
-        held = self._held.get(replica)
+        held = self._reported.get(replica, self._held.get(replica))
         n = 0
         if held:
             for k in keys:
@@ -103,9 +115,27 @@ class PrefixIndex:
         while len(held) > self.blocks_per_replica:
             held.popitem(last=False)
 
+    def reported(self, replica: str, instance: str, keys: Sequence[bytes]) -> None:
+        """The replica holds exactly `keys` now; another instance than before restarted since."""
+        if self._instance.get(replica, instance) != instance:
+            self._held.pop(replica, None)
+        self._instance[replica] = instance
+        self._reported[replica] = set(keys)
+
+    def changed(self, replica: str, stored: Sequence[bytes], evicted: Sequence[bytes]) -> None:
+        held = self._reported.get(replica)
+        if held is not None:
+            held.difference_update(evicted)
+            held.update(stored)
+
+    def unreported(self, replica: str) -> None:
+        """Its stream is down: the record stands in for it."""
+        self._reported.pop(replica, None)
+
     def forget(self, replica: str) -> None:
-        """The replica restarted (its cache is empty)."""
+        """The replica restarted or went away (its cache is empty)."""
         self._held.pop(replica, None)
+        self._reported.pop(replica, None)
 
 
 @dataclass
@@ -122,8 +152,17 @@ class Router:
     def __init__(self, cfg: RoutingConfig, on_decision: Callable[[Decision], None] = lambda d: None):
         self.cfg = cfg
         self.index = PrefixIndex(cfg.blocks_per_replica)
-        self.loads: dict[str, int] = {}
+        self.loads: dict[str, int] = {}     # tokens in flight through this gateway, per replica
+        self.reported_loads: dict[str, int] = {}  # running + queued tokens, per replica's stream
         self._on_decision = on_decision
+
+    @property
+    def follows_streams(self) -> bool:
+        """Whether the gateway should open each replica's WatchCache stream for this router."""
+        return self.cfg.mode == "precise" and self.cfg.policy != "round_robin"
+
+    def load(self, replica: str) -> int:
+        return max(self.loads.get(replica, 0), self.reported_loads.get(replica, 0))
 
     def plan(self, ids: Sequence[int], adapter: str, max_tokens: int) -> Route:
         keys = block_keys(ids, self.cfg.block_tokens, adapter) if self.cfg.policy == "prefix_affinity" else []
@@ -133,7 +172,7 @@ class Router:
         """The balancer's chooser for this route: decides among the candidates it is given."""
         def pick(candidates: Sequence[str]) -> str:
             matched = {r: self.index.matched(r, route.keys) for r in candidates} if route.keys else {}
-            route.decision = decide(candidates, matched, self.loads, self.cfg)
+            route.decision = decide(candidates, matched, {r: self.load(r) for r in candidates}, self.cfg)
             return route.decision.replica
         return pick
 
@@ -150,3 +189,13 @@ class Router:
             self.loads[replica] = left
         else:
             self.loads.pop(replica, None)
+
+    def stream_down(self, replica: str) -> None:
+        """The replica's WatchCache stream ended: back to this gateway's own record and counts."""
+        self.index.unreported(replica)
+        self.reported_loads.pop(replica, None)
+
+    def forget(self, replica: str) -> None:
+        """The replica went away (restarting, or no longer a replica): nothing of it is believed."""
+        self.index.forget(replica)
+        self.reported_loads.pop(replica, None)

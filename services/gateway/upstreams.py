@@ -20,6 +20,7 @@ from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from keel.validator.v1 import validator_pb2, validator_pb2_grpc
+from services.gateway import cachewatch
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
 from services.gateway.routing import Decision, Router
@@ -61,7 +62,7 @@ class Pool:
         self.channels: dict[str, list[grpc.aio.Channel]] = {}
         self.stubs: dict[str, list] = {}
         self._turn: dict[str, int] = {}
-        self._watchers: list[asyncio.Task] = []
+        self._watchers: dict[str, list[asyncio.Task]] = {}
         # Replicas whose health watch last said anything but SERVING, or ended.
         self._not_serving: set[str] = set(targets)
         # Set (and replaced) whenever a replica reports SERVING: requests held for a replica wait on it.
@@ -69,11 +70,20 @@ class Pool:
 
     def start(self) -> None:
         """Open channels and health watchers; must run inside the serving event loop."""
-        self.channels = {t: [client.channel(t, max_message_bytes=self.max_message_bytes, connection=i)
-                             for i in range(self.channels_per_replica)] for t in self.targets}
-        self.stubs = {t: [STUBS[self.stage](ch) for ch in chs] for t, chs in self.channels.items()}
-        self._turn = {t: 0 for t in self.targets}
-        self._watchers = [asyncio.create_task(self._watch(t)) for t in self.channels]
+        for t in self.targets:
+            self._open(t)
+
+    def _open(self, target: str) -> None:
+        """Channels, stubs and watchers of one replica: its health, and its prefix cache when the router
+        follows the replicas' WatchCache streams (services/gateway/cachewatch.py)."""
+        self.channels[target] = [client.channel(target, max_message_bytes=self.max_message_bytes, connection=i)
+                                 for i in range(self.channels_per_replica)]
+        self.stubs[target] = [STUBS[self.stage](ch) for ch in self.channels[target]]
+        self._turn[target] = 0
+        self._watchers[target] = [asyncio.create_task(self._watch(target))]
+        if self.router is not None and self.router.follows_streams:
+            self._watchers[target].append(asyncio.create_task(
+                cachewatch.follow(self.router, target, self.stubs[target][0])))
 
     def stub(self, target: str):
         """The next of ``target``'s channels, in rotation."""
@@ -92,7 +102,7 @@ class Pool:
         else:
             self._not_serving.add(target)
             if self.router is not None:
-                self.router.index.forget(target)  # restarting or gone: its prefix cache with it
+                self.router.forget(target)  # restarting or gone: its prefix cache with it
             if self.balancer.mark_down(target):
                 log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target, "via": how})
 
@@ -170,8 +180,9 @@ class Pool:
         return target, timeout - (asyncio.get_running_loop().time() - started)
 
     async def close(self) -> None:
-        for w in self._watchers:
-            w.cancel()
+        for ws in self._watchers.values():
+            for w in ws:
+                w.cancel()
         for chs in self.channels.values():
             for ch in chs:
                 await ch.close()
