@@ -307,9 +307,8 @@ class Engine:
         self.board.record(kind, cause)
 
     def watch_cache(self, capacity: int) -> CacheWatch:
-        """The prefix cache's changes, for one WatchCache stream; its first take is every key held."""
-        if self._loop is None:
-            raise NotReady("the engine has not warmed up yet", reason="NOT_READY")
+        """The prefix cache's changes, for one WatchCache stream (after warmup); its first take is every
+        key held."""
         watch = CacheWatch(capacity, asyncio.get_running_loop())
         self._loop.watch_cache(watch)
         return watch
