@@ -60,7 +60,10 @@ def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
         domain=a.domain, source=a.source, output_ids=s.output_ids, finish_reason=s.done.finish_reason,
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,
         vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256,
-        adapter=s.done.adapter, response_format=format_pb(a.controls.response_format))
+        adapter=s.done.adapter, response_format=format_pb(a.controls.response_format),
+        route=None if s.done.route is None else feedback_pb2.RouteDecision(
+            replica=s.done.route.replica, policy=s.done.route.policy, reason=s.done.route.reason,
+            matched_blocks=s.done.route.matched_blocks))
 
 
 def _channel(targets: tuple[str, ...], max_message_bytes: int) -> grpc.aio.Channel:

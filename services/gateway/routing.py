@@ -55,6 +55,7 @@ class Decision:
     replica: str
     reason: str          # one of REASONS
     matched_blocks: int  # blocks of the prompt the chosen replica is believed to hold
+    policy: str          # the policy that decided (RoutingConfig.policy)
 
 
 def block_keys(ids: Sequence[int], block_tokens: int, adapter: str) -> list[bytes]:
@@ -75,15 +76,15 @@ def decide(candidates: Sequence[str], matched: dict[str, int], loads: dict[str, 
     Ties go to the least loaded, then to the earlier candidate."""
     least = min(candidates, key=lambda r: loads.get(r, 0))
     if cfg.policy == "round_robin":
-        return Decision(candidates[0], "round_robin", matched.get(candidates[0], 0))
+        return Decision(candidates[0], "round_robin", matched.get(candidates[0], 0), cfg.policy)
     if cfg.policy == "least_loaded":
-        return Decision(least, "least_loaded", matched.get(least, 0))
+        return Decision(least, "least_loaded", matched.get(least, 0), cfg.policy)
     if len(candidates) > 1 and imbalanced([loads.get(r, 0) for r in candidates], cfg):
-        return Decision(least, "imbalanced", matched.get(least, 0))
+        return Decision(least, "imbalanced", matched.get(least, 0), cfg.policy)
     best = max(candidates, key=lambda r: (matched.get(r, 0), -loads.get(r, 0)))
     if matched.get(best, 0) == 0:
-        return Decision(least, "miss", 0)
-    return Decision(best, "prefix", matched[best])
+        return Decision(least, "miss", 0, cfg.policy)
+    return Decision(best, "prefix", matched[best], cfg.policy)
 
 
 class PrefixIndex:

@@ -188,10 +188,10 @@ class Pool:
                 await ch.close()
 
 
-def _note_route(decision: Decision, policy: str) -> None:
+def _note_route(decision: Decision) -> None:
     # The routing decision on the attempt's client span: why this replica (docs/gateway.md, Routing).
     span = trace.get_current_span()
-    span.set_attribute("keel.route.policy", policy)
+    span.set_attribute("keel.route.policy", decision.policy)
     span.set_attribute("keel.route.reason", decision.reason)
     span.set_attribute("keel.route.matched_blocks", decision.matched_blocks)
 
@@ -251,12 +251,14 @@ class MeshUpstreams:
                                             input_fingerprint=enc.fingerprint, adapter=ask.adapter,
                                             response_format=format_pb(ask.controls.response_format))
         pool, router = self.pools["inference"], self.pools["inference"].router
+        decision = None
         if router is None:
             target, timeout = await pool.pick_for(timeout)
         else:
             route = router.plan(enc.ids, ask.adapter, ask.max_tokens)
             target, timeout = await pool.pick_for(timeout, router.choose(route))
-            _note_route(route.decision, router.cfg.policy)
+            decision = route.decision
+            _note_route(decision)
             router.started(target, route)
         call = pool.stub(target).Generate(req, timeout=timeout, metadata=_md(md))
         try:
@@ -267,7 +269,7 @@ class MeshUpstreams:
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
-                               dict(f.engine), target, f.adapter, tuple(f.prompt_logprobs))
+                               dict(f.engine), target, f.adapter, tuple(f.prompt_logprobs), decision)
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:

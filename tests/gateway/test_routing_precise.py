@@ -95,7 +95,7 @@ def test_load_from_the_stream_decides_the_imbalance_rule():
     cachewatch.apply(router, B, load(running=50, queued=0))
     route = router.plan(IDS, "", 4)
     assert router.choose(route)([A, B]) == B
-    assert route.decision == Decision(B, "imbalanced", 0)
+    assert route.decision == Decision(B, "imbalanced", 0, "prefix_affinity")
     router.stream_down(A)                               # its reported load goes with its stream
     route = router.plan(IDS, "", 4)
     assert router.choose(route)([A, B]) == A
@@ -209,7 +209,9 @@ async def test_the_gateway_routes_by_what_a_replica_reports_over_grpc():
             await asyncio.sleep(0.05)
         for turn in range(3):
             enc = Encoded(system + [turn] * 5, False, 45, "fp")
-            assert isinstance([ev async for ev in up.generate(enc, Ask((("user", "hi"),), 8), 0, 10, {})][-1], Done)
+            done = [ev async for ev in up.generate(enc, Ask((("user", "hi"),), 8), 0, 10, {})][-1]
+            assert isinstance(done, Done)                # its decision goes on to the replay record
+            assert done.route == Decision(servers[1][1], "prefix", 10, "prefix_affinity")
         assert [r.calls for r in replicas] == [0, 3]
     finally:
         await up.close()
