@@ -231,6 +231,8 @@ class Pool:
     async def close(self) -> None:
         if self._resolving is not None:
             self._resolving.cancel()
+        for task in list(self._retiring):
+            task.cancel()
         for ws in self._watchers.values():
             for w in ws:
                 w.cancel()
