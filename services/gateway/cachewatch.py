@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -39,9 +40,12 @@ def apply(router: Router, replica: str, ev: inference_pb2.CacheEvent) -> bool:
     return True
 
 
-async def follow(router: Router, replica: str, stub) -> None:
-    """Keep `router` following `replica`'s stream (an InferenceStub's WatchCache) until cancelled."""
+async def follow(router: Router, replica: str, stub, serving: Callable[[], Awaitable[None]]) -> None:
+    """Keep `router` following `replica`'s stream (an InferenceStub's WatchCache) until cancelled;
+    each stream is opened once `serving()` returns (the replica's health says SERVING: before that,
+    warming up, it would refuse it)."""
     while True:
+        await serving()
         try:
             call = stub.WatchCache(inference_pb2.WatchCacheRequest(), wait_for_ready=True,
                                    metadata=client.mesh_metadata())

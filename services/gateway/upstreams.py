@@ -132,7 +132,12 @@ class Pool:
         self._watchers[target] = [asyncio.create_task(self._watch(target))]
         if self.router is not None and self.router.follows_streams:
             self._watchers[target].append(asyncio.create_task(
-                cachewatch.follow(self.router, target, self.stubs[target][0])))
+                cachewatch.follow(self.router, target, self.stubs[target][0], lambda: self._serving(target))))
+
+    async def _serving(self, target: str) -> None:
+        """Returns once the replica's health watch has reported it SERVING."""
+        while target in self._not_serving:
+            await self._came_up.wait()
 
     def stub(self, target: str):
         """The next of ``target``'s channels, in rotation."""

@@ -137,6 +137,10 @@ class _Call:
         raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
 
 
+async def no_wait() -> None:
+    """The replica's health: SERVING all along."""
+
+
 async def settle() -> None:
     for _ in range(20):
         await asyncio.sleep(0)
@@ -148,7 +152,7 @@ async def test_follow_feeds_the_router_and_falls_back_when_the_stream_breaks(mon
     router = Router(CFG)
     routed(router, A)
     stub = FakeStub([[snapshot("one"), blocks(stored=KEYS[:2]), load(10, 5)], [snapshot("two")], []])
-    task = asyncio.create_task(cachewatch.follow(router, A, stub))
+    task = asyncio.create_task(cachewatch.follow(router, A, stub, serving=no_wait))
     try:
         await settle()
         assert router.index.matched(A, KEYS) == 2 and router.load(A) == 15
