@@ -134,9 +134,9 @@ class PrefixIndex:
         self._reported.pop(replica, None)
 
     def forget(self, replica: str) -> None:
-        """The replica restarted or went away (its cache is empty)."""
+        """Drop the record: the replica is restarting or gone (its cache is empty). Its report, if it
+        streams one, stands until the stream says otherwise or ends."""
         self._held.pop(replica, None)
-        self._reported.pop(replica, None)
 
 
 @dataclass
@@ -197,6 +197,6 @@ class Router:
         self.reported_loads.pop(replica, None)
 
     def forget(self, replica: str) -> None:
-        """The replica went away (restarting, or no longer a replica): nothing of it is believed."""
+        """The replica is no longer one (its pod left the Service): nothing of it is believed."""
         self.index.forget(replica)
-        self.reported_loads.pop(replica, None)
+        self.stream_down(replica)

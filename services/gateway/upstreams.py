@@ -156,7 +156,7 @@ class Pool:
         else:
             self._not_serving.add(target)
             if self.router is not None:
-                self.router.forget(target)  # restarting or gone: its prefix cache with it
+                self.router.index.forget(target)  # restarting or gone: its prefix cache with it
             if self.balancer.mark_down(target):
                 log.warning("replica not serving", extra={"upstream": self.stage, "endpoint": target, "via": how})
 

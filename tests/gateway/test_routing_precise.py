@@ -221,3 +221,17 @@ async def test_the_gateway_routes_by_what_a_replica_reports_over_grpc():
         await up.close()
         for server, _ in servers:
             await server.stop(None)
+
+
+def test_health_down_drops_the_record_and_a_gone_replica_everything():
+    router = Router(CFG)
+    routed(router, A)
+    cachewatch.apply(router, A, snapshot("one", KEYS[:2]))
+    cachewatch.apply(router, A, load(500, 0))
+    router.index.forget(A)                              # its health left SERVING: the record goes
+    assert router.index.matched(A, KEYS) == 2           # what its stream reports stands
+    router.stream_down(A)
+    assert router.index.matched(A, KEYS) == 0           # and no record stands in for it
+    cachewatch.apply(router, A, snapshot("one", KEYS[:2]))
+    router.forget(A)                                    # no longer a replica at all
+    assert router.index.matched(A, KEYS) == 0 and router.load(A) == 0
