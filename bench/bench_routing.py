@@ -2,6 +2,10 @@
 prefix_affinity) on the whole mesh with 2 inference replicas x 1 thread, one fresh mesh per policy.
 
 Run:  .venv/bin/python -m bench.bench_routing [--conversations 32] [--max-tokens 8]
+          [--policies round_robin,least_loaded,prefix_affinity/approximate,prefix_affinity/precise]
+          [--workloads abc] [--no-single]
+A policy may name its routing.mode after a slash (precise: the replicas' WatchCache streams feed
+the index and loads); without one it runs approximate, the gateway's own record and counts.
 
 Workloads, in this order on each mesh (one warm-up request first):
   a  conversations: --conversations of 4-6 turns over 4 shared system prompts of ~600 tokens, 4
@@ -160,8 +164,9 @@ async def measure(mesh, name: str, run, pids: list[int]) -> Result:
 
 
 def run_policy(policy: str, replicas: int, args, workloads: str) -> dict[str, Result]:
-    env = {"KEEL_GATEWAY_ROUTING__POLICY": policy, "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": "1",
-           "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": "16"}
+    name, _, mode = policy.partition("/")
+    env = {"KEEL_GATEWAY_ROUTING__POLICY": name, "KEEL_GATEWAY_ROUTING__MODE": mode or "approximate",
+           "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": "1", "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": "16"}
     mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-routing-")), inference_replicas=replicas,
                       tokenizer_workers=1, extra_env=env)
     print(f"{policy} on {replicas} replica(s): mesh up", flush=True)
@@ -191,7 +196,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--policies", default="round_robin,least_loaded,prefix_affinity")
+    ap.add_argument("--policies",
+                    default="round_robin,least_loaded,prefix_affinity/approximate,prefix_affinity/precise")
+    ap.add_argument("--workloads", default="abc")
+    ap.add_argument("--no-single", action="store_true", help="skip workload a on one replica")
     args = ap.parse_args()
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
                     if f.startswith(("avx", "amx"))})
@@ -199,18 +207,26 @@ def main() -> None:
           f"load at start {os.getloadavg()[0]:.2f}")
     rows = {}
     for policy in args.policies.split(","):
-        for w, r in run_policy(policy, 2, args, "abc").items():
+        for w, r in run_policy(policy, 2, args, args.workloads).items():
             rows[(w, policy)] = r
-    for w, r in run_policy("round_robin", 1, args, "a").items():
-        rows[(w, "one replica")] = r
+    if "a" in args.workloads and not args.no_single:
+        for w, r in run_policy("round_robin", 1, args, "a").items():
+            rows[(w, "one replica")] = r
     print("\n| workload | policy | TTFT p50 ms | TTFT p90 ms | tok/s | hit rate | prompt tokens per replica "
           "| gateway CPU ms/request | failed |\n|---|---|---|---|---|---|---|---|---|")
     for (w, policy), r in sorted(rows.items()):
         print(r.row(policy, w))
     rr = {w: rows[(w, "round_robin")] for w in "abc" if (w, "round_robin") in rows}
     ll = {w: rows[(w, "least_loaded")] for w in "abc" if (w, "least_loaded") in rows}
-    pa = {w: rows[(w, "prefix_affinity")] for w in "abc" if (w, "prefix_affinity") in rows}
-    if rr and ll and pa:
+    pa = {w: rows[(w, "prefix_affinity/precise")] for w in "abc" if (w, "prefix_affinity/precise") in rows}
+    approx = {w: rows[(w, "prefix_affinity/approximate")] for w in "abc"
+              if (w, "prefix_affinity/approximate") in rows}
+    for w in sorted(set(pa) & set(approx)):
+        print(f"{w}: precise / approximate: TTFT p50 "
+              f"{statistics.median(pa[w].ttft) / statistics.median(approx[w].ttft):.2f}, "
+              f"tok/s {pa[w].tokens / pa[w].wall / (approx[w].tokens / approx[w].wall):.2f}, "
+              f"hit rate {pa[w].hit_rate:.2f} vs {approx[w].hit_rate:.2f}")
+    if len(rr) == len(ll) == len(pa) == 3 and ("a", "one replica") in rows:
         one = rows[("a", "one replica")]
         print(f"\na: TTFT p50 prefix_affinity / round_robin = "
               f"{statistics.median(pa['a'].ttft) / statistics.median(rr['a'].ttft):.2f} (target <= 0.6); "

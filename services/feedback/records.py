@@ -51,7 +51,7 @@ class ReplayRecord:
 
     Its stored form is a JSON object (`to_body`; `from_body` reads it back). A record stored before
     a field existed lacks its key, and reads back as an answer that had none of it (no controls, no
-    adapter, no response format, no tokenizer hashes). With prompts not stored, `messages`,
+    adapter, no response format, no tokenizer hashes, no routing decision). With prompts not stored, `messages`,
     `prompt_ids` and `output_ids` are None and only their hashes are kept."""
 
     trace_id: str
@@ -73,6 +73,8 @@ class ReplayRecord:
     # its turns' calls, as JSON (services/feedback/servicer.py tool_use_of); None without tools.
     tool_use: Mapping[str, Any] | None = None
     validation: Mapping[str, Any] = field(default_factory=dict)  # common.v1.ValidationResult as JSON
+    # the gateway's routing decision: replica, policy, reason, matched_blocks ({}: none was made)
+    route: Mapping[str, Any] = field(default_factory=dict)
     # set when stored (`stored`):
     prompt_stored: bool = False
     prompt_sha256: str = ""
@@ -112,7 +114,8 @@ class ReplayRecord:
                 "domain": self.domain, "source": self.source, "finish_reason": self.finish_reason,
                 "engine": dict(self.engine), "input_fingerprint": self.input_fingerprint,
                 "vocab_sha256": self.vocab_sha256, "chat_template_sha256": self.chat_template_sha256,
-                "adapter": self.adapter, "validation": dict(self.validation), "prompt_stored": self.prompt_stored,
+                "adapter": self.adapter, "validation": dict(self.validation), "route": dict(self.route),
+                "prompt_stored": self.prompt_stored,
                 "prompt_sha256": self.prompt_sha256, "output_sha256": self.output_sha256,
                 "raw_text_sha256": self.raw_text_sha256}
 
@@ -137,7 +140,7 @@ class ReplayRecord:
             engine=dict(d.get("engine") or {}), input_fingerprint=d.get("input_fingerprint", ""),
             vocab_sha256=d.get("vocab_sha256", ""), chat_template_sha256=d.get("chat_template_sha256", ""),
             adapter=d.get("adapter", ""), text=d.get("text"), tool_use=d.get("tool_use"),
-            validation=dict(d.get("validation") or {}),
+            validation=dict(d.get("validation") or {}), route=dict(d.get("route") or {}),
             prompt_stored=d.get("prompt_stored", False), prompt_sha256=d.get("prompt_sha256", ""),
             output_sha256=d.get("output_sha256", ""), raw_text_sha256=d.get("raw_text_sha256", ""))
 

@@ -49,7 +49,9 @@ def record_from_proto(r: feedback_pb2.ReplayRecord) -> ReplayRecord:
         input_fingerprint=r.input_fingerprint, vocab_sha256=r.vocab_sha256,
         chat_template_sha256=r.chat_template_sha256, adapter=r.adapter,
         validation=json_format.MessageToDict(r.validation, preserving_proto_field_name=True,
-                                             always_print_fields_with_no_presence=True))
+                                             always_print_fields_with_no_presence=True),
+        route={} if not r.HasField("route") else {"replica": r.route.replica, "policy": r.route.policy,
+                                                   "reason": r.route.reason, "matched_blocks": r.route.matched_blocks})
 
 
 def feedback_from_proto(f: feedback_pb2.SubmitRequest) -> Feedback:

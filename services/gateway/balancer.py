@@ -8,7 +8,8 @@ SERVING; so a down endpoint is also re-admitted after ``readmit_after_s`` for th
 to probe it: it goes down again if that fails and up if it succeeds
 (:meth:`observe_success`). With every endpoint down, ``pick``
 raises NotReady(reason="NO_HEALTHY_UPSTREAM") with a hint of when the first one is re-admitted.
-Endpoints are opaque strings ("host:port"); upstreams.Pool maps them to channels.
+Endpoints are opaque strings ("host:port"); upstreams.Pool maps them to channels, and replaces them
+(`set_endpoints`) when a stage named by DNS gains or loses pods (none at all before its first answer).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class RoundRobinBalancer:
     def __init__(self, upstream: str, endpoints: Sequence[str], *, readmit_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic):
         endpoints = list(dict.fromkeys(endpoints))
-        if not endpoints or any(not e for e in endpoints):
-            raise ValueError(f"upstream {upstream!r} needs at least one non-empty endpoint")
+        if any(not e for e in endpoints):
+            raise ValueError(f"upstream {upstream!r} has an empty endpoint")
         if readmit_after_s <= 0:
             raise ValueError("readmit_after_s must be > 0")
         self.upstream = upstream
@@ -56,6 +57,9 @@ class RoundRobinBalancer:
         marked down (their health says they cannot serve)."""
         now = self._clock()
         n = len(self._endpoints)
+        if not n:
+            raise NotReady(f"no {self.upstream} endpoint known yet", reason="NO_HEALTHY_UPSTREAM",
+                           metadata={"upstream": self.upstream})
         order = [self._endpoints[(self._next + step) % n] for step in range(n)]
         eligible = []
         for endpoint in order:
@@ -76,6 +80,12 @@ class RoundRobinBalancer:
             # pile onto an endpoint that is still recovering.
             self._down_since[endpoint] = now
         return endpoint
+
+    def set_endpoints(self, endpoints: Sequence[str]) -> None:
+        """The upstream's endpoints are now these: the ones that stay keep their state, new ones are up."""
+        self._endpoints = list(dict.fromkeys(endpoints))
+        self._down_since = {e: t for e, t in self._down_since.items() if e in self._endpoints}
+        self._next = 0
 
     def mark_down(self, endpoint: str) -> bool:
         """Take ``endpoint`` out of rotation; False (ignored) if it is not in the current list,

@@ -24,6 +24,8 @@ class Upstreams:
     feedback: tuple[str, ...] = ()
     # HTTP/2 connections per replica; calls rotate over them (so every worker behind a shared port gets some).
     channels_per_replica: int = 8
+    # How often a target "dns:///name:port" (a Kubernetes headless Service) is resolved again.
+    resolve_interval_s: float = 10.0
 
 
 @dataclass(frozen=True)

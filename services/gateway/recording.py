@@ -72,7 +72,10 @@ def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,
         vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256,
         adapter=s.done.adapter, response_format=format_pb(sent.controls.response_format),
-        tool_calls=[_call_pb(c) for c in s.tool_calls])
+        tool_calls=[_call_pb(c) for c in s.tool_calls],
+        route=None if s.done.route is None else feedback_pb2.RouteDecision(
+            replica=s.done.route.replica, policy=s.done.route.policy, reason=s.done.route.reason,
+            matched_blocks=s.done.route.matched_blocks))
     if box is not None:
         rec.tools.extend(common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters,
                                          strict=t.strict) for t in box.tools)

@@ -38,7 +38,8 @@ class GatewayStage:
         decisions = m.counter("keel_gateway_route_decisions_total")
         router = Router(cfg.routing, on_decision=lambda d: decisions.labels(reason=d.reason).inc())
         self.upstreams = MeshUpstreams({up: getattr(cfg.upstreams, up) for up in GATEWAY_UPSTREAMS},
-                                       cfg.server.max_message_bytes, cfg.upstreams.channels_per_replica, router)
+                                       cfg.server.max_message_bytes, cfg.upstreams.channels_per_replica, router,
+                                       cfg.upstreams.resolve_interval_s)
         retries, intervals, alerts = (m.counter("keel_retries_total"), m.histogram("keel_retry_interval_seconds"),
                                       m.counter("keel_retry_alerts_total"))
         for up in GATEWAY_UPSTREAMS:  # export from 0 so increase() sees the first alert

@@ -20,6 +20,7 @@ from keel.common.v1 import common_pb2
 from keel.inference.v1 import inference_pb2, inference_pb2_grpc
 from keel.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from keel.validator.v1 import validator_pb2, validator_pb2_grpc
+from services.gateway import cachewatch, resolve
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.contract import Ask
 from services.gateway.routing import Decision, Router
@@ -33,6 +34,7 @@ log = logging.getLogger("keel.gateway.upstreams")
 # waiting for one, CONNECTION_LOST when a call's process died (the supervisor restarts it).
 UPSTREAM_DOWN_RETRY_MS = 1000
 REPORT_TIMEOUT_S = 2.0  # a breaker report is best effort, off the request path
+RETIRE_GRACE_S = 60.0  # a replica whose pod went: how long its calls in flight may still take
 STUBS = {"tokenizer": tokenizer_pb2_grpc.TokenizerStub, "inference": inference_pb2_grpc.InferenceStub,
          "validator": validator_pb2_grpc.ValidatorStub}
 
@@ -49,31 +51,93 @@ class Pool:
     Each replica gets ``channels_per_replica`` channels, each its own HTTP/2 connection, and calls
     rotate over them: the worker processes that share a replica's port (SO_REUSEPORT) each accept
     some of the connections, so every worker gets calls (one connection would pin them all to one).
+    A target ``dns:///name:port`` stands for every address the name resolves to (services/gateway/
+    resolve.py), re-resolved every ``resolve_every_s``: replicas come and go with the pods.
     """
 
     def __init__(self, stage: str, targets: tuple[str, ...], max_message_bytes: int, channels_per_replica: int = 1,
-                 router: Router | None = None):
-        self.stage, self.targets, self.max_message_bytes = stage, targets, max_message_bytes
+                 router: Router | None = None, resolver: resolve.Resolver = resolve.getaddrinfo,
+                 resolve_every_s: float = 10.0):
+        self.configured = targets
+        # The replicas now: the targets given, DNS names replaced by what they resolve to (none yet).
+        self.targets = tuple(t for t in targets if resolve.named(t) is None)
+        self.stage, self.max_message_bytes = stage, max_message_bytes
         self.channels_per_replica = channels_per_replica
+        self.resolver, self.resolve_every_s = resolver, resolve_every_s
         # Picks among the healthy replicas (inference, with more than one replica); None: round robin.
         self.router = router
-        self.balancer = RoundRobinBalancer(stage, targets)
+        self.balancer = RoundRobinBalancer(stage, self.targets)
         self.channels: dict[str, list[grpc.aio.Channel]] = {}
         self.stubs: dict[str, list] = {}
         self._turn: dict[str, int] = {}
-        self._watchers: list[asyncio.Task] = []
+        self._watchers: dict[str, list[asyncio.Task]] = {}
+        self._resolving: asyncio.Task | None = None
+        self._retiring: set[asyncio.Task] = set()  # channels of replicas gone, closing once their calls end
         # Replicas whose health watch last said anything but SERVING, or ended.
-        self._not_serving: set[str] = set(targets)
+        self._not_serving: set[str] = set(self.targets)
         # Set (and replaced) whenever a replica reports SERVING: requests held for a replica wait on it.
         self._came_up = asyncio.Event()
 
     def start(self) -> None:
         """Open channels and health watchers; must run inside the serving event loop."""
-        self.channels = {t: [client.channel(t, max_message_bytes=self.max_message_bytes, connection=i)
-                             for i in range(self.channels_per_replica)] for t in self.targets}
-        self.stubs = {t: [STUBS[self.stage](ch) for ch in chs] for t, chs in self.channels.items()}
-        self._turn = {t: 0 for t in self.targets}
-        self._watchers = [asyncio.create_task(self._watch(t)) for t in self.channels]
+        for t in self.targets:
+            self._open(t)
+        if self.targets != self.configured:
+            self._resolving = asyncio.create_task(self._follow_dns())
+
+    async def _follow_dns(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except OSError as exc:
+                log.warning("could not resolve the replicas: keeping those known", extra={
+                    "upstream": self.stage, "targets": ",".join(self.configured), "error": str(exc)})
+            await asyncio.sleep(self.resolve_every_s)
+
+    async def refresh(self) -> None:
+        """Resolve the DNS-named targets again: open the replicas that came, close the ones gone."""
+        now = await resolve.expand(self.configured, self.resolver)
+        for t in now:
+            if t not in self.channels:
+                log.info("replica found", extra={"upstream": self.stage, "endpoint": t})
+                self._open(t)
+        for t in self.targets:
+            if t not in now:
+                log.info("replica gone", extra={"upstream": self.stage, "endpoint": t})
+                self._retire(t)
+        self.targets = now
+        self.balancer.set_endpoints(now)
+
+    def _retire(self, target: str) -> None:
+        """Stop watching a replica that is no longer one; its calls in flight may finish (RETIRE_GRACE_S)."""
+        for w in self._watchers.pop(target, []):
+            w.cancel()
+        for ch in self.channels.pop(target, []):
+            task = asyncio.create_task(ch.close(grace=RETIRE_GRACE_S))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        del self.stubs[target], self._turn[target]
+        self._not_serving.discard(target)
+        if self.router is not None:
+            self.router.forget(target)
+
+    def _open(self, target: str) -> None:
+        """Channels, stubs and watchers of one replica: its health, and its prefix cache when the router
+        follows the replicas' WatchCache streams (services/gateway/cachewatch.py)."""
+        self.channels[target] = [client.channel(target, max_message_bytes=self.max_message_bytes, connection=i)
+                                 for i in range(self.channels_per_replica)]
+        self.stubs[target] = [STUBS[self.stage](ch) for ch in self.channels[target]]
+        self._turn[target] = 0
+        self._not_serving.add(target)  # until its health watch says SERVING
+        self._watchers[target] = [asyncio.create_task(self._watch(target))]
+        if self.router is not None and self.router.follows_streams:
+            self._watchers[target].append(asyncio.create_task(
+                cachewatch.follow(self.router, target, self.stubs[target][0], lambda: self._serving(target))))
+
+    async def _serving(self, target: str) -> None:
+        """Returns once the replica's health watch has reported it SERVING."""
+        while target in self._not_serving:
+            await self._came_up.wait()
 
     def stub(self, target: str):
         """The next of ``target``'s channels, in rotation."""
@@ -170,17 +234,22 @@ class Pool:
         return target, timeout - (asyncio.get_running_loop().time() - started)
 
     async def close(self) -> None:
-        for w in self._watchers:
-            w.cancel()
+        if self._resolving is not None:
+            self._resolving.cancel()
+        for task in list(self._retiring):
+            task.cancel()
+        for ws in self._watchers.values():
+            for w in ws:
+                w.cancel()
         for chs in self.channels.values():
             for ch in chs:
                 await ch.close()
 
 
-def _note_route(decision: Decision, policy: str) -> None:
+def _note_route(decision: Decision) -> None:
     # The routing decision on the attempt's client span: why this replica (docs/gateway.md, Routing).
     span = trace.get_current_span()
-    span.set_attribute("keel.route.policy", policy)
+    span.set_attribute("keel.route.policy", decision.policy)
     span.set_attribute("keel.route.reason", decision.reason)
     span.set_attribute("keel.route.matched_blocks", decision.matched_blocks)
 
@@ -193,11 +262,13 @@ class MeshUpstreams:
     """Implements pipeline.Upstreams over gRPC."""
 
     def __init__(self, targets: dict[str, tuple[str, ...]], max_message_bytes: int, channels_per_replica: int,
-                 router: Router | None = None):
-        # The router only where it has a choice to make: one inference replica needs no index.
-        routers = {"inference": router} if router is not None and len(set(targets["inference"])) > 1 else {}
+                 router: Router | None = None, resolve_every_s: float = 10.0):
+        # The router only where it has a choice to make: one inference replica needs no index (a DNS
+        # name may stand for several).
+        several = len(set(targets["inference"])) > 1 or any(resolve.named(t) for t in targets["inference"])
+        routers = {"inference": router} if router is not None and several else {}
         self.pools = {stage: Pool(stage, tuple(targets[stage]), max_message_bytes, channels_per_replica,
-                                  routers.get(stage))
+                                  routers.get(stage), resolve_every_s=resolve_every_s)
                       for stage in GATEWAY_UPSTREAMS}
 
     def start(self) -> None:
@@ -248,12 +319,14 @@ class MeshUpstreams:
                                             input_fingerprint=enc.fingerprint, adapter=ask.adapter,
                                             response_format=format_pb(ask.controls.response_format))
         pool, router = self.pools["inference"], self.pools["inference"].router
+        decision = None
         if router is None:
             target, timeout = await pool.pick_for(timeout)
         else:
             route = router.plan(enc.ids, ask.adapter, ask.max_tokens)
             target, timeout = await pool.pick_for(timeout, router.choose(route))
-            _note_route(route.decision, router.cfg.policy)
+            decision = route.decision
+            _note_route(decision)
             router.started(target, route)
         call = pool.stub(target).Generate(req, timeout=timeout, metadata=_md(md))
         try:
@@ -264,7 +337,7 @@ class MeshUpstreams:
                 else:
                     f = ev.finished
                     yield Done(f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.seed,
-                               dict(f.engine), target, f.adapter, tuple(f.prompt_logprobs))
+                               dict(f.engine), target, f.adapter, tuple(f.prompt_logprobs), decision)
         except grpc.aio.AioRpcError as exc:
             raise pool.failed(target, exc) from None
         finally:

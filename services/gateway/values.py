@@ -11,6 +11,7 @@ from typing import Mapping
 from keel.common.v1 import common_pb2
 from services.gateway import tools
 from services.gateway.contract import Ask
+from services.gateway.routing import Decision
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Done:
     replica: str = ""  # the inference replica that generated it (failures seen later are reported there)
     adapter: str = ""  # the LoRA adapter that served it as "id@version" ("" = the base model)
     prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()  # with controls.prompt_logprobs
+    route: Decision | None = None  # how the router picked `replica` (None: one replica, no choice)
 
     @property
     def system_fingerprint(self) -> str:

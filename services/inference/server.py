@@ -130,6 +130,9 @@ class InferenceStage:
         for name in engine.variants:
             gauge.labels(variant=name).set(1 if name == active else 0)
 
+    def begin_drain(self) -> None:
+        self.servicer.end_watches()
+
     async def close(self) -> None:
         if self._gauges:
             self._gauges.cancel()

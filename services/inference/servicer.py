@@ -6,6 +6,7 @@ row from the batch and frees its cache at once.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -20,6 +21,10 @@ from shared.controls import controls_of
 from shared.failures import REPORTABLE
 
 BASE_LABEL = "base"  # the adapter label of requests served by the base model
+# WatchCache: block changes a stream may fall behind by before the engine resyncs it with a snapshot,
+# and the least time between two load messages (a change of load waits that long at most).
+WATCH_CAPACITY = 8192
+LOAD_EVERY_S = 0.1
 
 
 def to_request(req: inference_pb2.GenerateRequest, deadline: float | None) -> GenerationRequest:
@@ -57,6 +62,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._fallback_tokens = metrics.counter("keel_inference_fallback_format_tokens_total")
         self._adapter_requests = metrics.counter("keel_inference_adapter_requests_total")
         self._adapter_tokens = metrics.counter("keel_inference_adapter_tokens_total")
+        self._draining = asyncio.Event()  # set by end_watches: the WatchCache streams end
+
+    def end_watches(self) -> None:
+        """End the WatchCache streams (the stage drains: they would hold the drain to its grace period)."""
+        self._draining.set()
 
     def _phase_spans(self, ev: Finished, start_ns: int, first_ns: int, end_ns: int) -> None:
         """Queue wait, prefill and decode as child spans, from the engine's own timings."""
@@ -110,6 +120,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     variant=ev.variant, adapter=ev.adapter,
                     prompt_logprobs=[logprobs_pb(lp) for lp in ev.prompt_logprobs],
                     usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens)))
+
+    async def WatchCache(self, request, context):
+        watch = self.engine.watch_cache(WATCH_CAPACITY)
+        sent, sent_at = None, 0.0
+        try:
+            while not self._draining.is_set():
+                snapshot, changes = await watch.take(LOAD_EVERY_S)
+                if snapshot is not None:
+                    yield inference_pb2.CacheEvent(snapshot=inference_pb2.CacheSnapshot(
+                        instance_id=self.engine.instance_id, keys=snapshot,
+                        block_tokens=self.engine.config.prefill_tokens_per_iteration))
+                if changes:
+                    yield inference_pb2.CacheEvent(blocks=inference_pb2.CacheBlocks(
+                        stored=[k for k, stored in changes.items() if stored],
+                        evicted=[k for k, stored in changes.items() if not stored]))
+                if time.monotonic() - sent_at < LOAD_EVERY_S:
+                    continue
+                s = self.engine.stats()
+                load = inference_pb2.CacheLoad(running_rows=s.running_batch_size, running_tokens=s.running_tokens,
+                                               queued_tokens=s.queued_tokens, free_kv_blocks=s.free_kv_blocks)
+                if load != sent:
+                    yield inference_pb2.CacheEvent(load=load)
+                    sent, sent_at = load, time.monotonic()
+        finally:
+            watch.close()
 
     async def ListAdapters(self, request, context):
         table = self.engine.adapters

@@ -122,7 +122,9 @@ def test_gateway_upstreams_and_redis_url_name_real_services(rendered, overlay):
     for stage in ("tokenizer", "inference", "validator"):
         targets = yaml.safe_load(env[f"KEEL_GATEWAY_UPSTREAMS__{stage.upper()}"])
         for target in targets:
-            host, port = target.rsplit(":", 1)
+            # inference by DNS name: the gateway routes to each pod of the headless Service
+            assert target.startswith("dns:///") == (stage == "inference"), target
+            host, port = target.removeprefix("dns:///").rsplit(":", 1)
             assert host == stage and int(port) in ports[host], target
     val = {e["name"]: e.get("value") for e in container(one(objs, "Deployment", "validator"))["env"]}
     url = re.fullmatch(r"redis://:\$\(KEEL_REDIS_PASSWORD\)@([\w.-]+):(\d+)/\d+",

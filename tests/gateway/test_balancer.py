@@ -88,10 +88,20 @@ def test_duplicate_endpoints_count_once(clock):
     assert b.endpoints == (EPS[1], EPS[2])
 
 
-@pytest.mark.parametrize("endpoints", [[], [""]])
-def test_empty_endpoint_list_is_rejected(clock, endpoints):
+def test_an_empty_endpoint_is_rejected(clock):
     with pytest.raises(ValueError):
-        balancer(clock, endpoints=endpoints)
+        balancer(clock, endpoints=[EPS[1], ""])
+
+
+def test_endpoints_replaced_keep_their_state_and_none_is_not_ready(clock):
+    b = balancer(clock, endpoints=[])
+    with pytest.raises(NotReady) as none:
+        b.pick()
+    assert none.value.reason == "NO_HEALTHY_UPSTREAM" and none.value.retry_after_ms is None
+    b.set_endpoints([EPS[0], EPS[1]])
+    b.mark_down(EPS[0])
+    b.set_endpoints([EPS[0], EPS[2]])                   # a pod went, another came
+    assert b.endpoints == (EPS[0], EPS[2]) and b.healthy() == (EPS[2],)
 
 
 def test_nonpositive_readmit_is_rejected(clock):

@@ -14,6 +14,7 @@ from services.gateway.contract import Ask, Limits
 from services.gateway.pipeline import Pipeline
 from services.gateway.recording import FeedbackForwarder, ReplayConfig, ReplayRecorder, to_record
 from services.gateway.retry import RetryConfig, RetryExecutor
+from services.gateway.routing import Decision
 from services.gateway.values import Call, Done, Encoded, Served
 from shared import errors, metrics
 from testing.upstreams import FakeUpstreams, no_sleep
@@ -71,10 +72,10 @@ def dropped(reason: str) -> float:
     return counter.labels(reason=reason)._value.get()
 
 
-def served(trace_id: str) -> Served:
+def served(trace_id: str, route: Decision | None = None) -> Served:
     return Served(Ask(messages=(("user", "hi"),), max_tokens=8, temperature=0.7, top_p=0.9, top_k=40),
                   Encoded([1, 2, 3], False, 3, "fp", "v" * 64, "c" * 64),
-                  Done("stop", 3, 2, 1234, {"format": "float32"}), [5, 6],
+                  Done("stop", 3, 2, 1234, {"format": "float32"}, route=route), [5, 6],
                   common_pb2.ValidationResult(passed=True, probes={"entropy_mean": 0.25}, verdicts=[
                       common_pb2.Verdict(plugin="p", passed=True, message="", blocking=False)]), trace_id)
 
@@ -106,6 +107,13 @@ def test_a_record_carries_sampling_engine_and_verdicts():
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
     assert dict(rec.engine) == {"format": "float32"}
     assert rec.validation.verdicts[0].plugin == "p" and rec.validation.probes["entropy_mean"] == 0.25
+    assert not rec.HasField("route")                    # one replica: no routing decision
+
+
+def test_a_record_carries_the_routing_decision():
+    rec = to_record(served("a" * 32, Decision("10.0.0.7:50052", "prefix", 3, "prefix_affinity")), 123)
+    assert rec.route == feedback_pb2.RouteDecision(replica="10.0.0.7:50052", policy="prefix_affinity",
+                                                   reason="prefix", matched_blocks=3)
 
 
 @pytest.mark.asyncio

@@ -46,37 +46,37 @@ def test_keys_chain_whole_blocks_and_leave_the_last_token_out():
 
 def test_longest_cached_prefix_wins():
     d = decide([A, B, C], {A: 1, B: 3, C: 2}, {A: 10, B: 50, C: 0}, CFG)
-    assert d == Decision(B, "prefix", 3)
+    assert d == Decision(B, "prefix", 3, "prefix_affinity")
 
 
 def test_tie_on_prefix_goes_to_the_least_loaded():
-    assert decide([A, B], {A: 2, B: 2}, {A: 30, B: 5}, CFG) == Decision(B, "prefix", 2)
+    assert decide([A, B], {A: 2, B: 2}, {A: 30, B: 5}, CFG) == Decision(B, "prefix", 2, "prefix_affinity")
 
 
 def test_miss_goes_to_the_least_loaded_not_the_rotation():
-    assert decide([A, B, C], {}, {A: 30, B: 5, C: 9}, CFG) == Decision(B, "miss", 0)
-    assert decide([A, B], {A: 0, B: 0}, {}, CFG) == Decision(A, "miss", 0)
+    assert decide([A, B, C], {}, {A: 30, B: 5, C: 9}, CFG) == Decision(B, "miss", 0, "prefix_affinity")
+    assert decide([A, B], {A: 0, B: 0}, {}, CFG) == Decision(A, "miss", 0, "prefix_affinity")
 
 
 def test_imbalance_sends_to_the_least_loaded_over_the_cache():
     loads = {A: 500, B: 100}
     assert imbalanced(list(loads.values()), CFG)
-    assert decide([A, B], {A: 5}, loads, CFG) == Decision(B, "imbalanced", 0)
+    assert decide([A, B], {A: 5}, loads, CFG) == Decision(B, "imbalanced", 0, "prefix_affinity")
 
 
 @pytest.mark.parametrize("loads", [{A: 150, B: 100},    # differ by less than the absolute threshold
                                    {A: 1150, B: 1000}])  # by more, but within the ratio
 def test_within_either_threshold_the_cache_decides(loads):
     assert not imbalanced(list(loads.values()), CFG)
-    assert decide([A, B], {A: 5}, loads, CFG) == Decision(A, "prefix", 5)
+    assert decide([A, B], {A: 5}, loads, CFG) == Decision(A, "prefix", 5, "prefix_affinity")
 
 
 def test_other_policies():
     loads, matched = {A: 30, B: 5}, {A: 3}
     rr = RoutingConfig(policy="round_robin")
     ll = RoutingConfig(policy="least_loaded")
-    assert decide([A, B], matched, loads, rr) == Decision(A, "round_robin", 3)
-    assert decide([A, B], matched, loads, ll) == Decision(B, "least_loaded", 0)
+    assert decide([A, B], matched, loads, rr) == Decision(A, "round_robin", 3, "round_robin")
+    assert decide([A, B], matched, loads, ll) == Decision(B, "least_loaded", 0, "least_loaded")
     assert set(POLICIES) == {"prefix_affinity", "least_loaded", "round_robin"}
 
 
@@ -104,7 +104,7 @@ def test_router_counts_tokens_in_flight_and_records_the_prompt():
     assert router.loads == {A: 19}
     second = router.plan(ids, "", max_tokens=10)
     assert router.choose(second)([A, B]) == A       # A holds its 2 blocks
-    assert second.decision == Decision(A, "prefix", 2)
+    assert second.decision == Decision(A, "prefix", 2, "prefix_affinity")
     router.started(A, second)
     router.ended(A, first)
     router.ended(A, second)

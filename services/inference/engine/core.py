@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ import torch
 from services.inference.engine.admission import Admission, QueueLimits, Ticket, deadline_refusal
 from services.inference.engine.api import Finished, GenerationRequest, TokenEvent, validate
 from services.inference.engine.breaker import BreakerBoard, BreakerConfig
+from services.inference.engine.cachewatch import CacheWatch
 from services.inference.engine.controls import RowControls
 from services.inference.engine.executor import BatchExecutor
 from services.inference.engine.grammar import GrammarLimits, Grammars, MaskExecutor, Vocabulary
@@ -146,6 +148,8 @@ class Engine:
         self._grammars: Grammars | None = None
         self._tickets: dict[str, Ticket] = {}
         self._state = EngineState.CREATED
+        # This engine's run: a WatchCache client that sees another knows the replica restarted, cache empty.
+        self.instance_id = uuid.uuid4().hex
 
     def warmup(self, calibration: Calibration | None = None) -> None:
         """Measure the engine on this host (batch-invariant sizes, memory model, tokens/s), kept as
@@ -286,6 +290,13 @@ class Engine:
     def report_failure(self, kind: str, cause: str = "") -> None:
         """Count a failure observed outside the engine (e.g. 'output_limit' from the validator)."""
         self.board.record(kind, cause)
+
+    def watch_cache(self, capacity: int) -> CacheWatch:
+        """The prefix cache's changes, for one WatchCache stream (after warmup); its first take is every
+        key held."""
+        watch = CacheWatch(capacity, asyncio.get_running_loop())
+        self._loop.watch_cache(watch)
+        return watch
 
     def stats(self) -> EngineStats:
         """The step loop's latest snapshot, with the engine's state and the breakers as of now."""

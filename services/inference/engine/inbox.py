@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from services.inference.engine.admission import Ticket
+from services.inference.engine.cachewatch import CacheWatch
 from shared.errors import KeelError
 
 
@@ -43,10 +44,17 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class Watch:
+    """Tell `watch` what the prefix cache holds now, then every change (a WatchCache stream began)."""
+
+    watch: CacheWatch
+
+
+@dataclass(frozen=True)
 class Stop:
     """End the loop; every request still queued or running gets `error`."""
 
     error: Exception
 
 
-Command = Submit | Cancel | SetVariant | Refused | Stop
+Command = Submit | Cancel | SetVariant | Refused | Watch | Stop

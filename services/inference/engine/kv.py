@@ -8,6 +8,7 @@ this decides which blocks.
 """
 from __future__ import annotations
 
+from services.inference.engine.cachewatch import CacheWatch
 from services.inference.engine.executor import BatchExecutor
 from services.inference.engine.prefix import PrefixCache, PrefixStats
 from services.inference.engine.schedule import Row
@@ -26,6 +27,13 @@ class KvManager:
     def prefix_stats(self) -> PrefixStats:
         return self.prefix.stats() if self.prefix is not None else PrefixStats()
 
+    def watch(self, watch: CacheWatch) -> None:
+        """A WatchCache stream begins: it hears what the prefix cache holds (nothing without one)."""
+        if self.prefix is not None:
+            self.prefix.watch(watch)
+        else:
+            watch.resync([])
+
     def new_cache(self, runner: str, positions: int) -> RowCache:
         """Blocks for `positions` positions from the runner's pool (raises on out of memory)."""
         return self.executor.new_cache(runner, positions)
@@ -37,7 +45,8 @@ class KvManager:
             return
         b = self.prefix.block_tokens
         per = b // row.cache.pool.block_tokens
-        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, row.ticket.req.prompt_ids)):
+        req = row.ticket.req
+        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, req.adapter, req.prompt_ids)):
             row.cache.adopt(i * per, blocks)
             row.cache.length = row.prefilled = (i + 1) * b
 
@@ -51,5 +60,5 @@ class KvManager:
             if n == b and row.prefilled == start + n:
                 per = b // row.cache.pool.block_tokens
                 first = start // b * per
-                self.prefix.store(row.prefix_key, row.ticket.req.prompt_ids, start // b, row.cache.pool,
-                                  row.cache.blocks[first:first + per])
+                self.prefix.store(row.prefix_key, row.ticket.req.adapter, row.ticket.req.prompt_ids, start // b,
+                                  row.cache.pool, row.cache.blocks[first:first + per])

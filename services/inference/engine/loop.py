@@ -21,8 +21,9 @@ from types import MappingProxyType
 from services.inference.engine.admission import Ticket
 from services.inference.engine.api import TokenEvent
 from services.inference.engine.breaker import BreakerBoard, Policy
+from services.inference.engine.cachewatch import CacheWatch
 from services.inference.engine.executor import BatchExecutor
-from services.inference.engine.inbox import Cancel, Command, Refused, SetVariant, Stop, Submit
+from services.inference.engine.inbox import Cancel, Command, Refused, SetVariant, Stop, Submit, Watch
 from services.inference.engine.kv import KvManager
 from services.inference.engine.memory import MemoryModel, PeakMeter
 from services.inference.engine.oom import OomPolicy, is_oom
@@ -95,6 +96,9 @@ class StepLoop:
         gets the `Switch` once the loop has applied it and published it in its stats."""
         self.inbox.put(SetVariant(name, actor, done))
 
+    def watch_cache(self, watch: CacheWatch) -> None:
+        self.inbox.put(Watch(watch))
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -160,6 +164,8 @@ class StepLoop:
                     self.counters.fail(error.reason)
                 case Cancel(ticket):
                     self.scheduler.cancel(ticket)
+                case Watch(watch):
+                    self.kv.watch(watch)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -328,6 +334,8 @@ class StepLoop:
         self._stats = EngineStats(
             queue_depth=len(adm.queue), queued_tokens=adm.queued_tokens, retry_after_ms=self._retry_after_ms(),
             running_batch_size=len(self.scheduler.rows), pending_prefill=len(self.scheduler.pending),
+            running_tokens=sum(r.ticket.req.total_tokens for r in self.scheduler.rows),
+            free_kv_blocks=adm.pool_blocks - adm.reserved_blocks,
             oom_cap=self.oom.cap,
             memory=MemoryStats(self.memory, adm.budget, adm.predicted_bytes, self.observed_peak_bytes or None),
             invariant_batch_sizes=MappingProxyType({k: r.invariant_sizes for k, r in self.executor.runners.items()}),

@@ -95,6 +95,8 @@ class EngineStats:
     queued_tokens: int = 0
     retry_after_ms: int = 0           # the hint a request refused now would get (Scheduler.retry_after_ms)
     running_batch_size: int = 0
+    running_tokens: int = 0           # prompt + max_tokens of the running rows (queued_tokens' unit)
+    free_kv_blocks: int = 0           # KV pool blocks no running row has reserved (prefix cache's room aside)
     pending_prefill: int = 0          # admitted, waiting for their prefill
     batch_cap: int = 0                # current cap (config, breaker level 2, OOM halving)
     oom_cap: int = 0                  # the OOM policy's share of it
