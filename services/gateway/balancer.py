@@ -2,13 +2,13 @@
 
 An endpoint goes down on an UNAVAILABLE answer or a connection failure (the transport calls
 :meth:`RoundRobinBalancer.observe_error` or :meth:`mark_down`) and up again when the
-gRPC health watcher (upstreams.Pool) reports SERVING (:meth:`mark_up`). Because a watch stream only reports
+gRPC health watcher (pool.Pool) reports SERVING (:meth:`mark_up`). Because a watch stream only reports
 changes, an endpoint that failed while its health stayed SERVING would never hear a new
 SERVING; so a down endpoint is also re-admitted after ``readmit_after_s`` for the next request
 to probe it: it goes down again if that fails and up if it succeeds
 (:meth:`observe_success`). With every endpoint down, ``pick``
 raises NotReady(reason="NO_HEALTHY_UPSTREAM") with a hint of when the first one is re-admitted.
-Endpoints are opaque strings ("host:port"); upstreams.Pool maps them to channels, and replaces them
+Endpoints are opaque strings ("host:port"); pool.Pool maps them to channels, and replaces them
 (`set_endpoints`) when a stage named by DNS gains or loses pods (none at all before its first answer).
 """
 from __future__ import annotations

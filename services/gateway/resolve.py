@@ -1,7 +1,7 @@
 """Replicas named by DNS. A target `dns:///NAME:PORT` (on Kubernetes a headless Service, whose name
 resolves to one address per ready pod) stands for every address NAME resolves to, each a replica of
 its own: the gateway's router needs to know which pod it sends a prompt to (one Service address
-would hide that). upstreams.Pool re-resolves it every `upstreams.resolve_interval_s`, opening
+would hide that). pool.Pool re-resolves it every `upstreams.resolve_interval_s`, opening
 replicas for new addresses and closing the ones gone.
 """
 from __future__ import annotations

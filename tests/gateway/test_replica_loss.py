@@ -21,8 +21,9 @@ import pytest
 from keel.tokenizer.v1 import tokenizer_pb2
 from services.gateway.balancer import RoundRobinBalancer
 from services.gateway.budget import ThrottleConfig
+from services.gateway.pool import Pool
 from services.gateway.retry import RetryConfig, RetryExecutor
-from services.gateway.upstreams import MeshUpstreams, Pool
+from services.gateway.upstreams import MeshUpstreams
 from shared import errors
 from testing.mesh import ROOT
 from testing.ports import free_port

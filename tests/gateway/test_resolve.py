@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from services.gateway import resolve
+from services.gateway.pool import Pool
 from services.gateway.routing import Router, RoutingConfig, block_keys
-from services.gateway.upstreams import MeshUpstreams, Pool
+from services.gateway.upstreams import MeshUpstreams
 
 NAME = "dns:///inference.keel.svc:50053"
 A, B, C = "10.1.0.1:50053", "10.1.0.2:50053", "10.1.0.3:50053"

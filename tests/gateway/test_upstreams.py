@@ -12,8 +12,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from keel.tokenizer.v1 import tokenizer_pb2
 from services.gateway import config as gateway_config
+from services.gateway.pool import Pool
 from services.gateway.server import GatewayStage
-from services.gateway.upstreams import Pool
 from shared import errors
 from shared.stages import GATEWAY_UPSTREAMS
 from shared.stages import SERVICE_NAMES as SERVICES
