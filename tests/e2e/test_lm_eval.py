@@ -4,8 +4,10 @@ task shipped here (tests/e2e/lmeval/), against the same harness with its own `hf
 weights. A server that ignored echo would score chance; one whose scores were off would disagree
 with transformers' loglikelihoods.
 
-The mesh serves the float32 format (the prepared folder's weights, which transformers loads too):
-the quantized formats differ from transformers by design (docs/inference-formats.md)."""
+The mesh (the session's, tests/e2e/conftest.py) serves the float32 format, the prepared folder's
+weights, which transformers loads too: it is what `engine.format: auto` serves without stored gate
+results (testing/mesh.py), and the test checks the format the stage reports. The quantized formats
+differ from transformers by design (docs/inference-formats.md)."""
 from __future__ import annotations
 
 import json
@@ -17,19 +19,11 @@ import pytest
 from keelctl.ask import DEV_API_KEY
 from services.inference.model.modelcache import prepared
 from shared.modelfile import model_id
-from testing.mesh import start_mesh, stop_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TASK = "keel_tiny_mc"
 HERE = Path(__file__).parent / "lmeval"
-
-
-@pytest.fixture(scope="module")
-def float_mesh(tmp_path_factory):
-    m = start_mesh(tmp_path_factory.mktemp("lmeval-mesh"), extra_env={"KEEL_INFERENCE_ENGINE__FORMAT": "float32"})
-    yield m
-    stop_mesh(m)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,9 @@ def loglikelihoods(result: dict) -> dict[tuple[int, int], float]:
     return {(s["doc_id"], i): float(r[0]) for s in result["samples"][TASK] for i, r in enumerate(s["filtered_resps"])}
 
 
-def test_local_completions_scores_as_transformers_does_on_the_same_weights(float_mesh, tasks, monkeypatch):
+def test_local_completions_scores_as_transformers_does_on_the_same_weights(mesh, tasks, monkeypatch):
+    served = [r["format"] for r in mesh.log("inference-0.0") if r.get("msg") == "engine warm"]
+    assert served[-1:] == ["float32"], served  # the running stage serves the weights transformers loads
     monkeypatch.setenv("OPENAI_API_KEY", DEV_API_KEY)  # local-completions sends it as the Bearer key
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -61,7 +57,7 @@ def test_local_completions_scores_as_transformers_does_on_the_same_weights(float
     weights = prepared()
     tokenizer = str(weights / "hf-tokenizer")
     keel = evaluate("local-completions", {
-        "base_url": f"http://{float_mesh.http}/v1/completions", "model": model_id(), "tokenizer_backend": "huggingface",
+        "base_url": f"http://{mesh.http}/v1/completions", "model": model_id(), "tokenizer_backend": "huggingface",
         "tokenizer": tokenizer, "tokenized_requests": True, "num_concurrent": 1, "max_retries": 1}, tasks)
     hf = evaluate("hf", {"pretrained": str(weights), "tokenizer": tokenizer, "dtype": "float32", "device": "cpu"},
                   tasks, batch_size=8)
