@@ -46,6 +46,13 @@ def ask(target: str, request: gateway_pb2.GenerateRequest, *, api_key: str | Non
                                                         metadata=(("x-api-key", key),))
 
 
+def error_line(err: grpc.RpcError) -> str:
+    """"error: CODE: REASON: message", the reason left out where it only repeats the code (a deadline
+    that ran out in this client has no reason of its own)."""
+    code, reason = err.code().name, client.translate(err).reason
+    return f"error: {code}: {err.details()}" if reason == code else f"error: {code}: {reason}: {err.details()}"
+
+
 def render(resp: gateway_pb2.GenerateResponse, as_json: bool) -> str:
     if as_json:
         return json.dumps(json_format.MessageToDict(resp, preserving_proto_field_name=True,
@@ -58,14 +65,13 @@ def render(resp: gateway_pb2.GenerateResponse, as_json: bool) -> str:
             f"trace_id: {resp.trace_id}  ({resp.usage.completion_tokens} tokens, {resp.finish_reason}{served})")
 
 
-def main(target: str, *, prompt: str, max_tokens: int, temperature: float,
-         seed: int | None, as_json: bool, domain: str = "", adapter: str = "", controls: Controls = Controls()) -> int:
+def main(target: str, *, prompt: str, max_tokens: int, temperature: float, seed: int | None, as_json: bool,
+         domain: str = "", adapter: str = "", controls: Controls = Controls(), timeout_s: float = 60.0) -> int:
     try:
         resp = ask(target, build_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                         domain=domain, adapter=adapter, controls=controls))
+                                         domain=domain, adapter=adapter, controls=controls), timeout_s=timeout_s)
     except grpc.RpcError as err:
-        reason = client.translate(err).reason
-        print(f"error: {err.code().name}: {reason}: {err.details()}")
+        print(error_line(err))
         return 1
     print(render(resp, as_json))
     return 0

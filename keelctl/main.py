@@ -255,7 +255,7 @@ def cmd_ask(args) -> int:
     from keelctl import ask
     return ask.main(_gateway(load_layout()), prompt=args.prompt, max_tokens=args.max_tokens,
                     temperature=args.temperature, seed=args.seed, as_json=args.json, domain=args.domain,
-                    adapter=args.adapter, controls=ask.controls_from_args(args))
+                    adapter=args.adapter, controls=ask.controls_from_args(args), timeout_s=args.timeout)
 
 
 def cmd_certs(args) -> int:
@@ -265,6 +265,16 @@ def cmd_certs(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`keel status | head`): stop quietly; the interpreter's own flush of
+        # stdout at exit would raise again, so stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="keel", description="Run and use the Keel mesh.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the mesh")
@@ -290,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--repetition-penalty", type=float, default=1.0)
     a.add_argument("--frequency-penalty", type=float, default=0.0)
     a.add_argument("--presence-penalty", type=float, default=0.0)
+    a.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="the call's deadline (default 60; a large model on a slow host may need more)")
     c = sub.add_parser("certs", help="make the mesh's TLS certificates (CA, server, client)")
     c.add_argument("--out", type=Path, default=VAR_DIR / "certs")
     c.add_argument("--days", type=int, default=365)
