@@ -3,7 +3,7 @@ prefix_affinity) on the whole mesh with 2 inference replicas x 1 thread, one fre
 
 Run:  .venv/bin/python -m bench.bench_routing [--conversations 32] [--max-tokens 8]
           [--policies round_robin,least_loaded,prefix_affinity/approximate,prefix_affinity/precise]
-          [--workloads abc] [--no-single]
+          [--workloads abc] [--no-single] [--prefix-cache-mb N]
 A policy may name its routing.mode after a slash (precise: the replicas' WatchCache streams feed
 the index and loads); without one it runs approximate, the gateway's own record and counts.
 
@@ -167,6 +167,8 @@ def run_policy(policy: str, replicas: int, args, workloads: str) -> dict[str, Re
     name, _, mode = policy.partition("/")
     env = {"KEEL_GATEWAY_ROUTING__POLICY": name, "KEEL_GATEWAY_ROUTING__MODE": mode or "approximate",
            "KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS": "1", "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": "16"}
+    if args.prefix_cache_mb is not None:
+        env["KEEL_INFERENCE_ENGINE__PREFIX_CACHE_BYTES"] = str(args.prefix_cache_mb << 20)
     mesh = start_mesh(Path(tempfile.mkdtemp(prefix="keel-routing-")), inference_replicas=replicas,
                       tokenizer_workers=1, extra_env=env)
     print(f"{policy} on {replicas} replica(s): mesh up", flush=True)
@@ -200,6 +202,9 @@ def main() -> None:
                     default="round_robin,least_loaded,prefix_affinity/approximate,prefix_affinity/precise")
     ap.add_argument("--workloads", default="abc")
     ap.add_argument("--no-single", action="store_true", help="skip workload a on one replica")
+    ap.add_argument("--prefix-cache-mb", type=int,
+                    help="each replica's prefix cache (default: config/inference.yaml's); below what workload "
+                         "a's 4 shared prompts take, one replica cannot hold them all, two can")
     args = ap.parse_args()
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
                     if f.startswith(("avx", "amx"))})
