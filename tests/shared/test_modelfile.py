@@ -129,3 +129,23 @@ def test_the_card_of_a_folder_reads_its_config_and_tokenizer_files(tmp_path):
     card = modelcard.read(modelfile.source(folder, environ={}))
     assert (card.architecture, card.context_tokens, card.stop_token_ids) == ("qwen2", 32768, (7, 9, 11))
     assert card.source.model_id == "m" and card.chat_template == "{{ x }}"
+
+
+def test_a_folder_moved_elsewhere_is_prepared_again_not_served_from_links_to_where_it_was(tmp_path, monkeypatch):
+    """Same bytes, same key: the prepared folder's links pointed at the old path, gone since."""
+    from services.inference.model import modelcache
+
+    monkeypatch.setenv(modelfile.MODELS_DIR_ENV, str(tmp_path / "models"))
+    first = tmp_path / "a" / "m"
+    first.mkdir(parents=True)
+    for name, text in (("config.json", '{"model_type": "llama"}'), ("model.safetensors", "w"),
+                       ("tokenizer.json", "{}")):
+        (first / name).write_text(text)
+    out = modelcache.prepared(modelfile.source(first, environ={}))
+    assert (out / "config.json").resolve() == first / "config.json"
+    moved = tmp_path / "b" / "m"
+    (tmp_path / "b").mkdir()
+    first.rename(moved)
+    again = modelcache.prepared(modelfile.source(moved, environ={}))
+    assert again == out and (again / "config.json").resolve() == moved / "config.json"
+    assert json.loads((again / "config.json").read_text()) == {"model_type": "llama"}

@@ -34,11 +34,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def prepared(source: ModelSource | None = None) -> Path:
-    """The prepared folder of `source` (default: the served model), prepared now when it is missing."""
+    """The prepared folder of `source` (default: the served model), prepared now when it is missing, or
+    when it was prepared from the same bytes at another path: a folder's links and a GGUF's record
+    point at where the model was, which may be gone (a model folder moved or copied elsewhere)."""
     source = source or modelfile.source()
     out = source.cache_dir
     try:
-        if json.loads((out / SOURCE_FILE).read_text()).get("digest") == source.digest:
+        recorded = json.loads((out / SOURCE_FILE).read_text())
+        if (recorded.get("digest"), recorded.get("path")) == (source.digest, str(source.path)):
             return out
     except (OSError, ValueError):
         pass
