@@ -8,10 +8,11 @@ the shipped SmolLM2 GGUF's tokenizer.ggml.* fields, so llama.cpp loads it with a
 dequantization of the GGUF's blocks). Each pair is cached under
 var/tinymodels/<name>-<qtype>-<hash of the spec, the seed and this file's source>.
 
-Names (SPECS, and WIDE's llama-wide): llama (SmolLM2-like, tied), llama3 (llama3 rope scaling, untied head), qwen2 (q/k/v
+Names (SPECS): llama (SmolLM2-like, tied), llama3 (llama3 rope scaling, untied head), qwen2 (q/k/v
 biases), qwen3 (per-head q/k norms, head_dim 32 != hidden / heads), mistral (sliding window 16, untied).
 llama.cpp has no "mistral" architecture (its converter writes Mistral models as "llama", without the
-window): the mistral GGUF says "mistral", which Keel reads and llama.cpp refuses.
+window): the mistral GGUF says "mistral", which Keel reads and llama.cpp refuses. WIDE's llama-wide is
+llama with hidden 256 and ffn 512, for testing/quantized.py's K-quants.
 
 Weights are drawn with a large std (see testing/tiny.py) so greedy decoding is not degenerate.
 """

@@ -52,8 +52,8 @@ from torch import nn
 
 from services.inference.model import ggufindex, ggufmodel, kernels, llama
 from services.inference.model.ggufmodel import TensorFile
-from services.inference.model.superblocks import pack_x16k
 from services.inference.model.llama import LlamaForCausalLM, ModelConfig
+from services.inference.model.superblocks import pack_x16k
 from shared.errors import InvalidInput
 
 FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp)
@@ -235,7 +235,8 @@ def _check_types(path: Path, table: dict, format: str) -> None:
         raise InvalidInput(f"{path.name} holds tensors of GGUF types the {format} format does not compute on "
                            f"({found}; it takes {names})",
                            reason="UNSUPPORTED_BLOCK_TYPE",
-                           metadata={"types": ",".join(sorted(first)), "tensors": ",".join(first[t] for t in sorted(first))})
+                           metadata={"types": ",".join(sorted(first)),
+                                     "tensors": ",".join(first[t] for t in sorted(first))})
 
 
 def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
