@@ -9,6 +9,7 @@ the wide tiny llama (hidden 256: the K-quants fit), served by the gguf and gguf_
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import gguf
@@ -107,3 +108,17 @@ def test_a_type_keel_does_not_compute_is_refused_naming_the_tensor(fmt):
     tensor = e.metadata["tensors"].split(",")[e.metadata["types"].split(",").index("Q3_K")]
     assert f"{tensor} is Q3_K" in str(e) and fmt in str(e)
     assert {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if t.name == tensor} == {"Q3_K"}
+
+
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+@pytest.mark.parametrize("ftype", ["Q6_K", "Q8_0", "F16"])
+def test_the_composed_layer_calls_give_the_op_by_op_bits(ftype, fmt):
+    """kernels/layer.cpp picks each weight's kernel from its type as blocks.layout does (x16k, x16, rows)."""
+    model = load_model(quantized.tiny(ftype), fmt)
+    composed = LlamaRunner(model, block_tokens=16, pool_tokens=512)
+    assert all(layer.blocks is not None for layer in composed.layers)
+    op_by_op = LlamaRunner(model, block_tokens=16, pool_tokens=512)
+    op_by_op.layers = [dataclasses.replace(layer, blocks=None) for layer in op_by_op.layers]
+    prompt = _prompt(5)
+    for a, b in zip(_steps(composed, prompt, True), _steps(op_by_op, prompt, True)):
+        assert torch.equal(a, b)
