@@ -11,7 +11,8 @@ var/tinymodels/<name>-<qtype>-<hash of the spec, the seed and this file's source
 Names (SPECS): llama (SmolLM2-like, tied), llama3 (llama3 rope scaling, untied head), qwen2 (q/k/v
 biases), qwen3 (per-head q/k norms, head_dim 32 != hidden / heads), mistral (sliding window 16, untied).
 llama.cpp has no "mistral" architecture (its converter writes Mistral models as "llama", without the
-window): the mistral GGUF says "mistral", which Keel reads and llama.cpp refuses.
+window): the mistral GGUF says "mistral", which Keel reads and llama.cpp refuses. WIDE's llama-wide is
+llama with hidden 256 and ffn 512, for testing/quantized.py's K-quants.
 
 Weights are drawn with a large std (see testing/tiny.py) so greedy decoding is not degenerate.
 """
@@ -51,6 +52,9 @@ SPECS: dict[str, dict] = {
     "qwen3": {"arch": "qwen3", "head_dim": 32, "eps": 1e-6},
     "mistral": {"arch": "mistral", "tied": False, "window": 16, "heads": 8, "kv": 2, "head_dim": 8},
 }
+# Not another architecture: a llama whose matrices are whole K-quant super-blocks (256) along both
+# dimensions, for testing/quantized.py's llama.cpp-quantized types.
+WIDE = {"llama-wide": {"arch": "llama", "hidden": 256, "ffn": 512, "head_dim": 64}}
 # Keel's parameter name suffix in layer N -> the GGUF's (blk.N.<name>).
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -78,7 +82,7 @@ def _tokenizer_fields() -> dict[str, object]:
 
 
 def config_of(name: str, tokenizer: dict | None = None) -> ModelConfig:
-    s = {**_BASE, **SPECS[name]}
+    s = {**_BASE, **_spec(name)}
     tok = tokenizer or {}
     return ModelConfig(
         vocab_size=len(tok.get("tokenizer.ggml.tokens", ())) or 49152, hidden_size=s["hidden"],
@@ -91,15 +95,19 @@ def config_of(name: str, tokenizer: dict | None = None) -> ModelConfig:
         rope_scaling=s["rope"])
 
 
+def _spec(name: str) -> dict:
+    return SPECS[name] if name in SPECS else WIDE[name]
+
+
 def _key(name: str, qtype: str) -> str:
     """The generator's inputs (spec, qtype, seed, std) and its code (this file's source)."""
-    blob = json.dumps({"spec": {**_BASE, **SPECS[name]}, "qtype": qtype, "seed": SEED, "std": STD})
+    blob = json.dumps({"spec": {**_BASE, **_spec(name)}, "qtype": qtype, "seed": SEED, "std": STD})
     return hashlib.sha256(blob.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
 
 
 def tiny_model_files(name: str, qtype: str = "F32") -> TinyFiles:
     """The cached pair for architecture `name` (SPECS) with linear weights in `qtype` (QTYPES)."""
-    if name not in SPECS or qtype not in QTYPES:
+    if name not in SPECS and name not in WIDE or qtype not in QTYPES:
         raise ValueError(f"unknown tiny model {name}/{qtype}")
     tokenizer = _tokenizer_fields()
     config = config_of(name, tokenizer)

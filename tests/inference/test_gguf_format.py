@@ -40,7 +40,7 @@ def tiny_gguf(tiny_dir):
 
 def file_order(module, rows: int) -> torch.Tensor:
     """A block module's first `rows` weight rows as the file stores them (x16 matrices unpacked)."""
-    if module.q8:
+    if getattr(module, "x16", False) or getattr(module, "layout", None) == "x16":
         return blocks.unpack_x16(module.blocks, torch.arange(rows), module.ggml_type)
     return module.blocks[:rows]
 
@@ -149,12 +149,17 @@ async def test_200_prompts_give_the_same_tokens_alone_and_in_batches(tiny_gguf, 
         torch.set_num_threads(before)
 
 
-def test_a_block_type_the_kernel_does_not_take_is_refused_by_name(tiny, tmp_path):
+@pytest.mark.parametrize("fmt", blocks.FORMATS)
+def test_a_float16_matrix_in_a_quantized_file_serves_on_the_float_kernel(tiny, tmp_path, fmt):
+    """Mixed files load as one model: F16 has no integer kernel, so it runs on keel::gguf_mm in both."""
     folder = write_tiny_gguf(tiny, tmp_path, types={"blk.1.ffn_down.weight": Q.F16})
-    with pytest.raises(InvalidInput) as err:
-        load_model(folder, "gguf")
-    assert err.value.reason == "UNSUPPORTED_BLOCK_TYPE" and "F16" in str(err.value)
-    assert err.value.metadata["types"] == "F16"
+    model = load_model(folder, fmt)
+    down = model.model.layers[1].mlp.down_proj
+    assert down.ggml_type == int(Q.F16) and down.layout == "rows"
+    assert model.model.layers[0].mlp.down_proj.layout == ("x16" if fmt == blocks.FORMAT else "rows")
+    x = torch.tensor([prompt(2, 20)])
+    want, got = load_model(folder, "float32")(x).logits, model(x).logits
+    assert ((got - want).norm() / want.norm()).item() < (1e-5 if fmt == blocks.EXACT_FORMAT else 0.06)
 
 
 @pytest.mark.parametrize("linear_type", [Q.Q4_0, Q.Q5_0, Q.Q5_1])

