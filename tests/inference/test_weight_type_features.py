@@ -24,7 +24,7 @@ from services.inference import bootstrap
 from services.inference.config import InferenceConfig
 from services.inference.engine.core import Engine, EngineConfig
 from services.inference.formats import quality, selection, startgate
-from services.inference.formats.quality import GateResult
+from services.inference.formats.quality import GateResult, GateThresholds
 from services.inference.formats.selection import FormatsConfig
 from services.inference.formats.startgate import GateJob
 from services.inference.model import blocks
@@ -43,9 +43,14 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 REPRESENTATIVE = ("F16", "BF16", "Q8_0", "Q4_0", "Q5_1", "Q4_K_M", "Q6_K")
 K_QUANT = "Q4_K_M"
 GATE_PROMPTS = 4  # the first prompts of gate_prompts.json: the gate's path, not its statistics
-CANDIDATES = FormatsConfig(auto_candidates=("float32", "gguf"), gate_prompts=GATE_PROMPTS)
+# The tiny model's random weights (std 0.5) give sharp distributions that gguf's 8-bit activations move
+# far more than a trained model's (4 prompts, gguf against float32: mean KL 0.07 Q8_0 to 0.24 Q4_K_M,
+# p95 up to 1.26, greedy agreement 0.83-0.92; SmolLM2's per-type figures are docs/BENCHMARKS.md's), so
+# the gate here has thresholds this model passes: what is tested is the gate's path, not the quality.
+TINY_GATE = GateThresholds(kl_mean_max=0.5, kl_p95_max=2.5, greedy_agreement_min=0.75)
+CANDIDATES = FormatsConfig(gate=TINY_GATE, auto_candidates=("float32", "gguf"), gate_prompts=GATE_PROMPTS)
 PASSING = GateResult("gguf", kl_mean=0.001, kl_p95=0.004, greedy_agreement=0.99, positions=100, sequences=4)
-FAILING = dataclasses.replace(PASSING, kl_mean=0.5)
+FAILING = dataclasses.replace(PASSING, kl_mean=1.0)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -118,7 +123,7 @@ def test_a_gate_result_belongs_to_the_file_it_was_run_on(folders, var_dir):
 
 @pytest.mark.parametrize("stored,times,why", [
     (PASSING, {"float32": 0.5, "gguf": 1.0}, "gguf: decode pass 1000.0 ms at batch 1"),
-    (FAILING, {"float32": 1.0, "gguf": 0.5}, "gguf: gguf fails the quality gate: mean KL 0.5000 > 0.05"),
+    (FAILING, {"float32": 1.0, "gguf": 0.5}, "gguf: gguf fails the quality gate: mean KL 1.0000 > 0.5"),
 ])
 def test_auto_on_a_k_quant_says_why_it_keeps_float32(folders, var_dir, timed, stored, times, why):
     folder = folders(K_QUANT)
@@ -211,7 +216,9 @@ def test_an_adapter_beside_the_quantized_blocks_adds_pefts_unmerged_term(ftype, 
         change, want_change = got - base, want - want_base
         assert want_change.norm() > 0.1 * want_base.norm()  # the adapter matters: the test can tell
         error = ((change - want_change).norm() / want_change.norm()).item()
-        assert error < (1e-4 if fmt == blocks.EXACT_FORMAT else 0.1), f"{fmt}: {error}"
+        # gguf's 8-bit activations move the hidden states the term is computed on (measured: 0.03 on
+        # Q8_0, 0.064 on Q4_K_M); gguf_f32 computes PEFT's term to float rounding (1e-5)
+        assert error < (1e-4 if fmt == blocks.EXACT_FORMAT else 0.15), f"{fmt}: {error}"
 
 
 # -- a variant and the breaker's fallback format beside a K-quant base -----------------------------------
