@@ -218,11 +218,14 @@ def gguf_file(model_dir: Path) -> Path:
     return Path(named)
 
 
-def check_file(model_dir: Path, format: str) -> None:
-    """InvalidInput unless `format` can load the model of `model_dir`: a GGUF whose every tensor is of a
-    type the kernels compute, read from its tensor table, no weights."""
-    path = gguf_file(model_dir)
-    _check_types(path, ggufindex.index(model_dir, path), format)
+def check_file(model: Path, format: str) -> None:
+    """InvalidInput unless `format` can load `model` (a prepared folder, or a GGUF file as load_gguf takes
+    one): a GGUF whose every tensor is of a type the kernels compute, read from its tensor table, no weights."""
+    if model.suffix == ".gguf" and model.is_file():
+        _check_types(model, ggufmodel.TensorFile.of(model, ggufmodel.header(model)).entries, format)
+        return
+    path = gguf_file(model)
+    _check_types(path, ggufindex.index(model, path), format)
 
 
 def _check_types(path: Path, table: dict, format: str) -> None:

@@ -2,8 +2,8 @@
 
 Formats: float32, bfloat16, float16 (the whole model cast), int8 and int4 (weight-only: every Linear,
 lm_head included, swapped for a quantized module from quant.py; the rest stays float32), and gguf and
-gguf_f32 (the model file's own Q4_1/Q8_0 blocks on Keel's C++ kernels with 8-bit or float32
-activations, blocks.py; read from the GGUF, never converted from another format; the rest stays
+gguf_f32 (the model file's own blocks, of whichever types it holds, on Keel's C++ kernels with 8-bit or
+float32 activations, blocks.py; read from the GGUF, never converted from another format; the rest stays
 float32). The engine
 only relies on the Llama module layout (embed_tokens, layers[i].self_attn.{q,k,v,o}_proj, mlp,
 input/post_attention_layernorm, norm, rotary_emb, lm_head) and calls the modules; see forward.py.
@@ -30,7 +30,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def check_format(format: str, device: str = "cpu", allow_auto: bool = False, model_dir: Path | None = None) -> None:
-    """InvalidInput unless `format` runs on `device` (and, given `model_dir`, can load that model)."""
+    """InvalidInput unless `format` runs on `device` (and, given `model_dir`, a prepared folder or a GGUF
+    file, can load that model)."""
     if format == AUTO and allow_auto:
         return
     if format not in FORMATS:
