@@ -41,6 +41,9 @@ from tests.inference.test_breaker import FAST_TRIP, trip
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
 REPRESENTATIVE = ("F16", "BF16", "Q8_0", "Q4_0", "Q5_1", "Q4_K_M", "Q6_K")
+# The gate's own path (5 s a type) on one file per kernel layout (blocks.layout): float rows, the
+# 32-element x16 blocks, the K-quant x16k super-blocks mixed with Q6_K.
+LAYOUTS = ("BF16", "Q8_0", "Q4_K_M")
 K_QUANT = "Q4_K_M"
 GATE_PROMPTS = 4  # the first prompts of gate_prompts.json: the gate's path, not its statistics
 # The tiny model's random weights (std 0.5) give sharp distributions that gguf's 8-bit activations move
@@ -94,7 +97,7 @@ def wide_config(**overrides) -> EngineConfig:
 
 # -- the gate and auto --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ftype", REPRESENTATIVE)
+@pytest.mark.parametrize("ftype", LAYOUTS)
 def test_the_gate_runs_on_each_type_stores_its_result_for_the_file_and_auto_then_picks_gguf(
         ftype, folders, var_dir, timed):
     folder = folders(ftype)
