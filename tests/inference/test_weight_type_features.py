@@ -98,7 +98,7 @@ def wide_config(**overrides) -> EngineConfig:
 # -- the gate and auto --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ftype", LAYOUTS)
-def test_the_gate_runs_on_each_type_stores_its_result_for_the_file_and_auto_then_picks_gguf(
+def test_the_gate_runs_on_each_kernel_layout_stores_its_result_for_the_file_and_auto_then_picks_gguf(
         ftype, folders, var_dir, timed):
     folder = folders(ftype)
     sha = model_sha256(folder)
