@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from services.inference.engine.core import Engine, EngineConfig, Finished, GenerationRequest, TokenEvent
+from services.inference.engine.prefix import PrefixCache
 from services.inference.formats import selection
 from services.inference.model.kvpool import RowCache
 
@@ -78,3 +79,13 @@ def ids(tokens: list[TokenEvent]) -> list[int]:
     return [t.token_id for t in tokens]
 
 
+
+
+def put(cache: PrefixCache, runner: str, adapter: str, ids: list[int], index: int, pool, blocks: list[int]) -> None:
+    """What the engine does after a prefill chunk: the cache holds block `index` of the prompt."""
+    cache.store(runner, cache.keys(adapter, ids)[index], pool, blocks)
+
+
+def find(cache: PrefixCache, runner: str, adapter: str, ids: list[int]) -> list[list[int]]:
+    """What the engine does at admission: the cached blocks the prompt starts with."""
+    return cache.lookup(runner, cache.keys(adapter, ids), len(ids))

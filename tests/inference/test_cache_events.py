@@ -16,7 +16,7 @@ from services.inference.model.forward import LlamaRunner
 from services.inference.model.kvpool import KvPool
 from services.inference.servicer import InferenceServicer
 from shared import metrics
-from tests.inference.helpers import collect, prompt, request
+from tests.inference.helpers import collect, prompt, put, request
 
 BLOCK = 32
 
@@ -36,19 +36,19 @@ async def test_a_watch_hears_stores_and_evictions_under_the_routers_keys():
     a, b, c, d = prompt(1, 2 * BLOCK + 1), prompt(2, BLOCK + 1), prompt(3, BLOCK + 1), prompt(4, BLOCK + 1)
     row = pool.allocate(2 * BLOCK)
     for i in range(2):
-        cache.store("primary", "tuned@1", a, i, pool, row.blocks[i:i + 1])
+        put(cache, "primary", "tuned@1", a, i, pool, row.blocks[i:i + 1])
     keys = block_keys(a, BLOCK, "tuned@1")
     assert await watch.take(1) == (None, {keys[0]: True, keys[1]: True})
-    cache.store("fallback", "tuned@1", a, 0, pool, row.blocks[:1])  # another runner, the same key: no news
+    put(cache, "fallback", "tuned@1", a, 0, pool, row.blocks[:1])  # another runner, the same key: no news
     rows = [pool.allocate(BLOCK) for _ in range(4)]
     for p, r in zip((b, c, d), rows):                            # each evicts the oldest entry
-        cache.store("primary", "", p, 0, pool, r.blocks)
+        put(cache, "primary", "", p, 0, pool, r.blocks)
         _, changes = await watch.take(1)
         assert changes.pop(block_keys(p, BLOCK, "")[0]) is True
         # b evicts primary's a0 (fallback still holds that key: no news), c evicts a1, d fallback's a0
         assert changes == {p is b: {}, p is c: {keys[1]: False}, p is d: {keys[0]: False}}[True]
     watch.close()
-    cache.store("primary", "", prompt(5, BLOCK + 1), 0, pool, rows[3].blocks)
+    put(cache, "primary", "", prompt(5, BLOCK + 1), 0, pool, rows[3].blocks)
     assert cache._watches == []                                  # a closed watch is dropped
 
 
@@ -62,7 +62,7 @@ async def test_a_watch_that_falls_behind_gets_a_snapshot_not_the_changes():
     ids = prompt(1, 4 * BLOCK + 1)
     row = pool.allocate(4 * BLOCK)
     for i in range(4):
-        cache.store("primary", "", ids, i, pool, row.blocks[i:i + 1])
+        put(cache, "primary", "", ids, i, pool, row.blocks[i:i + 1])
     snapshot, changes = await watch.take(1)
     keys = block_keys(ids, BLOCK, "")
     assert set(snapshot) == set(keys[:3]) and changes == {keys[3]: True}  # resynced at the third, then one change

@@ -9,7 +9,7 @@ import torch
 from services.inference.engine.prefix import PrefixCache
 from services.inference.model.forward import LlamaRunner
 from services.inference.model.kvpool import KvPool
-from tests.inference.helpers import collect, prompt, request
+from tests.inference.helpers import collect, find, prompt, put, request
 
 BLOCK = 32
 
@@ -26,11 +26,11 @@ def test_a_block_is_found_only_after_the_same_whole_prefix_and_one_token_is_alwa
     ids = prompt(1, 3 * BLOCK)
     row = pool.allocate(3 * BLOCK)
     for i in range(3):
-        cache.store("primary", "", ids, i, pool, row.blocks[i:i + 1])
-    assert len(cache.lookup("primary", "", ids)) == 2                     # the last block holds the last token
-    assert cache.lookup("primary", "", ids + [5]) == [[b] for b in row.blocks]
-    assert cache.lookup("primary", "", [7] + ids[1:]) == []                # block 0 differs: nothing after it
-    assert cache.lookup("fallback", "", ids + [5]) == []                   # another runner's numerics
+        put(cache, "primary", "", ids, i, pool, row.blocks[i:i + 1])
+    assert len(find(cache, "primary", "", ids)) == 2                     # the last block holds the last token
+    assert find(cache, "primary", "", ids + [5]) == [[b] for b in row.blocks]
+    assert find(cache, "primary", "", [7] + ids[1:]) == []                # block 0 differs: nothing after it
+    assert find(cache, "fallback", "", ids + [5]) == []                   # another runner's numerics
     stats = cache.stats()
     assert stats.hit_tokens == (2 + 3) * BLOCK and stats.prompt_tokens == 4 * (3 * BLOCK) + 2
     assert stats.hit_rate == pytest.approx(stats.hit_tokens / stats.prompt_tokens)
@@ -42,21 +42,21 @@ def test_cached_blocks_stay_lent_until_the_cache_and_every_row_let_go():
     cache = PrefixCache(BLOCK, 2 * pool.block_bytes)
     a, b, c = prompt(1, BLOCK + 1), prompt(2, BLOCK + 1), prompt(3, BLOCK + 1)
     first = pool.allocate(BLOCK)
-    cache.store("primary", "", a, 0, pool, first.blocks)
+    put(cache, "primary", "", a, 0, pool, first.blocks)
     first.release()                                                    # the row ended: the cache holds it
     assert pool.free_blocks == 3
     hit = pool.allocate(2 * BLOCK)                                     # a later row with the same prefix
     own = hit.blocks[0]
-    hit.adopt(0, cache.lookup("primary", "", a)[0])
+    hit.adopt(0, find(cache, "primary", "", a)[0])
     assert hit.blocks[0] != own and pool.free_blocks == 2              # its own first block went back
     second = pool.allocate(BLOCK)
-    cache.store("primary", "", b, 0, pool, second.blocks)
-    assert len(cache.lookup("primary", "", a)) == 1                        # a is now the most recently used
+    put(cache, "primary", "", b, 0, pool, second.blocks)
+    assert len(find(cache, "primary", "", a)) == 1                        # a is now the most recently used
     third = pool.allocate(BLOCK)
-    cache.store("primary", "", c, 0, pool, third.blocks)                   # evicts b, not a
-    assert [len(cache.lookup("primary", "", p)) for p in (a, b, c)] == [1, 0, 1]
+    put(cache, "primary", "", c, 0, pool, third.blocks)                   # evicts b, not a
+    assert [len(find(cache, "primary", "", p)) for p in (a, b, c)] == [1, 0, 1]
     assert cache.bytes == 2 * pool.block_bytes and cache.stats().entries == 2
-    cache.store("primary", "", prompt(4, BLOCK + 1), 0, pool, second.blocks)  # evicts a: the hit row still holds it
+    put(cache, "primary", "", prompt(4, BLOCK + 1), 0, pool, second.blocks)  # evicts a: the hit row still holds it
     second.release()
     assert pool.free_blocks == 0
     hit.release()
@@ -69,7 +69,7 @@ def test_a_block_cannot_be_shared_once_free():
     block = row.blocks
     row.release()
     with pytest.raises(ValueError):
-        PrefixCache(BLOCK, 10**6).store("primary", "", prompt(1, BLOCK + 1), 0, pool, block)
+        put(PrefixCache(BLOCK, 10**6), "primary", "", prompt(1, BLOCK + 1), 0, pool, block)
 
 
 @pytest.mark.asyncio

@@ -40,13 +40,17 @@ class KvManager:
 
     def adopt_prefix(self, row: Row) -> None:
         """Hold the cached blocks the row's prompt starts with in its block table; its prefill
-        resumes after them. A row that scores its prompt computes all of it: it looks nothing up."""
-        if self.prefix is None or row.scores_prompt:
+        resumes after them. A row that scores its prompt computes all of it: it looks nothing up.
+        Either way the row keeps its prompt's block keys, for keep_prefix_blocks."""
+        if self.prefix is None:
+            return
+        req = row.ticket.req
+        row.block_keys = self.prefix.keys(req.adapter, req.prompt_ids)
+        if row.scores_prompt:
             return
         b = self.prefix.block_tokens
         per = b // row.cache.pool.block_tokens
-        req = row.ticket.req
-        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, req.adapter, req.prompt_ids)):
+        for i, blocks in enumerate(self.prefix.lookup(row.prefix_key, row.block_keys, len(req.prompt_ids))):
             row.cache.adopt(i * per, blocks)
             row.cache.length = row.prefilled = (i + 1) * b
 
@@ -60,5 +64,5 @@ class KvManager:
             if n == b and row.prefilled == start + n:
                 per = b // row.cache.pool.block_tokens
                 first = start // b * per
-                self.prefix.store(row.prefix_key, row.ticket.req.adapter, row.ticket.req.prompt_ids, start // b,
-                                  row.cache.pool, row.cache.blocks[first:first + per])
+                self.prefix.store(row.prefix_key, row.block_keys[start // b], row.cache.pool,
+                                  row.cache.blocks[first:first + per])

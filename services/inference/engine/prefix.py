@@ -47,27 +47,31 @@ class PrefixCache:
         self._prompt_tokens = 0
         self._hit_tokens = 0
 
-    def lookup(self, runner: str, adapter: str, prompt: list[int]) -> list[list[int]]:
-        """The pool block ids of the longest run of cached blocks the prompt starts with, block by block.
+    def keys(self, adapter: str, prompt: list[int]) -> list[bytes]:
+        """The chain keys of every full block of the prompt. Hashing the chain reads the whole prompt, so
+        the engine computes them once per request (at admission) and hands them to lookup and store."""
+        return prefixkeys.chain(adapter, prompt, self.block_tokens, len(prompt) // self.block_tokens)
+
+    def lookup(self, runner: str, keys: list[bytes], prompt_tokens: int) -> list[list[int]]:
+        """The pool block ids of the longest run of cached blocks the prompt starts with, block by block
+        (`keys`: the prompt's keys(), `prompt_tokens`: its length).
 
         At least one prompt token is always left to compute: it gives the logits of the first token.
         """
         found = []
-        blocks = prefixkeys.cacheable_blocks(len(prompt), self.block_tokens)
-        for key in prefixkeys.chain(adapter, prompt, self.block_tokens, blocks):
+        for key in keys[:prefixkeys.cacheable_blocks(prompt_tokens, self.block_tokens)]:
             entry = self._entries.get((runner, key))
             if entry is None:
                 break
             self._entries.move_to_end((runner, key))
             found.append(entry[1])
-        self._prompt_tokens += len(prompt)
+        self._prompt_tokens += prompt_tokens
         self._hit_tokens += len(found) * self.block_tokens
         return found
 
-    def store(self, runner: str, adapter: str, prompt: list[int], index: int, pool: KvPool,
-              blocks: list[int]) -> None:
-        """Hold the pool blocks of block `index` of the prompt, evicting the least recently used for room."""
-        key = prefixkeys.chain(adapter, prompt, self.block_tokens, index + 1)[-1]
+    def store(self, runner: str, key: bytes, pool: KvPool, blocks: list[int]) -> None:
+        """Hold the pool blocks of the prompt block whose chain key is `key`, evicting the least recently
+        used for room."""
         size = len(blocks) * pool.block_bytes
         if (runner, key) in self._entries or size > self.capacity_bytes:
             return

@@ -10,7 +10,7 @@ and touches no tensor; the loop thread is its only caller.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.inference.engine.admission import Admission, Ticket, deadline_refusal
 from services.inference.engine.breaker import Policy
@@ -34,6 +34,7 @@ class Row:
     last_token: int = -1
     first_token_at: float = 0.0
     variant: str = "primary"       # the model variant active when the row was created; kept to its end
+    block_keys: list[bytes] = field(default_factory=list)  # its prompt's prefix-cache keys (kv.py sets them)
 
     @property
     def step(self) -> int:
