@@ -17,12 +17,13 @@ vocabulary's size: NORMAL tokens that no merge produces, so a text's ids are Smo
 sampled filler decodes to its name. Keel's tokenizer stage and llama.cpp both load it.
 
 Hidden 896 is not a multiple of 256, so llama.cpp quantizes the matrices whose rows are 896 long to
-its fallback type (Q4_K_M: Q5_0 and Q8_0 for attn_v, as for the real model's GGUFs) and the K-quant
-only where the rows are 4864 long (ffn_down): a mixed file, as downloaded.
+its fallback type and uses the K-quants only where the rows are 4864 long (ffn_down), as for the real
+model's GGUFs: Q4_K_M = 12 Q4_K + 12 Q6_K + 132 Q5_0 + 13 Q8_0 (attn_v and the tied embedding), 378 MiB;
+Q5_K_M = Q5_K + Q6_K + Q5_1 + Q8_0, 399 MiB; Q6_K = 24 Q6_K + 145 Q8_0, 481 MiB; Q8_0, 505 MiB.
 
 Run: .venv/bin/python -m bench.lib.qwen05b [--types Q4_K_M,Q5_K_M,Q6_K,Q8_0]
      (builds the files, then loads each in Keel's gguf format and in llama-cpp-python and prints both
-     models' next token after one prompt; random weights: agreement is not expected to be high)
+     next tokens after one prompt: random weights have near-ties, so they may differ)
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def next_tokens(path: Path, ids: list[int]) -> tuple[int, int]:
 
     with torch.inference_mode():
         keel = int(load_model(path, "gguf")(torch.tensor([ids])).logits[0, -1].argmax())
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, seed=0, verbose=False)
+    # logits_all: without it llama-cpp-python 0.3.36's `scores` row of the last token is not its logits
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, seed=0, verbose=False, logits_all=True)
     llm.eval(ids)
     theirs = int(np.asarray(llm.scores[len(ids) - 1]).argmax())
     llm.close()
