@@ -11,6 +11,7 @@ went.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Mapping
@@ -115,6 +116,7 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
             _adapters(cfg, engine, model_sha, record.format, fp, phases)
             log.info("warm start: reusing the stored calibration", extra={"format": record.format,
                                                                           "phases_s": phases.times})
+            _trim_heap()
             return Started(engine, record, True, phases.times, candidates)
         log.warning("warm start refused: the verification probe gave different logits; measuring again",
                     extra={"format": record.format})
@@ -146,7 +148,18 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     log.info("cold start: format chosen and engine measured", extra={"format": choice.format,
                                                                      "reason": choice.reason,
                                                                      "phases_s": phases.times})
+    _trim_heap()
     return Started(engine, record, False, phases.times, candidates)
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS. A start reads and repacks every weight through
+    temporary buffers (and `auto` loads a float32 reference it then drops); glibc keeps those pages
+    after they are freed, so the stage's RSS would stay above what it holds by as much."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
 
 
 def _other_models(cfg: InferenceConfig, e: EngineConfig, served: str) -> dict[str, torch.nn.Module]:
