@@ -7,6 +7,7 @@ time) against a STREAM-like copy (a 256 MiB tensor copied; read + write counted)
 each of five rounds of steps: a batch-1 step is bound by bandwidth, so the copy is its physical limit.
 
 Run: .venv/bin/python -m bench.profile_decode [--format gguf] [--batch 16] [--context 40] [--steps 20]
+     [--model FILE.gguf]
      [--aten-layers]   (a block format without its layer ops, as before kernels/layer_ops.cpp)
      [--op-by-op]      (a block format's layers op by op, as before kernels/layer.cpp)
 """
@@ -90,13 +91,14 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=40)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", type=Path, help="a GGUF file (default: the shipped model)")
     ap.add_argument("--aten-layers", action="store_true",
                     help="a block format's norms, rotary and attention on aten ops instead of its layer ops")
     ap.add_argument("--op-by-op", action="store_true",
                     help="a block format's layers op by op (as a step with LoRA terms runs them), not in two calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(model_source().cache_dir, args.format)
+    model = load_model(args.model or model_source().cache_dir, args.format)
     if args.aten_layers:  # before the runner looks its layers' modules up
         for m in list(model.modules()):  # KernelRMSNorm -> llama.RMSNorm with the same weight
             for name, child in m.named_children():

@@ -35,7 +35,7 @@ llama.cpp stores the query and key rows of each head interleaved for its rotary 
 (convert_hf_to_gguf.py's permute, llama and mistral only); the loader puts them back in the reference's
 order (ggufmodel.row_order). qwen2's q/k/v biases (F32) are added after the block product
 (`BlockLinear.bias`, the fused matrix holding them stacked), qwen3's per-head q/k norms are KernelRMSNorm
-modules (self_attn.q_norm, k_norm); a layer with either runs forward.py's op-by-op path (`LayerArgs.of`).
+modules (self_attn.q_norm, k_norm); a layer with q/k norms runs forward.py's op-by-op path (`LayerArgs.of`).
 
 Entry points: `load_gguf(path, format)` reads the config and the tensors from the GGUF itself
 (ggufmodel.py); `load(model_dir, format)` is `make model`'s folder: the config from its config.json,
@@ -339,21 +339,25 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...], parts: tuple[tu
 @dataclass(frozen=True)
 class LayerArgs:
     """A decoder layer's weights as keel::layer_attention and keel::layer_mlp take them (kernels/layer.cpp):
-    `attention` = (input norm, eps, qkv blocks, type, (H*D, KV*D, KV*D), q8), `mlp` = (o blocks, type,
-    width, post norm, eps, gate_up blocks, type, width, down blocks, type, width, q8)."""
+    `attention` = (input norm, eps, [qkv blocks] or [q, k, v blocks] (types differ), their types, their
+    biases or [], (H*D, KV*D, KV*D), q8), `mlp` = (o blocks, type, width, post norm, eps, gate_up blocks,
+    type, width, down blocks, type, width, q8)."""
 
     attention: tuple
     mlp: tuple
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerArgs | None:
-        """None unless every part is a block module and the projections are fused (see load), and the layer
-        has neither biases nor q/k norms (the composed ops compute neither)."""
+        """None unless every part is a block module, gate/up are fused (see load) and q, k, v either fused
+        or separate with all or none of them biased, and the layer has no q/k norms (the composed ops
+        compute none)."""
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, gate_up = getattr(attn, "qkv", None), getattr(mlp, "gate_up", None)
-        if getattr(qkv, "bias", None) is not None or hasattr(attn, "q_norm"):
+        fused, gate_up = getattr(attn, "qkv", None), getattr(mlp, "gate_up", None)
+        qkv = (fused,) if fused is not None else (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [m.bias for m in qkv if getattr(m, "bias", None) is not None]
+        if hasattr(attn, "q_norm") or len(biases) not in (0, len(qkv)):
             return None
-        linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+        linears = (*qkv, attn.o_proj, gate_up, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not (all(isinstance(m, BlockLinear) for m in linears) and all(isinstance(m, KernelRMSNorm) for m in norms)):
             return None
@@ -363,6 +367,8 @@ class LayerArgs:
 
         sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         first, second = norms
-        return cls((first.weight, first.variance_epsilon, *weight(qkv)[:2], sizes, qkv.q8),
+        q8 = qkv[0].q8
+        return cls((first.weight, first.variance_epsilon, [m.blocks for m in qkv], [m.ggml_type for m in qkv],
+                    biases, sizes, q8),
                    (*weight(attn.o_proj), second.weight, second.variance_epsilon, *weight(gate_up),
-                    *weight(mlp.down_proj), qkv.q8))
+                    *weight(mlp.down_proj), q8))

@@ -18,8 +18,9 @@ The architectures' extras (llama.py) run on the op-by-op path: qwen2's q/k/v bia
 own, qwen3's per-head q/k norms follow the projections, and mistral's sliding window masks the positions
 more than `sliding_window` behind each query (prompt chunks and decode rows alike, aten attention: the
 block formats' layer ops do not take a window, so a windowed model runs the aten ops for rotary and
-attention on any format). A block format's layer with biases or q/k norms takes the op-by-op path
-(`LayerArgs.of` is None); every such op is per row, so the guarantee above holds for them too.
+attention on any format). A block format's layer with q/k norms takes the op-by-op path (`LayerArgs.of`
+is None; biases and q/k/v of different block types are the composed call's); every such op is per row,
+so the guarantee above holds for them too.
 Each segment may name a LoRA adapter slot: every projection then goes through `LoraStep.linear`
 (model/loraslots.py), which adds the adapter's unmerged term to that segment's tokens only, computed per
 token so the guarantee above holds for rows with different adapters, or none, in one step.

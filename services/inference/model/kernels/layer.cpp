@@ -2,10 +2,11 @@
 // for every step without LoRA terms): each is the chain of Keel's ops and aten ops the step makes
 // op by op, in the same order on the same tensors, so it gives the same bits (tested).
 //
-//   layer_attention(x [N', E], norm [E], eps, qkv [*, *] blocks, qkv_type, sizes [3] = (H*D, KV*D, KV*D),
-//                   q8, n, cos [n, D], sin [n, D], slots [n], keys, values [KV, S, D],
+//   layer_attention(x [N', E], norm [E], eps, qkv [P] blocks, qkv_types [P], qkv_bias [0 or P],
+//                   sizes [3] = (H*D, KV*D, KV*D), q8, n, cos [n, D], sin [n, D], slots [n], keys, values [KV, S, D],
 //                   out [N', H*D], rows [B], table [B, W], lengths [B], block_tokens, scale) -> q' [n, H*D]
-//       h = rms_norm(x); q | k | v = (h @ qkv.T)[:n] split by columns into sizes;
+//       h = rms_norm(x); P = 1: q | k | v = (h @ qkv[0].T + qkv_bias[0])[:n] split by columns into sizes;
+//       P = 3 (q, k, v of different block types): q = (h @ qkv[0].T + qkv_bias[0])[:n], and so on;
 //       q' = rope_store(q, k, v, cos, sin, slots, keys, values)   (k', v into the pool);
 //       B > 0: decode_attention_(out, rows, q', keys, values, table, lengths, block_tokens, scale)
 //   layer_mlp(x [N', E], attn [N', H*D], o, o_type, o_n, norm [E], eps, gate_up, gate_up_type, gate_up_n,
@@ -22,6 +23,8 @@
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "ops.h"
 
 namespace {
@@ -35,17 +38,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_
   return keel::gguf_mm(x, w, type, n, -1);
 }
 
-at::Tensor layer_attention(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv,
-                           int64_t qkv_type, at::IntArrayRef sizes, bool q8, int64_t n, const at::Tensor& cos,
-                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& keys,
+at::Tensor layer_attention(const at::Tensor& x, const at::Tensor& norm, double eps, at::TensorList qkv,
+                           at::IntArrayRef qkv_types, at::TensorList qkv_bias, at::IntArrayRef sizes, bool q8, int64_t n,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& keys,
                            const at::Tensor& values, const at::Tensor& out, const at::Tensor& rows,
                            const at::Tensor& table, const at::Tensor& lengths, int64_t block_tokens, double scale) {
-  TORCH_CHECK(sizes.size() == 3, "keel::layer_attention: sizes must be the widths of q, k and v");
-  TORCH_CHECK(n >= 0 && n <= x.size(0), "keel::layer_attention: n = ", n, " tokens outside the ", x.size(0), " rows of x");
-  const at::Tensor y = linear(keel::rms_norm(x, norm, eps), qkv, qkv_type, sizes[0] + sizes[1] + sizes[2], q8);
-  const at::Tensor t = y.narrow(0, 0, n);
-  const at::Tensor q = keel::rope_store(t.narrow(1, 0, sizes[0]), t.narrow(1, sizes[0], sizes[1]),
-                                        t.narrow(1, sizes[0] + sizes[1], sizes[2]), cos, sin, slots, keys, values);
+  constexpr const char* op = "keel::layer_attention";
+  TORCH_CHECK(sizes.size() == 3, op, ": sizes must be the widths of q, k and v");
+  TORCH_CHECK((qkv.size() == 1 || qkv.size() == 3) && qkv_types.size() == qkv.size(), op,
+              ": qkv must be one fused weight or three, each with its type");
+  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == qkv.size(), op, ": qkv_bias must be empty or one per weight");
+  TORCH_CHECK(n >= 0 && n <= x.size(0), op, ": n = ", n, " tokens outside the ", x.size(0), " rows of x");
+  const at::Tensor h = keel::rms_norm(x, norm, eps);
+  std::vector<at::Tensor> y;  // q, k, v: [n, width] views
+  for (size_t p = 0; p < qkv.size(); ++p) {
+    const int64_t width = qkv.size() == 1 ? sizes[0] + sizes[1] + sizes[2] : sizes[p];
+    at::Tensor t = linear(h, qkv[p], qkv_types[p], width, q8);
+    if (!qkv_bias.empty()) t = at::add(t, qkv_bias[p]);
+    y.push_back(t.narrow(0, 0, n));
+  }
+  if (y.size() == 1) y = {y[0].narrow(1, 0, sizes[0]), y[0].narrow(1, sizes[0], sizes[1]),
+                          y[0].narrow(1, sizes[0] + sizes[1], sizes[2])};
+  const at::Tensor q = keel::rope_store(y[0], y[1], y[2], cos, sin, slots, keys, values);
   if (rows.numel() > 0) keel::decode_attention_(out, rows, q, keys, values, table, lengths, block_tokens, scale, -1);
   return q;
 }
@@ -64,7 +78,8 @@ at::Tensor layer_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
-  m.def("layer_attention(Tensor x, Tensor norm, float eps, Tensor qkv, int qkv_type, int[] sizes, bool q8, int n, "
+  m.def("layer_attention(Tensor x, Tensor norm, float eps, Tensor[] qkv, int[] qkv_types, Tensor[] qkv_bias, "
+        "int[] sizes, bool q8, int n, "
         "Tensor cos, Tensor sin, Tensor slots, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) out, Tensor rows, "
         "Tensor table, Tensor lengths, int block_tokens, float scale) -> Tensor", &layer_attention);
   m.def("layer_mlp(Tensor x, Tensor attn, Tensor o, int o_type, int o_n, Tensor norm, float eps, Tensor gate_up, "
