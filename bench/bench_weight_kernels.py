@@ -21,23 +21,13 @@ import gguf
 import torch
 
 from bench.lib.machine import machine_line
+from bench.profile_decode import copy_gb_s
 from services.inference.model import kernels
 from services.inference.model.blocks import BlockLinear, pack
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 N = K = 4096
 STREAM_BYTES = 400e6
-
-
-def copy_gbs() -> float:
-    src = torch.ones(64 << 20)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / min(times) / 1e9
 
 
 def linears(name: str, copies: int) -> tuple[list[BlockLinear], int]:
@@ -72,7 +62,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        copy = copy_gbs()
+        copy = copy_gb_s()
         print(f"| {threads} | copy | | {copy:.1f} | 1.00 | | |")
         for name in args.types.split(","):
             nbytes = N * K // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0] \
