@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -43,7 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import gguf
 import grpc
@@ -177,34 +178,41 @@ def inference_rss(pids: dict[str, int]) -> int:
     return sum(psutil.Process(pid).memory_info().rss for name, pid in pids.items() if name.startswith("inference"))
 
 
+def calls(gch: grpc.aio.Channel, sch: grpc.aio.Channel, token: str, ignore_eos: bool) -> dict[str, Call]:
+    """The two ways to serve a job: "stage", pre-tokenized ids straight to the inference stage (channel
+    `sch`, the mesh token), and "mesh", the prompt's text through the gateway's GenerateStream (`gch`)."""
+    gw, inf = gateway_pb2_grpc.GatewayStub(gch), inference_pb2_grpc.InferenceStub(sch)
+
+    async def via_stage(job: Job, event) -> int:
+        n = 0
+        req = inference_pb2.GenerateRequest(prompt_ids=job.ids, sampling=sampling(job, ignore_eos))
+        async for ev in inf.Generate(req, metadata=((MESH_TOKEN_KEY, token),), timeout=600):
+            if ev.HasField("token"):
+                event()
+                n += 1
+        return n
+
+    async def via_mesh(job: Job, event) -> int:
+        req = gateway_pb2.GenerateRequest(prompt=job.text, sampling=sampling(job, ignore_eos))
+        async for ev in gw.GenerateStream(req, metadata=(("x-api-key", DEV_API_KEY),), timeout=600):
+            if ev.HasField("delta"):
+                event()
+            else:
+                return ev.done.usage.completion_tokens
+        raise RuntimeError("stream ended without a summary")
+
+    return {"stage": via_stage, "mesh": via_mesh}
+
+
 async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concurrency: list[int],
                     pids: dict[str, int], ignore_eos: bool) -> dict[tuple[str, int], Result]:
     out = {}
     async with grpc.aio.insecure_channel(gateway) as gch, grpc.aio.insecure_channel(stage) as sch:
-        gw, inf = gateway_pb2_grpc.GatewayStub(gch), inference_pb2_grpc.InferenceStub(sch)
-
-        async def via_stage(job: Job, event) -> int:
-            n = 0
-            req = inference_pb2.GenerateRequest(prompt_ids=job.ids, sampling=sampling(job, ignore_eos))
-            async for ev in inf.Generate(req, metadata=((MESH_TOKEN_KEY, token),), timeout=600):
-                if ev.HasField("token"):
-                    event()
-                    n += 1
-            return n
-
-        async def via_mesh(job: Job, event) -> int:
-            req = gateway_pb2.GenerateRequest(prompt=job.text, sampling=sampling(job, ignore_eos))
-            async for ev in gw.GenerateStream(req, metadata=(("x-api-key", DEV_API_KEY),), timeout=600):
-                if ev.HasField("delta"):
-                    event()
-                else:
-                    return ev.done.usage.completion_tokens
-            raise RuntimeError("stream ended without a summary")
-
-        await drive(jobs[:2], 2, via_mesh)  # first-use effects (channels, caches) out of the way
+        paths = calls(gch, sch, token, ignore_eos)
+        await drive(jobs[:2], 2, paths["mesh"])  # first-use effects (channels, caches) out of the way
         warm = inference_rss(pids)
         for c in concurrency:
-            for path, call in (("stage", via_stage), ("mesh", via_mesh)):
+            for path, call in paths.items():
                 before = cpu_seconds(pids)
                 out[(path, c)] = await drive(subset(jobs, c), c, call)
                 out[(path, c)].cpu = {k: v - before[k] for k, v in cpu_seconds(pids).items()}
@@ -213,14 +221,13 @@ async def keel_runs(gateway: str, stage: str, token: str, jobs: list[Job], concu
     return out
 
 
-def keel(variant: str, jobs: list[Job], concurrency: list[int], ignore_eos: bool = False,
-         force: bool = False) -> dict[tuple[str, int], Result]:
+@contextlib.contextmanager
+def serving_mesh(variant: str, max_batch: int, force: bool = False) -> Iterator[tuple[str, str, str, dict[str, int]]]:
     """One mesh serving `variant`: a weight format, or format@T for T intra-op threads in the inference
-    stage (else the config's); `force`: even without a passed quality gate (formats.force)."""
+    stage (else the config's), batches up to `max_batch` rows; `force`: even without a passed quality
+    gate (formats.force). Yields (gateway address, inference stage address, mesh token, pid per process)."""
     format, _, threads = variant.partition("@")
-    # Batches up to the largest client count: with the default 16, 64 clients queue 48 requests for
-    # longer than the queue timeout (10 s at most), and they get RESOURCE_EXHAUSTED instead.
-    env = {"KEEL_INFERENCE_ENGINE__FORMAT": format, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max(concurrency))}
+    env = {"KEEL_INFERENCE_ENGINE__FORMAT": format, "KEEL_INFERENCE_ENGINE__MAX_BATCH_SIZE": str(max_batch)}
     if threads:
         env["KEEL_INFERENCE_ENGINE__INTRA_OP_THREADS"] = threads
     if force:
@@ -230,13 +237,20 @@ def keel(variant: str, jobs: list[Job], concurrency: list[int], ignore_eos: bool
         shutil.copytree(var_dir() / "gate", tmp / "var" / "gate")
     mesh = start_mesh(tmp, extra_env=env)
     try:
-        stage = f"127.0.0.1:{mesh.ports['inference'][0]}"
         procs = mesh.state()["processes"]
-        pids = {name: p["pid"] for name, p in procs.items() if p.get("pid")}
-        return asyncio.run(keel_runs(mesh.gateway, stage, mesh.state()["mesh_token"], jobs, concurrency, pids,
-                                     ignore_eos))
+        yield (mesh.gateway, f"127.0.0.1:{mesh.ports['inference'][0]}", mesh.state()["mesh_token"],
+               {name: p["pid"] for name, p in procs.items() if p.get("pid")})
     finally:
         stop_mesh(mesh)
+
+
+def keel(variant: str, jobs: list[Job], concurrency: list[int], ignore_eos: bool = False,
+         force: bool = False) -> dict[tuple[str, int], Result]:
+    """`keel_runs` on one mesh serving `variant` (serving_mesh). Batches up to the largest client count:
+    with the default 16, 64 clients queue 48 requests for longer than the queue timeout (10 s at most),
+    and they get RESOURCE_EXHAUSTED instead."""
+    with serving_mesh(variant, max(concurrency), force) as (gateway, stage, token, pids):
+        return asyncio.run(keel_runs(gateway, stage, token, jobs, concurrency, pids, ignore_eos))
 
 
 def run_peer(name: str, format: str, jobs: list[Job], lengths: dict[int, int]) -> Result:
