@@ -169,10 +169,11 @@ def build() -> tuple[InferenceStage, ServerConfig]:
         selection.check_explicit(cfg.engine.format, model_sha, cfg.formats)
     elif cfg.formats.gate_at_start:  # so does a corrupted prompt set the gate at start would read
         gateprompts.load(cfg.formats.gate_prompts)
-    for name, format in cfg.engine.variants.items():  # so does a variant's
-        selection.check_explicit(format, model_sha, cfg.formats, field=f"engine.variants.{name}")
     named = {"engine.format": cfg.engine.format, "engine.breaker.fallback_format": cfg.engine.breaker.fallback_format,
              **{f"engine.variants.{n}": f for n, f in cfg.engine.variants.items()}}
+    for field, format in list(named.items())[1:]:  # so does a variant's, or the breaker's fallback
+        if format:
+            selection.check_explicit(format, model_sha, cfg.formats, field=field)
     for field, format in named.items():  # a format that cannot load this model (a GGUF's block types)
         if format and format != AUTO:
             try:

@@ -116,6 +116,12 @@ def test_a_variant_format_without_a_gate_pass_stops_the_stage_naming_the_field(t
     assert "engine.variants.fallback" in done.stderr and "quality gate" in done.stderr
 
 
+def test_a_breaker_fallback_format_without_a_gate_pass_stops_the_stage_naming_the_field(tmp):
+    done = Stage(tmp, KEEL_INFERENCE_ENGINE__BREAKER__FALLBACK_FORMAT="int8").run_to_exit()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "engine.breaker.fallback_format" in done.stderr and "quality gate" in done.stderr
+
+
 def test_switching_the_real_model_over_grpc_and_serving_primary_again_after_a_restart(tmp):
     # int8 has no gate result in this scratch var/: formats.force serves it anyway (the start says so)
     env = {"KEEL_INFERENCE_ENGINE__VARIANTS__FALLBACK": "int8", "KEEL_INFERENCE_FORMATS__FORCE": "true"}
