@@ -28,7 +28,7 @@ from keel.feedback.v1 import feedback_pb2, feedback_pb2_grpc
 from services.gateway.contract import Ask
 from services.gateway.submits import SubmitCoalescer
 from services.gateway.submitstream import SubmitStream
-from services.gateway.tools import ToolCall, TurnTools
+from services.gateway.tools import TurnTools
 from services.gateway.values import Served
 from shared import client, errors, metrics
 from shared.controls import format_pb, sampling_pb
@@ -49,13 +49,9 @@ class ReplayConfig:
     submit_stream_age_s: float = 60.0  # the batches' SubmitStream call is replaced once this old
 
 
-def _call_pb(c: ToolCall) -> common_pb2.ToolCall:
-    return common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-
-
 def _messages(a: Ask) -> list[common_pb2.ChatMessage]:
     turns = a.turn_tools or (TurnTools(),) * len(a.messages)
-    return [common_pb2.ChatMessage(role=r, content=c, tool_calls=[_call_pb(x) for x in t.calls], tool_call_id=t.call_id)
+    return [common_pb2.ChatMessage(role=r, content=c, tool_calls=[x.pb() for x in t.calls], tool_call_id=t.call_id)
             for (r, c), t in zip(a.messages, turns)]
 
 
@@ -72,7 +68,7 @@ def to_record(s: Served, created_ms: int) -> feedback_pb2.ReplayRecord:
         validation=s.validation, engine=s.done.engine, input_fingerprint=s.encoded.fingerprint,
         vocab_sha256=s.encoded.vocab_sha256, chat_template_sha256=s.encoded.chat_template_sha256,
         adapter=s.done.adapter, response_format=format_pb(sent.controls.response_format),
-        tool_calls=[_call_pb(c) for c in s.tool_calls],
+        tool_calls=[c.pb() for c in s.tool_calls],
         route=None if s.done.route is None else feedback_pb2.RouteDecision(
             replica=s.done.route.replica, policy=s.done.route.policy, reason=s.done.route.reason,
             matched_blocks=s.done.route.matched_blocks))

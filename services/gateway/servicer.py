@@ -60,7 +60,7 @@ def to_response(a: Answer) -> gateway_pb2.GenerateResponse:
         validation=a.validation, prompt_truncated=a.prompt_truncated, input_flags=a.input_flags,
         system_fingerprint=a.system_fingerprint, adapter=a.adapter, logprobs=a.logprobs,
         prompt_logprobs=a.prompt_logprobs,
-        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in a.tool_calls])
+        tool_calls=[c.pb() for c in a.tool_calls])
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import jsonschema
 
+from keel.common.v1 import common_pb2
 from services.gateway import toolformats
 from services.gateway.toolformats import relocate
 from shared import errors, toolformat
@@ -62,6 +63,9 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text
+
+    def pb(self) -> common_pb2.ToolCall:
+        return common_pb2.ToolCall(id=self.id, name=self.name, arguments=self.arguments)
 
 
 @dataclass(frozen=True)

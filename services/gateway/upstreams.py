@@ -84,8 +84,7 @@ class MeshUpstreams:
                                                               parameters=t.parameters) for t in tools])
         for message, extra in zip(chat.messages, turn_tools):
             message.tool_call_id = extra.call_id
-            message.tool_calls.extend(common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                                      for c in extra.calls)
+            message.tool_calls.extend(c.pb() for c in extra.calls)
         return await self._encode(tokenizer_pb2.EncodeRequest(chat=chat, max_length=max_length), timeout, md)
 
     async def encode_text(self, text: str, max_length: int, timeout: float, md: dict) -> Encoded:
