@@ -5,7 +5,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from services.openai.limits import EdgeLimits
-from shared import config
+from shared import client, config
 from shared.config import ServerConfig
 
 
@@ -22,6 +22,9 @@ class OpenAIConfig:
     # The proxies (addresses or CIDR networks) whose X-Forwarded-For / X-Forwarded-Proto this stage
     # believes; none by default: the caller is the socket's peer, whatever headers it sends.
     trusted_proxies: tuple[str, ...] = ()
+    # How a request whose gateway connection was lost is sent again (attempts, backoff, and how long
+    # to wait for a gateway to be back, ready_s) before it is answered 503 (shared/client.py).
+    reconnect: client.Reconnect = field(default_factory=client.Reconnect)
 
     def __post_init__(self) -> None:
         for proxy in self.trusted_proxies:

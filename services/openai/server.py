@@ -59,7 +59,8 @@ class _Server(uvicorn.Server):
 
 
 def build(cfg: openai_config.OpenAIConfig) -> tuple[_Server, Api]:
-    api = Api(Gateway(cfg.gateway, cfg.server.max_message_bytes), cfg.server.max_message_bytes, cfg.edge)
+    api = Api(Gateway(cfg.gateway, cfg.server.max_message_bytes, cfg.reconnect), cfg.server.max_message_bytes,
+              cfg.edge)
 
     @asynccontextmanager
     async def lifespan(_app):

@@ -1,4 +1,5 @@
-"""The e2e tests' fixtures: one session mesh (testing/mesh.py), API metadata, error details."""
+"""The e2e tests' fixtures: one session mesh (testing/mesh.py), the LoRA files' mesh, API metadata,
+error details."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,16 @@ def mesh(tmp_path_factory) -> Mesh:
     m = start_mesh(tmp_path_factory.mktemp("mesh"), extra_env=throttled_key_env())
     yield m
     stop_mesh(m)
+
+
+@pytest.fixture(scope="session")
+def lora_walk(tmp_path_factory):
+    """One mesh for tests/e2e/test_lora_doc_steps.py and tests/e2e/test_lora_mesh.py (a mesh and a
+    registration fewer): docs/lora.md's first-adapter block walked on a fresh var/, the LoRA file's
+    other adapters registered just before its `keel up`. (mesh, the block's outputs, those registrations)."""
+    from tests.e2e.test_lora_doc_steps import walk
+    from tests.e2e.test_lora_mesh import register_beside_the_pirate
+    yield from walk(tmp_path_factory.mktemp("lora"), register_beside_the_pirate)
 
 
 @pytest.fixture

@@ -3,7 +3,12 @@
 The `keel lora register` line runs before any stage has served (no base.json, so the golden outputs
 are made in float32); the mesh then serves int8, as `engine.format: auto` does once its gate passes
 int8, and the adapter must still answer: it is bound to the weights, and the drift gate checks the
-format. `make adapters` is the cached fixture of tests/e2e/test_lora_mesh.py (training.adapters)."""
+format. `make adapters` is the cached fixture of tests/e2e/test_lora_mesh.py (training.adapters).
+
+The walk is the session fixture lora_walk (tests/e2e/conftest.py), whose mesh also serves
+tests/e2e/test_lora_mesh.py: that file's other adapters are registered just before `keel up`
+(after the block's own registration, so it still runs before any stage has served), and refused
+at start, so the pirate is still the one adapter accepted."""
 from __future__ import annotations
 
 import re
@@ -36,11 +41,10 @@ def test_the_doc_block_is_what_this_test_runs():
         ["keel", "ask", "What is the capital of France?"]]
 
 
-@pytest.fixture(scope="module")
-def walked(tmp_path_factory):
-    """Each line of the block in order: (the mesh, {line: completed process})."""
-    tmp = tmp_path_factory.mktemp("lora-doc")
-    outputs, mesh = {}, None
+def walk(tmp, before_up):
+    """Each line of the block in order, ``before_up(tmp)`` just before `keel up`: yields the mesh,
+    {line: completed process} and what ``before_up`` returned (tests/e2e/conftest.py's lora_walk)."""
+    outputs, mesh, beside = {}, None, None
     try:
         for line in doc_steps():
             argv = shlex.split(line)
@@ -50,20 +54,21 @@ def walked(tmp_path_factory):
                 assert not (tmp / "var" / "adapters" / "base.json").exists()  # no stage has served yet
                 outputs[line] = keel_lora(tmp, *argv[2:])
             elif argv[:2] == ["keel", "up"]:  # the test's own free ports, waited on until SERVING
+                beside = before_up(tmp)
                 # int8 without a stored gate result (its gate is tested elsewhere): force it
                 mesh = start_mesh(tmp, extra_env={"KEEL_INFERENCE_ENGINE__FORMAT": SERVED_FORMAT,
                                                   "KEEL_INFERENCE_FORMATS__FORCE": "true"})
             else:
                 outputs[line] = keel(mesh, *argv[1:])
-        yield mesh, outputs
+        yield mesh, outputs, beside
     finally:
         if mesh is not None:
             stop_mesh(mesh)
         shutil.rmtree(tmp / "var" / "adapters", ignore_errors=True)
 
 
-def test_register_before_any_start_then_the_adapter_serves_in_another_format(walked):
-    mesh, outputs = walked
+def test_register_before_any_start_then_the_adapter_serves_in_another_format(lora_walk):
+    mesh, outputs, _ = lora_walk
     register, ask = outputs.values()
     assert register.returncode == 0, register.stdout + register.stderr
     assert "golden outputs made in float32" in register.stdout

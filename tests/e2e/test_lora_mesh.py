@@ -7,7 +7,12 @@ FAILED_PRECONDITION with the refusal reason, never the base model's answer.
 Registration itself refuses the inert and the unknown-key adapters (this build's checks run there
 too). To prove the checks at start as well, the fixture puts them in the registry as a build that
 accepted them would have (a copy of the pirate's record with their files and hashes): the start-up
-checks must still refuse them."""
+checks must still refuse them.
+
+The mesh is the one tests/e2e/test_lora_doc_steps.py walks docs/lora.md's block to (the session
+fixture lora_walk, tests/e2e/conftest.py): the block registers the pirate, the adapters here are
+registered beside it before `keel up`, and the stage serves int8 (the pirate's golden outputs made
+in float32), so these properties hold in a served format other than the registration's."""
 from __future__ import annotations
 
 import hashlib
@@ -23,12 +28,12 @@ import pytest
 from keelctl.ask import DEV_API_KEY, build_request
 from services.tokenizer.compiler import compiled_path
 from shared.modelfile import source as model_source
-from testing.mesh import ROOT, start_mesh, stop_mesh, wait_until
+from testing.mesh import ROOT, wait_until
 from tests.e2e.conftest import error_info
 from tests.e2e.test_cli import keel
 from tests.e2e.test_feedback import store
 from tests.e2e.test_observability import scrape
-from training.adapters import DEFAULT_BASE, DEFAULT_OUT, make_all
+from training.adapters import DEFAULT_OUT
 from training.lora import PERTURBED_BASE
 
 # Training the adapters the first time (then cached under var/adapters-src) takes minutes on 2 cores.
@@ -70,29 +75,28 @@ def place_as_accepted_elsewhere(registry, name: str, folder) -> None:
     (dest / "keel-adapter.json").write_text(json.dumps(record, indent=1, sort_keys=True))
 
 
-@pytest.fixture(scope="module")
-def registration(tmp_path_factory):
-    """The adapters (made once, cached under var/adapters-src) registered in a fresh registry: the
-    pirate against the served base, the mismatched one against the perturbed base it was trained on;
-    the inert and unknown-key ones refused by registration, then placed as above."""
+def register_beside_the_pirate(tmp) -> dict[str, subprocess.CompletedProcess]:
+    """The adapters beside the pirate (which docs/lora.md's block registered against the served
+    base): the mismatched one against the perturbed base it was trained on, the inert and
+    unknown-key ones refused by registration, then placed as above. Their `keel lora register` runs."""
     source = ROOT / DEFAULT_OUT
-    make_all(source, ROOT / DEFAULT_BASE)
-    tmp = tmp_path_factory.mktemp("lora-mesh")
-    outputs = {"pirate": register(tmp, source / "pirate", "pirate")}
-    assert outputs["pirate"].returncode == 0, outputs["pirate"].stdout + outputs["pirate"].stderr
     mismatched = source / "pirate-mismatched"
-    outputs["pirate-mismatched"] = register(tmp, mismatched, "pirate-mismatched", model=mismatched / PERTURBED_BASE)
+    outputs = {"pirate-mismatched": register(tmp, mismatched, "pirate-mismatched", model=mismatched / PERTURBED_BASE)}
     for name in ("pirate-inert", "pirate-unknown-key"):
         outputs[name] = register(tmp, source / name, name)
         place_as_accepted_elsewhere(tmp / "var" / "adapters", name, source / name)
-    return tmp, outputs
+    return outputs
 
 
 @pytest.fixture(scope="module")
-def lora_mesh(registration):
-    mesh = start_mesh(registration[0])
-    yield mesh
-    stop_mesh(mesh)
+def registration(lora_walk):
+    """The registrations of register_beside_the_pirate."""
+    return lora_walk[2]
+
+
+@pytest.fixture(scope="module")
+def lora_mesh(lora_walk):
+    return lora_walk[0]
 
 
 def generate(mesh, adapter: str = "", max_tokens: int = 16):
@@ -142,7 +146,7 @@ def test_an_unknown_adapter_is_not_found(lora_mesh):
 
 
 def test_registration_refuses_the_inert_and_the_unknown_key_adapters(registration):
-    _, outputs = registration
+    outputs = registration
     assert outputs["pirate-mismatched"].returncode == 0  # fits the base it was trained on
     for name in ("pirate-inert", "pirate-unknown-key"):
         out = outputs[name]

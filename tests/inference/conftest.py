@@ -17,6 +17,14 @@ from tests.inference.helpers import tiny_config
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def var_dir(tmp_path, monkeypatch):
+    """The stage's var/ (KEEL_VAR_DIR) for one test: tmp_path/var, not yet made (the stage makes
+    what it needs), so tmp_path beside it holds the test's models."""
+    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
+    return tmp_path / "var"
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_model()

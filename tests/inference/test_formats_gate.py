@@ -21,12 +21,6 @@ from tests.inference.helpers import prompt
 SHA = "0" * 64
 
 
-@pytest.fixture
-def var_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _sequences(n: int = 6) -> list[Sequence]:
     return [Sequence(tuple(prompt(s, 14)), 6) for s in range(n)]
 

@@ -33,12 +33,6 @@ CANDIDATES = {"auto-bfloat16": "bfloat16", "auto-int8": "int8"}
 
 
 @pytest.fixture
-def var_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
-    return tmp_path / "var"
-
-
-@pytest.fixture
 def gate_runs(monkeypatch):
     """Each call of the gate's scoring: the formats it scored and how many sequences."""
     calls, evaluate = [], quality.evaluate

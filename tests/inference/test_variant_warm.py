@@ -11,12 +11,6 @@ from services.inference.model.digest import model_sha256
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 
-@pytest.fixture
-def var_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _cfg(model_dir, **engine) -> InferenceConfig:
     # no gate results in the scratch var/: force lets int8 serve (the gate refusal is tested elsewhere)
     return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"format": "float32", **engine}),

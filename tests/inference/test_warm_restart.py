@@ -17,12 +17,6 @@ from testing.tiny import save_model, tiny_model
 from tests.inference.helpers import measured, tiny_config
 
 
-@pytest.fixture
-def var_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path))
-    return tmp_path
-
-
 def _cfg(model_dir, **engine) -> InferenceConfig:
     return InferenceConfig(model_path=str(model_dir), engine=tiny_config(**{"format": "float32", **engine}),
                            # no gate at start: these tests are about the record, not the gate (test_gate_at_start.py)

@@ -77,12 +77,6 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture
-def var_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KEEL_VAR_DIR", str(tmp_path / "var"))
-    return tmp_path / "var"
-
-
-@pytest.fixture
 def timed(monkeypatch):
     """timed(seconds by format): what auto's decode passes take from now on, whatever the host."""
     def set_times(seconds: dict[str, float]) -> None:

@@ -1,11 +1,14 @@
 """The stage as its own process (`python -m services.openai`) with no gateway behind it: it serves
 its health, answers 503 with a retry hint while the gateway is unreachable, caps the body size,
-refuses a bad config with exit 2 naming the field, and stops on SIGTERM."""
+refuses a bad config with exit 2 naming the field, and stops on SIGTERM (also while an HTTPS client
+holds an idle connection)."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -14,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from keelctl import health
+from keelctl import certs, health
+from shared import tls
 from testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +38,9 @@ def request(url: str, body: bytes | None = None, headers: dict | None = None) ->
 @pytest.fixture(scope="module")
 def stage():
     port, dead = free_port(), free_port()
+    # a lost gateway is waited for 0.5 s, not the default 10 s (the 503 test would wait it out)
     env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{dead}]",
-               KEEL_OPENAI_SERVER__MAX_MESSAGE_BYTES="2048")
+               KEEL_OPENAI_SERVER__MAX_MESSAGE_BYTES="2048", KEEL_OPENAI_RECONNECT__READY_S="0.5")
     env.pop("KEEL_MESH_TLS_DIR", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -93,6 +98,32 @@ def test_sigterm_stops_it():
         proc.wait(30)
         assert health.http_status(f"127.0.0.1:{port}") == "DOWN"
     finally:
+        proc.kill()
+
+
+def test_sigterm_stops_it_while_an_https_client_holds_an_idle_connection(tmp_path, monkeypatch):
+    """Closing a TLS connection waits for the client's close_notify, which a client holding the
+    connection idle (in its pool) does not send: the drain must not wait for it. With a grace of
+    300 s (the most allowed), a drain that waited for it would outlast the wait below."""
+    folder = certs.make(tmp_path / "certs")
+    monkeypatch.setenv(tls.ENV, str(folder))  # the stage serves HTTPS; health.wait_serving asks over it
+    port = free_port()
+    env = dict(os.environ, KEEL_OPENAI_SERVER__PORT=str(port), KEEL_OPENAI_GATEWAY=f"[127.0.0.1:{free_port()}]",
+               KEEL_OPENAI_SERVER__DRAIN_GRACE_S="300")
+    proc = subprocess.Popen([sys.executable, "-m", "services.openai"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30,
+                                       context=ssl.create_default_context(cafile=str(folder / "ca.pem")))
+    try:
+        health.wait_serving({"openai": (f"127.0.0.1:{port}", health.HTTP)}, 60, lambda: proc.poll() is None)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        assert resp.status == 200 and not resp.will_close
+        resp.read()  # the connection stays open, idle, and this test reads nothing more from it
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        conn.close()
         proc.kill()
 
 
