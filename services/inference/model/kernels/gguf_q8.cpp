@@ -122,10 +122,18 @@ KEEL_AVX2 inline __m256i fifth_avx2(__m256i qh, int e) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(t, bits), _mm256_set1_epi8(16));
 }
 
-KEEL_VNNI inline __m512i fifth_vnni(__m512i qh, int e) {
-  const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-  const __m512i t = _mm512_shuffle_epi8(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(e)), spread);
-  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(t, _mm512_set1_epi32(0x08040201)), _mm512_set1_epi8(16));
+// The bytes of a row's lane whose element's fifth bit is set, as a mask: byte t of row r's 4 bytes
+// is element e + t (e = 4c: low nibbles, 16 + 4c: high), whose bit is bit (e + t) % 8 of byte e / 8
+// of the row's qh. `spread` (one shuffle per byte of qh, shared by two chunks) puts that byte in all
+// four of the row's bytes; a test against bit t (+4 for odd c) of each picks the element's bit.
+KEEL_VNNI inline __m512i spread_vnni(__m512i qh, int k) {  // byte k of each row's qh in all 4 of its bytes
+  const int b = 0x01010101 * k;
+  return _mm512_shuffle_epi8(qh, _mm512_broadcast_i32x4(_mm_setr_epi32(b, 0x04040404 + b, 0x08080808 + b,
+                                                                       0x0C0C0C0C + b)));
+}
+
+KEEL_VNNI inline __mmask64 fifth_vnni(__m512i spread, int e) {
+  return _mm512_test_epi8_mask(spread, _mm512_set1_epi32(int(0x08040201u << (e % 8))));
 }
 
 template <int T, int MR, int NG>
@@ -230,10 +238,16 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NG; ++j) is[i][j] = _mm512_setzero_si512();
     if constexpr (T != Q8_0) {
-      __m512i qh[NG];
+      __m512i qh[NG], spread[NG][2];  // spread[j][0]: qh byte c / 2 (low nibbles), [1]: byte 2 + c / 2
       if constexpr (fifth_bit(T))
         for (int j = 0; j < NG; ++j) qh[j] = _mm512_loadu_si512(w[j] + b * U + qh_offset(T));
       for (int c = 0; c < 4; ++c) {
+        if constexpr (fifth_bit(T))
+          if (c % 2 == 0)
+            for (int j = 0; j < NG; ++j) {
+              spread[j][0] = spread_vnni(qh[j], c / 2);
+              spread[j][1] = spread_vnni(qh[j], 2 + c / 2);
+            }
         __m512i xl[MR], xh[MR];
         for (int i = 0; i < MR; ++i) {
           const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
@@ -244,8 +258,9 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
           const __m512i v = _mm512_loadu_si512(w[j] + b * U + Q + 64 * c);
           __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           if constexpr (fifth_bit(T)) {
-            lo = _mm512_or_si512(lo, fifth_vnni(qh[j], 4 * c));
-            hi = _mm512_or_si512(hi, fifth_vnni(qh[j], 16 + 4 * c));
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            lo = _mm512_mask_add_epi8(lo, fifth_vnni(spread[j][0], 4 * c), lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, fifth_vnni(spread[j][1], 16 + 4 * c), hi, sixteen);
           }
           for (int i = 0; i < MR; ++i) {
             is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo, xl[i]);
