@@ -75,7 +75,8 @@ def main() -> int:
     roles = dict.fromkeys(role for role, _ in calls)
     print(f"batch-1 step {step_s * 1e3:.2f} ms (rounds: {', '.join(f'{r[0] * 1e3:.2f}' for r in rows)}); "
           f"copy {copy:.1f} GB/s (rounds: {', '.join(f'{r[2]:.1f}' for r in rows)})")
-    print("| matrix | type | shape (out x in) | calls | bytes per step | ms per step | share of step | GB/s | of copy |")
+    print("| matrix | type | shape (out x in) | calls | bytes per step | ms per step | share of step | GB/s "
+          "| of copy |")
     print("|---|---|---|---|---|---|---|---|---|")
     linear_s = 0.0
     for role in roles:
