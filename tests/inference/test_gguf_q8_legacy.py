@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.inference.model import blocks
-from services.inference.model.kernels import load
+from services.inference.model.kernels import Q8_ISAS, load
 from tests.inference.test_gguf_kernel import activations, assert_batch_invariant, dequant, fma32
 from tests.inference.test_gguf_q8_kernel import quantize
 from tests.inference.test_gguf_types import random_weights
@@ -94,3 +94,24 @@ def test_batch_invariance(k):
         w = blocks.pack_x16(random_weights(t, 40, 256, seed=t), t)
         for isa in k.q8_isas:
             assert_batch_invariant(lambda x: k.matmul_q8(x, w, t, 40, isa), 256, f"{t} {isa}", batches=(1, 2, 3, 5, 17))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_call_for_several_weights_gives_each_weights_own_bits(k, threads):
+    """keel::gguf_q8_mm_many (a layer's q, k, v of mixed types in one region) against a call per weight,
+    on every path; widths that end inside a group, and one of none."""
+    parts = [(Q5_0, 40), (Q4_0, 17), (Q5_1, 0), (Q5_0, 96)]
+    ws = [blocks.pack_x16(random_weights(t, n, 256, seed=n + t), t) if n else
+          torch.zeros(0, 256 // 32 * 16 * LAYOUT[t][0], dtype=torch.uint8) for t, n in parts]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for M in (1, 3, 6):
+            x = activations(M, 256, seed=M)
+            for isa in k.q8_isas:
+                got = torch.ops.keel.gguf_q8_mm_many(x, ws, [t for t, _ in parts], [n for _, n in parts],
+                                                     Q8_ISAS.index(isa))
+                for (t, n), w, y in zip(parts, ws, got):
+                    assert torch.equal(y, k.matmul_q8(x, w, t, n, isa)), f"{t} n={n} M={M} {isa}"
+    finally:
+        torch.set_num_threads(before)

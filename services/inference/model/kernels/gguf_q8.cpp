@@ -20,7 +20,9 @@
 //   acc  = fma(mw, sx, acc)                (Q4_1, Q5_1)
 // and y = acc: w = dw * (qw - o) (+ mw), so the block's dot product is dw dx isum (+ mw sx).
 // Every path computes these same integers and fp32 operations, so all give the same bits. Threads
-// split (M tile, group tile) (common.h's parallel_tiles): no output depends on the batch or the thread count.
+// split (M tile, group tile) as common.h's parallel_tiles: no output depends on the batch or the thread
+// count. keel::gguf_q8_mm_many multiplies one x by several weights (a layer's q, k, v) with one
+// quantization of x and one parallel region over all their tiles, each tile as in a call of its own.
 // The integer dot products: AVX-512 VNNI vpdpbusd (u8 x s8, 4 products per int32 lane; Q8_0 weights
 // are signed, so the activations go in as qx + 128 and 128 * sum(w) is subtracted); AVX2 vpmaddubsw
 // + vpmaddwd (Q8_0 by |w| x sign(qx, w), since maddubs saturates its int16 pairs). The offset o is
@@ -122,10 +124,18 @@ KEEL_AVX2 inline __m256i fifth_avx2(__m256i qh, int e) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(t, bits), _mm256_set1_epi8(16));
 }
 
-KEEL_VNNI inline __m512i fifth_vnni(__m512i qh, int e) {
-  const __m512i spread = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
-  const __m512i t = _mm512_shuffle_epi8(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(e)), spread);
-  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(t, _mm512_set1_epi32(0x08040201)), _mm512_set1_epi8(16));
+// The bytes of a row's lane whose element's fifth bit is set, as a mask: byte t of row r's 4 bytes
+// is element e + t (e = 4c: low nibbles, 16 + 4c: high), whose bit is bit (e + t) % 8 of byte e / 8
+// of the row's qh. `spread` (one shuffle per byte of qh, shared by two chunks) puts that byte in all
+// four of the row's bytes; a test against bit t (+4 for odd c) of each picks the element's bit.
+KEEL_VNNI inline __m512i spread_vnni(__m512i qh, int k) {  // byte k of each row's qh in all 4 of its bytes
+  const int b = 0x01010101 * k;
+  return _mm512_shuffle_epi8(qh, _mm512_broadcast_i32x4(_mm_setr_epi32(b, 0x04040404 + b, 0x08080808 + b,
+                                                                       0x0C0C0C0C + b)));
+}
+
+KEEL_VNNI inline __mmask64 fifth_vnni(__m512i spread, int e) {
+  return _mm512_test_epi8_mask(spread, _mm512_set1_epi32(int(0x08040201u << (e % 8))));
 }
 
 template <int T, int MR, int NG>
@@ -230,10 +240,16 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NG; ++j) is[i][j] = _mm512_setzero_si512();
     if constexpr (T != Q8_0) {
-      __m512i qh[NG];
+      __m512i qh[NG], spread[NG][2];  // spread[j][0]: qh byte c / 2 (low nibbles), [1]: byte 2 + c / 2
       if constexpr (fifth_bit(T))
         for (int j = 0; j < NG; ++j) qh[j] = _mm512_loadu_si512(w[j] + b * U + qh_offset(T));
       for (int c = 0; c < 4; ++c) {
+        if constexpr (fifth_bit(T))
+          if (c % 2 == 0)
+            for (int j = 0; j < NG; ++j) {
+              spread[j][0] = spread_vnni(qh[j], c / 2);
+              spread[j][1] = spread_vnni(qh[j], 2 + c / 2);
+            }
         __m512i xl[MR], xh[MR];
         for (int i = 0; i < MR; ++i) {
           const int8_t* x = p.qx + (m0 + i) * p.K + b * QK;
@@ -244,8 +260,9 @@ KEEL_VNNI void tile_vnni(const Problem& p, int64_t m0, int64_t g0) {
           const __m512i v = _mm512_loadu_si512(w[j] + b * U + Q + 64 * c);
           __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           if constexpr (fifth_bit(T)) {
-            lo = _mm512_or_si512(lo, fifth_vnni(qh[j], 4 * c));
-            hi = _mm512_or_si512(hi, fifth_vnni(qh[j], 16 + 4 * c));
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            lo = _mm512_mask_add_epi8(lo, fifth_vnni(spread[j][0], 4 * c), lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, fifth_vnni(spread[j][1], 16 + 4 * c), hi, sixteen);
           }
           for (int i = 0; i < MR; ++i) {
             is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo, xl[i]);
@@ -311,9 +328,36 @@ Tiling tiling(int isa) {
   return {4, 1, {tile_portable<T, 1, 1>, tile_portable<T, 2, 1>, tile_portable<T, 3, 1>, tile_portable<T, 4, 1>}};
 }
 
-void run(const Problem& p, const Tiling& t, int type) {
-  parallel_tiles(p.M, p.G, t.mr, t.ng, p.nb * unit_bytes(type), [&](int64_t m0, int64_t g0) {
-    t.tile[std::min<int64_t>(t.mr, p.M - m0) - 1](p, m0, g0);
+Tiling tiling_of(int64_t type, int path) {
+  switch (type) {
+    case Q4_0: return tiling<Q4_0>(path);
+    case Q4_1: return tiling<Q4_1>(path);
+    case Q5_0: return tiling<Q5_0>(path);
+    case Q5_1: return tiling<Q5_1>(path);
+    default: return tiling<Q8_0>(path);
+  }
+}
+
+// Several weights of one x in one parallel region: the tiles of weight i (parallel_tiles' numbering)
+// follow those of weights before it, and threads split the whole list. Each tile is the one a call
+// for that weight alone runs, so every output element has its bits from that call.
+void run(const std::vector<Problem>& ps, const std::vector<Tiling>& ts, const std::vector<int64_t>& types) {
+  const int64_t M = ps[0].M;
+  std::vector<int64_t> first{0};  // first[i]: weight i's first tile
+  int64_t grain = 1 << 30;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const int64_t mt = (M + ts[i].mr - 1) / ts[i].mr, bytes = ts[i].ng * ps[i].nb * unit_bytes(types[i]);
+    first.push_back(first.back() + mt * ((ps[i].G + ts[i].ng - 1) / ts[i].ng));
+    grain = std::min(grain, std::max<int64_t>(1, (32 << 10) / bytes) * mt);  // as parallel_tiles
+  }
+  at::parallel_for(0, first.back(), grain, [&](int64_t begin, int64_t end) {
+    size_t i = 0;
+    for (int64_t k = begin; k < end; ++k) {
+      while (k >= first[i + 1]) ++i;
+      const Tiling& t = ts[i];
+      const int64_t mt = (M + t.mr - 1) / t.mr, local = k - first[i], m0 = local % mt * t.mr;
+      t.tile[std::min<int64_t>(t.mr, M - m0) - 1](ps[i], m0, local / mt * t.ng);
+    }
   });
 }
 
@@ -321,34 +365,47 @@ void run(const Problem& p, const Tiling& t, int type) {
 
 namespace keel {
 
-at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
+std::vector<at::Tensor> gguf_q8_mm_many(const at::Tensor& x, at::TensorList w, at::IntArrayRef ggml_types,
+                                        at::IntArrayRef n, int64_t isa) {
   constexpr const char* op = "keel::gguf_q8_mm";
-  TORCH_CHECK(block_bytes(ggml_type), op, ": unsupported ggml_type ", ggml_type,
-              " (supported: 2 = Q4_0, 3 = Q4_1, 6 = Q5_0, 7 = Q5_1, 8 = Q8_0)");
-  check_inputs(op, x, w);
-  const int u = unit_bytes(ggml_type);
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "keel::gguf_q8_mm: w must be a contiguous uint8 [G, K/32 * 16 * bytes] matrix");
-  const int64_t G = (n + R - 1) / R;
-  TORCH_CHECK(n >= 0 && w.size(0) == G && w.size(1) == nb * u, "keel::gguf_q8_mm: for n = ", n, " and K = ", K,
-              " w must be [", G, ", ", nb * u, "], got ", w.sizes());
+  TORCH_CHECK(!w.empty() && ggml_types.size() == w.size() && n.size() == w.size(), op,
+              ": one ggml_type and one n per weight");
   static const int best = resolve_isa(op, -1, kIsaNames, cpu_has);
   const int path = isa < 0 ? best : resolve_isa(op, isa, kIsaNames, cpu_has);
-
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return y;
-  const Activations a(x, path, Scale::ggml);
-  const std::vector<int32_t> sq = ggml_type == Q4_0 || ggml_type == Q5_0 ? a.sums(QK) : std::vector<int32_t>();
-  const Problem p{a.qx.data(), a.ux.data(), a.dx.data(), a.sx.data(), sq.data(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, n, K, nb, G};
-  switch (ggml_type) {
-    case Q4_0: run(p, tiling<Q4_0>(path), Q4_0); break;
-    case Q4_1: run(p, tiling<Q4_1>(path), Q4_1); break;
-    case Q5_0: run(p, tiling<Q5_0>(path), Q5_0); break;
-    case Q5_1: run(p, tiling<Q5_1>(path), Q5_1); break;
-    default: run(p, tiling<Q8_0>(path), Q8_0); break;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  bool offset = false;
+  for (size_t i = 0; i < w.size(); ++i) {
+    TORCH_CHECK(block_bytes(ggml_types[i]), op, ": unsupported ggml_type ", ggml_types[i],
+                " (supported: 2 = Q4_0, 3 = Q4_1, 6 = Q5_0, 7 = Q5_1, 8 = Q8_0)");
+    check_inputs(op, x, w[i]);
+    TORCH_CHECK(w[i].scalar_type() == at::kByte && w[i].dim() == 2 && w[i].is_contiguous(),
+                op, ": w must be a contiguous uint8 [G, K/32 * 16 * bytes] matrix");
+    const int64_t G = (n[i] + R - 1) / R, u = unit_bytes(ggml_types[i]);
+    TORCH_CHECK(n[i] >= 0 && w[i].size(0) == G && w[i].size(1) == nb * u, op, ": for n = ", n[i], " and K = ", K,
+                " w must be [", G, ", ", nb * u, "], got ", w[i].sizes());
+    offset |= ggml_types[i] == Q4_0 || ggml_types[i] == Q5_0;
   }
-  return y;
+  std::vector<at::Tensor> ys;
+  for (int64_t width : n) ys.push_back(at::empty({M, width}, x.options()));
+  std::vector<Problem> ps;
+  std::vector<Tiling> ts;
+  std::vector<int64_t> types;
+  if (M == 0) return ys;
+  const Activations a(x, path, Scale::ggml);
+  const std::vector<int32_t> sq = offset ? a.sums(QK) : std::vector<int32_t>();
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (n[i] == 0) continue;
+    ps.push_back({a.qx.data(), a.ux.data(), a.dx.data(), a.sx.data(), sq.data(), w[i].data_ptr<uint8_t>(),
+                  ys[i].data_ptr<float>(), M, n[i], K, nb, (n[i] + R - 1) / R});
+    ts.push_back(tiling_of(ggml_types[i], path));
+    types.push_back(ggml_types[i]);
+  }
+  if (!ps.empty()) run(ps, ts, types);
+  return ys;
+}
+
+at::Tensor gguf_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, int64_t n, int64_t isa) {
+  return gguf_q8_mm_many(x, {w}, {ggml_type}, {n}, isa)[0];
 }
 
 }  // namespace keel
@@ -361,5 +418,7 @@ std::vector<std::string> gguf_q8_isas() { return keel::isas(kIsaNames, cpu_has);
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def("gguf_q8_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &keel::gguf_q8_mm);
+  m.def("gguf_q8_mm_many(Tensor x, Tensor[] w, int[] ggml_types, int[] n, int isa) -> Tensor[]",
+        &keel::gguf_q8_mm_many);
   m.def("gguf_q8_isas() -> str[]", &gguf_q8_isas);
 }

@@ -16,26 +16,39 @@
 // A weight is its BlockLinear's blocks and ggml type with its output width. `q8` is the format (gguf:
 // true, gguf_f32: false); each weight then runs where blocks.layout puts its type: with q8, Q4_0..Q8_0
 // (x16 blocks) on keel::gguf_q8_mm and Q4_K..Q6_K (x16k) on keel::gguf_q8k_mm; every other case (the
-// float types, or gguf_f32) in the file's order on keel::gguf_mm.
+// float types, or gguf_f32) in the file's order on keel::gguf_mm. Separate q, k, v all of x16 types run
+// in one keel::gguf_q8_mm_many call (the same tiles, so the bits of three gguf_q8_mm calls).
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
 
 namespace {
 
+bool x16(int64_t type) { return type == 2 || type == 3 || type == 6 || type == 7 || type == 8; }  // Q4_0..Q8_0
+
 // One of the layer's linear layers: y [M, n] = x [M, K] @ w.T over its blocks.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, bool q8) {
-  const bool x16 = type == 2 || type == 3 || type == 6 || type == 7 || type == 8;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-  const bool x16k = type == 12 || type == 13 || type == 14;                        // Q4_K, Q5_K, Q6_K
-  if (q8 && x16) return keel::gguf_q8_mm(x, w, type, n, -1);
+  const bool x16k = type == 12 || type == 13 || type == 14;  // Q4_K, Q5_K, Q6_K
+  if (q8 && x16(type)) return keel::gguf_q8_mm(x, w, type, n, -1);
   if (q8 && x16k) return keel::gguf_q8k_mm(x, w, type, n, -1);
   return keel::gguf_mm(x, w, type, n, -1);
+}
+
+// The q, k, v products of h: where all three run on gguf_q8_mm, one call for the three (one quantized
+// h, one parallel region: a decode step's k and v are too small to pay for a region of their own).
+std::vector<at::Tensor> qkv_linears(const at::Tensor& h, at::TensorList qkv, at::IntArrayRef types,
+                                    const std::vector<int64_t>& widths, bool q8) {
+  if (q8 && std::all_of(types.begin(), types.end(), x16)) return keel::gguf_q8_mm_many(h, qkv, types, widths, -1);
+  std::vector<at::Tensor> y;
+  for (size_t p = 0; p < qkv.size(); ++p) y.push_back(linear(h, qkv[p], types[p], widths[p], q8));
+  return y;
 }
 
 at::Tensor layer_attention(const at::Tensor& x, const at::Tensor& norm, double eps, at::TensorList qkv,
@@ -50,12 +63,12 @@ at::Tensor layer_attention(const at::Tensor& x, const at::Tensor& norm, double e
   TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == qkv.size(), op, ": qkv_bias must be empty or one per weight");
   TORCH_CHECK(n >= 0 && n <= x.size(0), op, ": n = ", n, " tokens outside the ", x.size(0), " rows of x");
   const at::Tensor h = keel::rms_norm(x, norm, eps);
-  std::vector<at::Tensor> y;  // q, k, v: [n, width] views
-  for (size_t p = 0; p < qkv.size(); ++p) {
-    const int64_t width = qkv.size() == 1 ? sizes[0] + sizes[1] + sizes[2] : sizes[p];
-    at::Tensor t = linear(h, qkv[p], qkv_types[p], width, q8);
-    if (!qkv_bias.empty()) t = at::add(t, qkv_bias[p]);
-    y.push_back(t.narrow(0, 0, n));
+  const std::vector<int64_t> widths = qkv.size() == 1 ? std::vector<int64_t>{sizes[0] + sizes[1] + sizes[2]}
+                                                       : std::vector<int64_t>(sizes.begin(), sizes.end());
+  std::vector<at::Tensor> y = qkv_linears(h, qkv, qkv_types, widths, q8);  // q, k, v: [n, width] views
+  for (size_t p = 0; p < y.size(); ++p) {
+    if (!qkv_bias.empty()) y[p] = at::add(y[p], qkv_bias[p]);
+    y[p] = y[p].narrow(0, 0, n);
   }
   if (y.size() == 1) y = {y[0].narrow(1, 0, sizes[0]), y[0].narrow(1, sizes[0], sizes[1]),
                           y[0].narrow(1, sizes[0] + sizes[1], sizes[2])};
