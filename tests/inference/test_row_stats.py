@@ -130,3 +130,15 @@ def test_malformed_calls_raise_naming_the_op(isas, call, message):
     with pytest.raises(RuntimeError, match=message) as info:
         call()
     assert "keel::row_stats" in str(info.value)
+
+
+def test_rows_finite_flags_each_row_with_a_nan_or_an_infinity_anywhere():
+    x = rows(8, 1037, 5, 1e30)  # large finite values: no overflow to inf
+    for r, (j, bad) in enumerate([(0, NINF), (15, float("inf")), (1030, float("nan")), (1036, NINF), (500, 3e38)]):
+        x[r, j] = bad
+    x[5, 7] = 1e38
+    wide = torch.full((2, 2074), float("nan"))
+    wide[:, :1037] = x[4:6]  # finite row views whose stride passes over NaNs
+    assert torch.ops.keel.rows_finite(x).tolist() == [False, False, False, False, True, True, True, True]
+    assert torch.ops.keel.rows_finite(wide[:, :1037]).tolist() == [True, True]
+    assert torch.ops.keel.rows_finite(torch.zeros(3, 0)).tolist() == [True] * 3

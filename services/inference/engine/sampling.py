@@ -49,9 +49,12 @@ class Pick:
 
 
 def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B] bool: True where every logit of the row is finite. (The largest magnitude is
-    below inf exactly then: amax propagates NaN, and NaN < inf is False: one vectorised reduction
-    instead of a boolean tensor and its reduction.)"""
+    """[R, V] -> [R] bool: True where every logit of the row is finite. CPU float32 rows: keel::rows_finite
+    (one pass, one thread per row); otherwise the largest magnitude is below inf exactly then (amax
+    propagates NaN, and NaN < inf is False: one vectorised reduction instead of a boolean tensor and its
+    reduction)."""
+    if _have_kernels() and _kernel_rows(logits):
+        return torch.ops.keel.rows_finite(logits)
     return logits.abs().amax(dim=-1) < float("inf")
 
 
@@ -78,9 +81,8 @@ def pick(logits: torch.Tensor, draws: Sequence[Draw], scores: torch.Tensor | Non
     scores = logits if scores is None else scores
     drawn = [-1 if d.temperature <= 0.0 else _sample(scores[r], d.temperature, d.top_p, d.top_k, d.seed, d.position)
              for r, d in enumerate(draws)]
-    op = _row_stats_op()
-    if op is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (logits, scores)):
-        greedy, stats = op(logits, scores, torch.tensor(drawn, dtype=torch.int64), -1)
+    if _have_kernels() and _kernel_rows(logits) and _kernel_rows(scores):
+        greedy, stats = torch.ops.keel.row_stats(logits, scores, torch.tensor(drawn, dtype=torch.int64), -1)
         tokens = [g if t < 0 else t for t, g in zip(drawn, greedy.tolist())]
         entropy, chosen = stats[:, 2].tolist(), stats[:, 3].tolist()
     else:
@@ -88,14 +90,19 @@ def pick(logits: torch.Tensor, draws: Sequence[Draw], scores: torch.Tensor | Non
     return [Pick(t, lp, max(0.0, h)) for t, lp, h in zip(tokens, chosen, entropy)]
 
 
+def _kernel_rows(x: torch.Tensor) -> bool:
+    """Whether Keel's row ops read `x`: CPU float32 [R, V] with contiguous rows."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+
+
 @functools.cache
-def _row_stats_op():
-    """keel::row_stats, or None where Keel's kernels cannot be built (KernelUnavailable)."""
+def _have_kernels() -> bool:
+    """Whether Keel's kernels (keel::row_stats, keel::rows_finite) load here (not: KernelUnavailable)."""
     try:
         kernels.load()
     except kernels.KernelUnavailable:
-        return None
-    return torch.ops.keel.row_stats
+        return False
+    return True
 
 
 def _torch_stats(logits: torch.Tensor, scores: torch.Tensor, drawn: list[int]) -> tuple[list[int], list[float],

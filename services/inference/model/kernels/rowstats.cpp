@@ -11,6 +11,8 @@
 //       H = log S - T / S      the entropy of softmax(x) in nats, float64
 //       logprob = (x_t - m) - log S, float64, at t = tokens[r], or at argmax[r] where tokens[r] < 0
 //   scores may be the logits tensor itself (one pass then serves both maxima).
+//   rows_finite(x [R, V]) -> [R] bool: whether every element of the row is finite (one pass, one
+//   thread per row: the engine's check before it samples, sampling.row_is_finite).
 //
 // Pass 1 finds the maxima: lane l = j % 16 keeps its largest element in order of j (a later equal one
 // does not replace it), then the lanes' largest, the lowest index among equals. Pass 2 sums: element j
@@ -185,6 +187,20 @@ std::pair<double, double> row_sums(const Path& p, const float* x, int64_t n, flo
   return {s[0], t[0]};
 }
 
+// Whether every element of x [n] is finite: x - x is +0 for those, NaN for +-inf and NaN, and a sum of
+// +0s and NaNs is +0 exactly when there is no NaN (16 lanes, so the compiler vectorizes the loop
+// for each target; the sum's order changes nothing here).
+__attribute__((target_clones("avx512f", "avx2", "default"))) bool finite_row(const float* x, int64_t n) {
+  float acc[L] = {};
+  int64_t j = 0;
+  for (; j + L <= n; j += L)
+    for (int l = 0; l < L; ++l) acc[l] += x[j + l] - x[j + l];
+  for (; j < n; ++j) acc[0] += x[j] - x[j];
+  float all = 0.f;
+  for (int l = 0; l < L; ++l) all += acc[l];
+  return all == 0.f;
+}
+
 void check_rows(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
               " must be a float32 CPU [R, V] matrix with contiguous rows, got ", t.scalar_type(), " ", t.sizes());
@@ -231,8 +247,21 @@ std::tuple<at::Tensor, at::Tensor> row_stats(const at::Tensor& logits, const at:
   return {argmax, stats};
 }
 
+at::Tensor rows_finite(const at::Tensor& x) {
+  check_rows("keel::rows_finite", "x", x);
+  const int64_t r = x.size(0), v = x.size(1);
+  at::Tensor out = at::empty({r}, x.options().dtype(at::kBool));
+  const float* xp = x.data_ptr<float>();
+  bool* o = out.data_ptr<bool>();
+  at::parallel_for(0, r, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, v)), [&](int64_t a, int64_t z) {
+    for (int64_t i = a; i < z; ++i) o[i] = finite_row(xp + i * x.stride(0), v);
+  });
+  return out;
+}
+
 }  // namespace keel
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
+  m.def("rows_finite(Tensor x) -> Tensor", &keel::rows_finite);
   m.def("row_stats(Tensor logits, Tensor scores, Tensor tokens, int isa) -> (Tensor, Tensor)", &keel::row_stats);
 }
