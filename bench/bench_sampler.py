@@ -18,7 +18,7 @@ lookup sent to gguf-py). Random logits N(0, 4^2), random blocks. Each (variant, 
 process, the variants alternated, --repeats times; a process reports the median of 5 rounds of calls
 per row count. Printed: each variant's median over the repeats with its min-max, and torch / keel.
 
-Run: .venv/bin/python -m bench.bench_sampler [--repeats 3]
+Run: .venv/bin/python -m bench.bench_sampler [--repeats 3] [--what pick,finite,embed]
 """
 from __future__ import annotations
 
@@ -89,6 +89,7 @@ def child(variant: str, what: str, v: int, e: int, type_name: str) -> dict[int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--what", default="pick,finite,embed", help="which of pick, finite, embed to time")
     ap.add_argument("--child", nargs=5, metavar=("VARIANT", "WHAT", "V", "E", "TYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -100,6 +101,7 @@ def main() -> None:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     cases = ([(what, v, e, "-") for what in ("pick", "finite") for v, e in VOCABS]
              + [("embed", v, e, t) for v, e in VOCABS for t in EMBED_TYPES])
+    cases = [c for c in cases if c[0] in args.what.split(",")]
     seen: dict[tuple, list[float]] = {}
     for rep in range(args.repeats):
         for what, v, e, t in cases:
