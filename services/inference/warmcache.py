@@ -26,7 +26,7 @@ import torch
 from services.inference.engine.memory import MemoryModel
 from services.inference.engine.warmup import Calibration
 from services.inference.formats.quality import GateResult
-from services.inference.model import blocks, kernels
+from services.inference.model import kernels
 from shared.config import var_dir
 from shared.jsonfile import write_json
 
@@ -62,7 +62,7 @@ def serving_facts(model_sha: str, served_format: str, engine_version: int) -> di
             "blas_build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
             "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
             "threads": str(torch.get_num_threads()), "engine_version": str(engine_version),
-            **({"kernel": kernel_identity()} if served_format in blocks.FORMATS else {})}
+            "kernel": kernel_identity()}  # every format: the sampler's logprob and entropy (sampling.pick)
 
 
 def fingerprint_key(fp: dict) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize, quantize
 
+from services.inference.model import blocks, kernels
 from testing.tiny import save_model
 
 Q = gguf.GGMLQuantizationType
@@ -74,3 +75,35 @@ def write_tiny_gguf(tiny: torch.nn.Module, folder: Path, linear_type: Q = Q.Q4_1
     save_model(reference, folder)
     (folder / "keel-source.json").write_text(json.dumps({"gguf": str(folder / "tiny.gguf")}))
     return folder
+
+
+def unpack_x16(packed: torch.Tensor, rows: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The file-order blocks [R, K/32 * B] of weight rows `rows` [R] of an x16 matrix (blocks.pack_x16's
+    inverse, by torch ops)."""
+    kind = kernels.SUPPORTED_TYPES[ggml_type]
+    bb, scales = kind.block_bytes, kind.scale_bytes
+    nb = packed.shape[1] // (blocks.ROWS * bb)
+    units = packed[rows // blocks.ROWS].view(-1, nb, blocks.ROWS * bb)               # [R, nb, 16 B]
+    at, lane = torch.arange(len(rows)), rows % blocks.ROWS
+    head = units[..., :blocks.ROWS * scales].reshape(-1, nb, scales // 2, blocks.ROWS, 2)[at, :, :, lane]
+    qs = units[..., blocks.ROWS * scales:].reshape(-1, nb, (bb - scales) // 4, blocks.ROWS, 4)[at, :, :, lane]
+    return torch.cat((head.reshape(len(rows), nb, -1), qs.reshape(len(rows), nb, -1)), dim=-1).reshape(len(rows), -1)
+
+
+def dequantize_rows(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """uint8 [R, bytes per row] -> float32 [R, K], bit for bit the reference's dequantization (gguf-py's,
+    or for Q4_1 and Q8_0 its formula by torch ops): what keel::gguf_rows must give."""
+    r = blocks.shape[0]
+    if ggml_type not in (Q.Q4_1, Q.Q8_0):  # the reference itself (gguf-py) for the other types
+        values = dequantize(blocks.numpy(), Q(ggml_type))
+        return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(r, -1)
+    kind = kernels.SUPPORTED_TYPES[ggml_type]
+    b = blocks.reshape(r, -1, kind.block_bytes)                        # [R, K/32, B]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()           # [R, K/32, 1]
+    if kind.name == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()           # [R, K/32, 32]
+        return (d * q).reshape(r, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:]                                                    # [R, K/32, 16]
+    q = torch.cat((qs & 15, qs >> 4), dim=-1).float()                  # [R, K/32, 32]
+    return (d * q + m).reshape(r, -1)

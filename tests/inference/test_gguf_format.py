@@ -21,7 +21,7 @@ from services.inference.model.forward import LlamaRunner
 from services.inference.model.loader import check_format, convert_model, load_model
 from shared.errors import InvalidInput
 from shared.modelfile import source as model_source
-from tests.inference.gguf_fixtures import write_tiny_gguf
+from tests.inference.gguf_fixtures import dequantize_rows, unpack_x16, write_tiny_gguf
 from tests.inference.helpers import collect, ids, prompt, request, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def tiny_gguf(tiny_dir):
 def file_order(module, rows: int) -> torch.Tensor:
     """A block module's first `rows` weight rows as the file stores them (x16 matrices unpacked)."""
     if getattr(module, "x16", False) or getattr(module, "layout", None) == "x16":
-        return blocks.unpack_x16(module.blocks, torch.arange(rows), module.ggml_type)
+        return unpack_x16(module.blocks, torch.arange(rows), module.ggml_type)
     return module.blocks[:rows]
 
 
@@ -57,7 +57,7 @@ def test_the_real_blocks_dequantize_to_the_float32_reference_bit_for_bit(fmt):
             if isinstance(module, (blocks.BlockLinear, blocks.BlockEmbedding)) and not fused:
                 key = "model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"
                 want = ref.get_tensor(key)
-                got = blocks.dequantize(file_order(module, want.shape[0]), module.ggml_type)
+                got = dequantize_rows(file_order(module, want.shape[0]), module.ggml_type)
                 assert torch.equal(got, want), name
                 checked += 1
     assert checked == 30 * 7 + 2

@@ -201,3 +201,16 @@ async def test_any_step_recomputed_alone_from_its_prefix_draws_the_same_token(ma
         resumed, _ = await collect(engine, request(f"k{k}", base + ids(tokens[:k]), max_tokens=1, temperature=1.0,
                                                    top_p=0.95, seed=77))
         assert ids(resumed) == [tokens[k].token_id]
+
+
+def test_the_kernel_and_torch_paths_pick_alike():
+    """float32 CPU rows go to keel::row_stats, others (here float64) to torch's log_softmax: the same
+    tokens, logprobs and entropies to float32 precision."""
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(1)) * 4
+    scores = logits.clone()
+    scores[2, :30000] = float("-inf")
+    draws = [Draw(0.0, 1.0, 0, 0, 5), Draw(0.8, 0.9, 40, 3, 5), Draw(0.0, 1.0, 0, 0, 5), Draw(1.0, 1.0, 0, 9, 7)]
+    fused, torch_path = pick(logits, draws, scores), pick(logits.double(), draws, scores.double())
+    assert [p.token_id for p in fused] == [p.token_id for p in torch_path]
+    assert [p.logprob for p in fused] == pytest.approx([p.logprob for p in torch_path], rel=1e-5)
+    assert [p.entropy for p in fused] == pytest.approx([p.entropy for p in torch_path], rel=1e-5)

@@ -15,11 +15,14 @@ sampling settings.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from services.inference.model import kernels
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -46,9 +49,12 @@ class Pick:
 
 
 def row_is_finite(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B] bool: True where every logit of the row is finite. (The largest magnitude is
-    below inf exactly then: amax propagates NaN, and NaN < inf is False: one vectorised reduction
-    instead of a boolean tensor and its reduction.)"""
+    """[R, V] -> [R] bool: True where every logit of the row is finite. CPU float32 rows: keel::rows_finite
+    (one pass, one thread per row); otherwise the largest magnitude is below inf exactly then (amax
+    propagates NaN, and NaN < inf is False: one vectorised reduction instead of a boolean tensor and its
+    reduction)."""
+    if _have_kernels() and _kernel_rows(logits):
+        return torch.ops.keel.rows_finite(logits)
     return logits.abs().amax(dim=-1) < float("inf")
 
 
@@ -65,17 +71,49 @@ def pick(logits: torch.Tensor, draws: Sequence[Draw], scores: torch.Tensor | Non
     logits. logprob and entropy stay those of the model's distribution. Every operation works
     per row (element-wise, or per-row kernels along V; each row's entropy is summed alone), so a
     row's pick never depends on the other rows.
+
+    On CPU float32 rows the greedy argmax, the logprob and the entropy come from one call of
+    keel::row_stats (kernels/rowstats.cpp: two passes over each row, its own fixed order and exp, the
+    same bits on every SIMD path); elsewhere (another device or dtype, or a host where Keel's kernels
+    cannot be built) from torch's log_softmax (`_torch_stats`): their bits differ in the last places,
+    and the kernel's identity is among the engine's serving facts (warmcache.serving_facts).
     """
     scores = logits if scores is None else scores
+    drawn = [-1 if d.temperature <= 0.0 else _sample(scores[r], d.temperature, d.top_p, d.top_k, d.seed, d.position)
+             for r, d in enumerate(draws)]
+    if _have_kernels() and _kernel_rows(logits) and _kernel_rows(scores):
+        greedy, stats = torch.ops.keel.row_stats(logits, scores, torch.tensor(drawn, dtype=torch.int64), -1)
+        tokens = [g if t < 0 else t for t, g in zip(drawn, greedy.tolist())]
+        entropy, chosen = stats[:, 2].tolist(), stats[:, 3].tolist()
+    else:
+        tokens, chosen, entropy = _torch_stats(logits, scores, drawn)
+    return [Pick(t, lp, max(0.0, h)) for t, lp, h in zip(tokens, chosen, entropy)]
+
+
+def _kernel_rows(x: torch.Tensor) -> bool:
+    """Whether Keel's row ops read `x`: CPU float32 [R, V] with contiguous rows."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+
+
+@functools.cache
+def _have_kernels() -> bool:
+    """Whether Keel's kernels (keel::row_stats, keel::rows_finite) load here (not: KernelUnavailable)."""
+    try:
+        kernels.load()
+    except kernels.KernelUnavailable:
+        return False
+    return True
+
+
+def _torch_stats(logits: torch.Tensor, scores: torch.Tensor, drawn: list[int]) -> tuple[list[int], list[float],
+                                                                                         list[float]]:
+    """(tokens, logprobs, entropies) of pick's rows by torch ops: `drawn` -1 takes the row's score argmax."""
     logp = torch.log_softmax(logits, dim=-1)
     plogp = -(logp.exp() * logp)
-    greedy = scores.argmax(dim=-1).tolist() if any(d.temperature <= 0.0 for d in draws) else []
-    tokens = [greedy[r] if d.temperature <= 0.0 else _sample(scores[r], d.temperature, d.top_p, d.top_k, d.seed,
-                                                              d.position)
-              for r, d in enumerate(draws)]
-    chosen = logp[torch.arange(len(draws)), torch.tensor(tokens)].tolist()
-    entropy = _row_sums(plogp).tolist()
-    return [Pick(t, lp, max(0.0, h)) for t, lp, h in zip(tokens, chosen, entropy)]
+    greedy = scores.argmax(dim=-1).tolist() if -1 in drawn else []
+    tokens = [greedy[r] if t < 0 else t for r, t in enumerate(drawn)]
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    return tokens, chosen, _row_sums(plogp).tolist()
 
 
 def _row_sums(x: torch.Tensor, chunk: int = 64) -> torch.Tensor:

@@ -47,8 +47,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -62,7 +60,6 @@ from shared.errors import InvalidInput
 FORMAT = "gguf"          # 8-bit activations (gguf_q8.cpp, gguf_q8k.cpp) where the type has an integer kernel
 EXACT_FORMAT = "gguf_f32"  # float32 activations (gguf_mm.cpp)
 FORMATS = (FORMAT, EXACT_FORMAT)
-F32, Q4_1, Q8_0 = 0, 3, 8  # ggml type ids (F32: the norms, and the linears of an all-F32 file)
 ROWS = 16  # weight rows per x16 group
 
 # Keel's module names for the GGUF's tensor names of layer i.
@@ -133,7 +130,8 @@ class BlockLinear(nn.Module):
 
 class BlockEmbedding(nn.Module):
     """Rows of a GGUF-block matrix (file order [V, bytes per row], or x16 when `x16`), dequantized per
-    looked-up token to float32."""
+    looked-up token to float32 by one call of keel::gguf_rows (kernels/gguf_mm.cpp: the reference's
+    dequantization bit for bit, read from either layout in place)."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, embedding_dim: int, x16: bool):
         super().__init__()
@@ -142,9 +140,8 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., E] float32."""
-        flat = ids.reshape(-1)
-        rows = unpack_x16(self.blocks, flat, self.ggml_type) if self.x16 else self.blocks[flat]
-        return dequantize(rows, self.ggml_type).reshape(*ids.shape, self.embedding_dim)
+        rows = torch.ops.keel.gguf_rows(self.blocks, ids.reshape(-1).long().contiguous(), self.ggml_type, self.x16)
+        return rows.reshape(*ids.shape, self.embedding_dim)
 
 
 class KernelRMSNorm(nn.Module):
@@ -173,36 +170,6 @@ def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     head = b[..., :scales].reshape(g, nb, ROWS, scales // 2, 2).transpose(2, 3)  # [G, nb, scale, 16, 2]
     qs = b[..., scales:].reshape(g, nb, ROWS, -1, 4).transpose(2, 3)   # [G, nb, chunks, 16, 4]
     return torch.cat((head.reshape(g, nb, -1), qs.reshape(g, nb, -1)), dim=-1).reshape(g, -1).contiguous()
-
-
-def unpack_x16(packed: torch.Tensor, rows: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The file-order blocks [R, K/32 * B] of weight rows `rows` [R] of an x16 matrix."""
-    kind = kernels.SUPPORTED_TYPES[ggml_type]
-    bb, scales = kind.block_bytes, kind.scale_bytes
-    nb = packed.shape[1] // (ROWS * bb)
-    units = packed[rows // ROWS].view(-1, nb, ROWS * bb)               # [R, nb, 16 B]
-    at, lane = torch.arange(len(rows)), rows % ROWS
-    head = units[..., :ROWS * scales].reshape(-1, nb, scales // 2, ROWS, 2)[at, :, :, lane]  # [R, nb, s, 2]
-    qs = units[..., ROWS * scales:].reshape(-1, nb, (bb - scales) // 4, ROWS, 4)[at, :, :, lane]  # [R, nb, c, 4]
-    return torch.cat((head.reshape(len(rows), nb, -1), qs.reshape(len(rows), nb, -1)), dim=-1).reshape(len(rows), -1)
-
-
-def dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """uint8 [R, bytes per row] -> float32 [R, K], bit for bit the reference's dequantization."""
-    r = blocks.shape[0]
-    if ggml_type not in (Q4_1, Q8_0):  # the reference itself (gguf-py) for the other types
-        values = gguf.quants.dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
-        return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(r, -1)
-    kind = kernels.SUPPORTED_TYPES[ggml_type]
-    b = blocks.reshape(r, -1, kind.block_bytes)                        # [R, K/32, B]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()           # [R, K/32, 1]
-    if kind.name == "Q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).float()           # [R, K/32, 32]
-        return (d * q).reshape(r, -1)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    qs = b[..., 4:]                                                    # [R, K/32, 16]
-    q = torch.cat((qs & 15, qs >> 4), dim=-1).float()                  # [R, K/32, 32]
-    return (d * q + m).reshape(r, -1)
 
 
 def gguf_file(model_dir: Path) -> Path:

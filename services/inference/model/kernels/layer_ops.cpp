@@ -22,7 +22,7 @@
 // float32 throughout; q, k, v, out may be row views (any row stride, contiguous columns).
 // Fixed summation orders: a dot product or square sum over a length L keeps 16 partial sums
 // (element j in lane j % 16, in order of j) combined by a fixed tree; softmax's sum and the value sum
-// run along p in order. Softmax's exp is Keel's own (exp_le0 below: the same operations on every
+// run along p in order. Softmax's exp is Keel's own (exp_le0, expf.h: the same operations on every
 // path, so SIMD and scalar lanes give the same bits; within 1 ulp of the exact value over [-86, 0]). Each row (and head) is computed by one thread from its own data only, so no
 // result depends on the batch, the padding of the table, the other rows or the thread count. The
 // norm and rotary are compiled for AVX-512, AVX2 and baseline x86-64 (target_clones: the loader picks
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "common.h"
+#include "expf.h"
 #include "ops.h"
 
 namespace {
@@ -106,29 +107,8 @@ struct Unit {
   float *score, *o;
 };
 
-// exp(x) for softmax's x = s - max s <= 0, as Cephes' expf with fused multiply-adds:
-//   NaN -> x;  x < -86 -> 0 (below 2^-124: nothing beside the max term's 1 can hold it);
-//   n = rint(x * log2(e)),  r = fma(-n, C2, fma(-n, C1, x))  (C1 + C2 = ln 2, C1 exact in 9 bits),
-//   y = fma(fma(P(r), r * r, r), 1) with P by Horner (fmas), exp = y * 2^n (n added to y's exponent).
-// Each step one IEEE operation in a fixed order: the scalar and the SIMD versions give the same bits.
-constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f, kExpMin = -86.f;
-constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-KEEL_INLINE float exp_le0(float x) {
-  if (std::isnan(x)) return x;
-  if (x < kExpMin) return 0.f;
-  const float n = std::nearbyint(x * kLog2e);
-  const float r = std::fma(-n, kC2, std::fma(-n, kC1, x));
-  float y = kP[0];
-  for (int k = 1; k < 6; ++k) y = std::fma(y, r, kP[k]);
-  y = std::fma(y, r * r, r) + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &y, 4);
-  bits += int32_t(n) * (1 << 23);
-  std::memcpy(&y, &bits, 4);
-  return y;
-}
+// exp_le0 (expf.h): the same bits on every path.
+using keel::exp_le0;
 
 // s[p] = exp_le0(s[p] - top) for p < len, returning their sum in order of p; each version's SIMD
 // width at a time, the tail by the scalar code.
@@ -141,24 +121,12 @@ KEEL_INLINE float exp_tail(float* s, int64_t p, int64_t len, float top, float su
 
 float exp_row_portable(float* s, int64_t len, float top) { return exp_tail(s, 0, len, top, 0.f); }
 
-#define KEEL_AVX2 __attribute__((target("avx2,fma")))
-#define KEEL_AVX512 __attribute__((target("avx512f,avx2,fma")))
-
 KEEL_AVX2 float exp_row_avx2(float* s, int64_t len, float top) {
-  const __m256 vtop = _mm256_set1_ps(top), lo = _mm256_set1_ps(kExpMin), log2e = _mm256_set1_ps(kLog2e);
-  const __m256 c1 = _mm256_set1_ps(-kC1), c2 = _mm256_set1_ps(-kC2), one = _mm256_set1_ps(1.f);
+  const __m256 vtop = _mm256_set1_ps(top);
   float sum = 0.f;
   int64_t p = 0;
   for (; p + 8 <= len; p += 8) {
-    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + p), vtop);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fmadd_ps(n, c2, _mm256_fmadd_ps(n, c1, x));
-    __m256 y = _mm256_set1_ps(kP[0]);
-    for (int k = 1; k < 6; ++k) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP[k]));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), one);
-    y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
-    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-    y = _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256 y = keel::exp_le0_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + p), vtop));
     _mm256_storeu_ps(s + p, y);
     float e[8];
     _mm256_storeu_ps(e, y);
@@ -168,20 +136,11 @@ KEEL_AVX2 float exp_row_avx2(float* s, int64_t len, float top) {
 }
 
 KEEL_AVX512 float exp_row_avx512(float* s, int64_t len, float top) {
-  const __m512 vtop = _mm512_set1_ps(top), lo = _mm512_set1_ps(kExpMin), log2e = _mm512_set1_ps(kLog2e);
-  const __m512 c1 = _mm512_set1_ps(-kC1), c2 = _mm512_set1_ps(-kC2), one = _mm512_set1_ps(1.f);
+  const __m512 vtop = _mm512_set1_ps(top);
   float sum = 0.f;
   int64_t p = 0;
   for (; p + 16 <= len; p += 16) {
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + p), vtop);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, c2, _mm512_fmadd_ps(n, c1, x));
-    __m512 y = _mm512_set1_ps(kP[0]);
-    for (int k = 1; k < 6; ++k) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP[k]));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), one);
-    y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    const __m512 y = keel::exp_le0_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + p), vtop));
     _mm512_storeu_ps(s + p, y);
     float e[16];
     _mm512_storeu_ps(e, y);
