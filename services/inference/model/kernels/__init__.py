@@ -8,7 +8,7 @@
                                    # activations quantized to 8 bits per block, integer dot products
     torch.ops.keel.rms_norm, .rope_store, .decode_attention_   # layer_ops.cpp: the step's other work
     torch.ops.keel.layer_attention, .layer_mlp                 # layer.cpp: a decoder layer in two calls
-    torch.ops.keel.gguf_rows(w, ids, 3, x16)                   # gguf_mm.cpp: rows of w dequantized (the embedding)
+    torch.ops.keel.gguf_rows(w, ids, 3, x16)                   # gguf_rows.cpp: rows of w dequantized (the embedding)
     torch.ops.keel.row_stats(logits, scores, tokens, -1)       # rowstats.cpp: the sampler's max, sum, entropy, argmax
 
 The library is compiled once per source (torch.utils.cpp_extension, -O3, no -march=native: the
@@ -55,9 +55,10 @@ ISAS = ("portable", "avx2", "avx512")  # a path's position here is its code in k
 Q8_ISAS = ("portable", "avx2", "avx512_vnni")  # the same for keel::gguf_q8_mm
 
 SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("gguf_mm.cpp", "gguf_q8.cpp", "gguf_q8k.cpp", "layer_ops.cpp", "layer.cpp", "rowstats.cpp"))
+                for f in ("gguf_mm.cpp", "gguf_rows.cpp", "gguf_q8.cpp", "gguf_q8k.cpp", "layer_ops.cpp", "layer.cpp",
+                          "rowstats.cpp"))
 # Included by the sources: part of the build's hash.
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "expf.h", "ops.h", "q8act.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("common.h", "deq32.h", "expf.h", "ops.h", "q8act.h"))
 LIB_NAME = "keel_gguf_mm"
 # -ffp-contract=off: no fused multiply-adds the source did not write. -fopenmp: at::parallel_for is
 # torch's OpenMP loop, inlined into the kernel; without the flag it runs on one thread.

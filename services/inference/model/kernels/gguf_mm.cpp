@@ -52,6 +52,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "deq32.h"
 #include "ops.h"
 
 namespace {
@@ -59,28 +60,6 @@ namespace {
 using namespace keel;
 
 constexpr int AVX2 = FLOAT_AVX2, AVX512 = FLOAT_AVX512;  // the op's isa codes (0: portable)
-
-struct TypeInfo {
-  const char* name;
-  int elems, bytes;  // per block; 0 bytes: a type this kernel does not compute
-};
-
-constexpr TypeInfo type_info(int64_t t) {
-  switch (t) {
-    case F32: return {"F32", 1, 4};
-    case F16: return {"F16", 1, 2};
-    case BF16: return {"BF16", 1, 2};
-    case Q4_0: return {"Q4_0", 32, 18};
-    case Q4_1: return {"Q4_1", 32, 20};
-    case Q5_0: return {"Q5_0", 32, 22};
-    case Q5_1: return {"Q5_1", 32, 24};
-    case Q8_0: return {"Q8_0", 32, 34};
-    case Q4_K: return {"Q4_K", 256, 144};
-    case Q5_K: return {"Q5_K", 256, 176};
-    case Q6_K: return {"Q6_K", 256, 210};
-    default: return {"", 0, 0};
-  }
-}
 
 struct Problem {
   const float* x;    // [M, K]
@@ -104,98 +83,6 @@ constexpr int kPrefetchTiles = 2;
 inline void prefetch_step(const uint8_t* ahead, int64_t span, int64_t nb, int64_t b) {
   for (int64_t o = b * span / nb & ~int64_t(63); o < (b + 1) * span / nb; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
-}
-
-// ---------------------------------------------------------------- dequantization of one 32-element step
-
-// 6-bit scale and min of sub-block s of a Q4_K / Q5_K super-block's 12 scale bytes (ggml's
-// get_scale_min_k4).
-inline void scale_min_k4(const uint8_t* sc, int s, int& scale, int& min) {
-  if (s < 4) {
-    scale = sc[s] & 63;
-    min = sc[s + 4] & 63;
-  } else {
-    scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
-    min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-  }
-}
-
-// Elements 32b .. 32b+31 of a weight row -> w[32], every type, plain C++. Always inlined, so each
-// path compiles it for its own instruction set; -ffp-contract=off keeps its multiplies and adds
-// as written, so every path gets these bits.
-template <int T>
-__attribute__((always_inline)) inline void deq32(const uint8_t* row, int64_t b, float* w) {
-  if constexpr (T == F32) {
-    std::memcpy(w, row + b * 128, 128);
-  } else if constexpr (T == F16) {
-    for (int j = 0; j < 32; ++j) w[j] = half(row + b * 64 + 2 * j);
-  } else if constexpr (T == BF16) {
-    for (int j = 0; j < 32; ++j) {
-      const uint32_t u = uint32_t(load_u16(row + b * 64 + 2 * j)) << 16;
-      std::memcpy(w + j, &u, 4);
-    }
-  } else if constexpr (T == Q4_0) {
-    const uint8_t* p = row + b * 18;
-    const float d = half(p);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * float(int(p[2 + j] & 15) - 8);
-      w[j + 16] = d * float(int(p[2 + j] >> 4) - 8);
-    }
-  } else if constexpr (T == Q4_1) {
-    const uint8_t* p = row + b * 20;
-    const float d = half(p), m = half(p + 2);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * float(p[4 + j] & 15) + m;
-      w[j + 16] = d * float(p[4 + j] >> 4) + m;
-    }
-  } else if constexpr (T == Q5_0 || T == Q5_1) {
-    constexpr int hb = T == Q5_0 ? 2 : 4;  // qh after d (and m)
-    const uint8_t* p = row + b * (T == Q5_0 ? 22 : 24);
-    const float d = half(p);
-    uint32_t qh;
-    std::memcpy(&qh, p + hb, 4);
-    for (int j = 0; j < 16; ++j) {
-      const int q0 = (p[hb + 4 + j] & 15) | ((qh >> j) & 1) << 4;
-      const int q1 = (p[hb + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
-      if constexpr (T == Q5_0) {
-        w[j] = d * float(q0 - 16);
-        w[j + 16] = d * float(q1 - 16);
-      } else {
-        const float m = half(p + 2);
-        w[j] = d * float(q0) + m;
-        w[j + 16] = d * float(q1) + m;
-      }
-    }
-  } else if constexpr (T == Q8_0) {
-    const uint8_t* p = row + b * 34;
-    const float d = half(p);
-    for (int j = 0; j < 32; ++j) w[j] = d * float(int8_t(p[2 + j]));
-  } else if constexpr (T == Q4_K || T == Q5_K) {
-    const uint8_t* sb = row + b / 8 * (T == Q4_K ? 144 : 176);
-    const int s = int(b % 8);
-    int sc, mn;
-    scale_min_k4(sb + 4, s, sc, mn);
-    const float d = half(sb) * float(sc), m = half(sb + 2) * float(mn);
-    const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * (s / 2);
-    const int shift = 4 * (s & 1);
-    for (int j = 0; j < 32; ++j) {
-      int q = (qs[j] >> shift) & 15;
-      if constexpr (T == Q5_K) q |= ((sb[16 + j] >> s) & 1) << 4;
-      w[j] = d * float(q) - m;
-    }
-  } else {
-    static_assert(T == Q6_K);
-    const uint8_t* sb = row + b / 8 * 210;
-    const int s = int(b % 8), h = s / 4, r = s % 4;
-    const float d = half(sb + 208);
-    const float d0 = d * float(int8_t(sb[192 + 2 * s])), d1 = d * float(int8_t(sb[192 + 2 * s + 1]));
-    const uint8_t* ql = sb + 64 * h + 32 * (r % 2);
-    const uint8_t* qh = sb + 128 + 32 * h;
-    for (int j = 0; j < 32; ++j) {
-      const int q = (((ql[j] >> (4 * (r / 2))) & 15) | ((qh[j] >> (2 * r)) & 3) << 4) - 32;
-      w[j] = (j < 16 ? d0 : d1) * float(q);
-    }
-  }
 }
 
 // ---------------------------------------------------------------- portable (baseline x86-64, any CPU)
@@ -444,82 +331,6 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type, 
 
 namespace {
 
-// Rebuilds block b of weight row `row` of an x16 matrix (blocks.pack_x16: per group of 16 rows and
-// block, the rows' fp16 scales, then 4-byte chunks of the rest, each 16 rows deep) in file order.
-void unpack_x16_block(const uint8_t* packed, int64_t row_stride, int64_t row, int64_t b, int bytes, int scales,
-                      uint8_t* block) {
-  const int lane = int(row % 16);
-  const uint8_t* unit = packed + row / 16 * row_stride + b * 16 * bytes;
-  for (int s = 0; s < scales / 2; ++s) std::memcpy(block + 2 * s, unit + 32 * s + 2 * lane, 2);
-  for (int c = 0; c < (bytes - scales) / 4; ++c) std::memcpy(block + scales + 4 * c, unit + 16 * scales + 64 * c + 4 * lane, 4);
-}
-
-template <int T>
-void rows_of(const uint8_t* w, int64_t row_stride, const int64_t* ids, int64_t r, int64_t k, bool x16, float* out) {
-  constexpr TypeInfo t = type_info(T);
-  constexpr int scales = T == Q4_1 || T == Q5_1 ? 4 : 2;
-  at::parallel_for(0, r, std::max<int64_t>(1, 8192 / k), [&](int64_t a, int64_t z) {
-    uint8_t block[34];
-    for (int64_t i = a; i < z; ++i)
-      for (int64_t b = 0; b < k / QK; ++b) {
-        if constexpr (block_bytes(T) != 0) {
-          if (x16) {
-            unpack_x16_block(w, row_stride, ids[i], b, t.bytes, scales, block);
-            deq32<T>(block, 0, out + i * k + b * QK);
-            continue;
-          }
-        }
-        deq32<T>(w + ids[i] * row_stride, b, out + i * k + b * QK);
-      }
-  });
-}
-
-}  // namespace
-
-namespace keel {
-
-// The embedding's lookup: rows ids [R] of a weight matrix w dequantized to float32 [R, K], each element
-// deq32's value (ggml's reference dequantization bit for bit). w is in the file's row order [N, K/E*bytes],
-// or with x16 (Q4_0..Q8_0 only) in blocks.pack_x16's layout [ceil(N/16), K/32 * 16 bytes].
-at::Tensor gguf_rows(const at::Tensor& w, const at::Tensor& ids, int64_t ggml_type, bool x16) {
-  constexpr const char* op = "keel::gguf_rows";
-  const TypeInfo t = type_info(ggml_type);
-  TORCH_CHECK(t.bytes, op, ": unsupported ggml_type ", ggml_type);
-  TORCH_CHECK(!x16 || block_bytes(ggml_type), op, ": ", t.name, " has no x16 layout");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
-              ": w must be a contiguous uint8 CPU matrix, got ", w.scalar_type(), " ", w.sizes());
-  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), op,
-              ": ids must be a contiguous int64 vector, got ", ids.scalar_type(), " ", ids.sizes());
-  const int64_t unit = x16 ? 16 * t.bytes : t.bytes;
-  TORCH_CHECK(w.size(1) % unit == 0, op, ": a row of ", w.size(1), " bytes is not whole ", t.name, " blocks");
-  const int64_t k = w.size(1) / unit * t.elems, rows = x16 ? 16 * w.size(0) : w.size(0), r = ids.size(0);
-  TORCH_CHECK(k % QK == 0, op, ": K = ", k, " is not a multiple of 32");
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, op, ": row ", ip[i], " outside 0..", rows - 1);
-  at::Tensor y = at::empty({r, k}, w.options().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* out = y.data_ptr<float>();
-  const int64_t stride = w.size(1);
-  switch (ggml_type) {
-    case F32: rows_of<F32>(wp, stride, ip, r, k, x16, out); break;
-    case F16: rows_of<F16>(wp, stride, ip, r, k, x16, out); break;
-    case BF16: rows_of<BF16>(wp, stride, ip, r, k, x16, out); break;
-    case Q4_0: rows_of<Q4_0>(wp, stride, ip, r, k, x16, out); break;
-    case Q4_1: rows_of<Q4_1>(wp, stride, ip, r, k, x16, out); break;
-    case Q5_0: rows_of<Q5_0>(wp, stride, ip, r, k, x16, out); break;
-    case Q5_1: rows_of<Q5_1>(wp, stride, ip, r, k, x16, out); break;
-    case Q8_0: rows_of<Q8_0>(wp, stride, ip, r, k, x16, out); break;
-    case Q4_K: rows_of<Q4_K>(wp, stride, ip, r, k, x16, out); break;
-    case Q5_K: rows_of<Q5_K>(wp, stride, ip, r, k, x16, out); break;
-    default: rows_of<Q6_K>(wp, stride, ip, r, k, x16, out); break;
-  }
-  return y;
-}
-
-}  // namespace keel
-
-namespace {
-
 std::vector<std::string> gguf_isas() { return keel::isas(keel::kFloatIsas, keel::cpu_has_float_isa); }
 
 }  // namespace
@@ -527,5 +338,4 @@ std::vector<std::string> gguf_isas() { return keel::isas(keel::kFloatIsas, keel:
 TORCH_LIBRARY(keel, m) {
   m.def("gguf_mm(Tensor x, Tensor w, int ggml_type, int n, int isa) -> Tensor", &keel::gguf_mm);
   m.def("gguf_isas() -> str[]", &gguf_isas);
-  m.def("gguf_rows(Tensor w, Tensor ids, int ggml_type, bool x16) -> Tensor", &keel::gguf_rows);
 }
