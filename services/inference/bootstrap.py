@@ -116,7 +116,6 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
             _adapters(cfg, engine, model_sha, record.format, fp, phases)
             log.info("warm start: reusing the stored calibration", extra={"format": record.format,
                                                                           "phases_s": phases.times})
-            _trim_heap()
             return Started(engine, record, True, phases.times, candidates)
         log.warning("warm start refused: the verification probe gave different logits; measuring again",
                     extra={"format": record.format})
@@ -148,14 +147,15 @@ def start_engine(cfg: InferenceConfig, model_sha: str) -> Started:
     log.info("cold start: format chosen and engine measured", extra={"format": choice.format,
                                                                      "reason": choice.reason,
                                                                      "phases_s": phases.times})
-    _trim_heap()
     return Started(engine, record, False, phases.times, candidates)
 
 
-def _trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS. A start reads and repacks every weight through
-    temporary buffers (and `auto` loads a float32 reference it then drops); glibc keeps those pages
-    after they are freed, so the stage's RSS would stay above what it holds by as much."""
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (every thread's arena), once the stage's start-up is
+    done (server.py). A start reads and repacks every weight through temporary buffers (and `auto`
+    loads a float32 reference it then drops), and the grammar engine's vocabulary is built from a parsed
+    tokenizer.json; glibc keeps those pages after they are freed, so the stage's RSS would stay above
+    what it holds by as much."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator decides

@@ -13,7 +13,7 @@ import grpc
 from keel.inference.v1 import inference_pb2_grpc
 from services.inference import config as inf_config
 from services.inference import warmcache
-from services.inference.bootstrap import start_engine
+from services.inference.bootstrap import start_engine, trim_heap
 from services.inference.engine import grammar
 from services.inference.engine.core import ENGINE_VERSION, Engine
 from services.inference.engine.grammar import Vocabulary
@@ -60,6 +60,7 @@ class InferenceStage:
         engine = started.engine
         engine.install_vocabulary(await asyncio.to_thread(
             Vocabulary, self.cfg.model_dir / "hf-tokenizer" / "tokenizer.json", self.cfg.engine.eos_token_ids))
+        trim_heap()  # the start-up's temporary buffers, the vocabulary's parse included, go back to the OS
         # read on the torch thread (its thread count) before the batching loop takes it over
         served = {*engine.variants.values(), *engine.config.other_formats()}
         facts = await self.torch.run(lambda: {format: warmcache.serving_facts(self.model_sha, format, ENGINE_VERSION)

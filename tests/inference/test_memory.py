@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 from services.inference.engine.memory import Measurement, MemoryModel, PeakMeter, fit, static_bytes
 from services.inference.model.loader import convert_model
+from testing.residency import tensor_resident_bytes
 from tests.inference.helpers import collect, prompt, request
 
 
@@ -73,6 +77,30 @@ def test_peak_meter_sees_allocations_and_frees():
         c = torch.empty(500, dtype=torch.float32)
     assert meter.peak == 16000 and meter.final == 14000
     del b, c
+
+
+def test_peak_meter_does_not_import_the_compiler():
+    """torch.profiler's start imports torch._inductor (and _dynamo, sympy: ~70 MiB resident for good);
+    the meter, which every cold warm-up runs, must not. A fresh process: this one may have it already."""
+    code = ("import sys, torch\n"
+            "from services.inference.engine.memory import PeakMeter\n"
+            "with PeakMeter() as m:\n"
+            "    x = torch.empty(1000)\n"
+            "print(m.peak, 'torch._inductor' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
+    assert out.stdout.split()[-2:] == ["4000", "False"], out.stdout
+
+
+@pytest.mark.asyncio
+async def test_the_kv_pools_storage_is_not_resident_after_warmup(make_engine):
+    """Warm-up's measurements write KV blocks; the pool serving requests is a new one (resize_pool),
+    so none of those pages stay resident: only the padding block is written (zeroed) before a request."""
+    engine = await make_engine(memory_budget_bytes=2 ** 30)
+    pool = engine.primary_runner.pool
+    reserved = pool.keys.nbytes + pool.values.nbytes
+    resident = tensor_resident_bytes(pool.keys) + tensor_resident_bytes(pool.values)
+    assert reserved > 64 * 2 ** 20, reserved  # a pool worth checking
+    assert resident <= 2 * (pool.block_bytes + 2 * 2 ** 20), (resident, reserved)
 
 
 def test_static_bytes_counts_tied_weights_once_and_packed_int8(tiny):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch._C._autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd.profiler import profile
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ class PeakMeter:
     `.final` = bytes still allocated at exit (same reference point).
 
     CPU: only allocations made on the calling thread are seen (the profiler hooks are thread-local).
+    It is torch.autograd's profiler, not its torch.profiler wrapper: that one's start asks
+    `hasattr(torch, "_inductor")`, which imports the compiler (torch._inductor, _dynamo, sympy: ~800
+    modules, ~70 MiB resident for the process's life and ~2 s) into a stage that never compiles.
     """
 
     def __init__(self, device: str = "cpu"):
@@ -43,7 +46,7 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof = profile(use_cpu=True, profile_memory=True, use_kineto=True)
             self._prof.__enter__()
         return self
 
@@ -54,7 +57,7 @@ class PeakMeter:
             self.final = torch.cuda.memory_allocated(self.device) - self._start
             return
         self._prof.__exit__(*exc)
-        events = [e for e in self._prof.profiler.kineto_results.events()
+        events = [e for e in self._prof.kineto_results.events()
                   if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
         live = peak = 0
         for e in sorted(events, key=lambda e: e.start_ns()):
