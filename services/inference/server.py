@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 
@@ -152,9 +155,24 @@ def with_model(cfg: inf_config.InferenceConfig, card: modelcard.ModelCard) -> in
     if card.architecture not in ARCHITECTURES:
         raise ConfigError(f"field 'model.path' breaks rule 'architecture': {source.path.name} is a "
                           f"{card.architecture or 'unnamed'} model; Keel runs {', '.join(ARCHITECTURES)}")
-    model_dir = cfg.model_dir if cfg.model_path else modelcache.prepared(source)
+    model_dir = cfg.model_dir if cfg.model_path else _prepared(source)
     log.info("model", extra={"model": card.as_dict(), "prepared": str(model_dir)})
     return replace(cfg, model_path=str(model_dir), engine=replace(cfg.engine, eos_token_ids=card.stop_token_ids))
+
+
+def _prepared(source: modelfile.ModelSource) -> Path:
+    """The model's prepared folder, prepared by a child process when missing (`python -m
+    services.inference.model.modelcache`). Preparing a GGUF dequantizes it with torch and converts its
+    tokenizer with transformers; done in this process, it ran torch's parallel work on the main thread
+    before the torch thread's, and every decode step of the stage's life then ran at about half speed
+    (docs/BENCHMARKS.md, a first start on a file), and transformers stayed resident."""
+    if not modelcache.is_prepared(source):
+        done = subprocess.run([sys.executable, "-m", modelcache.__name__, "--model", str(source.path)],
+                              stdout=subprocess.DEVNULL, check=False)  # its errors go to this stage's stderr
+        if done.returncode != 0 or not modelcache.is_prepared(source):
+            raise ConfigError(f"field 'model.path' breaks rule 'prepared': preparing {source.path} failed "
+                              f"(exit {done.returncode}; its error is logged above)")
+    return source.cache_dir
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -9,9 +9,10 @@ A model source (shared/modelfile.py) is prepared into var/models/<key>/:
           tokenizer.json the grammar engine reads (engine/grammar.py), made by transformers' GGUF
           tokenizer conversion (the one use of transformers here)
   folder  links to its config.json, safetensors and tokenizer files, nothing converted
-The inference stage prepares a model it finds unprepared at start; `make model` does it ahead for the
-configured one. A folder is written under a temporary name and renamed, so a start that is killed
-half-way, or two replicas preparing at once, never leave a partial folder.
+The inference stage prepares a model it finds unprepared at start, in a child process running this
+module (server.py says why); `make model` does it ahead for the configured one. A folder is written
+under a temporary name and renamed, so a start that is killed half-way, or two replicas preparing at
+once, never leave a partial folder.
 """
 from __future__ import annotations
 
@@ -33,18 +34,22 @@ TOKENIZER_DIR = "hf-tokenizer"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def is_prepared(source: ModelSource) -> bool:
+    """Whether `source`'s folder is prepared from these bytes at this path: a folder's links and a GGUF's
+    record point at where the model was, which may be gone (a model folder moved or copied elsewhere)."""
+    try:
+        recorded = json.loads((source.cache_dir / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (recorded.get("digest"), recorded.get("path")) == (source.digest, str(source.path))
+
+
 def prepared(source: ModelSource | None = None) -> Path:
-    """The prepared folder of `source` (default: the served model), prepared now when it is missing, or
-    when it was prepared from the same bytes at another path: a folder's links and a GGUF's record
-    point at where the model was, which may be gone (a model folder moved or copied elsewhere)."""
+    """The prepared folder of `source` (default: the served model), prepared now unless `is_prepared`."""
     source = source or modelfile.source()
     out = source.cache_dir
-    try:
-        recorded = json.loads((out / SOURCE_FILE).read_text())
-        if (recorded.get("digest"), recorded.get("path")) == (source.digest, str(source.path)):
-            return out
-    except (OSError, ValueError):
-        pass
+    if is_prepared(source):
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{source.key}-", dir=out.parent))
     try:
